@@ -1,0 +1,1 @@
+"""The core's own plugins, registered through the same hooks as installed ones."""

@@ -1,0 +1,85 @@
+"""Built-in dataset formats: alpaca, chat (OpenAI ``messages`` or ShareGPT ``conversations``), text.
+
+An ``sft`` transform returns chat messages (``[{"role", "content"}]``) to be rendered with the
+checkpoint's chat template, or a plain string for completion-style training on every token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from posttune.descriptors import DatasetFormat
+from posttune.plugins import PLUGIN_API, hookimpl
+
+POSTTUNE_PLUGIN_API = PLUGIN_API
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "tool": "tool", "function_call": "assistant",
+                  "observation": "tool"}
+
+
+def field_of(row: Mapping[str, Any], name: str, *, optional: bool = False) -> Any:
+    """``row[name]`` as a string; a missing or non-string field raises naming it."""
+    value = row.get(name)
+    if value is None:
+        if optional:
+            return ""
+        raise KeyError(name)
+    if not isinstance(value, str):
+        raise ValueError(f"field '{name}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def alpaca(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    instruction = field_of(row, "instruction")
+    extra = field_of(row, "input", optional=True)
+    prompt = f"{instruction}\n\n{extra}" if extra else instruction
+    return [{"role": "user", "content": prompt},
+            {"role": "assistant", "content": field_of(row, "output")}]
+
+
+def chat(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    if row.get("messages") is not None:
+        return [_message(m, i, "messages", "role", "content", {r: r for r in ROLES})
+                for i, m in enumerate(_turns(row, "messages"))]
+    if row.get("conversations") is not None:
+        return [_message(m, i, "conversations", "from", "value", SHAREGPT_ROLES)
+                for i, m in enumerate(_turns(row, "conversations"))]
+    raise KeyError("messages")
+
+
+def _turns(row: Mapping[str, Any], name: str) -> list[Any]:
+    turns = row[name]
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"field '{name}' must be a non-empty list of turns")
+    return turns
+
+
+def _message(turn: Any, index: int, field: str, role_key: str, content_key: str,
+             roles: Mapping[str, str]) -> dict[str, str]:
+    where = f"{field}[{index}]"
+    if not isinstance(turn, Mapping):
+        raise ValueError(f"field '{where}' must be an object with '{role_key}' and '{content_key}'")
+    role, content = turn.get(role_key), turn.get(content_key)
+    if role not in roles:
+        raise ValueError(f"field '{where}.{role_key}': unknown role {role!r} (expected one of "
+                         f"{', '.join(sorted(roles))})")
+    if not isinstance(content, str):
+        raise ValueError(f"field '{where}.{content_key}' must be a string")
+    return {"role": roles[role], "content": content}
+
+
+def text(row: Mapping[str, Any]) -> str:
+    return field_of(row, "text")
+
+
+@hookimpl
+def posttune_register_datasets(register):
+    register(DatasetFormat("alpaca", "sft", alpaca, ("instruction", "input", "output"),
+                           "instruction/input/output rows as one user and one assistant turn"))
+    register(DatasetFormat("chat", "sft", chat, ("messages",),
+                           "OpenAI `messages` (role/content) or ShareGPT `conversations` (from/value)"))
+    register(DatasetFormat("text", "sft", text, ("text",),
+                           "plain text, trained on every token (no chat template)"))

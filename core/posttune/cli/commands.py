@@ -1,0 +1,206 @@
+"""The core's own subcommands, registered as a built-in plugin through ``posttune_register_commands``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+from posttune.cli import launch
+from posttune.descriptors import Command, first_line
+from posttune.errors import PosttuneError, did_you_mean
+from posttune.plugins import PLUGIN_API, get_plugins, get_registry, hookimpl
+from posttune.registry import KINDS, duplicate_messages
+
+POSTTUNE_PLUGIN_API = PLUGIN_API
+
+
+# ---- posttune plugins ----------------------------------------------------------------------
+
+def plugins_report() -> list[dict]:
+    """Installed plugins with their distribution, hooks, registered names and load errors."""
+    plugins, registry = get_plugins(), get_registry()
+    report = []
+    for info in plugins.plugins.values():
+        registered: dict[str, list[str]] = {}
+        for kind in KINDS.values():
+            names = [r.descriptor.name for r in registry.items(kind.key) if r.provenance.plugin == info.name]
+            names += [name for (k, name), holders in registry.duplicates.items()
+                      if k == kind.key and any(p.plugin == info.name for p in holders)]
+            if names:
+                registered[kind.plural] = sorted(names)
+        report.append({
+            "name": info.name,
+            "distribution": info.provenance.distribution,
+            "version": info.provenance.version,
+            "module": info.module,
+            "hooks": info.hooks,
+            "registers": registered,
+            "error": info.error,
+        })
+    return report
+
+
+def _configure_plugins(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _run_plugins(args: argparse.Namespace) -> int:
+    report = plugins_report()
+    problems = duplicate_messages(get_registry())
+    if args.json:
+        print(json.dumps({"plugins": report, "problems": problems}, indent=2))
+        return 0
+    for plugin in report:
+        print(f"{plugin['distribution']} {plugin['version']}  ({plugin['name']})")
+        if plugin["error"]:
+            print(f"  FAILED TO LOAD: {plugin['error']}")
+        for kind, names in plugin["registers"].items():
+            print(f"  {kind}: {', '.join(names)}")
+    for line in problems:
+        print(f"problem: {line}")
+    return 0
+
+
+# ---- posttune ls -----------------------------------------------------------------------------
+
+LS_KINDS = {kind.plural: kind for kind in KINDS.values() if kind.key != "command"}
+
+
+def _configure_ls(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("kind", nargs="?", choices=sorted(LS_KINDS), help="what to list (default: all)")
+
+
+def _run_ls(args: argparse.Namespace) -> int:
+    registry = get_registry()
+    for plural in [args.kind] if args.kind else list(LS_KINDS):
+        kind = LS_KINDS[plural]
+        if not args.kind:
+            print(f"{plural}:")
+        items = list(registry.items(kind.key))
+        if not items and args.kind:
+            print(f"(no {kind.label} installed)")
+        width = max((len(r.descriptor.name) for r in items), default=0)
+        for item in items:
+            about = first_line(getattr(item.descriptor, "description", "") or "")
+            indent = "  " if not args.kind else ""
+            print(f"{indent}{item.descriptor.name:<{width}}  {item.provenance}  {about}".rstrip())
+    return 0
+
+
+# ---- posttune cp -----------------------------------------------------------------------------
+
+def _configure_cp(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="a bundled config name (see `posttune ls configs`)")
+    parser.add_argument("dest", help="file or directory to copy it to")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing file")
+
+
+def _run_cp(args: argparse.Namespace) -> int:
+    registry = get_registry()
+    found = registry.entries["config"].get(args.config)
+    if found is None:
+        raise PosttuneError(f"no bundled config '{args.config}'"
+                            f"{did_you_mean(args.config, registry.names('config'))} (see `posttune ls configs`)")
+    source = found.descriptor.path
+    dest = Path(args.dest)
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists() and not args.force:
+        raise PosttuneError(f"{dest} exists; pass --force to overwrite it")
+    if not dest.parent.exists():
+        raise PosttuneError(f"{dest.parent}: no such directory")
+    shutil.copyfile(source, dest)
+    print(f"copied {args.config} to {dest}")
+    return 0
+
+
+# ---- posttune validate / plan / train ---------------------------------------------------------
+
+def _configure_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="a YAML file or a bundled config name")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="overrides: a.b.c=value sets, ~a.b deletes")
+
+
+def resolve(args: argparse.Namespace, world_size: int | None = 1):
+    """Config file + overrides -> validated RunConfig -> Plan (no weights touched)."""
+    from posttune.config import load_config, validate
+    from posttune.plan import resolve_plan
+
+    config = validate(load_config(args.config, args.overrides))
+    return resolve_plan(config, get_registry(), world_size=world_size)
+
+
+def _configure_validate(parser: argparse.ArgumentParser) -> None:
+    _configure_config(parser)
+    launch.add_torchrun_options(parser)
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    plan = resolve(args, launch.world_size(args))
+    print(f"{args.config}: valid ({plan.method.descriptor.name} on {plan.family.descriptor.name}, "
+          f"{plan.world_size} process(es))")
+    return 0
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    plan = resolve(args, launch.world_size(args))
+    width = max(len(step.stage) for step in plan.steps)
+    what = max(len(step.what) for step in plan.steps)
+    for step in plan.steps:
+        print(f"{step.stage:<{width}}  {step.what:<{what}}  [{step.provider}]")
+    return 0
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else launch.world_size(args)
+    plan = resolve(args, world)
+    from posttune import training
+
+    if launch.launch_requested(args) and "LOCAL_RANK" not in os.environ:
+        return launch.run_torchrun(args, training.WORKER_MODULE, [args.config, *args.overrides])
+    return training.run(plan)
+
+
+# ---- posttune download -----------------------------------------------------------------------
+
+#: What `download` fetches: weights, config and tokenizer files; not original/*.pth duplicates.
+DOWNLOAD_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "tokenizer.model",
+                     "*.tiktoken", "*.txt", "*.jinja"]
+DOWNLOAD_EXCLUDES = ["original/*", "*.pth", "*.bin", "*.pt", "*.msgpack", "*.h5", "*.onnx"]
+
+
+def _configure_download(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("repo_id", help="hub repository, e.g. Qwen/Qwen2.5-0.5B-Instruct")
+    parser.add_argument("--output", "-o", help="directory to write to (default: the hub cache)")
+    parser.add_argument("--revision", help="branch, tag or commit")
+
+
+def _run_download(args: argparse.Namespace) -> int:
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = snapshot_download(args.repo_id, revision=args.revision, local_dir=args.output,
+                                 allow_patterns=DOWNLOAD_PATTERNS, ignore_patterns=DOWNLOAD_EXCLUDES)
+    except Exception as exc:  # noqa: BLE001 - not found, gated, offline: one line each
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise PosttuneError(f"download of {args.repo_id} failed: {type(exc).__name__}: {detail}") from None
+    print(path)
+    return 0
+
+
+@hookimpl
+def posttune_register_commands(cli):
+    cli(Command("plugins", "list installed plugins and what they register", _configure_plugins, _run_plugins))
+    cli(Command("ls", "list installed families, methods, plans, memory techniques, datasets, configs",
+                _configure_ls, _run_ls))
+    cli(Command("cp", "copy a bundled config to edit", _configure_cp, _run_cp))
+    cli(Command("validate", "check a config against the installed plugins", _configure_validate, _run_validate))
+    cli(Command("plan", "print the resolved plan in composition order", _configure_validate, _run_plan))
+    cli(Command("train", "train from a config (torchrun options launch many processes)",
+                _configure_validate, _run_train))
+    cli(Command("download", "download a checkpoint's weights, config and tokenizer", _configure_download,
+                _run_download))

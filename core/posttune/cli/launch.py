@@ -1,0 +1,59 @@
+"""Pass torchrun's arguments through to ``torch.distributed.run``, PyTorch's own launcher."""
+
+from __future__ import annotations
+
+import argparse
+
+#: torchrun options `posttune train` accepts, with the argparse settings for each.
+TORCHRUN_OPTIONS: dict[str, dict] = {
+    "--nproc-per-node": {"metavar": "N", "help": "processes per node (torchrun)"},
+    "--nnodes": {"metavar": "M or MIN:MAX", "help": "number of nodes (torchrun)"},
+    "--node-rank": {"metavar": "R", "help": "this node's rank (torchrun)"},
+    "--rdzv-endpoint": {"metavar": "HOST:PORT", "help": "rendezvous endpoint (torchrun)"},
+    "--rdzv-backend": {"metavar": "NAME", "help": "rendezvous backend, e.g. c10d (torchrun)"},
+    "--rdzv-id": {"metavar": "ID", "help": "rendezvous job id (torchrun)"},
+    "--master-addr": {"metavar": "HOST", "help": "master address for static rendezvous (torchrun)"},
+    "--master-port": {"metavar": "PORT", "help": "master port for static rendezvous (torchrun)"},
+    "--max-restarts": {"metavar": "K", "help": "worker group restarts on failure (torchrun)"},
+}
+
+
+def add_torchrun_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("distributed launch (passed to torchrun)")
+    for flag, settings in TORCHRUN_OPTIONS.items():
+        group.add_argument(flag, flag.replace("-", "_").replace("__", "--"), default=None, **settings)
+    group.add_argument("--standalone", action="store_true", help="single-node rendezvous (torchrun)")
+
+
+def torchrun_args(args: argparse.Namespace) -> list[str]:
+    """The torchrun flags the user gave, in torchrun's spelling."""
+    out: list[str] = []
+    for flag in TORCHRUN_OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    if args.standalone:
+        out.append("--standalone")
+    return out
+
+
+def launch_requested(args: argparse.Namespace) -> bool:
+    return bool(torchrun_args(args))
+
+
+def world_size(args: argparse.Namespace) -> int | None:
+    """Processes the launch will start, or None when elastic (``--nnodes 1:4``) or unparseable."""
+    try:
+        nproc = int(args.nproc_per_node or 1)
+        nnodes = int(args.nnodes or 1)
+    except ValueError:
+        return None
+    return nproc * nnodes
+
+
+def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) -> int:
+    """Start ``python -m module module_args`` on every rank through torchrun."""
+    from torch.distributed import run as torchrun
+
+    torchrun.main([*torchrun_args(args), "-m", module, *module_args])
+    return 0

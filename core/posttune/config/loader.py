@@ -1,0 +1,141 @@
+"""Load YAML configs safely and apply ``a.b.c=value`` / ``~a.b`` command-line overrides."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from posttune.errors import ConfigError, PosttuneError
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-5`` as a float (YAML 1.1 wants ``1.0e-5``; users write ``1e-5``)."""
+
+
+_FLOAT = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+_Loader.yaml_implicit_resolvers = {
+    key: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:float"]
+    for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+
+
+def parse_yaml(text: str, source: str = "<string>") -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise PosttuneError(f"{source}{where}: invalid YAML: {problem}") from exc
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML file's top-level mapping; empty files give an empty mapping."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PosttuneError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise PosttuneError(f"cannot read config {path}: {exc.strerror}") from None
+    data = parse_yaml(text, str(path))
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise PosttuneError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def parse_value(text: str) -> Any:
+    """An override's value, typed as YAML types it: ``3``, ``1e-4``, ``true``, ``null``, ``[1,2]``."""
+    if text == "":
+        return ""
+    try:
+        return parse_yaml(text)
+    except PosttuneError:
+        return text  # not YAML (e.g. 'a: b: c'): keep the literal string
+
+
+def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.path=value`` (set, creating mappings) and ``~key.path`` (delete) in order."""
+    for override in overrides:
+        if override.startswith("~"):
+            _delete(config, _split(override[1:], override))
+        elif "=" in override:
+            key, _, value = override.partition("=")
+            _set(config, _split(key, override), parse_value(value))
+        else:
+            raise ConfigError("", f"override '{override}': expected KEY=VALUE or ~KEY")
+    return config
+
+
+def _split(key: str, override: str) -> list[str]:
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError("", f"override '{override}': empty key in '{key}'")
+    return parts
+
+
+def _walk(config: dict[str, Any], parts: list[str], *, create: bool) -> dict[str, Any] | list[Any]:
+    """The mapping or list that holds ``parts[-1]``."""
+    node: dict[str, Any] | list[Any] = config
+    for depth, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            child = node[_index(node, part, where)]
+        elif node.get(part) is None and create:
+            child = node[part] = {}
+        elif part not in node:
+            raise ConfigError(where, "no such key")
+        else:
+            child = node[part]
+        if not isinstance(child, (dict, list)):
+            raise ConfigError(where, f"is {type(child).__name__} {child!r}, not a mapping")
+        node = child
+    return node
+
+
+def _index(node: list[Any], part: str, where: str) -> int:
+    try:
+        index = int(part)
+        node[index]
+    except (ValueError, IndexError):
+        raise ConfigError(where, f"no item '{part}' in a list of {len(node)}") from None
+    return index
+
+
+def _set(config: dict[str, Any], parts: list[str], value: Any) -> None:
+    node = _walk(config, parts, create=True)
+    if isinstance(node, list):
+        node[_index(node, parts[-1], ".".join(parts))] = value
+    else:
+        node[parts[-1]] = value
+
+
+def _delete(config: dict[str, Any], parts: list[str]) -> None:
+    node = _walk(config, parts, create=False)
+    if isinstance(node, list):
+        del node[_index(node, parts[-1], ".".join(parts))]
+    elif parts[-1] in node:
+        del node[parts[-1]]
+    else:
+        raise ConfigError(".".join(parts), "no such key to delete")
+
+
+def load_config(source: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Raw config mapping from a file (or bundled config name) with overrides applied."""
+    from posttune.config.bundled import resolve_config_path
+
+    data = load_yaml(resolve_config_path(source))
+    return apply_overrides(data, list(overrides or []))

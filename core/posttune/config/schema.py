@@ -1,0 +1,139 @@
+"""The run config: what `posttune validate/plan/train` read, as frozen dataclasses.
+
+Every section has defaults except where a run cannot guess (the model, the method). Method
+settings live under ``method:`` and are validated against the method plugin's own dataclass
+once the plugin is resolved (see ``posttune.plan``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from posttune.config.typed import from_dict
+from posttune.errors import ConfigError
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # HF checkpoint directory or hub id
+    family: str | None = None  # else read from config.json `architectures`
+    size: str | None = None  # a named size of the family, randomly initialised (no path)
+    dtype: Dtype = "fp32"
+    build_overrides: dict[str, Any] = field(default_factory=dict)  # override builder kwargs
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    path: str | None = None  # defaults to model.path
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    path: str  # a local json/jsonl/parquet/csv file or directory, or a hub dataset name
+    format: str = "chat"
+    split: str = "train"
+    subset: str | None = None  # hub dataset configuration name
+    streaming: bool = False
+    column_map: dict[str, str] = field(default_factory=dict)  # format field -> dataset column
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: DatasetConfig
+    validation: DatasetConfig | None = None
+    max_seq_len: int = 2048
+    packing: bool = False
+    skip_bad_rows: bool = False
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_size: int = 1
+    grad_accum_steps: int = 1
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    optimizer: str | dict[str, Any] = "adamw"  # a name, or a mapping with `_component_`
+    scheduler: str | dict[str, Any] = "constant"  # constant | linear | cosine, or `_component_`
+    warmup_steps: int = 0
+    max_grad_norm: float | None = 1.0
+    seed: int = 0
+    device: str = "auto"
+    log_every: int = 1
+    eval_every: int | None = None
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    kind: Literal["lora", "dora"] = "lora"
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] | None = None  # module-name patterns; default: the family's
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    plans: list[str] = field(default_factory=list)
+    dims: dict[str, int] = field(default_factory=dict)  # mesh dimension -> degree; -1: the rest
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    output_dir: str = "outputs/run"
+    save_every: int | None = None
+    keep_last: int | None = 2
+    resume: str | None = None  # "latest" or a checkpoint path
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    method: str | dict[str, Any]  # a name, or a mapping with `name` and the method's settings
+    description: str = ""
+    requires: list[str] = field(default_factory=list)  # PEP 508: ["posttune-qwen>=0.1"]
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig | None = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    adapter: AdapterConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: list[str] = field(default_factory=list)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def method_name(self) -> str:
+        return self.method if isinstance(self.method, str) else self.method["name"]
+
+    @property
+    def method_settings(self) -> dict[str, Any]:
+        return {} if isinstance(self.method, str) else {k: v for k, v in self.method.items() if k != "name"}
+
+
+def validate(raw: dict[str, Any]) -> RunConfig:
+    """Check a raw config mapping against the schema; the first problem raises ConfigError."""
+    config = from_dict(RunConfig, raw)
+    if isinstance(config.method, dict) and not isinstance(config.method.get("name"), str):
+        raise ConfigError("method.name", "required: the method to run (e.g. sft)")
+    model = config.model
+    if model.path is None and (model.family is None or model.size is None):
+        raise ConfigError("model", "set `path` (a checkpoint) or both `family` and `size` (random init)")
+    _positive(config.train, "train", "batch_size", "grad_accum_steps", "epochs", "log_every")
+    if config.train.max_steps is not None:
+        _positive(config.train, "train", "max_steps")
+    if config.data is not None:
+        _positive(config.data, "data", "max_seq_len")
+    for dim, degree in config.parallel.dims.items():
+        if degree != -1 and degree < 1:
+            raise ConfigError(f"parallel.dims.{dim}", f"expected a positive degree or -1, got {degree}")
+    return config
+
+
+def _positive(section: Any, prefix: str, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value < 1:
+            raise ConfigError(f"{prefix}.{name}", f"expected a positive integer, got {value}")

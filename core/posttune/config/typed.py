@@ -1,0 +1,132 @@
+"""Validate plain YAML data into (nested) dataclasses, naming the field path on every error."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from posttune.errors import ConfigError, did_you_mean
+
+T = TypeVar("T")
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; unknown keys, missing keys and bad types raise ConfigError."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, f"expected a mapping of keys, got {_show(data)}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(_join(path, str(key)), "unknown key" + did_you_mean(str(key), fields))
+    values = {}
+    for name, f in fields.items():
+        where = _join(path, name)
+        if name in data:
+            values[name] = convert(hints[name], data[name], where)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(where, "required")
+    return cls(**values)
+
+
+def convert(tp: Any, value: Any, path: str) -> Any:
+    """``value`` checked (and where lossless, converted) against type annotation ``tp``."""
+    origin, args = get_origin(tp), get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        return _union(args, value, path)
+    if origin is Literal:
+        if value in args:
+            return value
+        choices = ", ".join(repr(a) for a in args)
+        hint = did_you_mean(str(value), [str(a) for a in args])
+        raise ConfigError(path, f"expected one of {choices}, got {_show(value)}{hint}")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected a list, got {_show(value)}")
+        item = args[0] if args else Any
+        items = [convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (origin or tp) is tuple else items
+    if origin in (dict, Mapping, typing.Mapping) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"expected a mapping, got {_show(value)}")
+        key_t, val_t = args if args else (Any, Any)
+        return {convert(key_t, k, path): convert(val_t, v, _join(path, str(k))) for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(path, f"expected a number, got {_show(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(path, f"expected an integer, got {_show(value)}")
+    if tp in (bool, str):
+        if isinstance(value, tp):
+            return value
+        raise ConfigError(path, f"expected {_TYPE_NAMES[tp]}, got {_show(value)}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(path, f"expected null, got {_show(value)}")
+    raise TypeError(f"posttune.config: unsupported annotation {tp!r} at {path}")
+
+
+def _union(args: tuple[Any, ...], value: Any, path: str) -> Any:
+    if value is None and type(None) in args:
+        return None
+    for option in (a for a in args if a is not type(None)):
+        try:
+            return convert(option, value, path)
+        except ConfigError as exc:
+            if exc.path != path:  # a problem deeper inside names its own field
+                raise
+    expected = " or ".join(_describe(a) for a in args)
+    raise ConfigError(path, f"expected {expected}, got {_show(value)}")
+
+
+def _describe(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if tp in _TYPE_NAMES:
+        return _TYPE_NAMES[tp]
+    origin = get_origin(tp) or tp
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        return "a list"
+    if origin in (dict, Mapping) or dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return f"a {'mapping' if isinstance(value, Mapping) else type(value).__name__}"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass config back to plain data (for printing and saving with checkpoints)."""
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj

@@ -1,0 +1,34 @@
+"""Errors a user can fix. The CLI prints them as one line on stderr and exits with status 2."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class PosttuneError(Exception):
+    """A problem in what the user asked for (config, plugins, paths), not a bug in posttune."""
+
+
+class ConfigError(PosttuneError):
+    """A config value is missing, unknown or of the wrong type. ``path`` is the dotted field path."""
+
+    def __init__(self, path: str, problem: str):
+        self.path = path
+        self.problem = problem
+        where = f"{path}: " if path else ""
+        super().__init__(f"config: {where}{problem}")
+
+
+class PluginError(PosttuneError):
+    """A plugin could not be loaded, or what it registered is unusable."""
+
+
+class UnknownNameError(PosttuneError):
+    """A name (model family, method, plan, ...) that no installed plugin registered."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

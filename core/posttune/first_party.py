@@ -1,0 +1,53 @@
+"""Names that first-party distributions provide, so a missing one gets its `pip install` line.
+
+This is a hint table only: nothing is looked up or built from it.
+"""
+
+from __future__ import annotations
+
+#: kind -> name -> distribution that registers it
+NAMES: dict[str, dict[str, str]] = {
+    "model_family": {
+        "llama": "posttune-llama",
+        "mistral": "posttune-llama",
+        "qwen2": "posttune-qwen",
+        "qwen3": "posttune-qwen",
+        "gemma": "posttune-gemma",
+        "gemma2": "posttune-gemma",
+        "gemma3": "posttune-gemma",
+    },
+    "method": {
+        "sft": "posttune-sft",
+        "dpo": "posttune-dpo",
+        "grpo": "posttune-grpo",
+        "kd": "posttune-kd",
+    },
+    "parallel_plan": {
+        "fsdp2": "posttune-fsdp2",
+        "tp": "posttune-tp",
+        "cp": "posttune-cp",
+        "loss_parallel": "posttune-loss-parallel",
+    },
+    "memory_technique": {
+        "qlora_nf4": "posttune-torchao",
+        "qat": "posttune-torchao",
+        "fp8": "posttune-torchao",
+        "adamw_8bit": "posttune-torchao",
+        "adamw_4bit": "posttune-torchao",
+    },
+}
+
+#: Hugging Face `architectures` entries -> distribution whose family reads them
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "posttune-llama",
+    "MistralForCausalLM": "posttune-llama",
+    "Qwen2ForCausalLM": "posttune-qwen",
+    "Qwen3ForCausalLM": "posttune-qwen",
+    "GemmaForCausalLM": "posttune-gemma",
+    "Gemma2ForCausalLM": "posttune-gemma",
+    "Gemma3ForCausalLM": "posttune-gemma",
+}
+
+
+def install_hint(distribution: str | None) -> str:
+    return f" — pip install {distribution}" if distribution else ""

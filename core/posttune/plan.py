@@ -1,0 +1,232 @@
+"""Resolve a validated config against the installed plugins, in composition order (DESIGN §4).
+
+Everything here runs before any weight is loaded, so `posttune validate`, `plan` and `train`
+refuse an impossible run in a second, with one line naming the field or plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttune import first_party
+from posttune.config.requires import check_requires
+from posttune.config.schema import RunConfig
+from posttune.config.typed import from_dict
+from posttune.descriptors import STAGES, ParallelPlan
+from posttune.errors import ConfigError, PosttuneError, UnknownNameError
+from posttune.registry import Registered, Registry
+
+CHECKPOINT_FORMAT = "hf"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One line of the plan: at ``stage``, ``what`` happens, supplied by ``provider``."""
+
+    stage: str
+    what: str
+    provider: str
+
+
+@dataclass
+class Plan:
+    config: RunConfig
+    family: Registered
+    method: Registered
+    method_config: Any
+    world_size: int
+    converter: Registered | None = None
+    datasets: dict[str, Registered] = field(default_factory=dict)  # "train"/"validation" -> format
+    parallel: list[Registered] = field(default_factory=list)  # active plans, in order
+    memory: list[Registered] = field(default_factory=list)
+    mesh: dict[str, int] = field(default_factory=dict)
+    steps: list[Step] = field(default_factory=list)
+
+
+def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | None = 1) -> Plan:
+    """The whole run, checked: plugins by name, requires/conflicts, mesh dims against the world."""
+    check_requires(config.requires)
+    family = _family(config, registry)
+    method = _get(registry, "method", config.method_name, "method.name" if isinstance(config.method, dict) else "method")
+    plan = Plan(config, family, method, from_dict(method.descriptor.config, config.method_settings, "method"),
+                world_size or 1)
+    if config.model.path is not None:
+        plan.converter = _get(registry, "checkpoint_converter", f"{family.descriptor.name}:{CHECKPOINT_FORMAT}",
+                              "model.path")
+    if config.model.size is not None and config.model.size not in family.descriptor.sizes:
+        sizes = ", ".join(family.descriptor.sizes) or "none"
+        raise ConfigError("model.size", f"family '{family.descriptor.name}' has no size '{config.model.size}' "
+                                        f"(sizes: {sizes})")
+    _datasets(plan, registry)
+    plan.parallel = [_get(registry, "parallel_plan", n, f"parallel.plans[{i}]")
+                     for i, n in enumerate(config.parallel.plans)]
+    plan.memory = [_get(registry, "memory_technique", n, f"memory[{i}]") for i, n in enumerate(config.memory)]
+    _check_pairs(plan)
+    plan.mesh = _mesh(config, plan.parallel, world_size)
+    if plan.world_size == 1:
+        plan.parallel = []  # one process: the same config runs with the plans inactive
+    for item in [method, *plan.parallel, *plan.memory]:
+        if item.descriptor.validate is not None:
+            item.descriptor.validate(config)
+    plan.steps = _steps(plan)
+    return plan
+
+
+def _get(registry: Registry, kind: str, name: str, where: str) -> Registered:
+    try:
+        return registry.lookup(kind, name)
+    except UnknownNameError as exc:
+        raise ConfigError(where, str(exc)) from None
+
+
+def _family(config: RunConfig, registry: Registry) -> Registered:
+    if config.model.family is not None:
+        return _get(registry, "model_family", config.model.family, "model.family")
+    architectures = read_hf_config(config.model.path).get("architectures") or []
+    for item in registry.items("model_family"):
+        if set(architectures) & set(item.descriptor.architectures):
+            return item
+    readers = [f"{r.descriptor.name} ({', '.join(r.descriptor.architectures)})"
+               for r in registry.items("model_family")]
+    wanted = ", ".join(architectures) or "none"
+    hint = next((first_party.install_hint(first_party.ARCHITECTURES[a]) for a in architectures
+                 if a in first_party.ARCHITECTURES), "")
+    raise PosttuneError(f"{config.model.path}: no installed model family reads architecture {wanted} "
+                        f"(installed: {'; '.join(readers) or 'none'}){hint}")
+
+
+def read_hf_config(path: str | None) -> dict[str, Any]:
+    """``config.json`` of a local checkpoint directory (or of a hub repository)."""
+    local = Path(str(path))
+    if local.is_dir():
+        file = local / "config.json"
+        if not file.is_file():
+            raise PosttuneError(f"{local}: not a Hugging Face checkpoint (no config.json)")
+    elif local.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
+        raise PosttuneError(f"{path}: no such checkpoint directory")
+    else:
+        file = _hub_config(str(path))
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PosttuneError(f"{file}: unreadable config.json: {exc}") from None
+
+
+def _hub_config(repo_id: str) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors alike
+        raise PosttuneError(f"{repo_id}: cannot fetch config.json from the hub: "
+                            f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+
+
+def _datasets(plan: Plan, registry: Registry) -> None:
+    data = plan.config.data
+    if data is None:
+        raise ConfigError("data", f"required: method '{plan.method.descriptor.name}' trains on a dataset")
+    wanted = plan.method.descriptor.dataset_kind
+    for split, dataset in (("train", data.train), ("validation", data.validation)):
+        if dataset is None:
+            continue
+        fmt = _get(registry, "dataset_format", dataset.format, f"data.{split}.format")
+        if fmt.descriptor.kind != wanted:
+            raise ConfigError(f"data.{split}.format", f"'{dataset.format}' gives {fmt.descriptor.kind} rows; "
+                                                      f"method '{plan.method.descriptor.name}' needs {wanted} rows")
+        plan.datasets[split] = fmt
+
+
+def _check_pairs(plan: Plan) -> None:
+    """Every ``requires`` is active and no two active parts conflict, named on both sides."""
+    active: dict[str, Registered] = {}
+    for item in [*plan.parallel, *plan.memory]:
+        name = item.descriptor.name
+        if name in active:
+            raise ConfigError(_where(item), f"'{name}' is listed twice")
+        active[name] = item
+    for name, item in active.items():
+        for needed in item.descriptor.requires:
+            if needed not in active:
+                raise ConfigError(_where(item), f"'{name}' requires '{needed}'; add it to "
+                                                f"{_list_for(needed)}")
+        for other in item.descriptor.conflicts:
+            if other in active:
+                raise ConfigError(_where(item), f"'{name}' ({item.provenance}) conflicts with '{other}' "
+                                                f"({active[other].provenance}); remove one")
+
+
+def _where(item: Registered) -> str:
+    return "parallel.plans" if isinstance(item.descriptor, ParallelPlan) else "memory"
+
+
+def _list_for(name: str) -> str:
+    return "parallel.plans" if name in first_party.NAMES["parallel_plan"] else "memory"
+
+
+def _mesh(config: RunConfig, plans: list[Registered], world_size: int | None) -> dict[str, int]:
+    """Mesh dimension -> degree. One ``-1`` (or an owned dimension left out) takes the rest."""
+    owners = {p.descriptor.mesh_dim: p.descriptor.name for p in plans if p.descriptor.mesh_dim}
+    for dim in config.parallel.dims:
+        if dim not in owners:
+            owned = ", ".join(f"{d} ({n})" for d, n in owners.items()) or "none"
+            raise ConfigError(f"parallel.dims.{dim}", f"no active plan owns mesh dimension '{dim}' "
+                                                      f"(owned: {owned})")
+    dims = {dim: config.parallel.dims.get(dim, -1) for dim in owners}
+    if world_size is None or world_size == 1:
+        return {dim: 1 for dim in dims}  # unknown (elastic) or a single process
+    free = [dim for dim, degree in dims.items() if degree == -1]
+    fixed = math.prod(degree for degree in dims.values() if degree != -1)
+    shown = " x ".join(f"{d}={n}" for d, n in dims.items() if n != -1) or "no fixed dimension"
+    if len(free) > 1:
+        raise ConfigError("parallel.dims", f"{' and '.join(free)} are both unsized; give all but one a degree")
+    if (free and world_size % fixed) or (not free and fixed != world_size):
+        raise ConfigError("parallel.dims", f"{shown} does not fit the {world_size} processes launched")
+    if free:
+        dims[free[0]] = world_size // fixed
+    return dims
+
+
+def _steps(plan: Plan) -> list[Step]:
+    config, steps = plan.config, []
+    by_stage: dict[str, list[Registered]] = {stage: [] for stage in STAGES}
+    for item in plan.memory:
+        by_stage[item.descriptor.stage].append(item)
+    by_stage["parallelize"].extend(plan.parallel)
+    by_stage["parallelize"].sort(key=lambda r: r.descriptor.order)
+
+    def add(stage: str, what: str, provider: Any) -> None:
+        steps.append(Step(stage, what, str(provider)))
+
+    from posttune import __version__
+
+    core = f"posttune {__version__}"
+    mesh = ", ".join(f"{d}={n}" for d, n in plan.mesh.items()) or "none"
+    add("distributed", f"{plan.world_size} process(es), mesh {mesh}", core)
+    source = config.model.path or f"random init, size {config.model.size}"
+    add("build", f"model family '{plan.family.descriptor.name}' on the meta device ({source})",
+        plan.family.provenance)
+    for stage in STAGES:
+        if stage == "adapt" and config.adapter is not None:
+            targets = ", ".join(config.adapter.targets or plan.family.descriptor.lora_targets) or "family default"
+            add(stage, f"{config.adapter.kind} rank {config.adapter.rank} on {targets}", core)
+        if stage == "load":
+            what = (f"weights from {config.model.path} via converter '{plan.converter.descriptor.name}'"
+                    if plan.converter else "random weights")
+            add(stage, what, plan.converter.provenance if plan.converter else core)
+        if stage == "optimizer":
+            optimizer = config.train.optimizer
+            add(stage, f"optimizer {optimizer if isinstance(optimizer, str) else optimizer.get('_component_')}, "
+                       f"lr {config.train.lr:g}", core)
+        for item in by_stage[stage]:
+            kind = "parallel plan" if isinstance(item.descriptor, ParallelPlan) else "memory technique"
+            add(stage, f"{kind} '{item.descriptor.name}'", item.provenance)
+    for split, fmt in plan.datasets.items():
+        add("data", f"{split}: {getattr(config.data, split).path} as '{fmt.descriptor.name}'", fmt.provenance)
+    add("method", f"method '{plan.method.descriptor.name}' (setup, batches, loss)", plan.method.provenance)
+    add("train", "trainer loop", core)
+    return steps

@@ -1,0 +1,234 @@
+"""The plugin manager: discovers plugins through entry points and builds the registry.
+
+Loading rules (docs/plugins.md): entry points of group ``posttune`` load once per process; a
+plugin that fails to import, uses an unknown hook, or targets another plugin API version is
+reported and skipped, never breaking unrelated commands; ``POSTTUNE_LOAD_PLUGINS`` and
+``POSTTUNE_DISABLE_PLUGINS`` choose which distributions load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import types
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from posttune import hookspecs
+from posttune.errors import did_you_mean
+from posttune.registry import HOOK_ARG, KINDS, Provenance, Register, Registered, Registry
+
+#: The plugin API versions this core accepts. A plugin declares ``POSTTUNE_PLUGIN_API = 1``.
+PLUGIN_API = 1
+SUPPORTED_PLUGIN_APIS = frozenset({1})
+ENTRY_POINT_GROUP = "posttune"
+
+#: Generic pieces of the core, registered through the same hooks as any plugin.
+BUILTIN_PLUGINS = (
+    "posttune.builtin.datasets",
+    "posttune.cli.commands",
+)
+
+hookimpl = pluggy.HookimplMarker(hookspecs.PROJECT)
+
+
+@dataclass
+class PluginInfo:
+    """One plugin as `posttune plugins` shows it."""
+
+    name: str
+    provenance: Provenance
+    module: str
+    hooks: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class PluginSet:
+    """A plugin manager with what its plugins registered."""
+
+    pm: pluggy.PluginManager
+    plugins: dict[str, PluginInfo] = field(default_factory=dict)
+    _registry: Registry | None = None
+
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None:
+            self._registry = build_registry(self)
+        return self._registry
+
+    def register(self, plugin: Any, *, name: str | None = None, distribution: str | None = None,
+                 version: str = "0") -> PluginInfo:
+        """Register a plugin object (a module or any object with hookimpls)."""
+        name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+        provenance = Provenance(name, distribution or name, version)
+        info = PluginInfo(name, provenance, getattr(plugin, "__name__", type(plugin).__name__))
+        info.error = _add(self.pm, plugin, name)
+        if info.error is None:
+            info.hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or ())
+        self.plugins[name] = info
+        self._registry = None
+        return info
+
+    def unregister(self, name: str) -> None:
+        if self.pm.has_plugin(name):
+            self.pm.unregister(name=name)
+        self.plugins.pop(name, None)
+        self._registry = None
+
+    def failed(self, name: str, provenance: Provenance, module: str, error: str) -> None:
+        self.plugins[name] = PluginInfo(name, provenance, module, error=error)
+        self._registry = None
+
+
+def _add(pm: pluggy.PluginManager, plugin: Any, name: str) -> str | None:
+    """Register ``plugin``; return why it was refused, or None."""
+    api = getattr(plugin, "POSTTUNE_PLUGIN_API", None)
+    if api not in SUPPORTED_PLUGIN_APIS:
+        wanted = "no POSTTUNE_PLUGIN_API" if api is None else f"plugin API {api!r}"
+        return (f"declares {wanted}; this posttune supports plugin API "
+                f"{', '.join(map(str, sorted(SUPPORTED_PLUGIN_APIS)))}")
+    try:
+        pm.register(plugin, name=name)
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        if pm.has_plugin(name):
+            pm.unregister(name=name)
+        return _explain_validation(exc)
+    return None
+
+
+def _explain_validation(exc: pluggy.PluginValidationError) -> str:
+    text = str(exc)
+    for word in text.replace("'", " ").replace(",", " ").split():
+        if word.startswith("posttune_") and not hasattr(hookspecs, word):
+            hooks = [h for h in vars(hookspecs) if h.startswith("posttune_")]
+            return f"unknown hook '{word}'{did_you_mean(word, hooks)}"
+    return text.splitlines()[0]
+
+
+def new_plugin_set(*, builtins: bool = True) -> PluginSet:
+    """A plugin manager with the hook specs and (by default) the core's built-in plugins."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    plugins = PluginSet(pm)
+    if builtins:
+        from posttune import __version__
+
+        for module_name in BUILTIN_PLUGINS:
+            module = importlib.import_module(module_name)
+            plugins.register(module, name=module_name, distribution="posttune", version=__version__)
+    return plugins
+
+
+def _selected(distribution: str, entry_name: str) -> bool:
+    """Apply POSTTUNE_LOAD_PLUGINS / POSTTUNE_DISABLE_PLUGINS (comma-separated names)."""
+    def names(var: str) -> set[str] | None:
+        raw = os.environ.get(var)
+        if raw is None:
+            return None
+        return {_normalise(n) for n in raw.split(",") if n.strip()}
+
+    ours = {_normalise(distribution), _normalise(entry_name)}
+    load, disable = names("POSTTUNE_LOAD_PLUGINS"), names("POSTTUNE_DISABLE_PLUGINS")
+    if load is not None and not ours & load:
+        return False
+    return not (disable and ours & disable)
+
+
+def _normalise(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def entry_points() -> list[metadata.EntryPoint]:
+    """Installed entry points of group ``posttune``, one per (distribution, name)."""
+    seen: dict[tuple[str, str], metadata.EntryPoint] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist else "?"
+        seen.setdefault((dist, ep.name), ep)
+    return list(seen.values())
+
+
+def load_entry_points(plugins: PluginSet, eps: list[metadata.EntryPoint] | None = None) -> None:
+    """Import and register every selected entry-point plugin; failures are recorded, not raised."""
+    for ep in entry_points() if eps is None else eps:
+        dist = ep.dist.name if ep.dist else ep.name
+        provenance = Provenance(ep.name, dist, ep.dist.version if ep.dist else "?")
+        if not _selected(dist, ep.name) or ep.name in plugins.plugins:
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # noqa: BLE001 - any import failure isolates the plugin
+            plugins.failed(ep.name, provenance, ep.value, f"{type(exc).__name__}: {exc}")
+            continue
+        info = plugins.register(plugin, name=ep.name, distribution=dist, version=provenance.version)
+        info.module = ep.value
+
+
+def build_registry(plugins: PluginSet) -> Registry:
+    """Call each plugin's registration hooks on its own, recording who registered what."""
+    registry = Registry()
+    for info in plugins.plugins.values():
+        if info.error:
+            registry.failed[info.name] = (info.provenance.distribution, info.error)
+            continue
+        plugin = plugins.pm.get_plugin(info.name)
+        staged: list[tuple[str, Registered]] = []
+        try:
+            for kind in KINDS.values():
+                _call_own_hook(plugins.pm, plugin, kind.hook, kind.key, info.provenance, staged)
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the others
+            info.error = f"{type(exc).__name__} in registration: {exc}"
+            registry.failed[info.name] = (info.provenance.distribution, info.error)
+            continue
+        for kind_key, item in staged:
+            registry.add(kind_key, item)
+    return registry
+
+
+def _call_own_hook(pm: pluggy.PluginManager, plugin: Any, hook: str, kind_key: str,
+                   provenance: Provenance, staged: list[tuple[str, Registered]]) -> None:
+    caller = getattr(pm.hook, hook)
+    for impl in caller.get_hookimpls():
+        if impl.plugin is not plugin:
+            continue
+        sink: list[Registered] = []
+        register = Register(KINDS[kind_key], provenance, sink)
+        impl.function(**{arg: register for arg in impl.argnames if arg == HOOK_ARG[hook]})
+        staged.extend((kind_key, item) for item in sink)
+
+
+_current: PluginSet | None = None
+
+
+def get_plugins() -> PluginSet:
+    """The process's plugin set: built-ins plus installed entry points, loaded once."""
+    global _current
+    if _current is None:
+        plugins = new_plugin_set()
+        load_entry_points(plugins)
+        _current = plugins
+    return _current
+
+
+def set_plugins(plugins: PluginSet | None) -> PluginSet | None:
+    """Swap the process's plugin set (tests use this through ``posttune.testing``)."""
+    global _current
+    previous, _current = _current, plugins
+    return previous
+
+
+def get_registry() -> Registry:
+    return get_plugins().registry
+
+
+def module_plugin(name: str, **hooks: Any) -> types.ModuleType:
+    """A throwaway plugin module built from hook functions, for tests and quick experiments."""
+    module = types.ModuleType(name)
+    module.POSTTUNE_PLUGIN_API = PLUGIN_API
+    for hook_name, fn in hooks.items():
+        setattr(module, hook_name, hookimpl(fn))
+    return module

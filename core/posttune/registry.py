@@ -1,0 +1,151 @@
+"""What installed plugins registered, by kind and name, each with its provenance."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from posttune import descriptors as d
+from posttune import first_party
+from posttune.errors import PluginError, UnknownNameError, did_you_mean
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of registration: the hook that carries it and the descriptor type it takes."""
+
+    key: str  # "model_family"
+    hook: str  # "posttune_register_model_families"
+    type: type
+    label: str  # "model family", used in messages
+    plural: str  # "families", used by `posttune ls`
+
+
+KINDS: dict[str, Kind] = {
+    k.key: k
+    for k in (
+        Kind("model_family", "posttune_register_model_families", d.ModelFamily, "model family", "families"),
+        Kind("checkpoint_converter", "posttune_register_checkpoint_converters", d.CheckpointConverter,
+             "checkpoint converter", "converters"),
+        Kind("method", "posttune_register_methods", d.Method, "method", "methods"),
+        Kind("parallel_plan", "posttune_register_parallel_plans", d.ParallelPlan, "parallel plan", "plans"),
+        Kind("memory_technique", "posttune_register_memory_techniques", d.MemoryTechnique,
+             "memory technique", "memory"),
+        Kind("dataset_format", "posttune_register_datasets", d.DatasetFormat, "dataset format", "datasets"),
+        Kind("reward_function", "posttune_register_reward_functions", d.RewardFunction,
+             "reward function", "rewards"),
+        Kind("config", "posttune_register_configs", d.BundledConfig, "bundled config", "configs"),
+        Kind("command", "posttune_register_commands", d.Command, "command", "commands"),
+    )
+}
+HOOK_ARG = {kind.hook: ("cli" if kind.key == "command" else "register") for kind in KINDS.values()}
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a registration came from: the plugin (entry point) and its distribution."""
+
+    plugin: str
+    distribution: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.distribution} {self.version}"
+
+
+@dataclass(frozen=True)
+class Registered(Generic[T]):
+    descriptor: T
+    provenance: Provenance
+
+
+class Register:
+    """The typed object a registration hook receives: call it once per descriptor."""
+
+    def __init__(self, kind: Kind, provenance: Provenance, sink: list[Registered]):
+        self.kind = kind
+        self.provenance = provenance
+        self._sink = sink
+
+    def __call__(self, descriptor: Any) -> None:
+        if not isinstance(descriptor, self.kind.type):
+            raise PluginError(
+                f"plugin {self.provenance.plugin} ({self.provenance}): {self.kind.hook} was given "
+                f"{type(descriptor).__name__}; expected {self.kind.type.__name__}"
+            )
+        self._sink.append(Registered(descriptor, self.provenance))
+
+    def __repr__(self) -> str:
+        return f"<Register {self.kind.type.__name__} for {self.provenance.plugin}>"
+
+
+@dataclass
+class Registry:
+    """Registered descriptors by kind and name. A duplicated name is kept as a conflict."""
+
+    entries: dict[str, dict[str, Registered]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    duplicates: dict[tuple[str, str], list[Provenance]] = field(default_factory=dict)
+    #: plugins that failed to load: plugin name -> (distribution, message)
+    failed: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def add(self, kind: str, item: Registered) -> None:
+        name = item.descriptor.name
+        existing = self.entries[kind].get(name)
+        if existing is not None or (kind, name) in self.duplicates:
+            holders = self.duplicates.setdefault((kind, name), [existing.provenance] if existing else [])
+            holders.append(item.provenance)
+            self.entries[kind].pop(name, None)
+            return
+        self.entries[kind][name] = item
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self.entries[kind])
+
+    def items(self, kind: str) -> Iterator[Registered]:
+        for name in self.names(kind):
+            yield self.entries[kind][name]
+
+    def get(self, kind: str, name: str) -> Any:
+        """The descriptor registered as ``name``, or a one-line error saying what to do."""
+        return self.lookup(kind, name).descriptor
+
+    def lookup(self, kind: str, name: str) -> Registered:
+        found = self.entries[kind].get(name)
+        if found is not None:
+            return found
+        raise self.unknown(kind, name)
+
+    def unknown(self, kind: str, name: str) -> PosttuneErrorType:
+        label = KINDS[kind].label
+        holders = self.duplicates.get((kind, name))
+        if holders:
+            both = " and ".join(str(p) for p in holders)
+            return PluginError(
+                f"{label} '{name}' is registered by both {both}; uninstall one, or pick one "
+                f"with POSTTUNE_DISABLE_PLUGINS"
+            )
+        known = self.names(kind)
+        distribution = first_party.NAMES.get(kind, {}).get(name)
+        installed = ", ".join(known) if known else "none"
+        message = f"no {label} '{name}' is installed (installed: {installed})"
+        if distribution is None:
+            message += did_you_mean(name, known + list(first_party.NAMES.get(kind, {})))
+        message += self._failed_hint(distribution) + first_party.install_hint(distribution)
+        return UnknownNameError(message)
+
+    def _failed_hint(self, distribution: str | None) -> str:
+        for plugin, (dist, error) in self.failed.items():
+            if distribution is not None and dist == distribution:
+                return f"; {dist} is installed but failed to load: {error}"
+        return ""
+
+
+PosttuneErrorType = PluginError | UnknownNameError
+
+
+def duplicate_messages(registry: Registry) -> list[str]:
+    """One line per name registered by more than one distribution."""
+    return [str(registry.unknown(kind, name)) for kind, name in sorted(registry.duplicates)]
