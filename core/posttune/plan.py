@@ -65,7 +65,7 @@ def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | Non
     plan.parallel = [_get(registry, "parallel_plan", n, f"parallel.plans[{i}]")
                      for i, n in enumerate(config.parallel.plans)]
     plan.memory = [_get(registry, "memory_technique", n, f"memory[{i}]") for i, n in enumerate(config.memory)]
-    _check_pairs(plan)
+    _check_pairs(plan, registry)
     plan.mesh = _mesh(config, plan.parallel, world_size)
     if plan.world_size == 1:
         plan.parallel = []  # one process: the same config runs with the plans inactive
@@ -141,7 +141,7 @@ def _datasets(plan: Plan, registry: Registry) -> None:
         plan.datasets[split] = fmt
 
 
-def _check_pairs(plan: Plan) -> None:
+def _check_pairs(plan: Plan, registry: Registry) -> None:
     """Every ``requires`` is active and no two active parts conflict, named on both sides."""
     active: dict[str, Registered] = {}
     for item in [*plan.parallel, *plan.memory]:
@@ -153,7 +153,7 @@ def _check_pairs(plan: Plan) -> None:
         for needed in item.descriptor.requires:
             if needed not in active:
                 raise ConfigError(_where(item), f"'{name}' requires '{needed}'; add it to "
-                                                f"{_list_for(needed)}")
+                                                f"{_list_for(needed, registry)}")
         for other in item.descriptor.conflicts:
             if other in active:
                 raise ConfigError(_where(item), f"'{name}' ({item.provenance}) conflicts with '{other}' "
@@ -164,8 +164,9 @@ def _where(item: Registered) -> str:
     return "parallel.plans" if isinstance(item.descriptor, ParallelPlan) else "memory"
 
 
-def _list_for(name: str) -> str:
-    return "parallel.plans" if name in first_party.NAMES["parallel_plan"] else "memory"
+def _list_for(name: str, registry: Registry) -> str:
+    plans = set(registry.entries["parallel_plan"]) | set(first_party.NAMES["parallel_plan"])
+    return "parallel.plans" if name in plans else "memory"
 
 
 def _mesh(config: RunConfig, plans: list[Registered], world_size: int | None) -> dict[str, int]:
@@ -179,6 +180,9 @@ def _mesh(config: RunConfig, plans: list[Registered], world_size: int | None) ->
     dims = {dim: config.parallel.dims.get(dim, -1) for dim in owners}
     if world_size is None or world_size == 1:
         return {dim: 1 for dim in dims}  # unknown (elastic) or a single process
+    if not dims:
+        raise ConfigError("parallel.plans", f"{world_size} processes launched but no parallel plan owns a mesh "
+                                            "dimension; add one, e.g. fsdp2 (pip install posttune-fsdp2)")
     free = [dim for dim, degree in dims.items() if degree == -1]
     fixed = math.prod(degree for degree in dims.values() if degree != -1)
     shown = " x ".join(f"{d}={n}" for d, n in dims.items() if n != -1) or "no fixed dimension"

@@ -107,7 +107,9 @@ def _explain_validation(exc: pluggy.PluginValidationError) -> str:
         if word.startswith("posttune_") and not hasattr(hookspecs, word):
             hooks = [h for h in vars(hookspecs) if h.startswith("posttune_")]
             return f"unknown hook '{word}'{did_you_mean(word, hooks)}"
-    return text.splitlines()[0]
+    lines = text.splitlines()
+    hook = lines[0].split(" for ", 1)[-1]
+    return f"{hook}: {lines[-1]}" if len(lines) > 1 else lines[0]
 
 
 def new_plugin_set(*, builtins: bool = True) -> PluginSet:

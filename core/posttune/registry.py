@@ -132,7 +132,10 @@ class Registry:
         installed = ", ".join(known) if known else "none"
         message = f"no {label} '{name}' is installed (installed: {installed})"
         if distribution is None:
-            message += did_you_mean(name, known + list(first_party.NAMES.get(kind, {})))
+            suggestion = did_you_mean(name, known + list(first_party.NAMES.get(kind, {})))
+            message += suggestion
+            if suggestion and suggestion.split("'")[1] not in known:
+                distribution = first_party.NAMES[kind][suggestion.split("'")[1]]
         message += self._failed_hint(distribution) + first_party.install_hint(distribution)
         return UnknownNameError(message)
 

@@ -1,0 +1,31 @@
+"""A toy model family: each token predicts the next through an embedding and one linear map."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class BigramLM(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, hidden_size)
+        self.proj = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
+        return self.proj(self.embed(input_ids))
+
+
+def build(vocab_size: int, hidden_size: int) -> BigramLM:
+    return BigramLM(vocab_size, hidden_size)
+
+
+def from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {"vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"]}
+
+
+def to_hf_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    return {"architectures": ["PosttuneBigramForCausalLM"], "model_type": "posttune_bigram", **kwargs}

@@ -1,0 +1,116 @@
+"""Fixtures for core tests: fake installed distributions, and one plugin that registers every kind."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from posttune.descriptors import CheckpointConverter, MemoryTechnique, Method, ModelFamily, ParallelPlan
+from posttune.errors import ConfigError
+from posttune.plugins import hookimpl
+
+
+@pytest.fixture
+def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
+    """``fake_distribution(dist, module, source, version="1.0")`` installs a plugin distribution.
+
+    It writes ``MODULE.py`` and a ``.dist-info`` with a ``posttune`` entry point into a folder on
+    ``sys.path``, so ``importlib.metadata`` discovers it exactly as it would a pip-installed one.
+    """
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+
+    def make(dist: str, module: str, source: str, version: str = "1.0", entry: str | None = None) -> str:
+        (root / f"{module}.py").write_text(textwrap.dedent(source))
+        info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        (info / "entry_points.txt").write_text(f"[posttune]\n{entry or module} = {module}\n")
+        sys.modules.pop(module, None)
+        make.made.add(dist)
+        return module
+
+    make.made = set()
+    yield make
+    for path in root.glob("*.py"):
+        sys.modules.pop(path.stem, None)
+
+
+@pytest.fixture
+def installed(fake_distribution):
+    """A plugin set (built-ins plus the fake distributions' entry points), active for the test."""
+    from posttune.plugins import entry_points, load_entry_points, new_plugin_set, set_plugins
+
+    made = []
+
+    def load():
+        plugins = new_plugin_set()
+        eps = [ep for ep in entry_points() if ep.dist and ep.dist.name in fake_distribution.made]
+        load_entry_points(plugins, eps)
+        made.append(set_plugins(plugins))
+        return plugins
+
+    yield load
+    if made:
+        set_plugins(made[0])
+
+
+
+def noop(*_):
+    return None
+
+
+@dataclass(frozen=True)
+class FakeDPOConfig:
+    beta: float = 0.1
+
+
+class FakePlugin:
+    """Everything a plan can name, registered from one object (a class works as well as a module)."""
+
+    POSTTUNE_PLUGIN_API = 1
+
+    @hookimpl
+    def posttune_register_model_families(self, register):
+        register(ModelFamily("fam", ("FamForCausalLM",), dict, dict, sizes={"tiny": {}},
+                             lora_targets=("q", "v")))
+
+    @hookimpl
+    def posttune_register_checkpoint_converters(self, register):
+        register(CheckpointConverter("fam", "hf", noop, noop))
+
+    @hookimpl
+    def posttune_register_methods(self, register):
+        register(Method("fsft", dict, "sft", noop, noop, noop))
+        register(Method("fdpo", FakeDPOConfig, "preference", noop, noop, noop))
+
+    @hookimpl
+    def posttune_register_parallel_plans(self, register):
+        register(ParallelPlan("fsdp", noop, mesh_dim="dp_shard", order=100))
+        register(ParallelPlan("tensor", noop, mesh_dim="tp", order=10))
+        register(ParallelPlan("lossp", noop, order=20, requires=("tensor",)))
+
+    @hookimpl
+    def posttune_register_memory_techniques(self, register):
+        register(MemoryTechnique("ckpt", "parallelize", noop, order=50))
+        register(MemoryTechnique("offload", "parallelize", noop, order=60, requires=("ckpt",)))
+        register(MemoryTechnique("opt_bwd", "optimizer", noop, conflicts=("offload",),
+                                 validate=refuse_accumulation))
+
+
+def refuse_accumulation(config):
+    if config.train.grad_accum_steps > 1:
+        raise ConfigError("train.grad_accum_steps", "opt_bwd cannot accumulate gradients; set it to 1")
+
+
+@pytest.fixture
+def fake_plugin(register_plugin, posttune_plugins):
+    """The registry with FakePlugin registered as distribution posttune-fake 9.9."""
+    register_plugin(FakePlugin(), name="fake", distribution="posttune-fake", version="9.9")
+    return posttune_plugins.registry

@@ -1,0 +1,233 @@
+"""The `posttune` command line: every subcommand, one-line user errors, exit statuses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from posttune import __version__
+from posttune.descriptors import BundledConfig, Command
+from posttune.plugins import module_plugin
+
+CONFIG = """\
+model: {family: fam, size: tiny}
+method: fsft
+data:
+  train: {path: d.jsonl, format: chat}
+train: {lr: 1e-4}
+"""
+
+
+@pytest.fixture
+def fake(fake_plugin):
+    return fake_plugin
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG)
+    return path
+
+
+def test_version(posttune_cli):
+    result = posttune_cli("--version")
+    assert (result.exit_code, result.stdout.strip()) == (0, f"posttune {__version__}")
+
+
+def test_no_command_prints_help_and_exits_2(posttune_cli):
+    result = posttune_cli()
+    assert result.exit_code == 2 and "COMMAND" in result.stdout
+
+
+def test_plugins_json_describes_each_plugin(fake, posttune_cli):
+    report = json.loads(posttune_cli("plugins", "--json").stdout)
+    fake_entry = next(p for p in report["plugins"] if p["name"] == "fake")
+    assert fake_entry["distribution"] == "posttune-fake" and fake_entry["version"] == "9.9"
+    assert fake_entry["registers"]["families"] == ["fam"]
+    assert fake_entry["registers"]["plans"] == ["fsdp", "lossp", "tensor"]
+    assert "posttune_register_parallel_plans" in fake_entry["hooks"]
+    assert fake_entry["error"] is None
+    assert report["problems"] == []
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("families", "fam"), ("methods", "fdpo"), ("plans", "tensor"), ("memory", "opt_bwd"),
+    ("datasets", "alpaca"), ("converters", "fam:hf"),
+])
+def test_ls_lists_each_kind_with_its_provider(fake, posttune_cli, kind, expected):
+    result = posttune_cli("ls", kind)
+    assert result.exit_code == 0
+    assert any(line.split()[0] == expected for line in result.stdout.splitlines())
+
+
+def test_ls_without_kind_lists_all_sections(fake, posttune_cli):
+    out = posttune_cli("ls").stdout
+    for section in ("families:", "methods:", "plans:", "memory:", "datasets:", "configs:"):
+        assert section in out
+
+
+def test_ls_says_when_nothing_is_installed(posttune_cli):
+    assert posttune_cli("ls", "families").stdout.strip() == "(no model family installed)"
+
+
+def test_cp_copies_a_bundled_config_and_refuses_to_overwrite(register_plugin, posttune_cli, tmp_path, config_file):
+    register_plugin(module_plugin("cfgs", posttune_register_configs=lambda register: register(
+        BundledConfig("fam-sft", config_file, "fam sft"))))
+    dest = tmp_path / "out"
+    dest.mkdir()
+    assert posttune_cli("cp", "fam-sft", str(dest)).exit_code == 0
+    assert (dest / "run.yaml").read_text() == CONFIG
+    again = posttune_cli("cp", "fam-sft", str(dest))
+    assert (again.exit_code, again.stderr) == (2, f"posttune: error: {dest / 'run.yaml'} exists; pass --force to "
+                                                  "overwrite it\n")
+    assert posttune_cli("cp", "fam-sft", str(dest), "--force").exit_code == 0
+    missing = posttune_cli("cp", "fam-sf", str(dest))
+    assert missing.stderr == ("posttune: error: no bundled config 'fam-sf' (did you mean 'fam-sft'?) "
+                              "(see `posttune ls configs`)\n")
+
+
+def test_validate_accepts_a_good_config_with_overrides(fake, posttune_cli, config_file):
+    result = posttune_cli("validate", str(config_file), "train.batch_size=2", "~train.lr")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == f"{config_file}: valid (fsft on fam, 1 process(es))\n"
+
+
+def test_validate_by_bundled_name(register_plugin, fake, posttune_cli, config_file):
+    register_plugin(module_plugin("cfgs", posttune_register_configs=lambda register: register(
+        BundledConfig("fam-sft", config_file))))
+    assert posttune_cli("validate", "fam-sft").exit_code == 0
+    unknown = posttune_cli("validate", "fam-sfft")
+    assert unknown.stderr == ("posttune: error: no config file or bundled config named 'fam-sfft' "
+                              "(did you mean 'fam-sft'?) (see `posttune ls configs`)\n")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.lr=fast"], "config: train.lr: expected a number, got 'fast'"),
+    (["train.lrr=1"], "config: train.lrr: unknown key (did you mean 'lr'?)"),
+    (["method=sftt"], "config: method: no method 'sftt' is installed (installed: fdpo, fsft) "
+                      "(did you mean 'sft'?) — pip install posttune-sft"),
+    (["--nproc-per-node", "2"], "config: parallel.plans: 2 processes launched but no parallel plan owns a "
+                                "mesh dimension; add one, e.g. fsdp2 (pip install posttune-fsdp2)"),
+    (["memory=[opt_bwd]", "train.grad_accum_steps=2"],
+     "config: train.grad_accum_steps: opt_bwd cannot accumulate gradients; set it to 1"),
+])
+def test_user_errors_are_one_line_with_exit_status_2(fake, posttune_cli, config_file, overrides, message):
+    result = posttune_cli("validate", str(config_file), *overrides)
+    assert result.exit_code == 2
+    assert result.stderr == f"posttune: error: {message}\n"
+    assert result.stdout == ""
+
+
+def test_plan_prints_stages_in_order_with_providers(fake, posttune_cli, config_file):
+    result = posttune_cli("plan", str(config_file), "parallel.plans=[fsdp,tensor]", "parallel.dims.tp=2",
+                          "--nproc-per-node", "2", "--nnodes", "2")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["distributed", "4", "process(es),"]
+    assert [line.split()[0] for line in lines] == ["distributed", "build", "parallelize", "parallelize", "load",
+                                                   "optimizer", "data", "method", "train"]
+    assert lines[1].endswith("[posttune-fake 9.9]")
+
+
+def test_train_validates_before_anything_else(fake, posttune_cli, config_file):
+    result = posttune_cli("train", str(config_file), "train.lr=fast")
+    assert result.stderr == "posttune: error: config: train.lr: expected a number, got 'fast'\n"
+
+
+def test_train_passes_torchrun_arguments_through(fake, posttune_cli, config_file, monkeypatch):
+    import torch.distributed.run as torchrun
+
+    calls = []
+    monkeypatch.setattr(torchrun, "main", calls.append)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    result = posttune_cli("train", str(config_file), "train.seed=3", "parallel.plans=[fsdp]", "--nproc-per-node", "2",
+                          "--rdzv-endpoint", "host:29400", "--nnodes", "2", "--rdzv-backend", "c10d")
+    assert result.exit_code == 0, result.stderr
+    assert calls == [["--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "host:29400",
+                      "--rdzv-backend", "c10d", "-m", "posttune.training.worker", str(config_file),
+                      "train.seed=3", "parallel.plans=[fsdp]"]]
+
+
+def test_train_launch_checks_mesh_against_the_world_before_launching(fake, posttune_cli, config_file, monkeypatch):
+    import torch.distributed.run as torchrun
+
+    monkeypatch.setattr(torchrun, "main", lambda args: pytest.fail("launched an impossible plan"))
+    result = posttune_cli("train", str(config_file), "parallel.plans=[tensor]", "parallel.dims.tp=4",
+                          "--nproc_per_node", "2")
+    assert result.stderr == "posttune: error: config: parallel.dims: tp=4 does not fit the 2 processes launched\n"
+
+
+def test_download_fetches_weights_config_and_tokenizer_only(posttune_cli, monkeypatch, tmp_path):
+    import huggingface_hub
+
+    seen = {}
+
+    def fake_snapshot(repo_id, **kwargs):
+        seen.update(kwargs, repo_id=repo_id)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    result = posttune_cli("download", "org/model", "--output", str(tmp_path))
+    assert result.stdout.strip() == str(tmp_path)
+    assert seen["repo_id"] == "org/model" and seen["local_dir"] == str(tmp_path)
+    assert "*.safetensors" in seen["allow_patterns"] and "*.json" in seen["allow_patterns"]
+    assert "original/*" in seen["ignore_patterns"] and "*.bin" in seen["ignore_patterns"]
+
+
+def test_download_failure_is_one_line(posttune_cli, monkeypatch):
+    import huggingface_hub
+
+    def offline(repo_id, **kwargs):
+        raise OSError("We couldn't connect to the hub.\nCheck your connection.")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    result = posttune_cli("download", "org/model")
+    assert result.exit_code == 2
+    assert result.stderr == "posttune: error: download of org/model failed: OSError: We couldn't connect to the hub.\n"
+
+
+def test_plugin_command_is_available(register_plugin, posttune_cli):
+    def configure(parser):
+        parser.add_argument("--name", default="world")
+
+    def run(args):
+        print(f"hello {args.name}")
+        return 0
+
+    register_plugin(module_plugin("greet", posttune_register_commands=lambda cli: cli(
+        Command("hello", "say hello", configure, run))))
+    result = posttune_cli("hello", "--name", "posttune")
+    assert (result.exit_code, result.stdout) == (0, "hello posttune\n")
+
+
+def test_console_script_prints_one_line_and_no_traceback(tmp_path):
+    """The installed entry point, in a fresh process: user error -> one stderr line, exit 2."""
+    config = tmp_path / "bad.yaml"
+    config.write_text("model: {family: x, size: y}\nmethod: sft\ntrain: {lr: fast}\n")
+    run = subprocess.run([sys.executable, "-m", "posttune.cli.main", "validate", str(config)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr == "posttune: error: config: train.lr: expected a number, got 'fast'\n"
+    debug = subprocess.run([sys.executable, "-m", "posttune.cli.main", "--debug", "validate", str(config)],
+                           capture_output=True, text=True, timeout=120)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+def test_plugins_command_does_not_import_torch(tmp_path):
+    code = textwrap.dedent("""
+        import sys
+        from posttune.testing import run_cli
+        from posttune.plugins import new_plugin_set, set_plugins
+        set_plugins(new_plugin_set())
+        assert run_cli("plugins").exit_code == 0
+        print("torch" in sys.modules)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "False", run.stderr

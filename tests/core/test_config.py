@@ -1,0 +1,198 @@
+"""Config: YAML loading, command-line overrides, schema validation, `_component_`, `requires`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttune.config import apply_overrides, instantiate, load_yaml, validate
+from posttune.config.loader import parse_value
+from posttune.config.requires import check_requires
+from posttune.errors import ConfigError, PosttuneError
+
+BASE = {"model": {"family": "llama", "size": "tiny"}, "method": "sft"}
+
+
+def base(**sections):
+    return {**{k: dict(v) if isinstance(v, dict) else v for k, v in BASE.items()}, **sections}
+
+
+# ---- overrides ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, value", [
+    ("3", 3), ("-2", -2), ("1e-4", 1e-4), ("2E5", 2e5), ("0.5", 0.5), (".5", 0.5), ("true", True),
+    ("False", False), ("null", None), ("~", None), ("[1, 2]", [1, 2]), ("[a, 1e-3]", ["a", 1e-3]),
+    ("{a: 1}", {"a": 1}), ("hello", "hello"), ("'007'", "007"), ("", ""), ("a: b: c", "a: b: c"),
+])
+def test_override_values_are_typed_like_yaml(text, value):
+    assert parse_value(text) == value
+    assert type(parse_value(text)) is type(value)
+
+
+def test_overrides_set_nested_keys_creating_mappings():
+    config = apply_overrides({"train": {"lr": 1.0}}, ["train.lr=3e-4", "data.train.path=x.jsonl", "memory=[a,b]"])
+    assert config == {"train": {"lr": 3e-4}, "data": {"train": {"path": "x.jsonl"}}, "memory": ["a", "b"]}
+
+
+def test_overrides_index_into_lists():
+    config = apply_overrides({"items": [{"a": 1}, {"a": 2}]}, ["items.1.a=5", "~items.0"])
+    assert config == {"items": [{"a": 5}]}
+
+
+def test_override_value_keeps_equals_signs():
+    assert apply_overrides({}, ["model.path=a=b"]) == {"model": {"path": "a=b"}}
+
+
+def test_tilde_deletes_a_key():
+    config = apply_overrides({"train": {"lr": 1, "seed": 2}, "adapter": {"rank": 8}}, ["~train.seed", "~adapter"])
+    assert config == {"train": {"lr": 1}}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["~train.nope"], "config: train.nope: no such key to delete"),
+    (["~nothere.x"], "config: nothere: no such key"),
+    (["train.lr.x=1"], "config: train.lr: is float 0.1, not a mapping"),
+    (["items.5=1"], "config: items.5: no item '5' in a list of 1"),
+    (["justaword"], "config: override 'justaword': expected KEY=VALUE or ~KEY"),
+    (["train..lr=1"], "config: override 'train..lr=1': empty key in 'train..lr'"),
+])
+def test_bad_overrides_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        apply_overrides({"train": {"lr": 0.1}, "items": [1]}, overrides)
+    assert str(error.value) == message
+
+
+def test_yaml_reads_exponent_floats_and_rejects_non_mappings(tmp_path):
+    good = tmp_path / "a.yaml"
+    good.write_text("train:\n  lr: 2e-5\n  warmup: 1_000\n")
+    assert load_yaml(good) == {"train": {"lr": 2e-5, "warmup": 1000}}
+    bad = tmp_path / "b.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(PosttuneError, match="the top level must be a mapping of keys, got list"):
+        load_yaml(bad)
+    broken = tmp_path / "c.yaml"
+    broken.write_text("train:\n  lr: [1, 2\n")
+    with pytest.raises(PosttuneError, match=r"c.yaml:3: invalid YAML"):
+        load_yaml(broken)
+    with pytest.raises(PosttuneError, match="config file not found"):
+        load_yaml(tmp_path / "missing.yaml")
+
+
+def test_yaml_never_constructs_python_objects(tmp_path):
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("x: !!python/object/apply:os.system ['echo hi']\n")
+    with pytest.raises(PosttuneError, match="invalid YAML"):
+        load_yaml(evil)
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw, message", [
+    (base(train={"lr": "fast"}), "config: train.lr: expected a number, got 'fast'"),
+    (base(train={"lrr": 1.0}), "config: train.lrr: unknown key (did you mean 'lr'?)"),
+    (base(trian={}), "config: trian: unknown key (did you mean 'train'?)"),
+    (base(train={"batch_size": 2.5}), "config: train.batch_size: expected an integer, got 2.5"),
+    (base(train={"batch_size": True}), "config: train.batch_size: expected an integer, got true"),
+    (base(train={"batch_size": 0}), "config: train.batch_size: expected a positive integer, got 0"),
+    (base(train={"max_grad_norm": "x"}), "config: train.max_grad_norm: expected a number or null, got 'x'"),
+    (base(train={"optimizer": 3}), "config: train.optimizer: expected a string or a mapping, got 3"),
+    (base(train=[1]), "config: train: expected a mapping of keys, got a list"),
+    (base(model={"dtype": "fp64", "path": "x"}),
+     "config: model.dtype: expected one of 'fp32', 'bf16', 'fp16', got 'fp64' (did you mean 'fp16'?)"),
+    (base(memory="activation_checkpointing"), "config: memory: expected a list, got 'activation_checkpointing'"),
+    (base(memory=["a", 3]), "config: memory[1]: expected a string, got 3"),
+    (base(parallel={"dims": {"tp": "two"}}), "config: parallel.dims.tp: expected an integer, got 'two'"),
+    (base(parallel={"dims": {"tp": 0}}), "config: parallel.dims.tp: expected a positive degree or -1, got 0"),
+    (base(data={"train": {"format": "chat"}}), "config: data.train.path: required"),
+    (base(data={"train": {"path": "x", "column_map": {"a": 1}}}),
+     "config: data.train.column_map.a: expected a string, got 1"),
+    ({"method": "sft"}, "config: model: required"),
+    ({"model": {"path": "x"}}, "config: method: required"),
+    (base(model={"family": "llama"}),
+     "config: model: set `path` (a checkpoint) or both `family` and `size` (random init)"),
+    (base(method={"beta": 0.1}), "config: method.name: required: the method to run (e.g. sft)"),
+])
+def test_validation_errors_name_the_field(raw, message):
+    with pytest.raises(ConfigError) as error:
+        validate(raw)
+    assert str(error.value) == message
+
+
+def test_validation_fills_defaults_and_converts():
+    config = validate(base(train={"lr": 1, "optimizer": {"_component_": "torch.optim.SGD"}}, memory=[]))
+    assert config.train.lr == 1.0 and isinstance(config.train.lr, float)
+    assert config.train.optimizer == {"_component_": "torch.optim.SGD"}
+    assert config.train.batch_size == 1 and config.checkpoint.keep_last == 2
+    assert config.method_name == "sft" and config.method_settings == {}
+    assert validate(base(method={"name": "dpo", "beta": 0.1})).method_settings == {"beta": 0.1}
+
+
+# ---- _component_ -------------------------------------------------------------------------------
+
+def test_component_builds_the_callable_with_sibling_kwargs():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = instantiate({"_component_": "torch.optim.SGD", "lr": 0.5, "momentum": 0.9}, params)
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert optimizer.defaults["lr"] == 0.5 and optimizer.defaults["momentum"] == 0.9
+
+
+def test_component_instantiates_nested_mappings_and_lists():
+    built = instantiate({
+        "_component_": "torch.nn.ModuleDict",
+        "modules": {"a": {"_component_": "torch.nn.Linear", "in_features": 2, "out_features": 3}},
+    })
+    assert isinstance(built, torch.nn.ModuleDict) and isinstance(built["a"], torch.nn.Linear)
+    assert built["a"].out_features == 3
+    layers = instantiate({"layers": [{"_component_": "torch.nn.ReLU"}, 3, {"plain": True}]})
+    assert isinstance(layers["layers"][0], torch.nn.ReLU) and layers["layers"][1:] == [3, {"plain": True}]
+
+
+def test_component_accepts_a_class_attribute_path():
+    assert instantiate({"_component_": "collections.OrderedDict.fromkeys", "iterable": "ab"}) == {"a": None, "b": None}
+
+
+@pytest.mark.parametrize("node, message", [
+    ({"_component_": "torch.optim.Adamx"},
+     "config: optimizer._component_: cannot import 'torch.optim.Adamx': 'torch.optim' has no attribute 'Adamx'"),
+    ({"_component_": "nopackage_xyz.Thing"},
+     "config: optimizer._component_: cannot import 'nopackage_xyz.Thing': no module named 'nopackage_xyz'"),
+    ({"_component_": "torch.optim.SGD.not here"},
+     "config: optimizer._component_: expected a dotted path like 'torch.optim.AdamW', got 'torch.optim.SGD.not here'"),
+    ({"_component_": "math.pi"}, "config: optimizer._component_: 'math.pi' is a float, not callable"),
+    ({"_component_": "torch.optim.SGD", "lrr": 1},
+     "config: optimizer: torch.optim.SGD: SGD.__init__() got an unexpected keyword argument 'lrr'"),
+    ({"_component_": "collections.OrderedDict", "x": {"_component_": "nope_mod.f"}},
+     "config: optimizer.x._component_: cannot import 'nope_mod.f': no module named 'nope_mod'"),
+])
+def test_component_errors_are_one_line_naming_the_field(node, message):
+    with pytest.raises(ConfigError) as error:
+        instantiate(node, [torch.nn.Parameter(torch.zeros(1))], where="optimizer")
+    assert str(error.value) == message
+    assert "\n" not in str(error.value)
+
+
+def test_component_refuses_keys_posttune_sets_itself():
+    with pytest.raises(ConfigError, match="config: optimizer.params: is set by posttune itself"):
+        instantiate({"_component_": "torch.optim.SGD", "params": [], "lr": 1}, where="optimizer", params=[])
+
+
+# ---- requires ----------------------------------------------------------------------------------
+
+def test_requires_accepts_installed_versions():
+    check_requires(["posttune>=0.1", "pyyaml", "torch>=2.6"])
+
+
+@pytest.mark.parametrize("requirement, message", [
+    ("posttune-nonexistent>=0.1",
+     "config requires posttune-nonexistent>=0.1, which is not installed — pip install 'posttune-nonexistent>=0.1'"),
+    ("posttune>=99", "config requires posttune>=99, but posttune 0.1.0 is installed — pip install 'posttune>=99'"),
+])
+def test_requires_names_what_is_missing(requirement, message):
+    with pytest.raises(PosttuneError) as error:
+        check_requires([requirement])
+    assert str(error.value) == message
+
+
+def test_requires_rejects_an_invalid_specifier():
+    with pytest.raises(ConfigError, match=r"config: requires\[1\]: invalid requirement 'posttune>>1'"):
+        check_requires(["posttune", "posttune>>1"])

@@ -1,0 +1,196 @@
+"""The plugin manager: discovery, isolation of broken plugins, API versions, duplicates, filters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttune.descriptors import DatasetFormat, ModelFamily
+from posttune.errors import PluginError, UnknownNameError
+from posttune.plugins import get_plugins, module_plugin
+from posttune.testing import run_cli
+
+FAMILY_PLUGIN = """
+from posttune import hookimpl
+from posttune.descriptors import ModelFamily
+POSTTUNE_PLUGIN_API = 1
+
+@hookimpl
+def posttune_register_model_families(register):
+    register(ModelFamily("{name}", ("{arch}",), dict, dict))
+"""
+
+
+def family(name: str, arch: str = "XForCausalLM") -> ModelFamily:
+    return ModelFamily(name, (arch,), from_hf_config=dict, build=dict)
+
+
+def test_builtins_register_dataset_formats_and_commands(posttune_plugins):
+    registry = posttune_plugins.registry
+    assert registry.names("dataset_format") == ["alpaca", "chat", "text"]
+    assert {"plugins", "ls", "cp", "validate", "plan", "train", "download"} <= set(registry.names("command"))
+    provenance = registry.lookup("dataset_format", "chat").provenance
+    assert provenance.distribution == "posttune"
+
+
+def test_entry_point_plugin_is_discovered_with_its_distribution(fake_distribution, installed):
+    fake_distribution("fake-models", "fake_models", FAMILY_PLUGIN.format(name="fam", arch="FamForCausalLM"),
+                      version="2.3")
+    registry = installed().registry
+    provenance = registry.lookup("model_family", "fam").provenance
+    assert (provenance.distribution, provenance.version, provenance.plugin) == ("fake-models", "2.3", "fake_models")
+
+
+def test_plugin_that_raises_on_import_is_reported_and_skipped(fake_distribution, installed):
+    fake_distribution("fake-broken", "fake_broken", "raise RuntimeError('boom at import')")
+    fake_distribution("fake-good", "fake_good", FAMILY_PLUGIN.format(name="good", arch="G"))
+    installed()
+    result = run_cli("plugins", "--json")
+    assert result.exit_code == 0
+    report = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
+    assert report["fake_broken"]["error"] == "RuntimeError: boom at import"
+    assert report["fake_broken"]["distribution"] == "fake-broken"
+    assert report["fake_good"]["registers"] == {"families": ["good"]}
+    text = run_cli("plugins").stdout
+    assert "fake-broken 1.0  (fake_broken)\n  FAILED TO LOAD: RuntimeError: boom at import" in text
+    assert run_cli("ls", "families").exit_code == 0  # unrelated commands keep working
+
+
+def test_missing_name_from_a_broken_first_party_plugin_says_why(posttune_plugins, fake_distribution, installed):
+    fake_distribution("posttune-qwen", "fake_qwen", "import not_a_module_anywhere", entry="qwen")
+    registry = installed().registry
+    with pytest.raises(UnknownNameError) as error:
+        registry.get("model_family", "qwen2")
+    message = str(error.value)
+    assert "posttune-qwen is installed but failed to load: ModuleNotFoundError" in message
+    assert message.endswith("pip install posttune-qwen")
+
+
+def test_misspelled_hook_is_refused_naming_the_hook(fake_distribution, installed):
+    fake_distribution("fake-typo", "fake_typo", """
+        from posttune import hookimpl
+        POSTTUNE_PLUGIN_API = 1
+
+        @hookimpl
+        def posttune_register_model_familys(register):
+            pass
+    """)
+    info = installed().plugins["fake_typo"]
+    assert info.error == ("unknown hook 'posttune_register_model_familys' "
+                          "(did you mean 'posttune_register_model_families'?)")
+    assert "FAILED TO LOAD: unknown hook 'posttune_register_model_familys'" in run_cli("plugins").stdout
+
+
+def test_hook_with_wrong_argument_is_refused(register_plugin):
+    plugin = module_plugin("wrongarg", posttune_register_methods=lambda registry: None)
+    info = register_plugin(plugin, distribution="wrongarg-dist")
+    assert info.error == ("hook 'posttune_register_methods': Argument(s) {'registry'} are declared in the "
+                          "hookimpl but can not be found in the hookspec")
+
+
+@pytest.mark.parametrize("api, shown", [(2, "declares plugin API 2"), (None, "declares no POSTTUNE_PLUGIN_API")])
+def test_incompatible_plugin_api_is_refused(fake_distribution, installed, api, shown):
+    line = "" if api is None else f"POSTTUNE_PLUGIN_API = {api}"
+    fake_distribution("fake-future", "fake_future", f"{line}\n")
+    info = installed().plugins["fake_future"]
+    assert info.error == f"{shown}; this posttune supports plugin API 1"
+
+
+def test_duplicate_name_is_an_error_naming_both_distributions(fake_distribution, installed):
+    fake_distribution("fake-one", "fake_one", FAMILY_PLUGIN.format(name="twin", arch="A"), version="1.0")
+    fake_distribution("fake-two", "fake_two", FAMILY_PLUGIN.format(name="twin", arch="B"), version="2.0")
+    registry = installed().registry
+    with pytest.raises(PluginError, match="model family 'twin' is registered by both fake-one 1.0 and fake-two 2.0"):
+        registry.get("model_family", "twin")
+    report = json.loads(run_cli("plugins", "--json").stdout)
+    assert report["problems"] == [
+        "model family 'twin' is registered by both fake-one 1.0 and fake-two 2.0; "
+        "uninstall one, or pick one with POSTTUNE_DISABLE_PLUGINS"
+    ]
+
+
+def test_registration_hook_that_raises_isolates_that_plugin(register_plugin, posttune_plugins):
+    def broken(register):
+        register(family("half"))
+        raise ValueError("bad registration")
+
+    register_plugin(module_plugin("broken", posttune_register_model_families=broken), distribution="broken-dist")
+    register_plugin(module_plugin("fine", posttune_register_model_families=lambda register: register(family("ok"))))
+    registry = posttune_plugins.registry
+    assert registry.names("model_family") == ["ok"]  # nothing half-registered
+    assert registry.failed["broken"] == ("broken-dist", "ValueError in registration: bad registration")
+
+
+def test_register_object_checks_the_descriptor_type(register_plugin, posttune_plugins):
+    wrong = module_plugin("wrong", posttune_register_methods=lambda register: register(family("oops")))
+    register_plugin(wrong, distribution="wrong-dist", version="0.3")
+    assert posttune_plugins.registry.failed["wrong"][1] == (
+        "PluginError in registration: plugin wrong (wrong-dist 0.3): posttune_register_methods was given "
+        "ModelFamily; expected Method")
+
+
+def test_unknown_name_suggests_and_gives_the_install_line(register_plugin, posttune_plugins):
+    register_plugin(module_plugin("fams", posttune_register_model_families=lambda register: register(family("llama"))))
+    registry = posttune_plugins.registry
+    with pytest.raises(UnknownNameError) as missing:
+        registry.get("model_family", "gemma2")
+    assert str(missing.value) == ("no model family 'gemma2' is installed (installed: llama)"
+                                  " — pip install posttune-gemma")
+    with pytest.raises(UnknownNameError, match=r"did you mean 'llama'\?"):
+        registry.get("model_family", "lama")
+    with pytest.raises(UnknownNameError, match=r"no dataset format 'sharegpt' is installed"):
+        registry.get("dataset_format", "sharegpt")
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"POSTTUNE_LOAD_PLUGINS": "fake-a"}, {"a"}),
+    ({"POSTTUNE_LOAD_PLUGINS": ""}, set()),
+    ({"POSTTUNE_DISABLE_PLUGINS": "fake_b"}, {"a"}),
+    ({"POSTTUNE_LOAD_PLUGINS": "fake-a,fake-b", "POSTTUNE_DISABLE_PLUGINS": "fake-a"}, {"b"}),
+    ({}, {"a", "b"}),
+])
+def test_load_and_disable_environment_variables(fake_distribution, installed, monkeypatch, env, expected):
+    monkeypatch.delenv("POSTTUNE_LOAD_PLUGINS", raising=False)
+    monkeypatch.delenv("POSTTUNE_DISABLE_PLUGINS", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    fake_distribution("fake-a", "fake_a", FAMILY_PLUGIN.format(name="a", arch="A"))
+    fake_distribution("fake-b", "fake_b", FAMILY_PLUGIN.format(name="b", arch="B"))
+    assert set(installed().registry.names("model_family")) == expected
+
+
+def test_entry_points_load_once_per_process(fake_distribution, monkeypatch):
+    import posttune.plugins as plugins_module
+
+    fake_distribution("fake-counted", "fake_counted", "import builtins\nbuiltins.LOADS = getattr(builtins, 'LOADS', 0) + 1\nPOSTTUNE_PLUGIN_API = 1\n")
+    import builtins
+
+    monkeypatch.setattr(plugins_module, "_current", None)
+    monkeypatch.setattr(builtins, "LOADS", 0, raising=False)
+    first = get_plugins()
+    assert get_plugins() is first
+    assert "fake_counted" in first.plugins
+    assert builtins.LOADS == 1
+
+
+def test_dataset_format_registered_by_a_test_plugin_is_listed(register_plugin, posttune_cli):
+    def register(register):
+        register(DatasetFormat("csvqa", "sft", lambda row: row["q"], ("q",), "questions from a CSV"))
+
+    register_plugin(module_plugin("qa", posttune_register_datasets=register), distribution="qa-dist", version="0.2")
+    out = posttune_cli("ls", "datasets").stdout
+    assert "csvqa   qa-dist 0.2  questions from a CSV" in out
+
+
+def test_reward_functions_are_registered_and_callable(register_plugin, posttune_plugins, posttune_cli):
+    from posttune.descriptors import RewardFunction
+
+    def exact(prompts, completions, answer, **_):
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    register_plugin(module_plugin("rewards", posttune_register_reward_functions=lambda register: register(
+        RewardFunction("exact_answer", exact, "1 when the completion is the answer"))), distribution="rw", version="1")
+    reward = posttune_plugins.registry.get("reward_function", "exact_answer")
+    assert reward.fn(["q", "q"], [" 4", "5"], answer=["4", "4"]) == [1.0, 0.0]
+    assert "exact_answer  rw 1  1 when the completion is the answer" in posttune_cli("ls", "rewards").stdout
