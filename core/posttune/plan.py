@@ -6,18 +6,17 @@ refuse an impossible run in a second, with one line naming the field or plugin.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from posttune import first_party
+from posttune.checkpoint.source import family_for, read_hf_config
 from posttune.config.requires import check_requires
 from posttune.config.schema import RunConfig
 from posttune.config.typed import from_dict
 from posttune.descriptors import STAGES, ParallelPlan
-from posttune.errors import ConfigError, PosttuneError, UnknownNameError
+from posttune.errors import ConfigError, UnknownNameError
 from posttune.registry import Registered, Registry
 
 CHECKPOINT_FORMAT = "hf"
@@ -86,44 +85,7 @@ def _get(registry: Registry, kind: str, name: str, where: str) -> Registered:
 def _family(config: RunConfig, registry: Registry) -> Registered:
     if config.model.family is not None:
         return _get(registry, "model_family", config.model.family, "model.family")
-    architectures = read_hf_config(config.model.path).get("architectures") or []
-    for item in registry.items("model_family"):
-        if set(architectures) & set(item.descriptor.architectures):
-            return item
-    readers = [f"{r.descriptor.name} ({', '.join(r.descriptor.architectures)})"
-               for r in registry.items("model_family")]
-    wanted = ", ".join(architectures) or "none"
-    hint = next((first_party.install_hint(first_party.ARCHITECTURES[a]) for a in architectures
-                 if a in first_party.ARCHITECTURES), "")
-    raise PosttuneError(f"{config.model.path}: no installed model family reads architecture {wanted} "
-                        f"(installed: {'; '.join(readers) or 'none'}){hint}")
-
-
-def read_hf_config(path: str | None) -> dict[str, Any]:
-    """``config.json`` of a local checkpoint directory (or of a hub repository)."""
-    local = Path(str(path))
-    if local.is_dir():
-        file = local / "config.json"
-        if not file.is_file():
-            raise PosttuneError(f"{local}: not a Hugging Face checkpoint (no config.json)")
-    elif local.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
-        raise PosttuneError(f"{path}: no such checkpoint directory")
-    else:
-        file = _hub_config(str(path))
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PosttuneError(f"{file}: unreadable config.json: {exc}") from None
-
-
-def _hub_config(repo_id: str) -> Path:
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return Path(hf_hub_download(repo_id, "config.json"))
-    except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors alike
-        raise PosttuneError(f"{repo_id}: cannot fetch config.json from the hub: "
-                            f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    return family_for(read_hf_config(config.model.path), registry, str(config.model.path))
 
 
 def _datasets(plan: Plan, registry: Registry) -> None:

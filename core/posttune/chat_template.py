@@ -1,0 +1,260 @@
+"""Render a checkpoint's own Jinja chat template exactly as transformers does, and find its assistant turns.
+
+Chat templates are untrusted code from the hub, so they run in jinja2's immutable sandbox with the
+same options and helpers transformers gives them (``trim_blocks``, ``lstrip_blocks``,
+``raise_exception``, ``strftime_now``, a non-escaping ``tojson``, ``{% generation %}`` blocks,
+loop controls): a template renders here to the very string ``apply_chat_template`` renders, so a
+model is trained on the text it will be prompted with.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from posttune.errors import PosttuneError
+
+ROLES = ("assistant", "developer", "ipython", "system", "tool", "user")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # names templates read reasoning under
+
+# Noncharacters mark where {% generation %} output starts and ends; they never occur in real text.
+_OPEN, _CLOSE = "\ufdd0", "\ufdd1"
+_marking: ContextVar[bool] = ContextVar("posttune_marking_generation", default=False)
+
+Span = tuple[int, int]
+
+
+class TemplateRaised(jinja2.TemplateError):
+    """What ``raise_exception(...)`` in a template throws, told apart from template bugs."""
+
+
+class _GenerationBlocks(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: the template's own marking of trainable text (TRL)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        text = caller()
+        return f"{_OPEN}{text}{_CLOSE}" if _marking.get() else text
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """``namespace(...)`` that refuses underscore names, so a template cannot reach Python internals."""
+
+    def __init__(*args: Any, **kwargs: Any):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
+def _check_name(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(f"a template namespace cannot hold {name!r}")
+
+
+class _DictMaker:
+    """``dict(...)`` without exposing the ``dict`` type itself to the sandbox."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any) -> dict:
+        return dict.fromkeys(*args)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateRaised(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes (< becomes \u003c); templates expect plain JSON, as transformers gives.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=1)
+def environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationBlocks, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_DictMaker(),
+                       namespace=_Namespace)
+    return env
+
+
+@lru_cache(maxsize=32)
+def _compiled(source: str) -> jinja2.Template:
+    return environment().from_string(source)
+
+
+def compile_template(source: str, where: str) -> jinja2.Template:
+    """The compiled template; a syntax error names the file it came from."""
+    try:
+        return _compiled(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise PosttuneError(f"chat template in {where}: line {exc.lineno}: {exc.message}") from None
+
+
+def select_template(templates: str | Mapping[str, str], *, tools: Any, where: str) -> str:
+    """One template out of a checkpoint's named ones: ``tool_use`` when tools are given, else ``default``."""
+    if isinstance(templates, str):
+        return templates
+    if tools is not None and "tool_use" in templates:
+        return templates["tool_use"]
+    if "default" in templates:
+        return templates["default"]
+    raise PosttuneError(f"chat templates in {where} have no 'default' among "
+                        f"{', '.join(sorted(templates))}: name one 'default'")
+
+
+def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check roles, drop ``None`` fields and alias reasoning names, as transformers does before rendering.
+
+    Dropping ``None`` matters: OpenAI-style data carries ``content=None`` or ``tool_calls=None``,
+    which templates render as the text "None" but handle well when the key is absent.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise PosttuneError("chat messages must be a non-empty list of {'role', 'content'} objects")
+    prepared = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise PosttuneError(f"chat message {index}: expected an object with 'role' and 'content', "
+                                f"got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise PosttuneError(f"chat message {index}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        prepared.append(message)
+    return prepared
+
+
+def render(source: str, messages: list[dict[str, Any]], *, where: str, add_generation_prompt: bool = False,
+           tools: Any = None, variables: Mapping[str, Any] | None = None) -> str:
+    """The rendered chat text. ``variables`` are the special tokens and the caller's extra template kwargs."""
+    template = compile_template(source, where)
+    try:
+        return template.render(**(variables or {}), messages=messages, tools=tools, documents=None,
+                               add_generation_prompt=add_generation_prompt)
+    except TemplateRaised as exc:
+        raise PosttuneError(f"chat template in {where} rejected the messages: {_one_line(exc)}") from None
+    except jinja2.TemplateError as exc:
+        raise PosttuneError(f"chat template in {where} failed: {type(exc).__name__}: {_one_line(exc)}") from None
+
+
+def render_generation_spans(source: str, messages: list[dict[str, Any]], **kwargs: Any) -> tuple[str, list[Span]]:
+    """Render with the template's ``{% generation %}`` blocks located: (text, [(start, end), ...])."""
+    token = _marking.set(True)
+    try:
+        marked = render(source, messages, **kwargs)
+    finally:
+        _marking.reset(token)
+    text, spans, opened = [], [], []
+    length = 0
+    for piece in re.split(f"([{_OPEN}{_CLOSE}])", marked):
+        if piece == _OPEN:
+            opened.append(length)
+        elif piece == _CLOSE:
+            spans.append((opened.pop(), length))
+        else:
+            text.append(piece)
+            length += len(piece)
+    return "".join(text), sorted(spans)
+
+
+def has_generation_blocks(source: str) -> bool:
+    return re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
+
+
+def assistant_spans(render_prefix: Callable[[list[dict[str, Any]], bool], str | None],
+                    messages: list[dict[str, Any]], text: str, end_tokens: Sequence[str]) -> list[Span]:
+    """Where each assistant turn lies in ``text`` (the whole rendered chat): its content and end-of-turn token.
+
+    A turn starts where the conversation before it, rendered with the generation prompt, stops
+    agreeing with the whole chat: the prompt the model will see at inference is not trained on,
+    whatever the model writes after it is. A turn ends where the conversation up to and including
+    it stops agreeing with the whole chat, less trailing whitespace, so the end-of-turn token the
+    template writes after the content (``<|eot_id|>``, ``<|im_end|>``, ``<end_of_turn>``) is trained
+    on, which is how the model learns to stop, while the newline before the next header is not.
+
+    Some templates render a turn differently once more turns follow (Qwen3 drops reasoning of
+    earlier turns); then the turn ends after its content, found in the text, plus the one token of
+    ``end_tokens`` (the tokenizer's added tokens) that follows it. ``render_prefix(messages,
+    add_generation_prompt)`` returns None when a template cannot render a prefix (e.g. an empty one).
+    """
+    spans: list[Span] = []
+    cursor = 0
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = max(cursor, _agreement(text, render_prefix(messages[:index], True)))
+        end = len(text[:_agreement(text, render_prefix(messages[:index + 1], False))].rstrip())
+        content_end = _content_end(text, message.get("content"), start)
+        if end < content_end:
+            end = _after_end_token(text, content_end, end_tokens)
+        spans.append((start, max(start, end)))
+        cursor = max(start, end)
+    return spans
+
+
+def _agreement(text: str, prefix: str | None) -> int:
+    """How many leading characters ``prefix`` shares with ``text``."""
+    if prefix is None:
+        return 0
+    limit = min(len(text), len(prefix))
+    if text[:limit] == prefix[:limit]:
+        return limit
+    return next(i for i in range(limit) if text[i] != prefix[i])
+
+
+def _content_end(text: str, content: Any, start: int) -> int:
+    needle = content.strip() if isinstance(content, str) else ""
+    found = text.find(needle, start) if needle else -1
+    return found + len(needle) if found >= 0 else start
+
+
+def _after_end_token(text: str, position: int, end_tokens: Sequence[str]) -> int:
+    rest = len(text) - len(text[position:].lstrip())
+    for token in sorted(end_tokens, key=len, reverse=True):
+        if token and text.startswith(token, rest):
+            return rest + len(token)
+    return position
+
+
+def tokens_in_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[Span]) -> list[bool]:
+    """True for each token whose characters overlap a span (the rule of transformers' assistant mask)."""
+    mask = []
+    for token_start, token_end in offsets:
+        mask.append(any(token_start < end and token_end > start for start, end in spans))
+    return mask
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

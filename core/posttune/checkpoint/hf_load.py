@@ -1,0 +1,292 @@
+"""Load a Hugging Face checkpoint (config.json + single or sharded safetensors) as a native model.
+
+The order is chosen so that every mistake is reported before memory is spent:
+
+    config.json (for a hub id, that file alone) -> family (by `architectures`) -> converter
+    (`FAMILY:hf`) -> build kwargs and dtype -> model on the meta device -> (hub: download)
+    -> every shard the index names exists -> every tensor's native name and shape checked
+    from the safetensors headers alone -> storage allocated once -> tensors streamed in, shard
+    by shard, tensor by tensor -> nothing missing -> non-persistent buffers recomputed
+
+``load_into`` runs the same checks and streaming for a model the trainer already built,
+adapted and sharded.
+
+Peak memory is the model itself when the converter only renames tensors (they are read
+straight into the parameters' storage), else the model plus the largest single tensor (and
+its converted copy).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttune.checkpoint import materialize as mat
+from posttune.checkpoint import source
+from posttune.checkpoint.origin import ModelOrigin, attach
+from posttune.checkpoint.safetensors_io import Entry, fits, iter_tensors, read_header
+from posttune.descriptors import CheckpointConverter, ModelFamily
+from posttune.errors import PosttuneError
+
+FORMAT = "hf"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
+SHOWN = 5  # names listed in one error line before "and N more"
+
+
+def load_hf(path_or_id: str | Path, *, dtype: torch.dtype | str | None = None,
+            device: torch.device | str | None = None, family: str | None = None) -> nn.Module:
+    """A native model with the checkpoint's weights, in eval mode, remembering its origin."""
+    ckpt = _open(path_or_id, family)
+    kwargs = ckpt.family.from_hf_config(ckpt.hf_config)
+    dtype = mat.resolve_dtype(dtype, ckpt.hf_config)
+    model = mat.build(ckpt.family.build, kwargs, dtype, "meta")
+    loader = _Loader(model, ckpt.converter, ckpt.hf_config, ckpt.where)
+    loader.precheck(ckpt.fetch())
+    mat.materialize(model, device or "cpu")
+    loader.load(ckpt.headers)
+    mat.init_buffers(model)
+    attach(model, ModelOrigin(ckpt.family.name, kwargs, ckpt.hf_config, _generation_config(ckpt.directory),
+                              ckpt.where))
+    return model.eval()
+
+
+def load_into(model: nn.Module, path_or_id: str | Path, *, family: str | None = None) -> nn.Module:
+    """Fill an already materialised model with a checkpoint's weights, in place.
+
+    For the trainer, which builds, adapts and shards the model before loading (DESIGN §4):
+    adapter tensors (LoRA/DoRA) are not expected from the checkpoint and an adapted layer's
+    ``base`` receives the base weight; DTensor (FSDP2/TP) parameters receive their own shard.
+    Non-persistent buffers are the caller's (``posttune.modules.init_buffers``).
+    """
+    ckpt = _open(path_or_id, family)
+    loader = _Loader(model, ckpt.converter, ckpt.hf_config, ckpt.where)
+    loader.precheck(ckpt.fetch())
+    loader.load(ckpt.headers)
+    return model
+
+
+@dataclass
+class _Checkpoint:
+    """A checkpoint whose config, family and converter are known; weights fetched on demand."""
+
+    path_or_id: str | Path
+    where: str
+    hf_config: dict[str, Any]
+    family: ModelFamily
+    converter: CheckpointConverter
+    directory: Path | None = None
+    headers: dict[Path, list[Entry]] | None = None
+
+    def fetch(self) -> dict[Path, list[Entry]]:
+        """Download (hub ids) and read every shard's header; only now that all else is known."""
+        self.directory = source.local_dir(self.path_or_id)
+        self.headers = {shard: read_header(shard) for shard in shard_files(self.directory, self.where)}
+        return self.headers
+
+
+def _open(path_or_id: str | Path, family: str | None) -> _Checkpoint:
+    """config.json (for a hub id, that file alone), the family reading it and its converter."""
+    from posttune.plugins import get_registry
+
+    where = str(path_or_id)
+    hf_config = source.read_hf_config(path_or_id)
+    registry = get_registry()
+    fam: ModelFamily = (registry.get("model_family", family) if family is not None
+                        else source.family_for(hf_config, registry, where).descriptor)
+    converter = registry.get("checkpoint_converter", f"{fam.name}:{FORMAT}")
+    return _Checkpoint(path_or_id, where, hf_config, fam, converter)
+
+
+def shard_files(directory: Path, where: str) -> list[Path]:
+    """The safetensors files of a checkpoint, in order; every file the index names must exist."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PosttuneError(f"{where}: unreadable {INDEX_FILE}: {type(exc).__name__}: {exc}") from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise PosttuneError(f"{where}: shard {_names(missing)} listed in {INDEX_FILE} is missing")
+        return files
+    if (directory / SINGLE_FILE).is_file():
+        return [directory / SINGLE_FILE]
+    others = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
+    hint = f" (found {_names(others)}: posttune loads safetensors only, never pickles)" if others else ""
+    raise PosttuneError(f"{where}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+@dataclass
+class _Loader:
+    """Checks and copies checkpoint tensors into a model's state, tracking what was filled."""
+
+    model: nn.Module
+    converter: CheckpointConverter
+    hf_config: Mapping[str, Any]
+    where: str
+
+    def __post_init__(self) -> None:
+        self.targets = checkpoint_targets(self.model)
+        # Tied weights appear under several names; any of them fills the one tensor.
+        self.canonical = {base_key(name): base_key(group[0]) for group in mat.tie_groups(self.model)
+                          for name in group}
+        self.loaded: set[str] = set()
+        #: checkpoint names whose tensor the converter passes through untouched, by native name:
+        #: their bytes can go straight into the parameter
+        self.renamed: dict[str, str] = {}
+
+    def _native(self, hf_key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        return self.converter.to_native(hf_key, tensor, self.hf_config)
+
+    def precheck(self, headers: Mapping[Path, Iterable[Entry]]) -> None:
+        """Every name and shape, from the headers alone, while the model is still on meta.
+
+        Converters are plain tensor code, so they run on meta tensors; one that cannot is
+        skipped here and checked tensor by tensor while streaming instead.
+        """
+        seen, unexpected = set(), []
+        for shard, entries in headers.items():
+            for entry in entries:
+                probe = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+                try:
+                    native = self._native(entry.name, probe)
+                except (NotImplementedError, RuntimeError):
+                    self.renamed.clear()
+                    return
+                if native is None:
+                    continue
+                if native[1] is probe:
+                    self.renamed[entry.name] = native[0]
+                if native[0] not in self.targets:
+                    unexpected.append(_label(entry.name, native[0]))
+                    continue
+                self._check_shape(entry.name, shard, *native)
+                seen.add(self._key(native[0]))
+        if unexpected:
+            raise PosttuneError(f"{self.where}: unexpected tensor {_names(unexpected)} in the checkpoint: "
+                                f"the model has no such weight")
+        self._check_missing(seen)
+
+    def load(self, headers: Mapping[Path, Iterable[Entry]]) -> None:
+        """Stream every shard in and check nothing is missing."""
+        self.targets = checkpoint_targets(self.model)  # the real storage, after to_empty
+        for shard, entries in headers.items():
+            self.stream(shard, entries)
+        self._check_missing(self.loaded)
+
+    def stream(self, shard: Path, entries: Iterable[Entry]) -> None:
+        for entry, tensor in iter_tensors(shard, entries, into=self._in_place):
+            key = self.renamed.get(entry.name)
+            if key is not None and tensor is self.targets.get(key):  # read in place: nothing to copy
+                self.loaded.add(self._key(key))
+                continue
+            native = self._native(entry.name, tensor)
+            del tensor
+            if native is None:
+                continue
+            key, value = native
+            if key not in self.targets:
+                raise PosttuneError(f"{self.where}: unexpected tensor {_label(entry.name, key)} in "
+                                    f"{shard.name}: the model has no such weight")
+            self._check_shape(entry.name, shard, key, value)
+            _copy_into(self.targets[key], value)
+            self.loaded.add(self._key(key))
+
+    def _in_place(self, entry: Entry) -> torch.Tensor | None:
+        """The parameter to read ``entry`` into directly, when only its name changes."""
+        key = self.renamed.get(entry.name)
+        target = self.targets.get(key) if key is not None else None
+        plain = target is not None and type(target.data) is torch.Tensor  # not a DTensor or quantised
+        return target if plain and fits(target, entry) else None
+
+    def _key(self, name: str) -> str:
+        return self.canonical.get(name, name)
+
+    def _check_shape(self, hf_key: str, shard: Path, key: str, value: torch.Tensor) -> None:
+        want = tuple(self.targets[key].shape)
+        if tuple(value.shape) != want:
+            raise PosttuneError(f"{self.where}: tensor {_label(hf_key, key)} in {shard.name} has shape "
+                                f"{list(value.shape)}; the model expects {list(want)}")
+
+    def _check_missing(self, filled: set[str]) -> None:
+        missing = sorted({self._key(name) for name in self.targets} - filled)
+        if missing:
+            labels = [_label(self._hf_name(key), key) for key in missing]
+            raise PosttuneError(f"{self.where}: missing tensor {_names(labels)}: the checkpoint does not "
+                                f"provide {'it' if len(missing) == 1 else 'them'}")
+
+    def _hf_name(self, key: str) -> str:
+        """The checkpoint-side name of a native weight, for messages (the native name if unknown)."""
+        target = self.targets[key]
+        try:
+            return self.converter.from_native(key, torch.empty_like(target, device="meta"), self.hf_config)[0]
+        except Exception:  # noqa: BLE001 - only a nicer message is at stake
+            return key
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors by the native name a checkpoint gives them.
+
+    An adapted layer keeps the base weight under ``base`` (``q_proj.base.weight`` is the
+    checkpoint's ``q_proj.weight``); its adapter tensors are not in a base checkpoint.
+    """
+    from posttune.adapters import adapted_modules
+
+    adapted = tuple(f"{name}." for name in adapted_modules(model))
+    targets = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        native = base_key(key)
+        if native == key and key.startswith(adapted):
+            continue  # lora_A / lora_B / magnitude
+        targets[native] = tensor
+    return targets
+
+
+def base_key(key: str) -> str:
+    from posttune.adapters import base_key as strip_base
+
+    return strip_base(key)
+
+
+@torch.no_grad()
+def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter; a DTensor parameter takes its own shard of it.
+
+    Every rank reads the same file, so the shard is cut locally (``src_data_rank=None``): no
+    communication, and never more than one full tensor per process.
+    """
+    mesh = getattr(target, "device_mesh", None)
+    if mesh is not None:
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(device=target.device, dtype=target.dtype), mesh, target.placements,
+                                  src_data_rank=None)
+    target.copy_(value)
+
+
+def _label(hf_key: str, native_key: str) -> str:
+    return f"'{hf_key}'" if hf_key == native_key else f"'{hf_key}' (native '{native_key}')"
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(items[:SHOWN])
+    return shown + (f" and {len(items) - SHOWN} more" if len(items) > SHOWN else "")
+
+
+def _generation_config(directory: Path) -> dict[str, Any] | None:
+    file = directory / GENERATION_CONFIG
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # optional file; a broken one is regenerated from config.json on save

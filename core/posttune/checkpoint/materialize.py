@@ -1,0 +1,85 @@
+"""Build a family's model without touching memory, then give it real (uninitialised) storage.
+
+Loading builds on the meta device (shapes only), allocates each parameter once with
+``to_empty`` and copies checkpoint tensors into that storage, so the weights never exist
+twice. ``to_empty`` gives every parameter slot its own storage, which silently unties tied
+weights (embedding and output head); the tie groups are recorded first and restored after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttune.errors import PosttuneError
+
+FALLBACK_DTYPE = torch.float32
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, hf_config: Mapping[str, Any] | None = None) -> torch.dtype:
+    """The dtype to build in: the one asked for; else the checkpoint's own; else float32.
+
+    The checkpoint's own dtype (``dtype``, or the older ``torch_dtype``, in config.json) is
+    the default because it is what the weights are stored in: loading bf16 weights as bf16
+    costs no conversion and no extra memory (transformers 5 does the same; its "auto").
+    A config without one means float32, the dtype transformers 4 built in by default.
+    """
+    if dtype in (None, "auto") and hf_config is not None:
+        dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    if dtype in (None, "auto"):
+        return FALLBACK_DTYPE
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise PosttuneError(f"dtype: expected a floating-point torch dtype such as 'bfloat16', got {dtype!r}")
+    return found
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Tensors created inside (parameters, buffers) default to ``dtype``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build(build_fn: Callable[..., nn.Module], kwargs: Mapping[str, Any], dtype: torch.dtype,
+          device: torch.device | str) -> nn.Module:
+    """``build_fn(**kwargs)`` with its tensors created on ``device`` in ``dtype``."""
+    with torch.device(device), default_dtype(dtype):
+        return build_fn(**kwargs)
+
+
+def tie_groups(model: nn.Module) -> list[list[str]]:
+    """Parameter names that share one Parameter object, first name first."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Give a meta model uninitialised storage on ``device``, keeping tied weights tied."""
+    groups = tie_groups(model)
+    model.to_empty(device=device)
+    for first, *rest in groups:
+        shared = model.get_parameter(first)
+        for name in rest:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)
+    return model
+
+
+def init_buffers(model: nn.Module) -> None:
+    """Recompute non-persistent buffers (rotary tables...), which ``to_empty`` left as garbage."""
+    from posttune.modules import init_buffers as init_all
+
+    init_all(model)

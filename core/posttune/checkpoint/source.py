@@ -1,0 +1,109 @@
+"""Where a Hugging Face checkpoint comes from, and which installed family reads it.
+
+Torch-free on purpose: `posttune plan` and `posttune validate` use these to refuse a run in a
+second, before torch or any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from posttune import first_party
+from posttune.errors import PosttuneError
+from posttune.registry import Registered, Registry
+
+#: What `snapshot_download` fetches for a hub id: weights, configs and tokenizer files only
+#: (never *.bin / *.pt pickles, never other frameworks' weights).
+HUB_PATTERNS = (
+    "*.json",
+    "*.safetensors",
+    "tokenizer*",
+    "*.model",  # sentencepiece tokenizers
+    "*.tiktoken",
+    "*.jinja",  # chat templates shipped as separate files
+    "*.txt",  # merges.txt / vocab.txt of BPE tokenizers
+)
+
+
+def is_hub_id(path_or_id: str) -> bool:
+    """True for `owner/name` that is not an existing local path.
+
+    Anything that looks like a path (``./x``, ``/x``, ``~/x``, ``a/b/c``) is treated as local, so
+    a typo in a local path is reported as a missing directory rather than a hub 404.
+    """
+    text = str(path_or_id)
+    if Path(text).expanduser().exists() or text.startswith((".", "/", "~")):
+        return False
+    return text.count("/") == 1
+
+
+def read_hf_config(path: str | Path | None) -> dict[str, Any]:
+    """``config.json`` of a local checkpoint directory, or of a hub repository (config only)."""
+    local = Path(str(path)).expanduser()
+    if local.is_dir():
+        file = local / "config.json"
+        if not file.is_file():
+            raise PosttuneError(f"{path}: not a Hugging Face checkpoint (no config.json)")
+    elif not is_hub_id(str(path)):
+        raise PosttuneError(f"{path}: no such checkpoint directory")
+    else:
+        file = _hub_config(str(path))
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PosttuneError(f"{file}: unreadable config.json: {exc}") from None
+
+
+def local_dir(path_or_id: str | Path) -> Path:
+    """A local directory holding the checkpoint: the path itself, or a hub snapshot of it.
+
+    The hub branch is a thin call into huggingface_hub (no network in tests).
+    """
+    local = Path(str(path_or_id)).expanduser()
+    if local.is_dir():
+        return local
+    if not is_hub_id(str(path_or_id)):
+        raise PosttuneError(f"{path_or_id}: no such checkpoint directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(path_or_id), allow_patterns=list(HUB_PATTERNS)))
+    except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors alike
+        raise PosttuneError(f"{path_or_id}: cannot download from the hub: "
+                            f"{type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def _hub_config(repo_id: str) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors alike
+        raise PosttuneError(f"{repo_id}: cannot fetch config.json from the hub: "
+                            f"{type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0]
+
+
+def family_for(hf_config: Mapping[str, Any], registry: Registry, where: str) -> Registered:
+    """The installed family whose ``architectures`` include the checkpoint's.
+
+    Looked up through what plugins registered, never by name in the core; a miss names the
+    installed readers and, for a first-party architecture, the `pip install` line.
+    """
+    architectures = list(hf_config.get("architectures") or [])
+    for item in registry.items("model_family"):
+        if set(architectures) & set(item.descriptor.architectures):
+            return item
+    readers = [f"{r.descriptor.name} ({', '.join(r.descriptor.architectures)})"
+               for r in registry.items("model_family")]
+    wanted = ", ".join(architectures) or "none"
+    hint = next((first_party.install_hint(first_party.ARCHITECTURES[a]) for a in architectures
+                 if a in first_party.ARCHITECTURES), "")
+    raise PosttuneError(f"{where}: no installed model family reads architecture {wanted} "
+                        f"(installed: {'; '.join(readers) or 'none'}){hint}")

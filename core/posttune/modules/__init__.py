@@ -1,0 +1,36 @@
+"""Building blocks shared by model families: norms, RoPE, attention, MLPs, the decoder, the KV cache.
+
+A family plugin assembles these in its ``build``; it never subclasses them.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from posttune.modules.attention import Attention, attention_mask
+from posttune.modules.decoder import Decoder, DecoderLayer, default_positions
+from posttune.modules.kv_cache import KVCache, LayerCache
+from posttune.modules.mlp import GatedMLP
+from posttune.modules.rmsnorm import RMSNorm
+from posttune.modules.rope import ROPE_TYPES, RotaryEmbedding, apply_rotary, rope_frequencies, rope_type
+
+
+def init_buffers(model: nn.Module) -> nn.Module:
+    """Restore what ``to_empty`` loses and no checkpoint carries; call it right after ``to_empty``.
+
+    A model built on the meta device and materialised with ``to_empty`` holds garbage in
+    non-persistent buffers (RoPE frequencies) and, in torch 2.13, has its tied weights untied
+    (the output head gets its own parameter). Each module concerned exposes ``init_buffers()``.
+    """
+    for module in model.modules():
+        method = getattr(module, "init_buffers", None)
+        if callable(method):
+            method()
+    return model
+
+
+__all__ = [
+    "ROPE_TYPES", "Attention", "Decoder", "DecoderLayer", "GatedMLP", "KVCache", "LayerCache", "RMSNorm",
+    "RotaryEmbedding", "apply_rotary", "attention_mask", "default_positions", "init_buffers",
+    "rope_frequencies", "rope_type",
+]

@@ -1,0 +1,94 @@
+"""Grouped-query self-attention over ``F.scaled_dot_product_attention``.
+
+Masking is decided once per forward by ``attention_mask`` (causal, sliding window, packed
+documents, KV-cache offsets) and shared by every layer with the same window. Heads are
+reshaped with ``-1`` so a tensor-parallel (colwise) shard of q/k/v, which holds fewer heads,
+runs unchanged.
+
+Hooks for later families: ``q_norm``/``k_norm`` are identities here (Qwen3 and Gemma3 put
+an RMSNorm over head_dim there) and ``scale`` overrides 1/sqrt(head_dim) (Gemma's
+query_pre_attn_scalar). Logit soft-capping (Gemma2) is not expressible in SDPA and would need
+flex attention; it is deliberately not built yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posttune.modules.kv_cache import LayerCache
+from posttune.modules.rope import apply_rotary
+
+
+def attention_mask(q_len: int, kv_len: int, *, device: torch.device | str = "cpu",
+                   document_ids: torch.Tensor | None = None,
+                   sliding_window: int | None = None) -> torch.Tensor | None:
+    """Boolean mask [batch or 1, 1, q_len, kv_len] (True = may attend), or None for plain causal.
+
+    The queries are the last ``q_len`` of ``kv_len`` positions (a KV cache holds the rest).
+    None lets SDPA use its fused causal path; it is returned only where that path is exact:
+    no window, no documents, and either no cache offset or a single query.
+    With ``document_ids`` [batch, seq] a query sees only earlier keys of its own document, so a
+    packed row attends exactly as its documents would alone. A sliding window of ``w`` keeps
+    keys with ``q - k < w`` (the current token and the w-1 before it).
+    """
+    if document_ids is None and sliding_window is None and (q_len == kv_len or q_len == 1):
+        return None
+    q_idx = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_idx = torch.arange(kv_len, device=device)[None, :]
+    allowed = k_idx <= q_idx
+    if sliding_window is not None:
+        allowed = allowed & (q_idx - k_idx < sliding_window)
+    allowed = allowed[None, None]
+    if document_ids is not None:
+        if q_len != kv_len:
+            raise ValueError("document_ids cannot be combined with a KV cache holding earlier tokens")
+        same_doc = document_ids[:, :, None] == document_ids[:, None, :]
+        allowed = allowed & same_doc[:, None]
+    return allowed
+
+
+class Attention(nn.Module):
+    """Causal GQA: ``num_heads`` query heads share ``num_kv_heads`` key/value heads."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, *, bias: bool = False, out_bias: bool | None = None,
+                 sliding_window: int | None = None, scale: float | None = None):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = head_dim or hidden_size // num_heads
+        self.sliding_window = sliding_window
+        self.scale = scale
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=bias if out_bias is None else out_bias)
+        self.q_norm: nn.Module = nn.Identity()
+        self.k_norm: nn.Module = nn.Identity()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self._heads(self.q_proj(x))
+        k = self._heads(self.k_proj(x))
+        v = self._heads(self.v_proj(x))
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(k), cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
+                                             scale=self.scale, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _heads(self, projected: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, heads*head_dim] -> [batch, heads, seq, head_dim]."""
+        batch, seq, _ = projected.shape
+        return projected.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{window}"

@@ -1,0 +1,209 @@
+"""A checkpoint's tokenizer and chat template, read from its own files, giving transformers' token ids.
+
+    tok = load_tokenizer("/ckpt/Llama-3.2-1B-Instruct")      # or a hub id
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids, trained = tok.tokenize_messages(messages)          # trained[i]: token i is an assistant token
+
+``tokenizer.json`` runs through the `tokenizers` library (what transformers' fast tokenizers wrap);
+``tokenizer_config.json`` supplies the special tokens and the chat template (also read from
+``chat_template.jinja`` and ``additional_chat_templates/``, as transformers 5 saves them), and
+``generation_config.json`` the extra stop tokens. The ids equal ``AutoTokenizer``'s on the same
+files, so training data matches what the model sees at inference. No transformers at run time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as Backend
+
+from posttune import chat_template as ct
+from posttune.errors import PosttuneError
+
+NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "additional_chat_templates/*.jinja")
+# owner/name, as posttune.checkpoint reads hub ids: anything else is a local path with a typo
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class Tokenizer:
+    """Encode, decode and render chats with one checkpoint's tokenizer. Build it with `load_tokenizer`."""
+
+    def __init__(self, backend: Backend, config: dict[str, Any], *, special_tokens: dict[str, str],
+                 chat_template: str | dict[str, str] | None, generation_eos_ids: Sequence[int] = (),
+                 source: str = "tokenizer"):
+        self.backend = backend
+        self.config = config
+        self.special_tokens = special_tokens
+        self.chat_template = chat_template
+        self.source = source
+        self._generation_eos_ids = list(generation_eos_ids)
+        self._cleanup = bool(config.get("clean_up_tokenization_spaces")) and type(backend.model).__name__ != "BPE"
+
+    # -- ids of special tokens -------------------------------------------------------------------
+    def token_id(self, name: str) -> int | None:
+        """Id of a named special token (``"bos_token"``), or None when the checkpoint has none."""
+        text = self.special_tokens.get(name)
+        return None if text is None else self.backend.token_to_id(text)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.token_id("bos_token")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.token_id("eos_token")
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """Every stop token: the eos token, then ``generation_config.json``'s (e.g. Llama 3's ``<|eot_id|>``)."""
+        ids = [] if self.eos_id is None else [self.eos_id]
+        return ids + [i for i in self._generation_eos_ids if i not in ids]
+
+    @property
+    def pad_id(self) -> int | None:
+        """The pad token, or eos when there is none: padded positions are masked, so any real id serves."""
+        pad = self.token_id("pad_token")
+        return self.eos_id if pad is None else pad
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included: the least embedding size a model needs."""
+        return max(self.backend.get_vocab_size(with_added_tokens=True),
+                   max(self.backend.get_added_tokens_decoder(), default=-1) + 1)
+
+    # -- text <-> ids ----------------------------------------------------------------------------
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int] | Any, *, skip_special_tokens: bool = False) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up_spaces(text) if self._cleanup else text
+
+    # -- chats -----------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
+                            tokenize: bool = True, tools: list[dict] | None = None,
+                            **template_kwargs: Any) -> list[int] | str:
+        """The chat rendered by the checkpoint's template, as ids (default) or text.
+
+        The template writes its own BOS and turn tokens, so the text is encoded without adding
+        special tokens again, as transformers does: no doubled ``<|begin_of_text|>``.
+        """
+        text = self._render(ct.prepare_messages(messages), add_generation_prompt, tools, template_kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def tokenize_messages(self, messages: Sequence[Mapping[str, Any]], *, train_on_input: bool = False,
+                          max_seq_len: int | None = None, tools: list[dict] | None = None,
+                          **template_kwargs: Any) -> tuple[list[int], list[bool]]:
+        """(ids, mask) of a whole chat for SFT; ``mask[i]`` is True when token i is trained on.
+
+        Trained tokens are those of assistant turns: the content and the end-of-turn token that
+        closes it (see `chat_template.assistant_spans` for how turns are found and why), or what
+        the template's own ``{% generation %}`` blocks mark when it has them. ``train_on_input``
+        trains on every token. ``max_seq_len`` cuts both lists on the right.
+        """
+        prepared = ct.prepare_messages(messages)
+        source = self._template(tools)
+        variables = {**self.special_tokens, **template_kwargs}
+        if ct.has_generation_blocks(source):
+            text, spans = ct.render_generation_spans(source, prepared, where=self.source, tools=tools,
+                                                     variables=variables)
+        else:
+            text = self._render(prepared, False, tools, template_kwargs)
+            spans = ct.assistant_spans(
+                lambda prefix, prompt: self._try_render(prefix, prompt, tools, template_kwargs),
+                prepared, text, self._added_token_texts())
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        mask = [True] * len(ids) if train_on_input else ct.tokens_in_spans(encoding.offsets, spans)
+        if max_seq_len is not None:
+            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+        return ids, mask
+
+    def _added_token_texts(self) -> list[str]:
+        return [token.content for token in self.backend.get_added_tokens_decoder().values()]
+
+    def _template(self, tools: Any) -> str:
+        if self.chat_template is None:
+            raise PosttuneError(f"{self.source} has no chat template: add chat_template.jinja (or a 'chat_template' "
+                                f"entry in tokenizer_config.json) next to tokenizer.json")
+        return ct.select_template(self.chat_template, tools=tools, where=self.source)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any,
+                template_kwargs: Mapping[str, Any]) -> str:
+        return ct.render(self._template(tools), messages, where=self.source, tools=tools,
+                         add_generation_prompt=add_generation_prompt,
+                         variables={**self.special_tokens, **template_kwargs})
+
+    def _try_render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any,
+                    template_kwargs: Mapping[str, Any]) -> str | None:
+        """A prefix of the chat rendered, or None where the template refuses it (empty, or ends oddly)."""
+        try:
+            return self._render(messages, add_generation_prompt, tools, template_kwargs)
+        except PosttuneError:
+            return None
+
+    # -- files -----------------------------------------------------------------------------------
+    def save(self, out_dir: str | Path) -> Path:
+        """Write tokenizer.json, tokenizer_config.json and the chat template(s) as transformers 5 saves them.
+
+        ``AutoTokenizer.from_pretrained(out_dir)`` loads the result. ``generation_config.json`` belongs
+        to the model and is written with it, not here.
+        """
+        from posttune.tokenizer_files import write_tokenizer_files
+
+        return write_tokenizer_files(self, Path(out_dir))
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(path_or_id: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint directory, or of a hub id (only the tokenizer files are downloaded)."""
+    from posttune.tokenizer_files import read_tokenizer
+
+    return read_tokenizer(_resolve(path_or_id))
+
+
+def _resolve(path_or_id: str | Path) -> Path:
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise PosttuneError(f"tokenizer: {path} is a file; give the checkpoint folder that holds tokenizer.json")
+    if isinstance(path_or_id, Path) or not _HUB_ID.match(str(path_or_id)):
+        raise PosttuneError(f"tokenizer: no such folder {str(path_or_id)!r}")
+    return _download(str(path_or_id))
+
+
+def _download(repo_id: str) -> Path:
+    """Fetch only the tokenizer files of a hub repository (no weights), through the hub cache."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=list(TOKENIZER_FILES)))
+    except Exception as exc:  # offline, unknown repo, gated: one line naming the id
+        raise PosttuneError(f"tokenizer: could not download {repo_id!r} from the Hugging Face hub "
+                            f"({type(exc).__name__}); give a local checkpoint folder instead") from None
+
+
+def _clean_up_spaces(text: str) -> str:
+    """transformers' ``clean_up_tokenization_spaces`` (applied to non-BPE tokenizers only, as there)."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
+def added_token(value: str | Mapping[str, Any], *, special: bool) -> AddedToken:
+    """A `tokenizers.AddedToken` from a config value (plain text or transformers' serialised dict)."""
+    if isinstance(value, str):
+        return AddedToken(value, special=special)
+    fields = {k: value[k] for k in ("single_word", "lstrip", "rstrip", "normalized") if k in value}
+    return AddedToken(value["content"], special=bool(value.get("special", special)) or special, **fields)

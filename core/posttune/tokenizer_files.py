@@ -1,0 +1,171 @@
+"""Read and write the tokenizer files of a checkpoint folder, with transformers 5's precedence rules.
+
+What transformers does, and so what we do (it is the reference the ids must match):
+- ``tokenizer.json`` is the whole pipeline; when it exists, ``add_bos_token``/``add_eos_token`` in
+  ``tokenizer_config.json`` are ignored (transformers 5 pops them): the post-processor decides.
+- Named special tokens (``bos_token``...) and ``added_tokens_decoder`` entries missing from
+  ``tokenizer.json`` are added as added tokens, so they are never split.
+- ``special_tokens_map.json`` is read only when the config has no ``added_tokens_decoder``, and
+  then its entries win over the config's.
+- ``chat_template.jinja`` and ``additional_chat_templates/*.jinja`` win over a ``chat_template``
+  entry in the config, which is a string or a list of ``{"name", "template"}``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as Backend
+
+from posttune.errors import PosttuneError
+from posttune.tokenizer import NAMED_TOKENS, Tokenizer, added_token
+
+TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_DIR = "additional_chat_templates"
+
+
+def read_tokenizer(folder: Path) -> Tokenizer:
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise PosttuneError(f"tokenizer: {folder} has no tokenizer.json (posttune reads fast tokenizers; "
+                            "AutoTokenizer.from_pretrained(...).save_pretrained(...) writes one)")
+    try:
+        backend = Backend.from_file(str(path))
+    except Exception as exc:  # the Rust error text spans lines; keep its first
+        raise PosttuneError(f"tokenizer: {path} cannot be read: {str(exc).splitlines()[0]}") from None
+    config = read_json(folder / "tokenizer_config.json") or {}
+    raw_tokens = _special_token_values(folder, config)
+    special_tokens = {name: _token_text(value) for name, value in raw_tokens.items()}
+    _add_missing_tokens(backend, config, raw_tokens, folder / "tokenizer_config.json")
+    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+    return Tokenizer(backend, config, special_tokens=special_tokens, chat_template=_chat_templates(folder, config),
+                     generation_eos_ids=_generation_eos_ids(folder), source=str(folder))
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object file, None when absent; broken JSON is one line naming the file and place."""
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PosttuneError(f"tokenizer: {path}: invalid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise PosttuneError(f"tokenizer: {path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _special_token_values(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """Named special tokens as written (text or serialised AddedToken): the template sees them by name."""
+    where = folder / "tokenizer_config.json"
+    values = {key: value for key, value in config.items() if _is_token_key(key, value)}
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, dict):  # transformers 5: model-specific named tokens, e.g. image_token
+        values.update(extra)
+    legacy = folder / "special_tokens_map.json"
+    if "added_tokens_decoder" not in config and legacy.is_file():
+        values.update({k: v for k, v in (read_json(legacy) or {}).items() if _is_token_key(k, v)})
+        where = legacy
+    for key, value in values.items():
+        if value is not None and not isinstance(value, str) and not _is_serialised_token(value):
+            raise PosttuneError(f"tokenizer: {where}: '{key}' must be a token string, got {json.dumps(value)}")
+    # transformers' order (standard names first) decides the ids of tokens it has to add
+    ordered = [key for key in NAMED_TOKENS if key in values] + [key for key in values if key not in NAMED_TOKENS]
+    return {key: values[key] for key in ordered if values[key] is not None}
+
+
+def _is_token_key(key: str, value: Any) -> bool:
+    return key in NAMED_TOKENS or (key.endswith("_token") and isinstance(value, (str, dict)))
+
+
+def _is_serialised_token(value: Any) -> bool:
+    return isinstance(value, Mapping) and isinstance(value.get("content"), str)
+
+
+def _token_text(value: Any) -> str:
+    return value if isinstance(value, str) else value["content"]
+
+
+def _add_missing_tokens(backend: Backend, config: dict[str, Any], named: dict[str, Any], where: Path) -> None:
+    """Add config tokens that tokenizer.json lacks, as transformers does on load (they must never split)."""
+    known = {token.content for token in backend.get_added_tokens_decoder().values()}
+    decoder = config.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict) or not all(_is_serialised_token(v) for v in decoder.values()):
+        raise PosttuneError(f"tokenizer: {where}: 'added_tokens_decoder' must map ids to "
+                            "{\"content\": ...} objects")
+    wanted = [added_token(value, special=bool(value.get("special")))
+              for _, value in sorted(decoder.items(), key=lambda item: _int_key(item[0], where))]
+    wanted += [added_token(value, special=True) for value in named.values()]
+    extras = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    if isinstance(extras, list):
+        wanted += [added_token(value, special=True) for value in extras if isinstance(value, (str, dict))]
+    new, seen = [], set(known)
+    for token in wanted:
+        if token.content not in seen:
+            seen.add(token.content)
+            new.append(token)
+    if new:
+        backend.add_tokens(new)
+
+
+def _int_key(key: str, where: Path) -> int:
+    try:
+        return int(key)
+    except ValueError:
+        raise PosttuneError(f"tokenizer: {where}: 'added_tokens_decoder' key {key!r} is not a token id") from None
+
+
+def _chat_templates(folder: Path, config: dict[str, Any]) -> str | dict[str, str] | None:
+    templates = {}
+    if (folder / TEMPLATE_FILE).is_file():
+        templates["default"] = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
+    if (folder / TEMPLATE_DIR).is_dir():
+        for path in sorted((folder / TEMPLATE_DIR).glob("*.jinja")):
+            templates[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if templates:
+        return templates["default"] if list(templates) == ["default"] else templates
+    value = config.get("chat_template")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        return {t["name"]: t["template"] for t in value}
+    raise PosttuneError(f"tokenizer: {folder / 'tokenizer_config.json'}: 'chat_template' must be a string or a "
+                        "list of {\"name\", \"template\"} objects")
+
+
+def _generation_eos_ids(folder: Path) -> list[int]:
+    eos = (read_json(folder / "generation_config.json") or {}).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    return [i for i in ids if isinstance(i, int)]
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, out: Path) -> Path:
+    """tokenizer.json + tokenizer_config.json + chat templates as ``.jinja`` files (transformers 5 layout)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(out / "tokenizer.json"))
+    config = {key: value for key, value in tokenizer.config.items() if key != "chat_template"}
+    for name, text in tokenizer.special_tokens.items():
+        if not (_is_token_key(name, config.get(name)) and _token_text(config[name]) == text):
+            config[name] = text
+    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")  # what AutoTokenizer needs without config.json
+    _write_templates(tokenizer.chat_template, out)
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                               encoding="utf-8")
+    return out
+
+
+def _write_templates(templates: str | dict[str, str] | None, out: Path) -> None:
+    named = {"default": templates} if isinstance(templates, str) else dict(templates or {})
+    (out / TEMPLATE_FILE).unlink(missing_ok=True)  # a stale file would win over what we write
+    for name, source in named.items():
+        if name == "default":
+            (out / TEMPLATE_FILE).write_text(source, encoding="utf-8")
+            continue
+        if not name or "/" in name or "\\" in name or name.startswith("."):
+            raise PosttuneError(f"tokenizer: chat template name {name!r} cannot be a file name")
+        (out / TEMPLATE_DIR).mkdir(exist_ok=True)
+        (out / TEMPLATE_DIR / f"{name}.jinja").write_text(source, encoding="utf-8")

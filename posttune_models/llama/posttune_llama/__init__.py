@@ -1,0 +1,64 @@
+"""posttune-llama: the ``llama`` and ``mistral`` model families and their HF checkpoint converters.
+
+Importing this package does not import torch (``posttune plugins`` stays fast); the model is
+built from core blocks only when ``build`` is called.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from posttune import hookimpl
+from posttune.descriptors import CheckpointConverter, ModelFamily
+from posttune_llama import config, hf
+from posttune_llama.sizes import LLAMA_SIZES, MISTRAL_SIZES
+from posttune_llama.tp_plan import TP_PLAN
+
+POSTTUNE_PLUGIN_API = 1
+__version__ = "0.1.0"
+
+#: Default adapter targets (fnmatch patterns over native module names): every linear layer of
+#: every block, which QLoRA found necessary to match full fine-tuning.
+LORA_TARGETS: tuple[str, ...] = tuple(
+    f"layers.*.{name}" for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+)
+
+
+def build(**kwargs: Any) -> Any:
+    """``posttune_llama.model.build``, imported on first use."""
+    from posttune_llama.model import build as build_model
+
+    return build_model(**kwargs)
+
+
+LLAMA = ModelFamily(
+    name="llama", architectures=("LlamaForCausalLM",),
+    from_hf_config=partial(config.from_hf_config, family="llama"), build=build,
+    to_hf_config=partial(config.to_hf_config, family="llama"), sizes=LLAMA_SIZES, tp_plan=TP_PLAN,
+    lora_targets=LORA_TARGETS, description="Llama 2, 3, 3.1, 3.2, 3.3 (LlamaForCausalLM)",
+)
+MISTRAL = ModelFamily(
+    name="mistral", architectures=("MistralForCausalLM",),
+    from_hf_config=partial(config.from_hf_config, family="mistral"), build=build,
+    to_hf_config=partial(config.to_hf_config, family="mistral"), sizes=MISTRAL_SIZES, tp_plan=TP_PLAN,
+    lora_targets=LORA_TARGETS, description="Mistral 7B (MistralForCausalLM, sliding-window attention)",
+)
+CONVERTERS = tuple(
+    CheckpointConverter(family=name, format="hf", to_native=hf.to_native, from_native=hf.from_native,
+                        description=f"Hugging Face {name} safetensors names (no RoPE permutation needed)")
+    for name in ("llama", "mistral")
+)
+
+
+@hookimpl
+def posttune_register_model_families(register):
+    register(LLAMA)
+    register(MISTRAL)
+
+
+@hookimpl
+def posttune_register_checkpoint_converters(register):
+    for converter in CONVERTERS:
+        register(converter)

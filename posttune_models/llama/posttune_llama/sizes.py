@@ -1,0 +1,43 @@
+"""Named sizes (complete build kwargs). ``tiny`` is for tests and demos; override ``vocab_size``
+to match a tiny tokenizer. The others are the released checkpoints' shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+_LLAMA32_ROPE = {**_LLAMA31_ROPE, "factor": 32.0}
+
+_TINY: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
+    "num_kv_heads": 2, "head_dim": 16, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+    "rope_scaling": None, "norm_eps": 1e-5, "tie_word_embeddings": True,
+}
+
+_LLAMA3: dict[str, Any] = {
+    "vocab_size": 128256, "num_kv_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+    "norm_eps": 1e-5, "attention_bias": False, "mlp_bias": False,
+}
+
+LLAMA_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": _TINY,
+    "1b": {**_LLAMA3, "hidden_size": 2048, "intermediate_size": 8192, "num_layers": 16, "num_heads": 32,
+           "head_dim": 64, "rope_scaling": _LLAMA32_ROPE, "tie_word_embeddings": True},  # Llama-3.2-1B
+    "3b": {**_LLAMA3, "hidden_size": 3072, "intermediate_size": 8192, "num_layers": 28, "num_heads": 24,
+           "head_dim": 128, "rope_scaling": _LLAMA32_ROPE, "tie_word_embeddings": True},  # Llama-3.2-3B
+    "8b": {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_layers": 32, "num_heads": 32,
+           "head_dim": 128, "rope_scaling": _LLAMA31_ROPE, "tie_word_embeddings": False},  # Llama-3.1-8B
+}
+
+_MISTRAL7B: dict[str, Any] = {
+    "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336, "num_layers": 32, "num_heads": 32,
+    "num_kv_heads": 8, "head_dim": 128, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "rope_scaling": None, "norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None,
+}
+
+MISTRAL_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {**_TINY, "tie_word_embeddings": False, "sliding_window": 16},
+    "7b": _MISTRAL7B,  # Mistral-7B-v0.3 (full attention)
+    "7b-v0.1": {**_MISTRAL7B, "vocab_size": 32000, "rope_theta": 10000.0, "sliding_window": 4096},
+}

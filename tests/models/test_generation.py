@@ -1,0 +1,50 @@
+"""KV-cached generation matches transformers' greedy decoding and repeats under a seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttune.generation import generate, next_token
+from posttune.testing.tiny import tiny_hf_model, tiny_llama_config, tiny_mistral_config
+
+PROMPT = [5, 17, 300, 42, 7, 99]
+
+
+@pytest.mark.parametrize("config", [
+    tiny_llama_config(),
+    tiny_llama_config(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16, "rope_theta": 500000.0}),
+    tiny_mistral_config(sliding_window=8),  # 6 + 20 tokens: decoding runs well past the window
+], ids=["llama_gqa", "llama3_tied", "mistral_window"])
+def test_greedy_matches_transformers_token_for_token(config, to_native):
+    hf_model = tiny_hf_model(config)
+    model = to_native(hf_model)
+    expected = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False,
+                                 eos_token_id=config.eos_token_id, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert generate(model, PROMPT, max_new_tokens=20, eos_token_ids=(config.eos_token_id,)) == expected
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_llama):
+    runs = [generate(tiny_llama, PROMPT, max_new_tokens=12, temperature=1.0, seed=seed) for seed in (0, 0, 1)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(tiny_llama):
+    greedy = generate(tiny_llama, PROMPT, max_new_tokens=8)
+    assert generate(tiny_llama, PROMPT, max_new_tokens=8, temperature=1.0, top_k=1, seed=3) == greedy
+    assert generate(tiny_llama, PROMPT, max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=3) == greedy
+
+
+def test_generation_stops_after_the_first_eos_token(tiny_llama):
+    free = generate(tiny_llama, PROMPT, max_new_tokens=8)
+    assert generate(tiny_llama, PROMPT, max_new_tokens=8, eos_token_ids=(free[2],)) == free[:3]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    generator = torch.Generator().manual_seed(0)
+    seen = {int(next_token(logits, temperature=1.0, top_p=0.8, generator=generator)) for _ in range(200)}
+    assert seen == {0, 1}

@@ -1,0 +1,146 @@
+"""The llama and mistral families match transformers' logits on the same weights (DESIGN §1.3)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import posttune_llama
+from posttune.errors import PosttuneError
+from posttune.testing.tiny import tiny_hf_model, tiny_llama_config, tiny_mistral_config
+
+FP32_TOLERANCE = 1e-4
+#: bf16 carries 8 significant bits, so one ulp is 2**-8 ~= 3.9e-3 for |x| in [0.5, 1), where this
+#: tiny model's logits lie. Both implementations round at different points (SDPA vs eager
+#: softmax) and land about one ulp apart; the bound allows 2.5 ulps. The native model must also
+#: be no further from the fp32 logits than transformers' own bf16 run is, give or take one ulp.
+BF16_TOLERANCE = 1e-2
+BF16_ULP = 2**-8
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+
+CONFIGS = {
+    "mha": lambda: tiny_llama_config(num_key_value_heads=4),
+    "gqa": lambda: tiny_llama_config(num_key_value_heads=2),
+    "mqa": lambda: tiny_llama_config(num_key_value_heads=1),
+    "tied_embeddings": lambda: tiny_llama_config(tie_word_embeddings=True),
+    "llama3_rope": lambda: tiny_llama_config(rope_parameters=dict(LLAMA3_ROPE)),
+    "attention_and_mlp_bias": lambda: tiny_llama_config(attention_bias=True, mlp_bias=True),
+    "explicit_head_dim": lambda: tiny_llama_config(head_dim=32),
+    "linear_rope": lambda: tiny_llama_config(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                              "rope_theta": 10000.0}),
+    # max_position_embeddings < sequence length, so dynamic NTK actually rescales
+    "dynamic_rope": lambda: tiny_llama_config(max_position_embeddings=16, rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    "yarn_rope": lambda: tiny_llama_config(max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
+    # 24 tokens through an 8-token window: the window really cuts attention off
+    "mistral_sliding_window": lambda: tiny_mistral_config(sliding_window=8),
+    "mistral_full_attention": lambda: tiny_mistral_config(sliding_window=None),
+}
+
+
+def _tokens(seq: int = 24, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, 512, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_match_transformers_fp32(name, to_native):
+    hf_model = tiny_hf_model(CONFIGS[name]())
+    model = to_native(hf_model)
+    ids = _tokens()
+    with torch.no_grad():
+        expected, got = hf_model(ids).logits, model(ids)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= FP32_TOLERANCE
+
+
+def test_hidden_states_are_what_the_output_head_reads(to_native):
+    model = to_native(tiny_hf_model(tiny_llama_config()))
+    ids = _tokens(8, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(model.output(model.hidden_states(ids)), model(ids))
+
+
+@pytest.mark.parametrize("name", ["gqa", "mistral_sliding_window"])
+def test_logits_match_transformers_bf16(name, to_native):
+    hf_model = tiny_hf_model(CONFIGS[name]())
+    ids = _tokens()
+    with torch.no_grad():
+        reference = hf_model(ids).logits
+        hf_model.to(torch.bfloat16)
+        model = to_native(hf_model)
+        expected, got = hf_model(ids).logits.float(), model(ids).float()
+    assert model.embed.weight.dtype == torch.bfloat16
+    assert (got - expected).abs().max().item() <= BF16_TOLERANCE
+    hf_error = (expected - reference).abs().max().item()
+    assert (got - reference).abs().max().item() <= hf_error + BF16_ULP
+
+
+@pytest.mark.parametrize("name", ["tied_embeddings", "attention_and_mlp_bias", "mistral_sliding_window"])
+def test_key_map_round_trips_every_tensor(name):
+    hf_model = tiny_hf_model(CONFIGS[name]())
+    config = hf_model.config.to_dict()
+    converter = {c.family: c for c in posttune_llama.CONVERTERS}[config["model_type"]]
+    for key, tensor in hf_model.state_dict().items():
+        native_key, native_tensor = converter.to_native(key, tensor, config)
+        hf_key, hf_tensor = converter.from_native(native_key, native_tensor, config)
+        assert hf_key == key and hf_tensor is tensor
+
+
+def test_converter_skips_cached_rotary_frequencies_and_refuses_foreign_tensors():
+    converter = posttune_llama.CONVERTERS[0]
+    assert converter.to_native("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(2), {}) is None
+    with pytest.raises(PosttuneError, match="vision_tower"):
+        converter.to_native("model.vision_tower.weight", torch.ones(2), {})
+
+
+@pytest.mark.parametrize("family", [posttune_llama.LLAMA, posttune_llama.MISTRAL], ids=lambda f: f.name)
+def test_to_hf_config_loads_in_transformers_and_reads_back(family, tmp_path):
+    for size, kwargs in family.sizes.items():
+        (tmp_path / "config.json").write_text(json.dumps(family.to_hf_config(kwargs)))
+        loaded = transformers.AutoConfig.from_pretrained(tmp_path)
+        assert loaded.architectures == list(family.architectures)
+        back = family.from_hf_config(loaded.to_dict())
+        assert {k: back[k] for k in kwargs} == kwargs, size
+
+
+def test_from_hf_config_reads_legacy_and_transformers5_rope_spellings():
+    base = tiny_llama_config().to_dict()
+    base.pop("rope_parameters")
+    legacy = {**base, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", "factor": 8.0,
+              "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}
+    current = {**base, "rope_parameters": dict(LLAMA3_ROPE)}
+    assert posttune_llama.LLAMA.from_hf_config(legacy) == posttune_llama.LLAMA.from_hf_config(current)
+    assert posttune_llama.LLAMA.from_hf_config(current)["rope_theta"] == 500000.0
+
+
+def test_unknown_rope_type_is_a_one_line_error():
+    config = {**tiny_llama_config().to_dict(), "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}
+    with pytest.raises(PosttuneError) as error:
+        posttune_llama.LLAMA.from_hf_config(config)
+    message = str(error.value)
+    assert "\n" not in message and "'longrope'" in message and "llama3" in message and "yarn" in message
+
+
+def test_plugin_registers_both_families_and_converters(register_plugin):
+    from posttune.plugins import get_registry
+
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    registry = get_registry()
+    assert registry.get("model_family", "llama").architectures == ("LlamaForCausalLM",)
+    assert registry.get("model_family", "mistral").architectures == ("MistralForCausalLM",)
+    assert {"llama:hf", "mistral:hf"} <= set(registry.names("checkpoint_converter"))
+
+
+def test_tp_plan_and_lora_targets_name_real_modules():
+    from fnmatch import fnmatch
+
+    family = posttune_llama.LLAMA
+    names = [name for name, _ in family.build(**family.sizes["tiny"]).named_modules()]
+    for pattern in (*family.tp_plan, *family.lora_targets):
+        assert any(fnmatch(name, pattern) for name in names), pattern
