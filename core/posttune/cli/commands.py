@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from posttune.cli import launch
+from posttune.cli import generate, launch
 from posttune.descriptors import Command, first_line
 from posttune.errors import PosttuneError, did_you_mean
 from posttune.plugins import PLUGIN_API, get_plugins, get_registry, hookimpl
@@ -192,6 +192,20 @@ def _run_download(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- posttune plot ---------------------------------------------------------------------------
+
+def _configure_plot(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("output_dir", help="a run's output directory (holds metrics.jsonl)")
+    parser.add_argument("--out", help="PNG to write (default: OUTPUT_DIR/loss.png)")
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from posttune.training.plot import plot_losses
+
+    print(plot_losses(args.output_dir, args.out))
+    return 0
+
+
 @hookimpl
 def posttune_register_commands(cli):
     cli(Command("plugins", "list installed plugins and what they register", _configure_plugins, _run_plugins))
@@ -202,5 +216,7 @@ def posttune_register_commands(cli):
     cli(Command("plan", "print the resolved plan in composition order", _configure_validate, _run_plan))
     cli(Command("train", "train from a config (torchrun options launch many processes)",
                 _configure_validate, _run_train))
+    cli(generate.COMMAND)
+    cli(Command("plot", "plot a run's train and validation loss to a PNG", _configure_plot, _run_plot))
     cli(Command("download", "download a checkpoint's weights, config and tokenizer", _configure_download,
                 _run_download))

@@ -1,7 +1,9 @@
 """posttune-template: the example third-party plugin.
 
 The module the entry point names is the plugin: it declares the plugin API it targets and
-implements registration hooks. Keep imports light here; build functions import torch when called.
+implements registration hooks. Keep imports light here: every `posttune` command imports this
+module, so torch is imported only when a model is built or a loss computed (see model.py and
+method.py), and `posttune plugins` stays fast.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 from posttune import hookimpl
 from posttune.descriptors import BundledConfig, Method, ModelFamily
 
-from posttune_template import method, model
+from posttune_template import method, model  # neither imports torch at import time
 
 POSTTUNE_PLUGIN_API = 1
 

@@ -1,7 +1,8 @@
 """A toy method: next-token cross-entropy summed over labelled tokens.
 
 It shows the method contract: the core's trainer owns the loop and normalises the loss by the
-token count across micro-batches and ranks, so ``loss`` returns a sum and the count.
+token count across micro-batches and ranks, so ``loss`` returns a sum and the count. Labels
+come pre-shifted from the core's data pipeline: ``labels[:, t]`` is the target of position t.
 """
 
 from __future__ import annotations
@@ -9,9 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import torch
-import torch.nn.functional as F
 
 from posttune.descriptors import LossOutput
 
@@ -27,14 +25,16 @@ def setup(session: Any) -> None:
     """Nothing to prepare: no reference model, no generator."""
 
 
-def batches(session: Any) -> Iterator[dict[str, torch.Tensor]]:
+def batches(session: Any) -> Iterator[dict[str, Any]]:
     """Micro-batches as the data pipeline prepared them (``input_ids`` and ``labels``)."""
     yield from session.train_data
 
 
-def loss(session: Any, batch: dict[str, torch.Tensor]) -> LossOutput:
-    logits = session.model(batch["input_ids"])[:, :-1]
-    labels = batch["labels"][:, 1:]
+def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
+    import torch.nn.functional as F
+
+    logits = session.model(batch["input_ids"])
+    labels = batch["labels"]
     smoothing = session.method_config.label_smoothing
     total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
                             ignore_index=IGNORE, reduction="sum", label_smoothing=smoothing)

@@ -36,11 +36,11 @@ def test_loss_is_the_summed_next_token_cross_entropy_over_labelled_tokens():
     torch.manual_seed(0)
     model = build(vocab_size=7, hidden_size=5)
     input_ids = torch.tensor([[1, 2, 3, 4], [5, 6, 1, 0]])
-    labels = torch.tensor([[-100, 2, 3, 4], [-100, -100, 1, -100]])
+    labels = torch.tensor([[2, 3, 4, -100], [-100, 1, -100, -100]])  # pre-shifted: the target of each position
     session = SimpleNamespace(model=model, method_config=ToyLMConfig())
     out = loss(session, {"input_ids": input_ids, "labels": labels})
     logits = model(input_ids)
-    expected = sum(F.cross_entropy(logits[b, t - 1], labels[b, t], reduction="sum")
-                   for b in range(2) for t in range(1, 4) if labels[b, t] != -100)
+    expected = sum(F.cross_entropy(logits[b, t], labels[b, t], reduction="sum")
+                   for b in range(2) for t in range(4) if labels[b, t] != -100)
     assert int(out.num_tokens) == 4
     torch.testing.assert_close(out.loss_sum, expected)

@@ -1,0 +1,53 @@
+"""`posttune generate`: complete a prompt with a checkpoint, KV-cached, greedy by default."""
+
+from __future__ import annotations
+
+import argparse
+
+from posttune.descriptors import Command
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF checkpoint directory or hub id")
+    parser.add_argument("--prompt", required=True, help="the text to complete")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    parser.add_argument("--adapter", help="a PEFT adapter directory to apply on top of the model")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
+    parser.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
+    parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from posttune.api import load_model, load_tokenizer
+    from posttune.generation import generate
+
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.adapter:
+        from posttune.adapters import load_peft_adapter
+
+        load_peft_adapter(model, args.adapter)
+    tokenizer = load_tokenizer(args.model)
+    if args.chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    else:
+        ids = tokenizer.encode(args.prompt)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        new = generate(model.eval(), torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                       eos_token_ids=tokenizer.eos_ids)
+    print(tokenizer.decode(new, skip_special_tokens=True))
+    if args.show_ids:
+        print(" ".join(map(str, new)))
+    return 0
+
+
+COMMAND = Command("generate", "complete a prompt with a checkpoint (KV cache; greedy unless --temperature)",
+                  configure, run)
