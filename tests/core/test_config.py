@@ -196,3 +196,15 @@ def test_requires_names_what_is_missing(requirement, message):
 def test_requires_rejects_an_invalid_specifier():
     with pytest.raises(ConfigError, match=r"config: requires\[1\]: invalid requirement 'posttune>>1'"):
         check_requires(["posttune", "posttune>>1"])
+
+
+def test_package_paths_resolve_inside_installed_packages():
+    from posttune.config.bundled import resolve_package_paths
+
+    raw = resolve_package_paths({"data": {"train": {"path": "package:posttune/builtin/datasets.py"}},
+                                 "model": {"path": "plain/dir"}})
+    assert raw["data"]["train"]["path"].endswith("posttune/builtin/datasets.py")
+    assert __import__("pathlib").Path(raw["data"]["train"]["path"]).is_file()
+    assert raw["model"]["path"] == "plain/dir"
+    with pytest.raises(ConfigError, match="config: tokenizer.path: package:nope_pkg/x: package 'nope_pkg' is not installed"):
+        resolve_package_paths({"tokenizer": {"path": "package:nope_pkg/x"}})

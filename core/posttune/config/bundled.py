@@ -1,8 +1,15 @@
-"""Find a config by path, or by the name of a bundled config that a plugin registered."""
+"""Find a config by path or bundled name; resolve ``package:`` paths inside it.
+
+Bundled configs point at files their plugin ships (a demo dataset, a tokenizer) as
+``package:posttune_llama/demo/reverse_train.jsonl``: the path inside an installed package,
+valid wherever the config is copied to with `posttune cp`.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from typing import Any
 
 from posttune.errors import PosttuneError, did_you_mean
 
@@ -24,3 +31,30 @@ def resolve_config_path(source: str | Path) -> Path:
             " (see `posttune ls configs`)"
         )
     return found.descriptor.path
+
+
+PACKAGE = "package:"
+#: config fields that hold paths (dotted); only these are resolved
+PATH_FIELDS = ("model.path", "tokenizer.path", "data.train.path", "data.validation.path")
+
+
+def resolve_package_paths(raw: dict[str, Any]) -> dict[str, Any]:
+    for dotted in PATH_FIELDS:
+        *parents, key = dotted.split(".")
+        node: Any = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key].startswith(PACKAGE):
+            node[key] = str(package_path(node[key], dotted))
+    return raw
+
+
+def package_path(value: str, where: str) -> Path:
+    """``package:pkg/sub/file`` -> the file inside installed package ``pkg``."""
+    package, _, inner = value[len(PACKAGE):].partition("/")
+    spec = importlib.util.find_spec(package) if package.isidentifier() else None
+    if spec is None or not spec.submodule_search_locations:
+        from posttune.errors import ConfigError
+
+        raise ConfigError(where, f"{value}: package '{package}' is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / inner

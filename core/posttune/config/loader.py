@@ -135,7 +135,7 @@ def _delete(config: dict[str, Any], parts: list[str]) -> None:
 
 def load_config(source: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """Raw config mapping from a file (or bundled config name) with overrides applied."""
-    from posttune.config.bundled import resolve_config_path
+    from posttune.config.bundled import resolve_config_path, resolve_package_paths
 
     data = load_yaml(resolve_config_path(source))
-    return apply_overrides(data, list(overrides or []))
+    return resolve_package_paths(apply_overrides(data, list(overrides or [])))

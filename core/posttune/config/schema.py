@@ -65,6 +65,8 @@ class TrainConfig:
     device: str = "auto"
     log_every: int = 1
     eval_every: int | None = None
+    sample_prompts: list[str] = field(default_factory=list)  # greedy completions shown before and after
+    sample_max_new_tokens: int = 32
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class CheckpointConfig:
     save_every: int | None = None
     keep_last: int | None = 2
     resume: str | None = None  # "latest" or a checkpoint path
+    save_merged: bool = False  # with an adapter: also write the merged HF model at the end
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,93 @@
-"""Training: the trainer loop arrives with the SFT issue; launching is wired here already."""
+"""Training: compose the session, run the loop, save the result (DESIGN §4, §5, §8).
+
+    plan -> compose(plan) -> samples before -> train(session) -> save final -> samples after
+"""
 
 from __future__ import annotations
 
-from posttune.errors import PosttuneError
+import json
+from pathlib import Path
+from typing import Any
 
 #: torchrun runs this module on every rank: it re-enters `posttune train` there.
 WORKER_MODULE = "posttune.training.worker"
 
 
-def run(plan) -> int:
-    raise PosttuneError(
-        "the trainer loop is not in this release yet; the config is valid — "
-        "`posttune plan` shows what would run"
-    )
+def run(plan: Any) -> int:
+    from posttune.training import distributed
+    from posttune.training.compose import compose
+    from posttune.training.trainer import train
+
+    session = compose(plan)
+    show = distributed.is_main()
+    before = sample(session)
+    summary = train(session)
+    outputs = save_final(session)
+    after = sample(session)
+    if show:
+        report(session, summary, outputs, before, after)
+    return 0
+
+
+def sample(session: Any) -> list[tuple[str, str]]:
+    """Greedy completions of ``train.sample_prompts``, rendered with the chat template."""
+    import torch
+
+    from posttune.generation import generate
+
+    prompts = session.config.train.sample_prompts
+    if not prompts:
+        return []
+    tokenizer, model = session.tokenizer, session.model
+    was_training = model.training
+    model.eval()
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = (tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+                   if tokenizer.chat_template else tokenizer.encode(prompt))
+            new = generate(model, torch.tensor([ids], device=session.device),
+                           max_new_tokens=session.config.train.sample_max_new_tokens,
+                           eos_token_ids=tokenizer.eos_ids)
+            results.append((prompt, tokenizer.decode(new, skip_special_tokens=True)))
+    model.train(was_training)
+    return results
+
+
+def save_final(session: Any) -> dict[str, str]:
+    """The trained model (or adapter, and the merged model if asked), and the loss plot."""
+    from posttune.training import distributed
+    from posttune.training.state import save_model_or_adapter
+
+    out = Path(session.config.checkpoint.output_dir)
+    outputs: dict[str, str] = {}
+    name = "adapter" if session.config.adapter is not None else "model"
+    outputs[name] = str(save_model_or_adapter(session, out / name)) if distributed.is_main() else ""
+    if session.config.adapter is not None and session.config.checkpoint.save_merged and distributed.is_main():
+        from posttune.adapters import merge_adapters
+        from posttune.checkpoint.hf_save import save_hf
+
+        merge_adapters(session.model)  # training is over: fold the adapters in, in place
+        outputs["model"] = str(save_hf(session.model, out / "model", tokenizer=session.tokenizer))
+    if distributed.is_main():
+        outputs["metrics"] = str(out / "metrics.jsonl")
+        try:
+            from posttune.training.plot import plot_losses
+
+            outputs["plot"] = str(plot_losses(out))
+        except Exception as exc:  # noqa: BLE001 - the plot is a convenience; training succeeded
+            outputs["plot"] = f"(not written: {exc})"
+    return outputs
+
+
+def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], before: list, after: list) -> None:
+    print("\n== summary ==")
+    print(json.dumps(summary, indent=2))
+    skipped = getattr(session.train_data, "skipped", None)
+    if skipped is not None and skipped.total:
+        print(f"data: skipped {skipped.bad_rows} bad row(s) and {skipped.untrained} sample(s) with no trained "
+              "token after truncation")
+    for key, value in outputs.items():
+        print(f"{key}: {value}")
+    for (prompt, old), (_, new) in zip(before, after):
+        print(f"\nprompt: {prompt}\n  before: {old!r}\n  after:  {new!r}")

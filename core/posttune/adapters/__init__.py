@@ -1,0 +1,39 @@
+"""Adapters: LoRA and DoRA for any registered model family, saved in PEFT's format.
+
+    from posttune.adapters import apply_adapters, init_adapters, save_peft_adapter
+
+    names = apply_adapters(model, targets=family.lora_targets, rank=16, alpha=32, kind="dora")
+    ...  # materialise + load base weights when built on the meta device, then:
+    init_adapters(model)
+    save_peft_adapter(model, "out/adapter")       # peft.PeftModel.from_pretrained loads it
+    merge_adapters(model); posttune.save_model(model, "out/merged")
+
+    lora.py         the adapted layer (LoRALinear), its math and its state-dict names
+    inject.py       apply / init / merge / disable adapters by module-name pattern
+    peft_format.py  adapter_config.json + adapter_model.safetensors, both ways
+"""
+
+from __future__ import annotations
+
+from posttune.adapters.inject import (
+    adapted_key,
+    adapted_modules,
+    adapter_state_dict,
+    adapters_disabled,
+    apply_adapters,
+    base_key,
+    freeze_base,
+    init_adapters,
+    is_adapter_key,
+    matches,
+    merge_adapters,
+    trainable_parameters,
+)
+from posttune.adapters.lora import KINDS, LoRALinear
+from posttune.adapters.peft_format import load_peft_adapter, save_peft_adapter
+
+__all__ = [
+    "KINDS", "LoRALinear", "adapted_key", "adapted_modules", "adapter_state_dict", "adapters_disabled",
+    "apply_adapters", "base_key", "freeze_base", "init_adapters", "is_adapter_key", "load_peft_adapter",
+    "matches", "merge_adapters", "save_peft_adapter", "trainable_parameters",
+]

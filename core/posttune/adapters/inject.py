@@ -1,0 +1,202 @@
+"""Put adapters into any model, generically: by module name, never by model type.
+
+The trainer's order (DESIGN §4) is: build on the meta device -> ``apply_adapters`` ->
+quantise / parallelise -> materialise and load base weights -> ``init_adapters``. On a real
+(non-meta) model ``apply_adapters`` initialises the adapters itself.
+
+State-dict names with adapters (see ``lora.py``): a base tensor gains one ``.base`` segment
+(``layers.0.attn.q_proj.weight`` -> ``layers.0.attn.q_proj.base.weight``); ``base_key`` undoes
+that, so a checkpoint loader maps native names with ``adapted_key`` / ``base_key``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import re
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from posttune.adapters.lora import BASE, KINDS, Kind, LoRALinear, adapter_parameter_names
+from posttune.errors import PosttuneError
+
+GLOB_CHARS = "*?["
+SHOWN = 6  # linear-layer names listed in an error line
+
+
+def apply_adapters(model: nn.Module, *, targets: Sequence[str], rank: int = 8, alpha: float = 16.0,
+                   dropout: float = 0.0, kind: Kind = "lora", dtype: torch.dtype | None = None) -> list[str]:
+    """Wrap every ``nn.Linear`` matching a pattern of ``targets`` in ``LoRALinear``; freeze the rest.
+
+    A pattern is an exact module name, a dotted suffix (``q_proj``, ``attn.q_proj``) or an
+    fnmatch glob over the name or a dotted suffix of it (``layers.*.mlp.*``, ``*_proj``).
+    Returns the adapted module names. Every pattern must match at least one linear layer:
+    a typo would otherwise silently train fewer layers than asked.
+    """
+    _check_settings(targets, rank, alpha, dropout, kind)
+    if adapted_modules(model):
+        raise PosttuneError("adapters: the model already has adapters; apply them once")
+    linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    chosen: list[str] = []
+    for pattern in targets:
+        found = [name for name in linears if matches(name, pattern)]
+        if not found:
+            raise PosttuneError(_unmatched(pattern, linears))
+        chosen.extend(name for name in found if name not in chosen)
+    chosen.sort(key=list(linears).index)
+    for name in chosen:
+        layer = LoRALinear(linears[name], rank=rank, alpha=alpha, dropout=dropout, kind=kind, dtype=dtype)
+        _replace(model, name, layer)
+    freeze_base(model)
+    return chosen
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether module ``name`` is what ``pattern`` (exact, dotted suffix, or glob) means."""
+    if name == pattern or name.endswith(f".{pattern}"):
+        return True
+    if any(c in pattern for c in GLOB_CHARS):
+        return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
+    return False
+
+
+def _check_settings(targets: Sequence[str], rank: int, alpha: float, dropout: float, kind: str) -> None:
+    if isinstance(targets, str) or not targets:
+        raise PosttuneError(f"adapters: targets must be a non-empty list of module-name patterns, got {targets!r}")
+    if not isinstance(rank, int) or rank < 1:
+        raise PosttuneError(f"adapters: rank must be a positive integer, got {rank!r}")
+    if not alpha > 0:
+        raise PosttuneError(f"adapters: alpha must be positive, got {alpha!r}")
+    if not 0 <= dropout < 1:
+        raise PosttuneError(f"adapters: dropout must be in [0, 1), got {dropout!r}")
+    if kind not in KINDS:
+        raise PosttuneError(f"adapters: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def _unmatched(pattern: str, linears: Iterable[str]) -> str:
+    """One line naming the pattern and the model's linear layers, generalised over layer index."""
+    shapes = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in linears))
+    listed = ", ".join(shapes[:SHOWN]) + (f" and {len(shapes) - SHOWN} more" if len(shapes) > SHOWN else "")
+    return f"adapters: target '{pattern}' matches no linear layer (linear layers: {listed or 'none'})"
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every adapted layer by module name, in model order."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+
+
+def is_adapter_key(key: str, model: nn.Module) -> bool:
+    """Whether a state-dict key of ``model`` is an adapter tensor (not a base tensor)."""
+    return key in _adapter_keys(model)
+
+
+def _adapter_keys(model: nn.Module) -> list[str]:
+    return [f"{name}.{param}" for name, layer in adapted_modules(model).items()
+            for param in adapter_parameter_names(layer)]
+
+
+def base_key(key: str) -> str:
+    """The base model's native key for a state-dict key of an adapted model.
+
+    ``layers.0.attn.q_proj.base.weight`` -> ``layers.0.attn.q_proj.weight``; other keys
+    are returned unchanged. (Native models have no module named ``base``.)
+    """
+    module, _, param = key.rpartition(".")
+    if module == BASE or module.endswith(f".{BASE}"):
+        return f"{module[:-len(BASE)]}{param}".lstrip(".")
+    return key
+
+
+def adapted_key(native_key: str, model: nn.Module) -> str:
+    """The state-dict key of ``model`` holding the base model's tensor ``native_key``."""
+    module, _, param = native_key.rpartition(".")
+    if module in adapted_modules(model):
+        return f"{module}.{BASE}.{param}"
+    return native_key
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Adapter tensors trainable, every other parameter frozen."""
+    trainable = {id(p) for layer in adapted_modules(model).values()
+                 for name, p in layer.named_parameters() if not name.startswith(f"{BASE}.")}
+    for param in model.parameters():
+        param.requires_grad_(id(param) in trainable)
+
+
+def init_adapters(model: nn.Module, generator: torch.Generator | None = None) -> list[str]:
+    """(Re)initialise every adapter: needed after a meta-device model got its base weights,
+    because DoRA's magnitude starts as the loaded weight's row norms. Returns the module names."""
+    layers = adapted_modules(model)
+    for name, layer in layers.items():
+        if layer.base.weight.device.type == "meta":
+            raise PosttuneError(f"adapters: '{name}' is still on the meta device; materialise and load "
+                                f"the base weights before init_adapters")
+        layer.reset_adapter(generator)
+    return list(layers)
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts, each shared (tied) tensor counted once."""
+    params = list(model.parameters())  # nn.Module.parameters() already skips duplicates
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapter tensors, under their native-model keys (``...q_proj.lora_A.weight``)."""
+    state = model.state_dict()
+    return {key: state[key] for key in _adapter_keys(model)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Run the base model without a second copy (DPO's reference model, KL to the base).
+
+    Inside the block every adapted layer computes exactly its base layer; the previous state
+    is restored on exit, also after an error.
+    """
+    layers = list(adapted_modules(model).values())
+    if not layers:
+        raise PosttuneError("adapters_disabled: the model has no adapters (apply_adapters first)")
+    previous = [layer.disabled for layer in layers]
+    for layer in layers:
+        layer.disabled = True
+    try:
+        yield model
+    finally:
+        for layer, state in zip(layers, previous):
+            layer.disabled = state
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> list[str]:
+    """Fold each adapter into its base weight in place and put the plain ``nn.Linear`` back.
+
+    The merged model has the base model's module names and state-dict keys, so
+    ``posttune.save_model`` writes it as an ordinary checkpoint. The base weights keep the
+    ``requires_grad`` flags ``apply_adapters`` gave them (frozen). A weight shared with
+    another module (a tied output head) cannot be merged: the embedding would change too.
+    """
+    layers = adapted_modules(model)
+    shared = _shared_parameters(model)
+    for name, layer in layers.items():
+        if id(layer.base.weight) in shared:
+            raise PosttuneError(f"adapters: cannot merge into '{name}': its weight is shared with another "
+                                f"module (tied embeddings); save the adapter instead")
+    for name, layer in layers.items():
+        layer.base.weight.copy_(layer.merged_weight())
+        _replace(model, name, layer.base)
+    return list(layers)
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        seen[id(param)] = seen.get(id(param), 0) + 1
+    return {key for key, count in seen.items() if count > 1}

@@ -1,0 +1,143 @@
+"""One adapted linear layer: LoRA (Hu et al. 2021) and DoRA (Liu et al. 2024).
+
+``LoRALinear`` wraps a frozen ``nn.Linear`` and keeps it, untouched, as its child ``base``::
+
+    layers.0.attn.q_proj.base.weight      the base weight (frozen), native name + ".base"
+    layers.0.attn.q_proj.base.bias        (when the layer has one)
+    layers.0.attn.q_proj.lora_A.weight    [rank, in]   kaiming-uniform
+    layers.0.attn.q_proj.lora_B.weight    [out, rank]  zeros, so a fresh adapter changes nothing
+    layers.0.attn.q_proj.magnitude        [out]        DoRA only: row norms of the base weight
+
+Why a child and not a subclass of ``nn.Linear``: the base layer stays a plain ``nn.Linear``
+(FSDP2, tensor parallelism and quantisation see the module type they expect), and the base
+model's own state-dict key is recovered by dropping one ``.base`` segment (``base_key``).
+``lora_A``/``lora_B`` are ``nn.Linear`` too, so tensor parallelism can shard ``lora_B`` like
+the base layer and replicate ``lora_A``.
+
+LoRA:  ``y = base(x) + s * B(A(dropout(x)))`` with ``s = alpha / rank``.
+
+DoRA, as PEFT computes it: the weight is ``m * V / ||V||_row`` with ``V = W + s * B @ A`` and
+the norm detached from the graph (section 4.3 of the paper), so::
+
+    y = base(x) + (m / ||V|| - 1) * W x' + (m / ||V||) * s * B(A(x'))      x' = dropout(x)
+
+which, without dropout, is exactly ``F.linear(x, m * V / ||V||, bias)``. The magnitude ``m``
+starts as ``||W||_row`` so a fresh DoRA adapter changes nothing either.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Kind = Literal["lora", "dora"]
+KINDS: tuple[str, ...] = ("lora", "dora")
+BASE = "base"  # the child holding the wrapped nn.Linear
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update (see the module docstring)."""
+
+    def __init__(self, base: nn.Linear, *, rank: int, alpha: float, dropout: float = 0.0,
+                 kind: Kind = "lora", dtype: torch.dtype | None = None):
+        super().__init__()
+        weight = base.weight
+        dtype = dtype or weight.dtype
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=weight.device, dtype=dtype)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=weight.device, dtype=dtype)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.magnitude = (nn.Parameter(torch.empty(base.out_features, device=weight.device, dtype=dtype))
+                          if kind == "dora" else None)
+        self.rank, self.alpha, self.dropout_p, self.kind = rank, float(alpha), float(dropout), kind
+        self.scaling = self.alpha / rank
+        self.disabled = False  # set by adapters_disabled(): the layer is then exactly ``base``
+        self.train(base.training)  # an adapter added to a model in eval mode must not drop out
+        if weight.device.type != "meta":
+            self.reset_adapter()
+
+    # Read-only views of the base layer, for code written against nn.Linear.
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    @torch.no_grad()
+    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
+        """A from kaiming-uniform (as nn.Linear and PEFT), B from zeros, DoRA m from ``||W||_row``.
+
+        Needs the real base weight: called at construction, or by ``init_adapters`` once a
+        model built on the meta device has its weights loaded.
+        """
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
+        nn.init.zeros_(self.lora_B.weight)
+        if self.magnitude is not None:
+            self.magnitude.copy_(row_norm(self.base.weight, self.lora_delta()))
+
+    def lora_delta(self) -> torch.Tensor:
+        """``s * B @ A`` in the adapter's dtype: the update to the base weight, shape [out, in]."""
+        return self.scaling * (self.lora_B.weight @ self.lora_A.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base(x)
+        if self.disabled:
+            return result
+        dtype = self.lora_A.weight.dtype
+        if self.magnitude is None:
+            update = self.lora_B(self.lora_A(self.dropout(x).to(dtype)))
+            return result + (self.scaling * update).to(result.dtype)
+        return result + self._dora_update(x, result).to(result.dtype)
+
+    def _dora_update(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        weight = self.base.weight
+        dtype = self.lora_A.weight.dtype
+        if isinstance(self.dropout, nn.Identity) or not self.training:
+            # W x is already in ``result``: reuse it rather than a second matmul.
+            base_out = result if self.base.bias is None else result - self.base.bias
+            xd = x
+        else:
+            xd = self.dropout(x)
+            base_out = F.linear(xd, weight)
+        norm = row_norm(weight, self.lora_delta().detach()).detach()
+        scale = (self.magnitude / norm).to(dtype)
+        update = self.lora_B(self.lora_A(xd.to(dtype)))
+        return (scale - 1) * base_out.to(dtype) + scale * self.scaling * update
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """The single weight this layer computes with (dropout aside), in the base dtype."""
+        weight = self.base.weight
+        delta = self.lora_delta().to(weight.dtype)
+        merged = weight.float() + delta.float()
+        if self.magnitude is not None:
+            merged = merged * (self.magnitude.float() / merged.norm(dim=1)).unsqueeze(1)
+        return merged.to(weight.dtype)
+
+    def extra_repr(self) -> str:
+        drop = f", dropout={self.dropout_p}" if self.dropout_p else ""
+        return f"kind={self.kind}, rank={self.rank}, alpha={self.alpha:g}{drop}"
+
+
+def row_norm(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``||W + delta||`` per output row (DoRA's column norm of the [in, out] weight), W's dtype."""
+    return torch.linalg.vector_norm(weight + delta.to(weight.dtype), dim=1)
+
+
+def adapter_parameter_names(layer: LoRALinear) -> list[str]:
+    """The layer's own trainable tensors, relative to the layer: everything outside ``base``."""
+    return [name for name, _ in layer.named_parameters() if not name.startswith(f"{BASE}.")]

@@ -1,0 +1,135 @@
+"""`SFTLoader`: deterministic, shardable, resumable micro-batches for one epoch at a time.
+
+An *item* is one row of a batch: a single sample (padding) or a packed row of samples. Items
+are grouped into *global batches* of ``batch_size * world_size``; rank ``r`` takes items
+``r, r + world_size, ...`` of each, so ranks hold disjoint shares that together cover the epoch,
+and every rank yields the same number of micro-batches (an empty share of the last global batch
+becomes a placeholder batch without targets, see `collate.py`).
+
+Order: a map-style dataset is shuffled per epoch by a `torch.Generator` seeded from
+(seed, epoch), the same on every rank; a streaming dataset is read in order.
+
+Resume: ``position`` counts the global batches consumed in ``epoch``. A map-style loader
+recomputes the epoch's permutation and skips them; a streaming loader restarts the dataset at
+``rows`` (the first row after the last sample it handed out: with greedy packing that is also
+the start of the unfinished packed row), so the remaining batches equal the uninterrupted
+run's, bitwise, without re-tokenizing what was consumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from posttune.data.samples import Sample, SkipCounts
+from posttune.errors import PosttuneError
+
+Item = list[Sample]
+Batch = dict[str, torch.Tensor]
+
+
+class SFTLoader:
+    """Iterate micro-batches of one epoch; ``set_epoch``, ``state_dict``/``load_state_dict`` to resume.
+
+    Give either ``num_items`` and ``get_item`` (map-style) or ``open_stream(start_row)`` (streaming).
+    Iterating to the end advances to the next epoch, so ``for e in range(loader.epoch, epochs):
+    loader.set_epoch(e); for batch in loader: ...`` also works right after ``load_state_dict``.
+    """
+
+    def __init__(self, *, collate: Callable[[list[Item]], Batch], batch_size: int, seed: int = 0,
+                 shuffle: bool = True, rank: int = 0, world_size: int = 1, num_items: int | None = None,
+                 get_item: Callable[[int], Item] | None = None,
+                 open_stream: Callable[[int], Iterator[Item]] | None = None, skipped: SkipCounts | None = None):
+        if (open_stream is None) == (get_item is None or num_items is None):
+            raise ValueError("give either num_items and get_item (map-style) or open_stream (streaming)")
+        if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"bad batch_size={batch_size}, rank={rank}, world_size={world_size}")
+        self.collate, self.batch_size, self.seed = collate, batch_size, seed
+        self.shuffle = shuffle and open_stream is None  # a stream is consumed in order
+        self.rank, self.world_size = rank, world_size
+        self.num_items, self.get_item, self.open_stream = num_items, get_item, open_stream
+        self.skipped = skipped if skipped is not None else SkipCounts()
+        self.epoch, self.position, self.rows = 0, 0, 0
+
+    @property
+    def streaming(self) -> bool:
+        return self.open_stream is not None
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch on this rank (the same on every rank)."""
+        if self.num_items is None:
+            raise TypeError("a streaming SFTLoader has no len(): the number of batches is known only at the end")
+        return -(-self.num_items // self.global_batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning; the current epoch (e.g. just restored) is left where it is."""
+        if epoch != self.epoch:
+            self.epoch, self.position, self.rows = epoch, 0, 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        shares = self._stream_shares() if self.streaming else self._map_shares()
+        for share in shares:
+            self.position += 1  # before yielding: a checkpoint taken now must not replay this batch
+            yield self.collate(share)
+        self.set_epoch(self.epoch + 1)
+
+    def order(self, epoch: int | None = None) -> list[int]:
+        """The item order of an epoch (map-style): a permutation from (seed, epoch), or 0..n-1."""
+        assert self.num_items is not None
+        if not self.shuffle:
+            return list(range(self.num_items))
+        epoch = self.epoch if epoch is None else epoch
+        generator = torch.Generator().manual_seed(_mix(self.seed, epoch))
+        return torch.randperm(self.num_items, generator=generator).tolist()
+
+    def _map_shares(self) -> Iterator[list[Item]]:
+        assert self.get_item is not None
+        order, size = self.order(), self.global_batch_size
+        for start in range(self.position * size, len(order), size):
+            yield [self.get_item(i) for i in order[start:start + size][self.rank::self.world_size]]
+
+    def _stream_shares(self) -> Iterator[list[Item]]:
+        assert self.open_stream is not None
+        group: list[Item] = []
+        for item in self.open_stream(self.rows):
+            group.append(item)
+            if len(group) == self.global_batch_size:
+                yield self._share(group)
+                group = []
+        if group:
+            yield self._share(group)
+
+    def _share(self, group: list[Item]) -> list[Item]:
+        self.rows = group[-1][-1].row + 1
+        return group[self.rank::self.world_size]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands: plain ints, for the resumable checkpoint."""
+        return {"epoch": self.epoch, "position": self.position, "rows": self.rows, **self._identity(),
+                "skipped": self.skipped.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` was saved; refuses a state that would not mean the same batches."""
+        for key, mine in self._identity().items():
+            if state.get(key) != mine:
+                raise PosttuneError(f"cannot resume the data position: the checkpoint has {key}={state.get(key)}, "
+                                    f"this run has {mine} (the dataset, batch size x ranks or seed changed)")
+        self.epoch, self.position, self.rows = int(state["epoch"]), int(state["position"]), int(state["rows"])
+        for key, value in state.get("skipped", {}).items():
+            setattr(self.skipped, key, int(value))
+
+    def _identity(self) -> dict[str, Any]:
+        """What must not change between saving and resuming for a position to mean the same batches."""
+        return {"streaming": self.streaming, "num_items": self.num_items, "global_batch_size": self.global_batch_size,
+                "seed": self.seed if self.shuffle else None}
+
+
+def _mix(seed: int, epoch: int) -> int:
+    """One generator seed per (seed, epoch): distinct pairs give distinct seeds for any realistic values."""
+    return (seed * 1_000_003 + epoch) % (2**63)

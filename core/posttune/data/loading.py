@@ -1,0 +1,100 @@
+"""Dataset rows from a config: local json/jsonl/parquet/csv/txt files or folders, or a hub dataset.
+
+Everything goes through `datasets.load_dataset`, so local files and hub datasets behave the same
+(Arrow-backed map-style datasets, or `IterableDataset` with ``streaming: true``). A path that does
+not exist and does not look like a hub name is reported as a missing file, naming the config field.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from posttune.config.schema import DatasetConfig
+from posttune.errors import ConfigError
+
+#: file extension -> the `datasets` packaged builder that reads it
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+# "name" or "owner/name", as the hub spells dataset ids; anything else is meant as a local path
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def load_rows(config: DatasetConfig, *, where: str = "data.train") -> Any:
+    """The rows of one dataset: a `datasets.Dataset`, or an `IterableDataset` when streaming."""
+    path = Path(config.path).expanduser()
+    if path.exists():
+        builder, files = _local_files(path, where)
+        split = _local_split(config.split)
+        return _load(where, str(path), builder, data_files=files, split=split, streaming=config.streaming)
+    if path.suffix in BUILDERS or not _HUB_NAME.match(config.path):
+        raise ConfigError(f"{where}.path", f"no such file or directory {config.path!r}")
+    return _load(where, config.path, config.path, name=config.subset, split=config.split,
+                 streaming=config.streaming, hint="; no local file or directory has that name either")
+
+
+def _local_files(path: Path, where: str) -> tuple[str, list[str]]:
+    """The builder and the sorted data files of a file or a folder (searched recursively)."""
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDERS
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise ConfigError(f"{where}.path", f"{path} holds no {'/'.join(_extensions())} files")
+    builders = {BUILDERS.get(p.suffix) for p in files}
+    if None in builders:
+        raise ConfigError(f"{where}.path", f"cannot read {path.suffix or 'extension-less'} files "
+                                           f"(expected one of {', '.join(_extensions())})")
+    if len(builders) > 1:
+        raise ConfigError(f"{where}.path", f"{path} mixes file types ({', '.join(sorted(builders))}); "
+                                           f"keep one type per folder")
+    return builders.pop(), [str(p) for p in files]
+
+
+def _extensions() -> list[str]:
+    return [ext.lstrip(".") for ext in BUILDERS]
+
+
+def _local_split(split: str) -> str:
+    """Local files form one split, which `datasets` calls "train"; a slice (``train[:90%]``) is kept."""
+    return "train" + split[split.index("["):] if "[" in split else "train"
+
+
+def _load(where: str, shown: str, path: str, *, hint: str = "", **kwargs: Any) -> Any:
+    import datasets
+
+    quiet = Path(path).exists() or path in ("json", "csv", "parquet", "text")  # local: nothing to watch
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(path, **kwargs)
+    except Exception as exc:  # unreadable file, offline hub, unknown split: one line naming the dataset
+        problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        problem = f"could not load {shown!r} ({type(exc).__name__}: {problem}){hint}"
+        raise ConfigError(f"{where}.path", problem) from None
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()
+
+
+def check_columns(rows: Any, column_map: Mapping[str, str], where: str) -> None:
+    """Refuse a ``column_map`` naming a column the dataset lacks (when the columns are known up front)."""
+    columns = getattr(rows, "column_names", None)
+    if not columns:
+        return
+    for field, column in column_map.items():
+        if column not in columns:
+            raise ConfigError(f"{where}.column_map.{field}",
+                              f"the dataset has no column {column!r} (columns: {', '.join(columns)})")
+
+
+def rename(row: Mapping[str, Any], column_map: Mapping[str, str]) -> Mapping[str, Any]:
+    """A row with each mapped dataset column also available under the format's field name."""
+    if not column_map:
+        return row
+    renamed = dict(row)
+    for field, column in column_map.items():
+        renamed[field] = row.get(column)
+    return renamed

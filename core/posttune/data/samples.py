@@ -1,0 +1,167 @@
+"""Rows -> training samples: token ids and pre-shifted labels.
+
+Label convention (the trainer and every method rely on it): ``labels[t]`` is the target of
+position ``t``, i.e. the next token of the same sample when that token is trained on, else
+``IGNORE_INDEX``. The last position of a sample never has a target, so when samples are packed
+side by side no position predicts the first token of the next document, and a loss is plain
+``cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from posttune.data.loading import rename
+from posttune.descriptors import DatasetFormat
+from posttune.errors import PosttuneError
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One tokenized row: ``ids`` and ``labels`` (int64, same length) and the dataset row it came from."""
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    row: int
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+
+@dataclass
+class SkipCounts:
+    """Rows left out of training, for the trainer's end-of-run report.
+
+    ``bad_rows``: the format could not read the row (``skip_bad_rows: true``); ``untrained``: no
+    token was left to train on after truncation to ``max_seq_len``. A row is counted once even when
+    a streaming dataset is read again (next epoch, resume): ``upto`` is the first row not yet counted.
+    """
+
+    bad_rows: int = 0
+    untrained: int = 0
+    upto: int = 0
+
+    def record(self, kind: str, row: int) -> None:
+        if row >= self.upto:
+            setattr(self, kind, getattr(self, kind) + 1)
+            self.upto = row + 1
+
+    @property
+    def total(self) -> int:
+        return self.bad_rows + self.untrained
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def shift_labels(ids: Sequence[int], trained: Sequence[bool]) -> list[int]:
+    """``labels[t] = ids[t + 1]`` where token t+1 is trained on, else IGNORE_INDEX; the last is ignored."""
+    labels = [ids[t + 1] if trained[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)]
+    return labels + [IGNORE_INDEX] if ids else []
+
+
+class SampleMaker:
+    """Turns dataset rows into (ids, labels) with a format and a tokenizer, reporting bad rows by index."""
+
+    def __init__(self, fmt: DatasetFormat, tokenizer: Any, *, max_seq_len: int, train_on_input: bool = False,
+                 skip_bad_rows: bool = False, column_map: Mapping[str, str] | None = None,
+                 where: str = "data.train", skipped: SkipCounts | None = None):
+        if fmt.kind != "sft":
+            raise PosttuneError(f"{where}: format '{fmt.name}' gives {fmt.kind} rows; SFT data needs an sft format "
+                                f"(alpaca, chat, text, ...)")
+        self.fmt, self.tokenizer = fmt, tokenizer
+        self.max_seq_len, self.train_on_input = max_seq_len, train_on_input
+        self.skip_bad_rows, self.column_map, self.where = skip_bad_rows, dict(column_map or {}), where
+        self.skipped = skipped if skipped is not None else SkipCounts()
+
+    def __call__(self, row: Mapping[str, Any], index: int) -> tuple[list[int], list[int]] | None:
+        """(ids, labels) of a row, or None when it is skipped (and counted)."""
+        try:
+            ids, trained = self._tokenize(self.fmt.transform(rename(row, self.column_map)))
+        except (KeyError, ValueError) as exc:
+            return self._bad(index, self._problem(exc))
+        except PosttuneError as exc:  # the chat template refused these messages
+            if getattr(self.tokenizer, "chat_template", True) is None:
+                raise PosttuneError(f"{self.where}: format '{self.fmt.name}' gives chat messages: {exc}") from None
+            return self._bad(index, str(exc))
+        if not any(trained[1:]):  # the first token is never a target
+            self.skipped.record("untrained", index)
+            return None
+        return ids, shift_labels(ids, trained)
+
+    def _tokenize(self, content: Any) -> tuple[list[int], list[bool]]:
+        if isinstance(content, str):  # completion-style text: every token is trained on
+            eos = self.tokenizer.eos_id
+            ids = list(self.tokenizer.encode(content)) + ([] if eos is None else [eos])
+            ids = ids[: self.max_seq_len]
+            return ids, [True] * len(ids)
+        ids, trained = self.tokenizer.tokenize_messages(content, train_on_input=self.train_on_input,
+                                                        max_seq_len=self.max_seq_len)
+        return list(ids), list(trained)
+
+    def _problem(self, exc: KeyError | ValueError) -> str:
+        if isinstance(exc, KeyError):
+            field = exc.args[0] if exc.args else "?"
+            column = self.column_map.get(field)
+            return f"missing field '{field}'" + (f" (column '{column}' in column_map)" if column else "")
+        return str(exc)
+
+    def _bad(self, index: int, problem: str) -> None:
+        if not self.skip_bad_rows:
+            raise PosttuneError(f"{self.where}: row {index}: {problem} "
+                                f"(set data.skip_bad_rows: true to skip such rows)")
+        self.skipped.record("bad_rows", index)
+        return None
+
+    def samples(self, rows: Iterable[Mapping[str, Any]], *, start: int = 0) -> Iterable[Sample]:
+        """Lazily: the samples of ``rows``, numbered from ``start`` (for streaming datasets)."""
+        for index, row in enumerate(rows, start):
+            made = self(row, index)
+            if made is not None:
+                yield Sample(torch.tensor(made[0], dtype=torch.long), torch.tensor(made[1], dtype=torch.long), index)
+
+
+class SampleStore:
+    """Every sample of a map-style dataset, tokenized once, as flat int32 tensors plus offsets.
+
+    Flat storage keeps memory near 8 bytes per token (Python lists of ints take ~10x that), so an
+    epoch never re-tokenizes and a large dataset still fits.
+    """
+
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor):
+        self.ids, self.labels, self.offsets, self.rows = ids, labels, offsets, rows
+
+    @classmethod
+    def build(cls, rows: Iterable[Mapping[str, Any]], make: SampleMaker) -> SampleStore:
+        ids, labels, offsets, kept = array("i"), array("i"), array("q", [0]), array("q")
+        for index, row in enumerate(rows):
+            made = make(row, index)
+            if made is None:
+                continue
+            ids.extend(made[0])
+            labels.extend(made[1])
+            offsets.append(len(ids))
+            kept.append(index)
+        return cls(_tensor(ids, torch.int32), _tensor(labels, torch.int32), _tensor(offsets, torch.int64),
+                   _tensor(kept, torch.int64))
+
+    def __len__(self) -> int:
+        return self.rows.numel()
+
+    def length(self, index: int) -> int:
+        return int(self.offsets[index + 1] - self.offsets[index])
+
+    def __getitem__(self, index: int) -> Sample:
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return Sample(self.ids[start:end].long(), self.labels[start:end].long(), int(self.rows[index]))
+
+
+def _tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
+    return torch.frombuffer(values, dtype=dtype).clone() if len(values) else torch.zeros(0, dtype=dtype)

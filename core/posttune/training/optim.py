@@ -1,0 +1,76 @@
+"""Optimizers and learning-rate schedules from the `train:` section.
+
+A name (`adamw`, `adam`, `sgd`) or a `_component_` mapping; schedules `constant`, `linear`,
+`cosine` (each with linear warmup) or a `_component_` mapping. Weight decay applies to
+matrices only: biases and norm scales are not decayed, as in most LLM recipes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from posttune.config.components import instantiate
+from posttune.config.schema import TrainConfig
+from posttune.errors import ConfigError, did_you_mean
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+}
+
+
+def param_groups(params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters split into decayed (2-D and up) and not decayed (1-D) groups."""
+    decay, no_decay = [], []
+    for _, param in params:
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig) -> torch.optim.Optimizer:
+    groups = param_groups(named_params, train.weight_decay)
+    if not groups:
+        raise ConfigError("train", "the model has no trainable parameters")
+    if isinstance(train.optimizer, dict):
+        return instantiate(train.optimizer, groups, where="train.optimizer", lr=train.lr)
+    factory = OPTIMIZERS.get(train.optimizer)
+    if factory is None:
+        raise ConfigError("train.optimizer", f"unknown optimizer '{train.optimizer}' (known: "
+                                             f"{', '.join(OPTIMIZERS)}, or a _component_ mapping)"
+                                             f"{did_you_mean(train.optimizer, OPTIMIZERS)}")
+    return factory(groups, lr=train.lr)
+
+
+def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
+    """Multiplier of the base LR at optimizer step ``step`` (0-based)."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, total_steps: int) -> Any:
+    if isinstance(train.scheduler, dict):
+        return instantiate(train.scheduler, optimizer, where="train.scheduler")
+    if train.scheduler not in SCHEDULES:
+        raise ConfigError("train.scheduler", f"unknown schedule '{train.scheduler}' (known: {', '.join(SCHEDULES)}, "
+                                             f"or a _component_ mapping){did_you_mean(train.scheduler, SCHEDULES)}")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train.scheduler, train.warmup_steps, total_steps))

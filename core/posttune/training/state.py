@@ -1,0 +1,125 @@
+"""Resumable checkpoints: the model (HF format, or a PEFT adapter) plus the trainer's state.
+
+    OUTPUT_DIR/checkpoints/step-00000040/
+        model/             HF checkpoint (full fine-tuning) or PEFT adapter (LoRA/DoRA)
+        optimizer.pt       optimizer state dict
+        scheduler.pt       LR scheduler state dict
+        rng.pt             torch and Python RNG states
+        trainer_state.json step, epoch, data position, the config it was written with
+
+Each checkpoint directory is written atomically (temp dir, fsync, rename), so one killed at
+any instant leaves only complete checkpoints behind; `resume: latest` takes the newest.
+Everything is read back with safetensors or ``torch.load(weights_only=True)``: no unpickling
+of arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttune.checkpoint.atomic import atomic_dir
+from posttune.errors import PosttuneError
+from posttune.session import Session
+from posttune.training import distributed
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_root(session: Session) -> Path:
+    return Path(session.config.checkpoint.output_dir) / CHECKPOINTS
+
+
+def save_checkpoint(session: Session) -> Path:
+    """Write step ``session.step``'s checkpoint and prune to ``keep_last``; return its path."""
+    target = checkpoint_root(session) / f"step-{session.step:08d}"
+    if distributed.is_main():
+        with atomic_dir(target, replaceable=(STATE_FILE,)) as tmp:
+            save_model_or_adapter(session, tmp / "model")
+            torch.save(session.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(session.scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(rng_state(), tmp / "rng.pt")
+            (tmp / STATE_FILE).write_text(json.dumps({
+                "step": session.step,
+                "epoch": session.state["epoch"],
+                "data": session.train_data.state_dict(),
+            }, indent=2))
+        prune(checkpoint_root(session), session.config.checkpoint.keep_last)
+    return target
+
+
+def save_model_or_adapter(session: Session, directory: Path) -> Path:
+    """The model as the run trains it: a PEFT adapter with LoRA/DoRA, else the full HF checkpoint."""
+    if session.config.adapter is not None:
+        from posttune.adapters.peft_format import save_peft_adapter
+
+        return save_peft_adapter(session.model, directory)
+    from posttune.checkpoint.hf_save import save_hf
+
+    return save_hf(session.model, directory, tokenizer=session.tokenizer)
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (temp dirs of a killed save are ignored)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def prune(root: Path, keep_last: int | None) -> None:
+    """Keep the newest ``keep_last`` checkpoints; remove temp dirs that a killed save left behind."""
+    for torn in root.glob(".step-*"):
+        shutil.rmtree(torn, ignore_errors=True)
+    if keep_last is None:
+        return
+    for old in checkpoints(root)[:-keep_last] if keep_last > 0 else checkpoints(root):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def find_resume(session: Session) -> Path | None:
+    """The checkpoint `checkpoint.resume` names: `latest` (None if there is none yet) or a path."""
+    resume = session.config.checkpoint.resume
+    if resume is None:
+        return None
+    if resume == "latest":
+        found = checkpoints(checkpoint_root(session))
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise PosttuneError(f"checkpoint.resume: {path} is not a posttune checkpoint (no {STATE_FILE})")
+    return path
+
+
+def load_trainer_state(session: Session, path: Path) -> None:
+    """Restore optimizer, scheduler, RNG, data position and step from checkpoint ``path``."""
+    meta = json.loads((path / STATE_FILE).read_text())
+    session.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    session.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    session.train_data.load_state_dict(meta["data"])
+    session.step = meta["step"]
+    session.state["epoch"] = meta["epoch"]
+    set_rng_state(torch.load(path / "rng.pt", weights_only=True))

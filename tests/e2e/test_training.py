@@ -1,0 +1,121 @@
+"""`posttune train` end to end on a tiny Llama: full fine-tuning, LoRA, streaming, bad rows, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from posttune.config import load_config, validate
+from posttune.plan import resolve_plan
+from posttune.plugins import get_registry
+from posttune.training.compose import compose
+from posttune.training.metrics import read_metrics as metrics
+from posttune.training.trainer import train
+
+
+
+def session_for(config_path: Path, *overrides: str):
+    plan = resolve_plan(validate(load_config(config_path, list(overrides))), get_registry())
+    return compose(plan)
+
+
+def test_accumulation_gives_the_gradients_of_the_larger_batch(llama_sft, write_config):
+    """batch 4 x accumulation 1 == batch 1 x accumulation 4 on sequences of different lengths."""
+    path = write_config(train={"optimizer": "sgd", "lr": 1.0, "max_grad_norm": None, "max_steps": 1,
+                               "weight_decay": 0.0})
+    updates = []
+    for batch, accumulation in ((4, 1), (1, 4)):
+        session = session_for(path, f"train.batch_size={batch}", f"train.grad_accum_steps={accumulation}")
+        before = {n: p.detach().clone() for n, p in session.model.named_parameters()}
+        lengths = {int((b["labels"] != -100).sum()) for b in session.train_data}
+        train(session)
+        updates.append({n: before[n] - p.detach() for n, p in session.model.named_parameters()})
+    assert len(lengths) > 1  # the micro-batches really differ in trained tokens
+    for name, delta in updates[0].items():
+        torch.testing.assert_close(updates[1][name], delta, atol=1e-6, rtol=0, msg=name)
+
+
+def test_full_fine_tuning_writes_metrics_and_an_hf_checkpoint(llama_sft, posttune_cli, write_config, tmp_path):
+    path = write_config(train={"epochs": 2, "eval_every": 3, "sample_prompts": ["Reverse: ABC"],
+                               "sample_max_new_tokens": 4},
+                        checkpoint={"save_every": 4, "keep_last": 1})
+    result = posttune_cli("train", str(path), f"data.validation.path={tmp_path / 'train.jsonl'}",
+                          "data.validation.format=chat")
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "out"
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_memory_mib"} <= set(records[0])
+    assert sum(1 for r in records if "val_loss" in r) == 4
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000008"]  # saves at 4 and 8, keeps 1
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    assert hf.config.vocab_size == 384
+    assert (out / "model" / "tokenizer.json").is_file()
+    assert "before:" in result.stdout and "after:" in result.stdout and '"steps": 12' in result.stdout
+    generated = posttune_cli("generate", "--model", str(out / "model"), "--prompt", "Reverse: ABC", "--chat")
+    assert generated.exit_code == 0, generated.stderr
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_adapter_run_saves_a_peft_adapter_and_the_merged_model(llama_sft, posttune_cli, write_config, tmp_path,
+                                                              kind):
+    path = write_config(adapter={"kind": kind, "rank": 4, "alpha": 8}, train={"max_steps": 3, "lr": 1e-2},
+                        checkpoint={"save_merged": True})
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    adapter = tmp_path / "out" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
+    assert config["use_dora"] is (kind == "dora")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+    assert merged.config.vocab_size == 384
+
+
+def test_streaming_dataset_trains(llama_sft, posttune_cli, write_config, tmp_path):
+    path = write_config(train={"max_steps": 4}, data={"train": {"path": str(tmp_path / "train.jsonl"),
+                                                                 "format": "chat", "streaming": True}})
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    assert [r["step"] for r in metrics(tmp_path / "out")] == [1, 2, 3, 4]
+
+
+def test_streaming_without_max_steps_is_refused(llama_sft, posttune_cli, write_config, tmp_path):
+    path = write_config(data={"train": {"path": str(tmp_path / "train.jsonl"), "format": "chat", "streaming": True}})
+    result = posttune_cli("train", str(path))
+    assert result.stderr == ("posttune: error: config: train.max_steps: required with streaming data "
+                             "(the epoch length is unknown)\n")
+
+
+def test_bad_row_is_named_in_one_line(llama_sft, posttune_cli, write_config, tmp_path):
+    path = write_config()
+    rows = (tmp_path / "train.jsonl").read_text().splitlines()
+    rows[5] = json.dumps({"message": []})
+    (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 2
+    assert result.stderr.startswith("posttune: error: data.train: row 5: missing field 'messages'")
+    assert result.stderr.count("\n") == 1
+    skipped = posttune_cli("train", str(path), "data.skip_bad_rows=true", "train.max_steps=1")
+    assert skipped.exit_code == 0, skipped.stderr
+    assert "skipped 1 bad row" in skipped.stdout
+
+
+def test_plot_writes_a_png_of_the_losses(llama_sft, posttune_cli, write_config, tmp_path):
+    pytest.importorskip("matplotlib", reason="posttune plot needs the optional matplotlib extra")
+    path = write_config(train={"max_steps": 3})
+    assert posttune_cli("train", str(path)).exit_code == 0
+    png = tmp_path / "custom.png"
+    result = posttune_cli("plot", str(tmp_path / "out"), "--out", str(png))
+    assert result.exit_code == 0, result.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "out" / "loss.png").is_file()  # written at the end of training too
+
+
+def test_plot_of_a_folder_without_metrics_is_one_line(posttune_cli, tmp_path):
+    result = posttune_cli("plot", str(tmp_path))
+    assert result.exit_code == 2 and "no metrics.jsonl" in result.stderr

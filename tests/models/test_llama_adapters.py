@@ -1,0 +1,135 @@
+"""LoRA / DoRA on Llama against the reference implementations: transformers + peft, fp32.
+
+Adapters get random values (a fresh adapter is the identity and would prove nothing).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import posttune
+import posttune_llama
+from posttune.adapters import (
+    adapted_key,
+    adapter_state_dict,
+    adapters_disabled,
+    apply_adapters,
+    init_adapters,
+    load_peft_adapter,
+    merge_adapters,
+    save_peft_adapter,
+)
+from posttune.checkpoint import materialize as mat
+from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
+
+peft = pytest.importorskip("peft")
+
+IDS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+FP32_TOLERANCE = 1e-4
+TARGETS = list(posttune_llama.LORA_TARGETS)
+
+
+@pytest.fixture(autouse=True)
+def llama_plugin(register_plugin):
+    register_plugin(posttune_llama, name="llama", distribution="posttune-llama")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_hf_checkpoint(path, tiny_llama_config(tie_word_embeddings=True))
+    return path
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(IDS)
+    return (out.logits if hasattr(out, "logits") else out).float()
+
+
+def seeded_logits(model) -> torch.Tensor:
+    torch.manual_seed(5)
+    return logits(model)
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert (a - b).abs().max().item() <= FP32_TOLERANCE
+
+
+def adapted_llama(checkpoint, kind: str, seed: int = 1):
+    model = posttune.load_model(checkpoint)
+    apply_adapters(model, targets=TARGETS, rank=4, alpha=8, dropout=0.1, kind=kind)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, tensor in adapter_state_dict(model).items():
+            noise = torch.randn(tensor.shape, generator=generator) * 0.1
+            tensor.mul_(1.0 + noise) if key.endswith("magnitude") else tensor.copy_(noise)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_peft_loads_the_saved_adapter_with_posttune_logits(checkpoint, tmp_path, kind):
+    model = adapted_llama(checkpoint, kind)
+    save_peft_adapter(model, tmp_path / "adapter")
+    reference = peft.PeftModel.from_pretrained(hf_model(checkpoint), tmp_path / "adapter").eval()
+    assert reference.peft_config["default"].use_dora is (kind == "dora")
+    adapted = logits(model)
+    assert_close(adapted, logits(reference))
+    model.train(), reference.train()  # dropout too: same random draws in the same order as peft
+    assert_close(seeded_logits(model), seeded_logits(reference))
+    assert not torch.allclose(seeded_logits(model), adapted, atol=1e-3)
+    model.eval(), reference.eval()
+    with adapters_disabled(model), reference.disable_adapter():
+        assert (logits(model) - adapted).abs().max() > 1e-2
+        assert_close(logits(model), logits(reference))
+        assert_close(logits(model), logits(hf_model(checkpoint)))
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_merged_model_saves_as_a_checkpoint_transformers_loads(checkpoint, tmp_path, kind):
+    model = adapted_llama(checkpoint, kind)
+    adapted = logits(model)
+    merge_adapters(model)
+    posttune.save_model(model, tmp_path / "merged")
+    assert_close(logits(hf_model(tmp_path / "merged")), adapted)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_an_adapter_trained_with_peft_loads_into_posttune(checkpoint, tmp_path, kind):
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                             use_dora=kind == "dora", task_type="CAUSAL_LM")
+    reference = peft.get_peft_model(hf_model(checkpoint), config)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    reference.save_pretrained(tmp_path / "peft")
+    model = posttune.load_model(checkpoint)
+    names = load_peft_adapter(model, tmp_path / "peft")
+    assert names == [f"layers.{i}.{m}" for i in range(2) for m in ("attn.q_proj", "attn.v_proj", "mlp.down_proj")]
+    assert_close(logits(model), logits(reference.eval()))
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_meta_build_inject_materialise_load_init(checkpoint, kind):
+    loaded = posttune.load_model(checkpoint)
+    family = posttune_llama.LLAMA
+    kwargs = family.from_hf_config(loaded.posttune_origin.hf_config)
+    model = mat.build(family.build, kwargs, torch.float32, "meta")
+    apply_adapters(model, targets=TARGETS, rank=4, alpha=8, kind=kind)
+    mat.materialize(model, "cpu")
+    state = model.state_dict()
+    for key, tensor in loaded.state_dict().items():  # what the trainer's loader does, by adapted_key
+        state[adapted_key(key, model)].copy_(tensor)
+    mat.init_buffers(model)
+    init_adapters(model)
+    assert model.output.weight is model.embed.weight  # still tied
+    assert_close(logits(model.eval()), logits(loaded))
