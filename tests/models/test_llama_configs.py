@@ -27,3 +27,21 @@ def test_bundled_config_validates_and_shows_its_command(plugins, posttune_cli, n
     result = posttune_cli("validate", name)
     assert result.exit_code == 0, result.stderr
     assert name in posttune_cli("ls", "configs").stdout
+
+
+def test_plan_estimates_memory_from_a_meta_build(plugins, posttune_cli):
+    """Llama 3.1 8B has 8,030,261,248 parameters; bf16 weights + grads + two AdamW states = 8 bytes each."""
+    result = posttune_cli("plan", "llama-demo-reverse", "~model.build_overrides", "model.size=8b", "model.dtype=bf16")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-2] == "parameters: 8,030,261,248 (8,030,261,248 trainable)"
+    assert lines[-1].endswith("total 59.83 GiB")
+    lora = posttune_cli("plan", "llama-demo-reverse", "~model.build_overrides", "model.size=1b", "adapter.rank=16")
+    assert "parameters: 1,247,086,592 (11,272,192 trainable)" in lora.stdout  # Llama 3.2 1B + rank-16 LoRA
+
+
+def test_plan_without_network_still_prints_the_plan(plugins, posttune_cli):
+    result = posttune_cli("plan", "llama3.1-8b-lora")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines()[-1].startswith("memory estimate: not available (meta-llama/Llama-3.1-8B")
+    assert posttune_cli("plan", "llama3.1-8b-lora", "--no-estimate").stdout.splitlines()[-1].startswith("train")

@@ -139,6 +139,12 @@ def _configure_validate(parser: argparse.ArgumentParser) -> None:
     launch.add_torchrun_options(parser)
 
 
+def _configure_plan(parser: argparse.ArgumentParser) -> None:
+    _configure_validate(parser)
+    parser.add_argument("--no-estimate", action="store_true",
+                        help="skip the memory estimate (it reads the checkpoint's config.json)")
+
+
 def _run_validate(args: argparse.Namespace) -> int:
     plan = resolve(args, launch.world_size(args))
     print(f"{args.config}: valid ({plan.method.descriptor.name} on {plan.family.descriptor.name}, "
@@ -152,6 +158,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     what = max(len(step.what) for step in plan.steps)
     for step in plan.steps:
         print(f"{step.stage:<{width}}  {step.what:<{what}}  [{step.provider}]")
+    if not args.no_estimate:
+        from posttune.estimate import estimate
+
+        try:
+            print("\n".join(estimate(plan).lines()))
+        except PosttuneError as exc:  # e.g. a hub checkpoint while offline: the plan itself is fine
+            print(f"memory estimate: not available ({exc})")
     return 0
 
 
@@ -213,7 +226,8 @@ def posttune_register_commands(cli):
                 _configure_ls, _run_ls))
     cli(Command("cp", "copy a bundled config to edit", _configure_cp, _run_cp))
     cli(Command("validate", "check a config against the installed plugins", _configure_validate, _run_validate))
-    cli(Command("plan", "print the resolved plan in composition order", _configure_validate, _run_plan))
+    cli(Command("plan", "print the resolved plan in composition order, with a memory estimate",
+                _configure_plan, _run_plan))
     cli(Command("train", "train from a config (torchrun options launch many processes)",
                 _configure_validate, _run_train))
     cli(generate.COMMAND)
