@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from posttune.modules.attention import Attention, attention_mask
+from posttune.modules.attention import Attention, attention_mask, explicit_attention
 from posttune.modules.decoder import Decoder, DecoderLayer, default_positions
 from posttune.modules.kv_cache import KVCache, LayerCache
 from posttune.modules.mlp import GatedMLP
 from posttune.modules.rmsnorm import RMSNorm
-from posttune.modules.rope import ROPE_TYPES, RotaryEmbedding, apply_rotary, rope_frequencies, rope_type
+from posttune.modules.rope import (ROPE_TYPES, RotaryEmbedding, apply_rotary, rope_frequencies, rope_type,
+                                   split_rope_parameters)
+from posttune.modules.softcap import soft_cap
 
 
 def init_buffers(model: nn.Module) -> nn.Module:
@@ -31,6 +33,6 @@ def init_buffers(model: nn.Module) -> nn.Module:
 
 __all__ = [
     "ROPE_TYPES", "Attention", "Decoder", "DecoderLayer", "GatedMLP", "KVCache", "LayerCache", "RMSNorm",
-    "RotaryEmbedding", "apply_rotary", "attention_mask", "default_positions", "init_buffers",
-    "rope_frequencies", "rope_type",
+    "RotaryEmbedding", "apply_rotary", "attention_mask", "default_positions", "explicit_attention", "init_buffers",
+    "rope_frequencies", "rope_type", "soft_cap", "split_rope_parameters",
 ]

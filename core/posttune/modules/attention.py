@@ -5,10 +5,13 @@ documents, KV-cache offsets) and shared by every layer with the same window. Hea
 reshaped with ``-1`` so a tensor-parallel (colwise) shard of q/k/v, which holds fewer heads,
 runs unchanged.
 
-Hooks for later families: ``q_norm``/``k_norm`` are identities here (Qwen3 and Gemma3 put
-an RMSNorm over head_dim there) and ``scale`` overrides 1/sqrt(head_dim) (Gemma's
-query_pre_attn_scalar). Logit soft-capping (Gemma2) is not expressible in SDPA and would need
-flex attention; it is deliberately not built yet.
+Options families switch on: ``q_norm``/``k_norm`` are identities unless a family puts a
+norm over head_dim there; ``scale`` overrides 1/sqrt(head_dim); ``softcap`` bounds the scores
+with ``cap * tanh(s / cap)`` before masking and softmax. SDPA cannot express soft-capping, and
+flex attention has no backward on CPU, so a soft-capped layer runs ``explicit_attention``:
+the textbook computation (scores, mask, fp32 softmax, weighted sum), exact and differentiable
+everywhere, at the cost of materialising the [q, kv] score matrix. Layers without a cap keep
+SDPA's fused kernels.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttune.modules.flex_attention import FlexMask  # hook for flex attention
 from posttune.modules.kv_cache import LayerCache
 from posttune.modules.rope import apply_rotary
+from posttune.modules.softcap import soft_cap
 
 
 def attention_mask(q_len: int, kv_len: int, *, device: torch.device | str = "cpu",
@@ -54,7 +59,7 @@ class Attention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, *, bias: bool = False, out_bias: bool | None = None,
-                 sliding_window: int | None = None, scale: float | None = None):
+                 sliding_window: int | None = None, scale: float | None = None, softcap: float | None = None):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if num_heads % num_kv_heads:
@@ -63,6 +68,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim or hidden_size // num_heads
         self.sliding_window = sliding_window
         self.scale = scale
+        self.softcap = softcap
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
@@ -80,8 +86,13 @@ class Attention(nn.Module):
         k = apply_rotary(self.k_norm(k), cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
-                                             scale=self.scale, enable_gqa=q.shape[1] != k.shape[1])
+        if isinstance(mask, FlexMask):  # hook: flex attention (modules/flex_attention.py), e.g. context parallel
+            out = mask.attend(q, k, v, scale=self.scale)
+        elif self.softcap is not None:
+            out = explicit_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
+                                                 scale=self.scale, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _heads(self, projected: torch.Tensor) -> torch.Tensor:
@@ -91,4 +102,27 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{window}"
+        scale = f", scale={self.scale:g}" if self.scale is not None else ""
+        cap = f", softcap={self.softcap:g}" if self.softcap is not None else ""
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{window}{scale}{cap}"
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                       scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention written out, for what SDPA cannot fuse (soft-capped scores).
+
+    q [b, heads, q_len, d], k/v [b, kv_heads, kv_len, d]; ``mask`` is what ``attention_mask``
+    returns (None = causal, queries last). The softmax runs in fp32 and is cast back before the
+    weighted sum, as the reference implementations do, so bf16 rounds the same way.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = soft_cap(torch.matmul(q, k.transpose(-2, -1)) * scale, softcap)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    if mask is None and q_len > 1:
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)

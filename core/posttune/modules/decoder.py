@@ -3,10 +3,28 @@
 The native model contract every family returns from ``build``::
 
     logits = model(input_ids, positions=None, document_ids=None, kv_cache=None)  # [b, s, vocab]
-    hidden = model.hidden_states(input_ids, ...)  # final-normed [b, s, hidden]; logits = model.output(hidden)
+    hidden = model.hidden_states(input_ids, ...)  # final-normed [b, s, hidden]
+    logits = model.logits(hidden)  # == model.output(hidden) unless the model soft-caps logits
 
 Positions default to 0..s-1 (continuing from a KV cache's length); with ``document_ids`` they
 restart at 0 for each document of a packed row, and attention stays within each document.
+
+Options a family switches on (each off by default, so a plain pre-norm decoder pays nothing):
+
+- ``embed_scale``: the embedding output is multiplied by this constant, rounded to fp32 and then
+  to the embedding's dtype first (``sqrt(3072)`` becomes 55.5 in bf16; the checkpoints were
+  trained with the rounded value, and transformers rounds the same way).
+- ``local_rope``: layers whose attention has a sliding window take their cos/sin from this
+  RoPE instead of ``rope`` (local/global attention with two RoPE bases); full-attention
+  layers keep ``rope``.
+- ``logit_softcap``: ``forward`` returns ``cap * tanh(logits / cap)``. ``hidden_states`` is
+  unchanged, so the contract becomes ``logits = model.logits(hidden)``: code that forms logits
+  from hidden states itself (a chunked cross-entropy that never materialises the full logits)
+  must call ``model.logits(hidden_chunk)``, or apply
+  ``soft_cap(model.output(hidden_chunk), model.logit_softcap)`` per chunk; calling
+  ``model.output`` alone is only right when ``model.logit_softcap`` is None.
+- ``DecoderLayer`` post-norms: ``attn_post_norm`` / ``mlp_post_norm`` normalise a block's output
+  before it joins the residual ("sandwich" norms); identities by default.
 """
 
 from __future__ import annotations
@@ -19,37 +37,48 @@ from torch import nn
 from posttune.modules.attention import Attention, attention_mask
 from posttune.modules.kv_cache import KVCache, LayerCache
 from posttune.modules.rope import RotaryEmbedding
+from posttune.modules.softcap import soft_cap
 
 
 class DecoderLayer(nn.Module):
-    """``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``."""
+    """``x + attn_post_norm(attn(attn_norm(x)))`` then ``x + mlp_post_norm(mlp(mlp_norm(x)))``.
 
-    def __init__(self, attn: Attention, mlp: nn.Module, attn_norm: nn.Module, mlp_norm: nn.Module):
+    The post-norms are identities unless given (plain pre-norm, as Llama).
+    """
+
+    def __init__(self, attn: Attention, mlp: nn.Module, attn_norm: nn.Module, mlp_norm: nn.Module, *,
+                 attn_post_norm: nn.Module | None = None, mlp_post_norm: nn.Module | None = None):
         super().__init__()
         self.attn_norm = attn_norm
         self.attn = attn
+        self.attn_post_norm = attn_post_norm if attn_post_norm is not None else nn.Identity()
         self.mlp_norm = mlp_norm
         self.mlp = mlp
+        self.mlp_post_norm = mlp_post_norm if mlp_post_norm is not None else nn.Identity()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), cos, sin, mask, cache))
+        return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
 
 
 class Decoder(nn.Module):
     """A decoder-only language model assembled from blocks (see the module docstring for the contract)."""
 
     def __init__(self, embed: nn.Embedding, layers: Iterable[DecoderLayer], norm: nn.Module,
-                 rope: RotaryEmbedding, *, tie_word_embeddings: bool = False):
+                 rope: RotaryEmbedding, *, tie_word_embeddings: bool = False, embed_scale: float | None = None,
+                 local_rope: RotaryEmbedding | None = None, logit_softcap: float | None = None):
         super().__init__()
         self.embed = embed
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rope = rope
+        self.local_rope = local_rope
         vocab_size, hidden_size = embed.weight.shape
         self.output = nn.Linear(hidden_size, vocab_size, bias=False)
         self.tie_word_embeddings = tie_word_embeddings
+        self.embed_scale = embed_scale
+        self.logit_softcap = logit_softcap
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -65,16 +94,21 @@ class Decoder(nn.Module):
         if positions is None:
             positions = default_positions(batch, seq, start=start, document_ids=document_ids,
                                           device=input_ids.device)
-        cos, sin = self.rope(positions)
         x = self.embed(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, device=x.device).to(x.dtype)  # fp32, then x's dtype
         masks: dict[int | None, torch.Tensor | None] = {}  # one mask per distinct sliding window
+        rotations: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # (cos, sin) per RoPE in use
         for index, layer in enumerate(self.layers):
             window = layer.attn.sliding_window
             if window not in masks:
                 masks[window] = attention_mask(seq, start + seq, device=input_ids.device,
                                                document_ids=document_ids, sliding_window=window)
+            local = window is not None and self.local_rope is not None
+            if local not in rotations:
+                rotations[local] = (self.local_rope if local else self.rope)(positions)
             cache = kv_cache.layer(index) if kv_cache is not None else None
-            x = layer(x, cos, sin, masks[window], cache)
+            x = layer(x, *rotations[local], masks[window], cache)
         if kv_cache is not None:
             kv_cache.advance(seq)
         return self.norm(x)
@@ -82,7 +116,17 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, positions=positions, document_ids=document_ids, kv_cache=kv_cache)
-        return self.output(hidden)
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head over (some of) ``hidden_states``' rows, soft-capped if the model caps logits."""
+        return soft_cap(self.output(hidden), self.logit_softcap)
+
+    def extra_repr(self) -> str:
+        options = [f"embed_scale={self.embed_scale:g}"] if self.embed_scale is not None else []
+        if self.logit_softcap is not None:
+            options.append(f"logit_softcap={self.logit_softcap:g}")
+        return ", ".join(options)
 
 
 def default_positions(batch: int, seq: int, *, start: int = 0, document_ids: torch.Tensor | None = None,

@@ -1,6 +1,7 @@
 """Gated feed-forward (SwiGLU / GeGLU): ``down(act(gate(x)) * up(x))``.
 
-Llama, Mistral and Qwen use SiLU; Gemma uses the tanh approximation of GELU.
+Llama, Mistral and Qwen use SiLU; Gemma uses the tanh approximation of GELU. Exact (erf)
+GELU is there for checkpoints whose config.json asks for it by name.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
+    "gelu": F.gelu,
     "gelu_tanh": _gelu_tanh,
 }
 

@@ -106,6 +106,23 @@ def rope_type(scaling: Mapping[str, Any] | None) -> str:
     return name
 
 
+def split_rope_parameters(params: Mapping[str, Any] | None, *, theta: float | None = None,
+                          default_theta: float = 10000.0) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict or None) from one RoPE dict of a config.json, in either spelling.
+
+    transformers 5 keeps ``rope_theta`` inside ``rope_parameters``; older files carry it next to
+    ``rope_scaling`` (pass it as ``theta``). A legacy ``type`` key becomes ``rope_type``; plain
+    RoPE gives None; an unknown type is a one-line PosttuneError, raised before any weight loads.
+    """
+    params = dict(params or {})
+    value = params.pop("rope_theta", None) or theta or default_theta
+    name = rope_type(params)
+    params.pop("type", None)
+    if name == "default":
+        return float(value), None
+    return float(value), {**params, "rope_type": name}
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None, *,
                      max_position_embeddings: int = 2048, seq_len: int | None = None) -> Frequencies:
     """Inverse frequencies (fp32, CPU) and the factor cos/sin are multiplied by."""

@@ -1,0 +1,81 @@
+"""posttune-gemma: the ``gemma``, ``gemma2`` and ``gemma3`` model families and their HF checkpoint converters.
+
+Importing this package does not import torch (``posttune plugins`` stays fast); the model is
+built from core blocks only when ``build`` is called.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from posttune import hookimpl
+from posttune.descriptors import BundledConfig, CheckpointConverter, ModelFamily
+from posttune_gemma import config, hf
+from posttune_gemma.sizes import GEMMA2_SIZES, GEMMA3_SIZES, GEMMA_SIZES
+from posttune_gemma.tp_plan import GEMMA2_TP_PLAN, GEMMA_TP_PLAN
+
+POSTTUNE_PLUGIN_API = 1
+__version__ = "0.1.0"
+
+#: Default adapter targets (fnmatch patterns over native module names): every linear layer of
+#: every block, which QLoRA found necessary to match full fine-tuning.
+LORA_TARGETS: tuple[str, ...] = tuple(
+    f"layers.*.{name}" for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+)
+
+
+def build(**kwargs: Any) -> Any:
+    """``posttune_gemma.model.build``, imported on first use."""
+    from posttune_gemma.model import build as build_model
+
+    return build_model(**kwargs)
+
+
+def _family(name: str, sizes: Any, tp_plan: Any, description: str) -> ModelFamily:
+    return ModelFamily(
+        name=name, architectures=(config.ARCHITECTURES[name],),
+        from_hf_config=partial(config.from_hf_config, family=name), build=build,
+        to_hf_config=partial(config.to_hf_config, family=name), sizes=sizes, tp_plan=tp_plan,
+        lora_targets=LORA_TARGETS, description=description,
+    )
+
+
+GEMMA = _family("gemma", GEMMA_SIZES, GEMMA_TP_PLAN, "Gemma 2B, 7B (GemmaForCausalLM)")
+GEMMA2 = _family("gemma2", GEMMA2_SIZES, GEMMA2_TP_PLAN,
+                 "Gemma 2 (Gemma2ForCausalLM: soft-capping, alternating sliding-window layers)")
+GEMMA3 = _family("gemma3", GEMMA3_SIZES, GEMMA2_TP_PLAN,
+                 "Gemma 3 text (Gemma3ForCausalLM: q/k norms, local and global RoPE)")
+FAMILIES = (GEMMA, GEMMA2, GEMMA3)
+CONVERTERS = tuple(
+    CheckpointConverter(family=family.name, format="hf", to_native=partial(hf.to_native, family=family.name),
+                        from_native=partial(hf.from_native, family=family.name),
+                        description=f"Hugging Face {family.name} safetensors names (no RoPE permutation needed)")
+    for family in FAMILIES
+)
+
+
+@hookimpl
+def posttune_register_model_families(register):
+    for family in FAMILIES:
+        register(family)
+
+
+@hookimpl
+def posttune_register_checkpoint_converters(register):
+    for converter in CONVERTERS:
+        register(converter)
+
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+@hookimpl
+def posttune_register_configs(register):
+    """Every YAML in configs/, named by its file name; the description is its `description:` line."""
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        about = next((line.split(":", 1)[1].strip() for line in path.read_text().splitlines()
+                      if line.startswith("description:")), "")
+        register(BundledConfig(path.stem, path, about))

@@ -1,0 +1,73 @@
+"""Gemma checkpoints through the real files: transformers -> posttune -> transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import posttune
+import posttune_gemma
+from gemma_tiny import CONFIGS
+from posttune.testing.tiny import save_tiny_hf_checkpoint
+
+IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+FP32_TOLERANCE = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def gemma_plugin(register_plugin):
+    register_plugin(posttune_gemma, name="gemma", distribution="posttune-gemma")
+
+
+def transformers_logits(path_or_model) -> torch.Tensor:
+    model = path_or_model
+    if not isinstance(model, torch.nn.Module):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path_or_model, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def native_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).float()
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert (a - b).abs().max().item() <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["gemma_gqa", "gemma_mqa_untied", "gemma2_softcap_window",
+                                  "gemma3_local_global_rope", "gemma3_final_softcap_untied"])
+def test_sharded_checkpoint_loads_and_saves_back_with_transformers_logits(name, tmp_path):
+    reference = save_tiny_hf_checkpoint(tmp_path / "hf", CONFIGS[name](), max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    model = posttune.load_model(tmp_path / "hf")
+    assert_close(native_logits(model), transformers_logits(reference))
+    posttune.save_model(model, tmp_path / "out", max_shard_size="100KB")
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    assert_close(transformers_logits(tmp_path / "out"), transformers_logits(reference))
+
+
+def test_source_config_fields_survive_a_round_trip(tmp_path):
+    reference = save_tiny_hf_checkpoint(tmp_path / "hf", CONFIGS["gemma3_local_global_rope"]())
+    posttune.save_model(posttune.load_model(tmp_path / "hf"), tmp_path / "out")
+    before = json.loads((tmp_path / "hf" / "config.json").read_text())
+    after = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert after == before
+    assert_close(transformers_logits(tmp_path / "out"), transformers_logits(reference))
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
+def test_model_built_from_a_named_size_saves_as_a_transformers_checkpoint(family, tmp_path):
+    """No source config.json: the family's to_hf_config writes one transformers builds the same model from."""
+    model = posttune.build_model(family, "tiny", num_layers=3, **(
+        {} if family == "gemma" else {"layer_types": ("sliding_attention", "full_attention", "sliding_attention"),
+                                      "sliding_window": 8})).eval()
+    posttune.save_model(model, tmp_path / "out")
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")).__name__ == \
+        posttune_gemma.config.ARCHITECTURES[family]
+    assert_close(transformers_logits(tmp_path / "out"), native_logits(model))
