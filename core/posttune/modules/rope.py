@@ -123,6 +123,15 @@ def split_rope_parameters(params: Mapping[str, Any] | None, *, theta: float | No
     return float(value), {**params, "rope_type": name}
 
 
+def read_rope(config: Mapping[str, Any], family: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict or None) from a whole config.json: ``rope_parameters`` (transformers 5)
+    or ``rope_theta`` + ``rope_scaling`` (older files). Partial rotary embeddings are refused."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise PosttuneError(f"config.json: partial_rotary_factor is not supported by the {family} family")
+    return split_rope_parameters(params, theta=config.get("rope_theta"))
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None, *,
                      max_position_embeddings: int = 2048, seq_len: int | None = None) -> Frequencies:
     """Inverse frequencies (fp32, CPU) and the factor cos/sin are multiplied by."""

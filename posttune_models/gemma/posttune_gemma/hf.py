@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from posttune.errors import PosttuneError
+from posttune.checkpoint.keymap import LayeredKeyMap
 
 TOP_LEVEL = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "output"}
 _BLOCKS = {f"self_attn.{name}": f"attn.{name}" for name in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
@@ -27,38 +27,15 @@ PER_LAYER: dict[str, dict[str, str]] = {
     "gemma2": _GEMMA2,
     "gemma3": {**_GEMMA2, "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"},
 }
-HF_LAYERS, NATIVE_LAYERS = "model.layers.", "layers."
-#: tensors some checkpoints carry that the native model recomputes instead
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _rename(key: str, top: Mapping[str, str], per_layer: Mapping[str, str], prefix: str,
-            new_prefix: str) -> str | None:
-    module, _, param = key.rpartition(".")
-    if module in top:
-        return f"{top[module]}.{param}"
-    if module.startswith(prefix):
-        index, _, rest = module[len(prefix):].partition(".")
-        if index.isdigit() and rest in per_layer:
-            return f"{new_prefix}{index}.{per_layer[rest]}.{param}"
-    return None
+HINT = " multimodal Gemma 3 checkpoints need their text-only Gemma3ForCausalLM export"
+KEYS = {family: LayeredKeyMap(family, TOP_LEVEL, layer, hint=HINT) for family, layer in PER_LAYER.items()}
 
 
 def to_native(key: str, tensor: Any, hf_config: Mapping[str, Any], *, family: str) -> tuple[str, Any] | None:
     """(native key, tensor) for an HF tensor; None for one the native model does not keep."""
-    if key.endswith(IGNORED_SUFFIXES):
-        return None
-    native = _rename(key, TOP_LEVEL, PER_LAYER[family], HF_LAYERS, NATIVE_LAYERS)
-    if native is None:
-        raise PosttuneError(f"checkpoint tensor '{key}' is not part of a {family} model (is this the right family? "
-                            f"multimodal Gemma 3 checkpoints need their text-only Gemma3ForCausalLM export)")
-    return native, tensor
+    return KEYS[family].to_native(key, tensor, hf_config)
 
 
 def from_native(key: str, tensor: Any, hf_config: Mapping[str, Any], *, family: str) -> tuple[str, Any]:
     """(HF key, tensor) for a native tensor."""
-    per_layer = {native: hf for hf, native in PER_LAYER[family].items()}
-    hf_key = _rename(key, {native: hf for hf, native in TOP_LEVEL.items()}, per_layer, NATIVE_LAYERS, HF_LAYERS)
-    if hf_key is None:
-        raise PosttuneError(f"native tensor '{key}' has no Hugging Face name in the {family} family")
-    return hf_key, tensor
+    return KEYS[family].from_native(key, tensor, hf_config)

@@ -18,21 +18,6 @@ HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_ta
 NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
-def read_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling dict or None) from either spelling; an unknown RoPE type fails here, before launch."""
-    from posttune.modules.rope import rope_type  # torch is imported only when a config is read
-
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0)
-    name = rope_type(params)
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise PosttuneError("config.json: partial_rotary_factor is not supported by the llama family")
-    params.pop("type", None)
-    if name == "default":
-        return theta, None
-    return theta, {**params, "rope_type": name}
-
-
 def from_hf_config(config: Mapping[str, Any], family: str = "llama") -> dict[str, Any]:
     """Build kwargs for ``posttune_llama.model.build`` from a config.json dict."""
     def need(key: str) -> Any:
@@ -45,7 +30,9 @@ def from_hf_config(config: Mapping[str, Any], family: str = "llama") -> dict[str
     if act not in HF_ACTIVATIONS:
         raise PosttuneError(f"config.json: hidden_act '{act}' is not supported by the {family} family "
                             f"(supported: {', '.join(sorted(HF_ACTIVATIONS))})")
-    theta, scaling = read_rope(config)
+    from posttune.modules.rope import read_rope  # torch is imported only when a config is read
+
+    theta, scaling = read_rope(config, family)
     kwargs = {
         "vocab_size": need("vocab_size"),
         "hidden_size": hidden_size,

@@ -10,10 +10,7 @@ embedding's parameter and is filled by ``model.embed_tokens.weight``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from posttune.errors import PosttuneError
+from posttune.checkpoint.keymap import LayeredKeyMap
 
 TOP_LEVEL = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "output"}
 PER_LAYER = {
@@ -27,41 +24,7 @@ PER_LAYER = {
     "mlp.up_proj": "mlp.up_proj",
     "mlp.down_proj": "mlp.down_proj",
 }
-HF_LAYERS, NATIVE_LAYERS = "model.layers.", "layers."
-#: tensors some checkpoints carry that the native model recomputes instead
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _rename(key: str, top: Mapping[str, str], per_layer: Mapping[str, str], prefix: str,
-            new_prefix: str) -> str | None:
-    module, _, param = key.rpartition(".")
-    if module in top:
-        return f"{top[module]}.{param}"
-    if module.startswith(prefix):
-        index, _, rest = module[len(prefix):].partition(".")
-        if index.isdigit() and rest in per_layer:
-            return f"{new_prefix}{index}.{per_layer[rest]}.{param}"
-    return None
-
-
-_NATIVE_TOP = {v: k for k, v in TOP_LEVEL.items()}
-_NATIVE_PER_LAYER = {v: k for k, v in PER_LAYER.items()}
-
-
-def to_native(key: str, tensor: Any, hf_config: Mapping[str, Any]) -> tuple[str, Any] | None:
-    """(native key, tensor) for an HF tensor; None for one the native model does not keep."""
-    if key.endswith(IGNORED_SUFFIXES):
-        return None
-    native = _rename(key, TOP_LEVEL, PER_LAYER, HF_LAYERS, NATIVE_LAYERS)
-    if native is None:
-        raise PosttuneError(f"checkpoint tensor '{key}' is not part of a {hf_config.get('model_type', 'llama')} "
-                            f"model (is this the right family?)")
-    return native, tensor
-
-
-def from_native(key: str, tensor: Any, hf_config: Mapping[str, Any]) -> tuple[str, Any]:
-    """(HF key, tensor) for a native tensor."""
-    hf_key = _rename(key, _NATIVE_TOP, _NATIVE_PER_LAYER, NATIVE_LAYERS, HF_LAYERS)
-    if hf_key is None:
-        raise PosttuneError(f"native tensor '{key}' has no Hugging Face name in the llama family")
-    return hf_key, tensor
+#: llama and mistral checkpoints share one name map (the error names the checkpoint's model_type)
+KEYS = LayeredKeyMap("llama", TOP_LEVEL, PER_LAYER)
+to_native = KEYS.to_native
+from_native = KEYS.from_native

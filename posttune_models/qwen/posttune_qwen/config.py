@@ -24,21 +24,6 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 DEFAULT_HEAD_DIM = {"qwen3": 128}
 
 
-def read_rope(config: Mapping[str, Any], family: str) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling dict or None) from either spelling; an unknown RoPE type fails here, before launch."""
-    from posttune.modules.rope import rope_type  # torch is imported only when a config is read
-
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0)
-    name = rope_type(params)
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise PosttuneError(f"config.json: partial_rotary_factor is not supported by the {family} family")
-    params.pop("type", None)
-    if name == "default":
-        return theta, None
-    return theta, {**params, "rope_type": name}
-
-
 def read_sliding(config: Mapping[str, Any], num_layers: int) -> tuple[int | None, tuple[str, ...] | None]:
     """(window, per-layer kinds) as transformers 5 resolves them; (None, None) when no layer slides."""
     window = config.get("sliding_window") if config.get("use_sliding_window") else None
@@ -68,6 +53,8 @@ def from_hf_config(config: Mapping[str, Any], family: str = "qwen2") -> dict[str
     if act not in ("silu", "swish"):
         raise PosttuneError(f"config.json: hidden_act '{act}' is not supported by the {family} family "
                             f"(supported: silu)")
+    from posttune.modules.rope import read_rope  # torch is imported only when a config is read
+
     theta, scaling = read_rope(config, family)
     window, kinds = read_sliding(config, num_layers)
     kwargs = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from posttune.errors import PosttuneError
+from posttune.checkpoint.keymap import LayeredKeyMap
 
 TOP_LEVEL = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "output"}
 QWEN2_LAYER = {
@@ -29,46 +29,10 @@ QWEN2_LAYER = {
 }
 QWEN3_LAYER = {**QWEN2_LAYER, "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
 PER_LAYER = {"qwen2": QWEN2_LAYER, "qwen3": QWEN3_LAYER}
-HF_LAYERS, NATIVE_LAYERS = "model.layers.", "layers."
-#: tensors some checkpoints carry that the native model recomputes instead
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
 Converter = Callable[[str, Any, Mapping[str, Any]], Any]
-
-
-def rename(key: str, top: Mapping[str, str], per_layer: Mapping[str, str], prefix: str, new_prefix: str) -> str | None:
-    """``key`` with its module path mapped (top-level modules, or ``prefix``N.module); None if unknown."""
-    module, _, param = key.rpartition(".")
-    if module in top:
-        return f"{top[module]}.{param}"
-    if module.startswith(prefix):
-        index, _, rest = module[len(prefix):].partition(".")
-        if index.isdigit() and rest in per_layer:
-            return f"{new_prefix}{index}.{per_layer[rest]}.{param}"
-    return None
 
 
 def converters(family: str) -> tuple[Converter, Converter]:
     """(to_native, from_native) for ``family``'s checkpoints."""
-    layer = PER_LAYER[family]
-    native_top = {v: k for k, v in TOP_LEVEL.items()}
-    native_layer = {v: k for k, v in layer.items()}
-
-    def to_native(key: str, tensor: Any, hf_config: Mapping[str, Any]) -> tuple[str, Any] | None:
-        """(native key, tensor) for an HF tensor; None for one the native model does not keep."""
-        if key.endswith(IGNORED_SUFFIXES):
-            return None
-        native = rename(key, TOP_LEVEL, layer, HF_LAYERS, NATIVE_LAYERS)
-        if native is None:
-            raise PosttuneError(f"checkpoint tensor '{key}' is not part of a {family} model "
-                                f"(is this the right family?)")
-        return native, tensor
-
-    def from_native(key: str, tensor: Any, hf_config: Mapping[str, Any]) -> tuple[str, Any]:
-        """(HF key, tensor) for a native tensor."""
-        hf_key = rename(key, native_top, native_layer, NATIVE_LAYERS, HF_LAYERS)
-        if hf_key is None:
-            raise PosttuneError(f"native tensor '{key}' has no Hugging Face name in the {family} family")
-        return hf_key, tensor
-
-    return to_native, from_native
+    keys = LayeredKeyMap(family, TOP_LEVEL, PER_LAYER[family])
+    return keys.to_native, keys.from_native
