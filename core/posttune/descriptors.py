@@ -113,8 +113,10 @@ class ParallelPlan:
     order: int = 0  # lower runs first: TP/loss-parallel/CP before FSDP2
     requires: tuple[str, ...] = ()  # other plans that must be active
     conflicts: tuple[str, ...] = ()  # plans or memory techniques it cannot run with
-    validate: Validator | None = None
+    validate: Validator | None = None  # sees ``parallel.dims`` resolved against the world size
     description: str = ""
+    config: type | None = None  # dataclass validated from `parallel.options.<name>`; the instance
+    #                             is ``session.plan.parallel_options[name]`` when the plan runs
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,8 @@ class MemoryTechnique:
     saves: str = ""  # what memory it saves, shown by `posttune ls memory`
     validate: Validator | None = None
     description: str = ""
+    config: type | None = None  # dataclass validated from `memory_options.<name>`; the instance
+    #                             is ``session.plan.memory_options[name]`` when the technique runs
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ refuse an impossible run in a second, with one line naming the field or plugin.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,9 @@ from posttune.errors import ConfigError, UnknownNameError
 from posttune.registry import Registered, Registry
 
 CHECKPOINT_FORMAT = "hf"
+#: Canonical DeviceMesh order, outermost first: data parallel spans the slowest links (nodes),
+#: tensor parallel the fastest (within a node). Dimensions not named here go outermost.
+MESH_ORDER: tuple[str, ...] = ("dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class Plan:
     parallel: list[Registered] = field(default_factory=list)  # active plans, in order
     memory: list[Registered] = field(default_factory=list)
     mesh: dict[str, int] = field(default_factory=dict)
+    parallel_options: dict[str, Any] = field(default_factory=dict)  # plan name -> its ``config`` instance
+    memory_options: dict[str, Any] = field(default_factory=dict)  # technique name -> its ``config`` instance
     steps: list[Step] = field(default_factory=list)
 
 
@@ -65,14 +71,35 @@ def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | Non
                      for i, n in enumerate(config.parallel.plans)]
     plan.memory = [_get(registry, "memory_technique", n, f"memory[{i}]") for i, n in enumerate(config.memory)]
     _check_pairs(plan, registry)
+    plan.parallel_options = _parallel_options(config, plan.parallel)
+    plan.memory_options = _memory_options(config, plan.memory)
     plan.mesh = _mesh(config, plan.parallel, world_size)
     if plan.world_size == 1:
         plan.parallel = []  # one process: the same config runs with the plans inactive
+    # Plans see the degrees this launch resolved (a -1 replaced by the rest of the world).
+    resolved = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dims=dict(plan.mesh)))
     for item in [method, *plan.parallel, *plan.memory]:
         if item.descriptor.validate is not None:
-            item.descriptor.validate(config)
+            item.descriptor.validate(resolved if isinstance(item.descriptor, ParallelPlan) else config)
     plan.steps = _steps(plan)
     return plan
+
+
+def model_kwargs(config: RunConfig, registry: Registry | None = None) -> dict[str, Any]:
+    """The family's build kwargs for this config (config.json or a named size, overrides on top).
+
+    For plans that check shapes before launch (e.g. heads divisible by the TP degree).
+    """
+    if registry is None:
+        from posttune.plugins import get_registry
+
+        registry = get_registry()
+    family = _family(config, registry).descriptor
+    if config.model.path is not None:
+        base = family.from_hf_config(read_hf_config(config.model.path))
+    else:
+        base = dict(family.sizes[config.model.size])
+    return {**base, **config.model.build_overrides}
 
 
 def _get(registry: Registry, kind: str, name: str, where: str) -> Registered:
@@ -131,9 +158,37 @@ def _list_for(name: str, registry: Registry) -> str:
     return "parallel.plans" if name in plans else "memory"
 
 
+def _parallel_options(config: RunConfig, plans: list[Registered]) -> dict[str, Any]:
+    """`parallel.options.<plan>` checked against the plan's ``config`` dataclass (defaults if absent)."""
+    active = {p.descriptor.name: p for p in plans}
+    for name in config.parallel.options:
+        if name not in active:
+            listed = ", ".join(active) or "none"
+            raise ConfigError(f"parallel.options.{name}", f"'{name}' is not in parallel.plans (listed: {listed})")
+        if active[name].descriptor.config is None:
+            raise ConfigError(f"parallel.options.{name}", f"plan '{name}' ({active[name].provenance}) takes no options")
+    return {name: from_dict(p.descriptor.config, config.parallel.options.get(name, {}), f"parallel.options.{name}")
+            for name, p in active.items() if p.descriptor.config is not None}
+
+
+def _memory_options(config: RunConfig, techniques: list[Registered]) -> dict[str, Any]:
+    """`memory_options.<technique>` checked against the technique's ``config`` dataclass (defaults if absent)."""
+    active = {t.descriptor.name: t for t in techniques}
+    for name in config.memory_options:
+        if name not in active:
+            listed = ", ".join(active) or "none"
+            raise ConfigError(f"memory_options.{name}", f"'{name}' is not in memory (listed: {listed})")
+        if active[name].descriptor.config is None:
+            raise ConfigError(f"memory_options.{name}", f"memory technique '{name}' ({active[name].provenance}) "
+                                                        "takes no options")
+    return {name: from_dict(t.descriptor.config, config.memory_options.get(name, {}), f"memory_options.{name}")
+            for name, t in active.items() if t.descriptor.config is not None}
+
+
 def _mesh(config: RunConfig, plans: list[Registered], world_size: int | None) -> dict[str, int]:
-    """Mesh dimension -> degree. One ``-1`` (or an owned dimension left out) takes the rest."""
+    """Mesh dimension -> degree, outermost first. One ``-1`` (or an owned dimension left out) takes the rest."""
     owners = {p.descriptor.mesh_dim: p.descriptor.name for p in plans if p.descriptor.mesh_dim}
+    owners = dict(sorted(owners.items(), key=lambda item: _mesh_rank(item[0])))
     for dim in config.parallel.dims:
         if dim not in owners:
             owned = ", ".join(f"{d} ({n})" for d, n in owners.items()) or "none"
@@ -155,6 +210,10 @@ def _mesh(config: RunConfig, plans: list[Registered], world_size: int | None) ->
     if free:
         dims[free[0]] = world_size // fixed
     return dims
+
+
+def _mesh_rank(dim: str) -> int:
+    return MESH_ORDER.index(dim) if dim in MESH_ORDER else -1
 
 
 def _steps(plan: Plan) -> list[Step]:

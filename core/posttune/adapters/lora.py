@@ -84,7 +84,14 @@ class LoRALinear(nn.Module):
         Needs the real base weight: called at construction, or by ``init_adapters`` once a
         model built on the meta device has its weights loaded.
         """
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
+        weight_a = self.lora_A.weight
+        if hasattr(weight_a, "device_mesh"):  # sharded (FSDP2/TP): draw the whole matrix, keep this rank's part
+            from posttune.checkpoint.hf_load import copy_into
+
+            full = torch.empty(weight_a.shape, dtype=weight_a.dtype, device=weight_a.device)
+            copy_into(weight_a, nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator))
+        else:
+            nn.init.kaiming_uniform_(weight_a, a=math.sqrt(5), generator=generator)
         nn.init.zeros_(self.lora_B.weight)
         if self.magnitude is not None:
             self.magnitude.copy_(row_norm(self.base.weight, self.lora_delta()))

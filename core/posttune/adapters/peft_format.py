@@ -49,11 +49,14 @@ Convert = Callable[[str, torch.Tensor, Mapping[str, Any]], Any]
 
 
 def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
-                      base_model_name_or_path: str | None = None) -> Path:
+                      base_model_name_or_path: str | None = None,
+                      state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Write the model's adapters so ``peft.PeftModel.from_pretrained(hf_model, out_dir)`` loads them.
 
     ``base_model_name_or_path`` defaults to where the model was loaded from (its origin).
     Atomic, like ``save_model``: ``out_dir`` holds the old adapter or the complete new one.
+    ``state_dict`` (adapter tensors by model key, e.g. gathered from FSDP2/TP shards) replaces
+    the layers' own tensors.
     """
     layers = adapted_modules(model)
     if not layers:
@@ -66,6 +69,7 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
     for name, layer in layers.items():
         rows = _row_map(converter.from_native, f"{name}.weight", layer.base.weight, hf_config)
         for suffix, tensor in _layer_tensors(layer).items():
+            tensor = state_dict[f"{name}.{suffix}"] if state_dict is not None else tensor
             value = rows(tensor) if suffix in ROW_INDEXED else tensor
             tensors[f"{PREFIX}{hf_names[name]}.{PEFT_SUFFIX[suffix]}"] = value.detach().to("cpu").contiguous()
     config = {

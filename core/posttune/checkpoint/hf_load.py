@@ -198,7 +198,7 @@ class _Loader:
                 raise PosttuneError(f"{self.where}: unexpected tensor {_label(entry.name, key)} in "
                                     f"{shard.name}: the model has no such weight")
             self._check_shape(entry.name, shard, key, value)
-            _copy_into(self.targets[key], value)
+            copy_into(self.targets[key], value)
             self.loaded.add(self._key(key))
 
     def _in_place(self, entry: Entry) -> torch.Tensor | None:
@@ -258,7 +258,7 @@ def base_key(key: str) -> str:
 
 
 @torch.no_grad()
-def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy a full tensor into a parameter; a DTensor parameter takes its own shard of it.
 
     Every rank reads the same file, so the shard is cut locally (``src_data_rank=None``): no

@@ -38,15 +38,21 @@ UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def save_hf(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None,
-            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """Write ``model`` (built by posttune) as an HF checkpoint at ``out_dir``; return the path."""
+            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+            state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """Write ``model`` (built by posttune) as an HF checkpoint at ``out_dir``; return the path.
+
+    ``state_dict`` replaces the model's own tensors, for a sharded model whose full state was
+    gathered first (``posttune.training.distributed.full_state_dict``); the model still gives
+    the family, config and tied weights.
+    """
     from posttune.plugins import get_registry
 
     origin = origin_of(model)
     registry = get_registry()
     family: ModelFamily = registry.get("model_family", origin.family)
     converter: CheckpointConverter = registry.get("checkpoint_converter", f"{origin.family}:{FORMAT}")
-    tensors = native_tensors(model)
+    tensors = native_tensors(model, state_dict)
     config = hf_config_for(origin, family, tensors.values())
     planned, native_of = _plan(tensors, converter, config)
     shards = split_shards(planned, parse_size(max_shard_size))
@@ -68,12 +74,19 @@ def save_hf(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None,
     return Path(out_dir)
 
 
-def native_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def native_tensors(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None
+                   ) -> dict[str, torch.Tensor]:
     """The state to save, each tensor once: a tied weight is kept under its first name only.
 
     transformers drops tied duplicates (``lm_head.weight`` when ``tie_word_embeddings``) the
-    same way and re-ties them on load.
+    same way and re-ties them on load. A gathered ``state_dict`` holds copies, so its tied
+    duplicates are found by the model's tie groups instead of by identity.
     """
+    if state_dict is not None:
+        from posttune.checkpoint.materialize import tie_groups
+
+        duplicates = {name for group in tie_groups(model) for name in group[1:]}
+        return {name: tensor for name, tensor in state_dict.items() if name not in duplicates}
     seen: set[int] = set()
     kept: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from posttune.errors import PosttuneError
+
 #: torchrun options `posttune train` accepts, with the argparse settings for each.
 TORCHRUN_OPTIONS: dict[str, dict] = {
     "--nproc-per-node": {"metavar": "N", "help": "processes per node (torchrun)"},
@@ -52,8 +54,18 @@ def world_size(args: argparse.Namespace) -> int | None:
 
 
 def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) -> int:
-    """Start ``python -m module module_args`` on every rank through torchrun."""
-    from torch.distributed import run as torchrun
+    """Start ``python -m module module_args`` on every rank through torchrun.
 
-    torchrun.main([*torchrun_args(args), "-m", module, *module_args])
+    When a rank fails, torchrun stops the others; the first failure is reported in one line.
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.main([*torchrun_args(args), "-m", module, *module_args])
+    except ChildFailedError as exc:
+        rank, failure = min(exc.failures.items(), key=lambda item: item[1].timestamp)
+        message = failure.message if isinstance(failure.message, str) else str(failure.message)
+        raise PosttuneError(f"rank {rank} failed (exit code {failure.exitcode}): "
+                            f"{message.strip().splitlines()[-1] if message.strip() else 'no message'}") from None
     return 0

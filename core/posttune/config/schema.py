@@ -82,6 +82,7 @@ class AdapterConfig:
 class ParallelConfig:
     plans: list[str] = field(default_factory=list)
     dims: dict[str, int] = field(default_factory=dict)  # mesh dimension -> degree; -1: the rest
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # plan name -> its settings
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class RunConfig:
     adapter: AdapterConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: list[str] = field(default_factory=list)
+    memory_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # technique name -> its settings
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property

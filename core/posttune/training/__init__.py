@@ -11,6 +11,8 @@ from typing import Any
 
 #: torchrun runs this module on every rank: it re-enters `posttune train` there.
 WORKER_MODULE = "posttune.training.worker"
+#: ``session.state[BEFORE_FINAL_SAVE]``: callables ``(session) -> None`` run once before the final save.
+BEFORE_FINAL_SAVE = "before_final_save"
 
 
 def run(plan: Any) -> int:
@@ -61,8 +63,13 @@ def save_final(session: Any) -> dict[str, str]:
 
     out = Path(session.config.checkpoint.output_dir)
     outputs: dict[str, str] = {}
+    # Techniques that trained a stand-in for the exported model put the real one back first
+    # (QLoRA dequantises its NF4 base, QAT swaps in its quantised weights): callables(session).
+    for prepare in session.state.get(BEFORE_FINAL_SAVE, ()):
+        prepare(session)
     name = "adapter" if session.config.adapter is not None else "model"
-    outputs[name] = str(save_model_or_adapter(session, out / name)) if distributed.is_main() else ""
+    saved = save_model_or_adapter(session, out / name)  # every rank: a sharded model is gathered first
+    outputs[name] = str(saved) if distributed.is_main() else ""
     if session.config.adapter is not None and session.config.checkpoint.save_merged and distributed.is_main():
         from posttune.adapters import merge_adapters
         from posttune.checkpoint.hf_save import save_hf

@@ -135,9 +135,13 @@ def run_stage(session: Session, stage: str) -> None:
 def load_weights(session: Session, resume_from: Path | None) -> None:
     """Materialise the model and fill it: checkpoint weights, or a seeded random initialisation."""
     model, config = session.model, session.config
-    mat.materialize(model, session.device)
-    if resume_from is not None and config.adapter is None:
-        source: str | None = str(resume_from / "model")  # full fine-tuning resumes its own weights
+    # A plan may keep parameters elsewhere (FSDP2 CPU offload: "init_device" is "cpu").
+    mat.materialize(model, session.state.get("init_device", session.device))
+    # Full fine-tuning resumes its own weights; a sharded checkpoint restores them later, with the
+    # optimizer (state.load_trainer_state), so the model starts from its usual source here.
+    resumes_hf = resume_from is not None and (resume_from / "model").is_dir()
+    if resumes_hf and config.adapter is None:
+        source: str | None = str(resume_from / "model")
     else:
         source = config.model.path
     if source is None:
@@ -153,19 +157,25 @@ def load_weights(session: Session, resume_from: Path | None) -> None:
         from posttune.adapters import init_adapters, load_peft_adapter
 
         init_adapters(model)
-        if resume_from is not None:
+        if resumes_hf:
             load_peft_adapter(model, resume_from / "model")
     model.train()
 
 
 @torch.no_grad()
 def random_init(model: nn.Module, seed: int) -> None:
-    """Linear and Embedding weights ~ N(0, 0.02), biases 0, norms their own reset; seeded."""
+    """Linear and Embedding weights ~ N(0, 0.02), biases 0, norms their own reset; seeded.
+
+    Every rank draws the same full tensors and a sharded (DTensor) weight keeps its own shard,
+    so a sharded model starts exactly where the single-process one does.
+    """
+    from posttune.checkpoint.hf_load import copy_into
+
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             weight = module.weight
-            weight.copy_(torch.randn(weight.shape, generator=generator, dtype=torch.float32) * INIT_STD)
+            copy_into(weight, torch.randn(weight.shape, generator=generator, dtype=torch.float32) * INIT_STD)
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
         elif callable(getattr(module, "reset_parameters", None)) and not list(module.children()):
@@ -176,8 +186,9 @@ def build_data(session: Session) -> None:
     from posttune.data import build_sft_loader
 
     data, train = session.config.data, session.config.train
-    kwargs = dict(data=data, tokenizer=session.tokenizer, seed=train.seed, rank=distributed.rank(),
-                  world_size=distributed.world_size(),
+    # Shard by the data-parallel coordinate: the TP/CP ranks of one data-parallel group read the same batch.
+    rank, world = distributed.data_rank(session.mesh)
+    kwargs = dict(data=data, tokenizer=session.tokenizer, seed=train.seed, rank=rank, world_size=world,
                   train_on_input=getattr(session.method_config, "train_on_input", False))
     session.train_data = build_sft_loader(data.train, fmt=session.plan.datasets["train"].descriptor,
                                           batch_size=train.batch_size, where="data.train", **kwargs)

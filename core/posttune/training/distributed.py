@@ -1,9 +1,25 @@
-"""Small wrappers so the trainer reads the same on one process and on many."""
+"""Small wrappers so the trainer reads the same on one process and on many.
+
+Ranks vs. data-parallel ranks: under tensor (``tp``) or context (``cp``) parallelism several
+ranks work on one batch. The data loader shards by the ``dp_shard`` coordinate of the mesh
+(ranks of one TP/CP group read the same batch); token counts and losses are summed over the
+ranks that see different tokens (``dp_shard`` and ``cp``), which is also the group FSDP2
+averages gradients over.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
 import torch
 import torch.distributed as dist
+
+DATA_DIM = "dp_shard"  # the mesh dimension that splits the batch
+#: mesh dimensions whose ranks see different tokens (summed over for the loss normalisation)
+TOKEN_DIMS: tuple[str, ...] = ("dp_shard", "cp")
 
 
 def active() -> bool:
@@ -22,12 +38,166 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum over ``group`` (a process group, or None for the whole world) in place."""
     if active():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor (e.g. the grad norm under FSDP2) as a plain tensor; plain tensors pass through."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+# ---- the mesh, by dimension name ------------------------------------------------------------
+
+def _dim_names(mesh: Any) -> tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+
+
+def data_rank(mesh: Any) -> tuple[int, int]:
+    """(coordinate, size) of this rank along ``dp_shard``: what the data loader shards by.
+
+    Without a mesh it is the process's rank in the world (one process: 0 of 1); a mesh without
+    ``dp_shard`` (pure TP or CP) has one data-parallel rank.
+    """
+    if mesh is None:
+        return rank(), world_size()
+    if DATA_DIM not in _dim_names(mesh):
+        return 0, 1
+    sub = mesh[DATA_DIM]
+    return sub.get_local_rank(), sub.size()
+
+
+def token_group(mesh: Any) -> tuple[Any, int]:
+    """(process group, size) over which losses and token counts are summed (see module docstring).
+
+    The group is None (the whole world) without a mesh; with a mesh where no dimension splits
+    the tokens (pure TP: every rank has the whole batch) the size is 1 and nothing is summed.
+    """
+    if mesh is None:
+        return None, world_size()
+    dims = tuple(d for d in TOKEN_DIMS if d in _dim_names(mesh))
+    if not dims:
+        return None, 1
+    sub = mesh[dims[0]] if len(dims) == 1 else flattened(mesh, dims)
+    return sub.get_group(), sub.size()
+
+
+def sum_over_token_ranks(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """Sum ``tensor`` in place over the ranks that hold different tokens (``token_group``)."""
+    group, size = token_group(mesh)
+    return all_reduce_sum(tensor, group) if size > 1 else tensor
+
+
+def flattened(mesh: Any, dims: tuple[str, ...]) -> Any:
+    """The sub-mesh over ``dims`` as one dimension named ``a_b`` (torch creates it once, then reuses it)."""
+    return mesh[dims]._flatten("_".join(dims))
+
+
+# ---- gradients -------------------------------------------------------------------------------
+
+def is_dtensor(tensor: Any) -> bool:
+    return hasattr(tensor, "device_mesh") and hasattr(tensor, "placements")
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for plain and DTensor gradients, even on different meshes.
+
+    Each mesh's gradients get their norm from torch (a DTensor norm needs its ranks' parts
+    reduced: ``full_tensor``), the norms are combined, and every gradient is scaled once.
+    """
+    params = [p for p in params if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for param in params:
+        by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+    norms = [full_value(torch.nn.utils.get_total_norm(grads, 2.0)).float() for grads in by_mesh.values()]
+    if not norms:
+        return torch.zeros(())
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+    if math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+# ---- contexts around a micro-batch's loss and backward -------------------------------------
+
+#: ``session.state[STEP_CONTEXTS]``: callables ``(session, batch) -> context manager``, entered
+#: around each micro-batch's forward, loss and backward (torch's ``loss_parallel`` and
+#: ``context_parallel`` must wrap both). Parallel plans append to it in ``apply``.
+STEP_CONTEXTS = "step_contexts"
+
+
+@contextlib.contextmanager
+def step_context(session: Any, batch: Any) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for make in session.state.get(STEP_CONTEXTS, ()):
+            stack.enter_context(make(session, batch))
+        yield
+
+
+#: how padding extends each [batch, seq] tensor of a micro-batch: a fill value, or a rule
+PAD_RULES: dict[str, Any] = {"input_ids": 0, "labels": -100, "document_ids": "new_document", "positions": "continue"}
+
+
+@contextlib.contextmanager
+def padded_sequence(batch: Any, multiple: int) -> Iterator[None]:
+    """Right-pad the micro-batch (in place) to a sequence length divisible by ``multiple``.
+
+    For plans that split the sequence into equal parts (sequence parallelism, context
+    parallelism). Padding changes no loss: its labels are ignored, it sits after every real
+    token (causal attention never looks ahead) and, in a packed row, it is its own document.
+    """
+    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+        length = batch["input_ids"].shape[1]
+        extra = -length % multiple
+        if extra:
+            for key, value in list(batch.items()):
+                if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == length:
+                    batch[key] = _pad(value, extra, PAD_RULES.get(key, 0))
+    yield
+
+
+def _pad(value: torch.Tensor, extra: int, rule: Any) -> torch.Tensor:
+    last = value[:, -1:]
+    if rule == "new_document":
+        tail = (last + 1).expand(-1, extra)
+    elif rule == "continue":
+        tail = last + torch.arange(1, extra + 1, device=value.device)
+    else:
+        tail = torch.full((value.shape[0], extra), rule, dtype=value.dtype, device=value.device)
+    return torch.cat([value, tail], dim=1)
+
+
+def to_device(batch: Any, device: torch.device | None) -> Any:
+    """Tensors of a (nested) batch on ``device``; other values as they are."""
+    if device is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
+
+
+# ---- gathering a sharded model -------------------------------------------------------------
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any parameter is a DTensor (FSDP2, TP): saving then needs every rank."""
+    return any(is_dtensor(p) for p in model.parameters())
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state as plain CPU tensors on rank 0 (an empty dict elsewhere).
+
+    Collective: every rank calls it. Uses torch's own ``get_model_state_dict``, which gathers
+    FSDP2 and TP shards one tensor at a time.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -7,6 +7,10 @@
         rng.pt             torch and Python RNG states
         trainer_state.json step, epoch, data position, the config it was written with
 
+A sharded model (FSDP2, TP: DTensor parameters) writes ``sharded/`` (model and optimizer
+through torch.distributed.checkpoint, see ``sharded_state.py``) instead of ``model/`` and
+``optimizer.pt``; it resumes on any number of ranks, or on one process.
+
 Each checkpoint directory is written atomically (temp dir, fsync, rename), so one killed at
 any instant leaves only complete checkpoints behind; `resume: latest` takes the newest.
 Everything is read back with safetensors or ``torch.load(weights_only=True)``: no unpickling
@@ -39,32 +43,56 @@ def checkpoint_root(session: Session) -> Path:
 
 
 def save_checkpoint(session: Session) -> Path:
-    """Write step ``session.step``'s checkpoint and prune to ``keep_last``; return its path."""
+    """Write step ``session.step``'s checkpoint and prune to ``keep_last``; return its path.
+
+    Every rank calls it; a sharded model is written by all ranks, anything else by rank 0.
+    """
     target = checkpoint_root(session) / f"step-{session.step:08d}"
-    if distributed.is_main():
+
+    def write_trainer_state(tmp: Path) -> None:
+        torch.save(session.scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({
+            "step": session.step,
+            "epoch": session.state["epoch"],
+            "data": session.train_data.state_dict(),
+        }, indent=2))
+
+    if distributed.is_sharded(session.model):
+        from posttune.training import sharded_state
+
+        sharded_state.save(session, target, write_trainer_state, replaceable=(STATE_FILE,))
+    elif distributed.is_main():
         with atomic_dir(target, replaceable=(STATE_FILE,)) as tmp:
             save_model_or_adapter(session, tmp / "model")
             torch.save(session.optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save(session.scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(rng_state(), tmp / "rng.pt")
-            (tmp / STATE_FILE).write_text(json.dumps({
-                "step": session.step,
-                "epoch": session.state["epoch"],
-                "data": session.train_data.state_dict(),
-            }, indent=2))
+            write_trainer_state(tmp)
+    if distributed.is_main():
         prune(checkpoint_root(session), session.config.checkpoint.keep_last)
     return target
 
 
 def save_model_or_adapter(session: Session, directory: Path) -> Path:
-    """The model as the run trains it: a PEFT adapter with LoRA/DoRA, else the full HF checkpoint."""
+    """The model as the run trains it: a PEFT adapter with LoRA/DoRA, else the full HF checkpoint.
+
+    A sharded model (FSDP2, TP) is gathered to rank 0 first, so every rank must call this
+    (collective); only rank 0 writes. Other models are written by whoever calls.
+    """
+    gathered = None
+    if distributed.is_sharded(session.model):
+        from posttune.training.sharded_state import gather_adapters
+
+        gathered = (gather_adapters(session.model) if session.config.adapter is not None
+                    else distributed.full_state_dict(session.model))
+        if not distributed.is_main():
+            return Path(directory)
     if session.config.adapter is not None:
         from posttune.adapters.peft_format import save_peft_adapter
 
-        return save_peft_adapter(session.model, directory)
+        return save_peft_adapter(session.model, directory, state_dict=gathered)
     from posttune.checkpoint.hf_save import save_hf
 
-    return save_hf(session.model, directory, tokenizer=session.tokenizer)
+    return save_hf(session.model, directory, tokenizer=session.tokenizer, state_dict=gathered)
 
 
 def rng_state() -> dict[str, Any]:
@@ -117,7 +145,12 @@ def find_resume(session: Session) -> Path | None:
 def load_trainer_state(session: Session, path: Path) -> None:
     """Restore optimizer, scheduler, RNG, data position and step from checkpoint ``path``."""
     meta = json.loads((path / STATE_FILE).read_text())
-    session.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    from posttune.training import sharded_state
+
+    if sharded_state.is_sharded_checkpoint(path):  # written by ranks with a sharded model: any layout reads it
+        sharded_state.load(session, path)
+    else:
+        session.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     session.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     session.train_data.load_state_dict(meta["data"])
     session.step = meta["step"]

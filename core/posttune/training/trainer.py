@@ -39,7 +39,8 @@ class Window:
 
     def add(self, out: Any) -> None:
         self.micro += 1
-        self.loss_sum = self.loss_sum + out.loss_sum.detach().float()
+        # full_value: a loss computed under loss parallel is a (replicated) DTensor
+        self.loss_sum = self.loss_sum + distributed.full_value(out.loss_sum.detach()).float()
         self.tokens = self.tokens + torch.as_tensor(out.num_tokens, dtype=torch.float32)
         for key, value in out.metrics.items():
             self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
@@ -57,8 +58,11 @@ def train(session: Session) -> dict[str, Any]:
     run_start, run_tokens = time.perf_counter(), 0.0
     while session.step < total:
         for batch in method.batches(session):
-            out = method.loss(session, batch)
-            out.loss_sum.backward()
+            batch = distributed.to_device(batch, session.device)
+            # Parallel plans' contexts (loss parallel, context parallel) wrap forward and backward.
+            with distributed.step_context(session, batch):
+                out = method.loss(session, batch)
+                _backward(session, out)
             window.add(out)
             if window.micro == config.grad_accum_steps:
                 run_tokens += _optimizer_step(session, window, log)
@@ -76,20 +80,44 @@ def train(session: Session) -> dict[str, Any]:
     return summary
 
 
+def _backward(session: Session, out: Any) -> None:
+    """Gradients of the summed loss; with an optimizer stepping in backward, their scale first.
+
+    ``optimizer_in_backward`` applies each gradient the moment backward produces it, so there
+    is no later point to divide by the token count: it sets ``steps_in_backward`` and, with
+    accumulation 1, the global count is known here, after the forward pass. The scale is
+    published as ``session.state["grad_scale"]`` and applied to each finished gradient, the
+    same multiplication ``_optimizer_step`` does, so both paths round alike.
+    """
+    if session.state.get("steps_in_backward"):
+        group_size = distributed.token_group(session.mesh)[1]
+        tokens = torch.as_tensor(out.num_tokens, dtype=torch.float32, device=session.device).clone()
+        tokens = distributed.sum_over_token_ranks(tokens, session.mesh)  # not the world: TP ranks share tokens
+        session.state["grad_scale"] = group_size / max(float(tokens), 1.0)
+    out.loss_sum.backward()
+
+
 def _optimizer_step(session: Session, window: Window, log: MetricsLog) -> float:
     """Normalise, clip and apply the accumulated gradients; log; evaluate and save when due."""
     config = session.config.train
     params = [p for p in session.model.parameters() if p.requires_grad]
-    loss_sum, tokens = distributed.all_reduce_sum(torch.stack([
+    # Sum over the ranks that see different tokens (data parallel, context parallel), not the
+    # world: TP ranks of one group share a batch. FSDP2 averages gradients over that same group,
+    # so ``group_size`` undoes its mean.
+    group_size = distributed.token_group(session.mesh)[1]
+    loss_sum, tokens = distributed.sum_over_token_ranks(torch.stack([
         torch.as_tensor(window.loss_sum, dtype=torch.float32), torch.as_tensor(window.tokens, dtype=torch.float32)
-    ]).to(session.device)).tolist()
-    scale = distributed.world_size() / max(tokens, 1.0)
+    ]).to(session.device), session.mesh).tolist()
+    scale = group_size / max(tokens, 1.0)
     for param in params:
         if param.grad is not None:
             param.grad.mul_(scale)
     max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    lr = session.optimizer.param_groups[0]["lr"]
+    if hasattr(session.optimizer, "consumed_grad_norm"):  # gradients stepped and freed in backward
+        grad_norm = session.optimizer.consumed_grad_norm()
+    else:
+        grad_norm = distributed.clip_grad_norm(params, max_norm)  # plain and DTensor (FSDP2/TP) gradients
+    lr = float(session.optimizer.param_groups[0]["lr"])  # torchao optimizers keep a tensor LR
     session.optimizer.step()
     session.scheduler.step()
     session.optimizer.zero_grad(set_to_none=True)
@@ -123,10 +151,13 @@ def evaluate(session: Session) -> float:
     session.model.eval()
     totals = torch.zeros(2, dtype=torch.float32, device=session.device)
     for batch in session.validation_data:
-        out = method.loss(session, batch)
-        totals += torch.stack([out.loss_sum.detach().float(), torch.as_tensor(out.num_tokens, dtype=torch.float32)])
+        batch = distributed.to_device(batch, session.device)
+        with distributed.step_context(session, batch):
+            out = method.loss(session, batch)
+        totals += torch.stack([distributed.full_value(out.loss_sum.detach()).float(),
+                               torch.as_tensor(out.num_tokens, dtype=torch.float32, device=session.device)])
     session.model.train()
-    loss_sum, tokens = distributed.all_reduce_sum(totals).tolist()
+    loss_sum, tokens = distributed.sum_over_token_ranks(totals, session.mesh).tolist()
     return loss_sum / max(tokens, 1.0)
 
 

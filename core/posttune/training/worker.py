@@ -1,8 +1,27 @@
-"""`python -m posttune.training.worker CONFIG [overrides]`: what torchrun starts on each rank."""
+"""`python -m posttune.training.worker CONFIG [overrides]`: what torchrun starts on each rank.
+
+A failure on any rank is recorded in torchrun's error file (``record``), so the launcher's
+``posttune train`` ends the whole job and reports that rank's error in one line, and the
+other ranks are stopped instead of waiting forever in a collective.
+"""
 
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
+
 from posttune.cli.main import main
+from posttune.errors import PosttuneError
+
+
+@record
+def run(argv: list[str]) -> int:
+    try:
+        return main(["--debug", "train", *argv])  # --debug: a user error reaches this function
+    except PosttuneError as exc:
+        get_error_handler().record_exception(exc)
+        print(f"posttune: error: {exc}", file=sys.stderr)
+        return 2
+
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.exit(run(sys.argv[1:]))

@@ -1,0 +1,64 @@
+"""posttune-cp: the ``cp`` parallel plan, context parallelism over the sequence dimension.
+
+Each micro-batch is split over the ``cp`` ranks along the sequence, load-balanced for causal
+attention (rank r holds chunks r and 2*cp-1-r of 2*cp: early chunks attend to little, late
+chunks to much, so each rank gets one of each). Attention runs as flex attention: queries stay
+local, keys and values are all-gathered, and a block mask maps local and gathered indices back
+to global positions (causal, packed documents). Labels are pre-shifted by the data pipeline, so
+they are split exactly like the inputs. ``fsdp2`` is required: it reduces gradients over
+``dp_shard x cp``, the ranks that see different tokens. Importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttune import hookimpl
+from posttune.descriptors import ParallelPlan
+from posttune.errors import ConfigError
+
+POSTTUNE_PLUGIN_API = 1
+__version__ = "0.1.0"
+
+ORDER = 20  # after tp (10), before activation checkpointing (50) and fsdp2 (100)
+
+
+def apply(session: Any) -> None:
+    from posttune_cp.shard import install
+
+    install(session)
+
+
+def validate(config: Any) -> None:
+    if config.parallel.dims.get("cp", 1) <= 1:
+        return
+    device = config.train.device
+    if device == "cpu" or (device == "auto" and not _cuda_available()):
+        raise ConfigError("parallel.plans", "cp trains on GPUs only: torch has no CPU backward for flex "
+                                            "attention; remove cp or run on CUDA devices")
+    from posttune.plan import model_kwargs
+
+    if model_kwargs(config).get("sliding_window"):
+        raise ConfigError("parallel.plans", "cp does not support sliding-window attention yet; remove cp")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+PLAN = ParallelPlan(
+    name="cp",
+    apply=apply,
+    mesh_dim="cp",
+    order=ORDER,
+    requires=("fsdp2",),
+    validate=validate,
+    description="context parallelism: split sequences over cp (load-balanced), flex attention (GPU)",
+)
+
+
+@hookimpl
+def posttune_register_parallel_plans(register):
+    register(PLAN)

@@ -1,0 +1,55 @@
+"""posttune-loss-parallel: vocabulary-parallel cross-entropy on top of ``tp``.
+
+The head (``output``) is split over the vocabulary with its logits left as a ``Shard(-1)``
+DTensor, and each micro-batch's forward, loss and backward run inside
+``torch.distributed.tensor.parallel.loss_parallel()`` (torch requires the context around both
+the loss and its backward): softmax statistics are reduced across ranks instead of gathering
+``[batch, seq, vocab]`` logits on every rank. Methods need no change: ``F.cross_entropy`` on
+the DTensor logits is what the context parallelises. Importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from posttune import hookimpl
+from posttune.descriptors import ParallelPlan
+
+POSTTUNE_PLUGIN_API = 1
+__version__ = "0.1.0"
+
+ORDER = 5  # before tp (10), which reads the head's style from session.state
+#: what ``tp`` reads (posttune_tp.STYLE_OVERRIDES); spelled out so importing this needs no posttune_tp
+STYLE_OVERRIDES = "tp_style_overrides"
+HEAD = "output"  # the native model contract: ``model.output`` is the head
+
+
+def apply(session: Any) -> None:
+    from posttune.training.distributed import STEP_CONTEXTS
+
+    session.state.setdefault(STYLE_OVERRIDES, {})[HEAD] = "colwise_vocab_sharded"
+    session.state.setdefault(STEP_CONTEXTS, []).append(vocab_parallel_loss)
+
+
+@contextlib.contextmanager
+def vocab_parallel_loss(session: Any, batch: Any) -> Iterator[None]:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        yield
+
+
+PLAN = ParallelPlan(
+    name="loss_parallel",
+    apply=apply,
+    order=ORDER,
+    requires=("tp",),
+    description="cross-entropy over vocabulary-sharded logits (no rank holds full logits); needs tp",
+)
+
+
+@hookimpl
+def posttune_register_parallel_plans(register):
+    register(PLAN)

@@ -1,0 +1,66 @@
+"""posttune-tp: the ``tp`` parallel plan (``torch.distributed.tensor.parallel``).
+
+The model family says how its modules split (``ModelFamily.tp_plan``: module-name pattern ->
+``colwise`` / ``rowwise`` / ``sequence_parallel``); ``styles.py`` turns that into PyTorch's
+parallel styles and applies them over the ``tp`` mesh dimension. Importing this package does
+not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttune import hookimpl
+from posttune.descriptors import ParallelPlan
+from posttune.errors import ConfigError
+
+POSTTUNE_PLUGIN_API = 1
+__version__ = "0.1.0"
+
+ORDER = 10  # before activation checkpointing (50) and FSDP2 (100); loss_parallel (5) sets up the head first
+#: ``session.state`` key: module name -> style name overriding the family's plan (loss_parallel
+#: sets ``{"output": "colwise_vocab_sharded"}``)
+STYLE_OVERRIDES = "tp_style_overrides"
+
+
+def apply(session: Any) -> None:
+    from posttune_tp.styles import apply_tp
+
+    apply_tp(session)
+
+
+def validate(config: Any) -> None:
+    """Every head count must split evenly over the TP degree, checked before launch."""
+    degree = config.parallel.dims.get("tp", 1)
+    if degree <= 1:
+        return
+    from posttune.plan import model_kwargs
+
+    kwargs = model_kwargs(config)
+    heads = kwargs.get("num_heads")
+    kv_heads = kwargs.get("num_kv_heads") or heads
+    for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if count is not None and count % degree:
+            raise ConfigError("parallel.dims.tp", f"tp={degree} does not divide the model's {count} {name}; "
+                                                  f"choose a tp degree that does")
+    if config.adapter is not None and config.adapter.kind == "dora":
+        raise ConfigError("adapter.kind", "dora is not supported with tp (its row norms need whole weights); "
+                                          "use lora, or fsdp2 alone")
+    if config.adapter is not None and config.checkpoint.save_merged:
+        raise ConfigError("checkpoint.save_merged", "not supported with tp (the model is sharded): save the "
+                                                    "adapter and merge it on one process")
+
+
+PLAN = ParallelPlan(
+    name="tp",
+    apply=apply,
+    mesh_dim="tp",
+    order=ORDER,
+    validate=validate,
+    description="tensor parallelism: the family's TP plan (colwise/rowwise/sequence parallel) over tp",
+)
+
+
+@hookimpl
+def posttune_register_parallel_plans(register):
+    register(PLAN)

@@ -1,0 +1,180 @@
+"""A family's TP plan (module-name pattern -> style name) as PyTorch parallel styles.
+
+Styles, as in torchtitan's Llama plan (Megatron-LM's layout with sequence parallelism):
+
+``colwise``            ``ColwiseParallel``: the output features split (q/k/v, gate/up; attention
+                       then runs on its local heads). The top-level head takes its input
+                       sequence-sharded and returns replicated logits.
+``rowwise``            ``RowwiseParallel``: the input features split (o/down: one reduction per
+                       block); on an ``nn.Embedding``, the vocabulary rows split.
+``sequence_parallel``  ``SequenceParallel``: a norm runs on its share of the sequence.
+``colwise_vocab_sharded``  the head's logits stay split over the vocabulary as a DTensor
+                       (``Shard(-1)``), for vocabulary-parallel cross-entropy (posttune-loss-parallel).
+
+With any ``sequence_parallel`` entry the residual stream between blocks is split over the
+sequence: rowwise layers reduce-scatter into ``Shard(1)``, and a block whose projections are
+colwise (attention, MLP) all-gathers its first input once on entry (a pre-hook on the block,
+so the block's other arguments — RoPE tables, mask, cache — pass untouched). Every sequence
+is then right-padded to a multiple of the TP degree (labels ignored), the one change a batch
+sees.
+
+LoRA (an adapted layer ``LoRALinear`` holding ``base``, ``lora_A``, ``lora_B``):
+colwise base -> ``lora_A`` replicated, ``lora_B`` colwise (its rows follow the base's output
+split); rowwise base -> ``lora_A`` rowwise (its input columns follow the base's input split,
+the rank-r result all-reduced), ``lora_B`` replicated. Replicated adapter weights are
+DTensors too, so their gradients are reduced over the TP ranks like any other.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from posttune.adapters import LoRALinear
+from posttune.checkpoint import materialize as mat
+from posttune.errors import PosttuneError
+from posttune.training import distributed
+from posttune_tp import STYLE_OVERRIDES
+
+STYLES = ("colwise", "rowwise", "sequence_parallel", "colwise_vocab_sharded")
+SEQ = Shard(1)  # the sequence dimension of [batch, seq, hidden] activations
+
+
+def apply_tp(session: Any) -> None:
+    mesh = session.mesh["tp"]
+    model = session.model
+    plan = dict(session.plan.family.descriptor.tp_plan)
+    styles = resolve(model, plan, session.state.get(STYLE_OVERRIDES, {}), session.plan.family.descriptor.name)
+    sequence_parallel = "sequence_parallel" in styles.values()
+    ties = mat.tie_groups(model)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    gathered: set[str] = set()
+    for name, style in styles.items():
+        module = model.get_submodule(name)
+        parent, _, _ = name.rpartition(".")
+        if isinstance(module, LoRALinear):
+            if not parent:
+                raise PosttuneError(f"tp: an adapter on the top-level module '{name}' is not supported; "
+                                    f"leave it out of adapter.targets")
+            parallelize_lora(module, style, mesh, sequence_parallel)
+        else:
+            parallelize_module(module, mesh, torch_style(style, module, sequence_parallel, top_level=not parent))
+        if sequence_parallel and style == "colwise" and parent and parent not in gathered:
+            gather_sequence_on_entry(model.get_submodule(parent), mesh)
+            gathered.add(parent)
+    retie(model, ties)
+    for name, param in model.named_parameters():  # some styles re-wrap weights as trainable Parameters
+        if name in frozen:
+            param.requires_grad_(False)
+    if sequence_parallel:
+        degree = mesh.size()
+        session.state.setdefault(distributed.STEP_CONTEXTS, []).append(
+            lambda _session, batch: distributed.padded_sequence(batch, degree))
+
+
+def resolve(model: nn.Module, plan: Mapping[str, str], overrides: Mapping[str, str], family: str) -> dict[str, str]:
+    """Module name -> style for every module a pattern matches; an unknown style or a pattern
+    that matches nothing is an error naming it (it would silently leave weights unsplit)."""
+    names = [name for name, _ in model.named_modules() if name]
+    styles: dict[str, str] = {}
+    for pattern, style in {**plan, **overrides}.items():
+        if style not in STYLES:
+            raise PosttuneError(f"tp: family '{family}' plan gives '{pattern}' the unknown style '{style}' "
+                                f"(known: {', '.join(STYLES)})")
+        found = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+        if not found:
+            raise PosttuneError(f"tp: family '{family}' plan pattern '{pattern}' matches no module of the model")
+        styles.update(dict.fromkeys(found, style))
+    order = {name: i for i, name in enumerate(names)}
+    return dict(sorted(styles.items(), key=lambda item: order[item[0]]))
+
+
+def torch_style(style: str, module: nn.Module, sequence_parallel: bool, *, top_level: bool) -> ParallelStyle:
+    between_blocks = SEQ if sequence_parallel else Replicate()  # layout of the residual stream
+    if style == "sequence_parallel":
+        return SequenceParallel()
+    if style == "rowwise":
+        if isinstance(module, nn.Embedding):
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
+        return RowwiseParallel(output_layouts=between_blocks)
+    if style == "colwise_vocab_sharded":
+        return ColwiseParallel(input_layouts=between_blocks, output_layouts=Shard(-1), use_local_output=False)
+    if top_level:  # the head: its input comes straight from the residual stream
+        return ColwiseParallel(input_layouts=between_blocks, output_layouts=Replicate())
+    return ColwiseParallel()  # inside a block whose entry gathered the sequence
+
+
+def parallelize_lora(layer: LoRALinear, style: str, mesh: Any, sequence_parallel: bool) -> None:
+    between_blocks = SEQ if sequence_parallel else Replicate()
+    if style == "colwise":
+        parallelize_module(layer.base, mesh, ColwiseParallel())
+        parallelize_module(layer.lora_A, mesh, Replicated(output_layout=Replicate(), use_local_output=False))
+        parallelize_module(layer.lora_B, mesh, ColwiseParallel())
+    elif style == "rowwise":
+        parallelize_module(layer.base, mesh, RowwiseParallel(output_layouts=between_blocks))
+        parallelize_module(layer.lora_A, mesh, RowwiseParallel(output_layouts=Replicate(), use_local_output=False))
+        parallelize_module(layer.lora_B, mesh, Replicated(output_layout=between_blocks, use_local_output=True))
+    else:
+        raise PosttuneError(f"tp: adapters on a '{style}' layer are not supported")
+
+
+class Replicated(ParallelStyle):
+    """Parameters replicated over the TP mesh (as DTensors, so their gradients are reduced),
+    the first input made a replicated DTensor, the output redistributed to ``output_layout``."""
+
+    def __init__(self, *, output_layout: Any, use_local_output: bool):
+        super().__init__()
+        self.output_layout, self.use_local_output = output_layout, use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def input_fn(_module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+            first = inputs[0]
+            if not isinstance(first, DTensor):
+                first = DTensor.from_local(first, mesh, [Replicate()], run_check=False)
+            return (first.redistribute(mesh, [Replicate()]), *inputs[1:])
+
+        def output_fn(_module: nn.Module, output: DTensor, mesh: Any) -> Any:
+            output = output.redistribute(mesh, [self.output_layout])
+            return output.to_local() if self.use_local_output else output
+
+        return distribute_module(module, device_mesh, None, input_fn, output_fn)
+
+
+def gather_sequence_on_entry(block: nn.Module, mesh: Any) -> None:
+    """All-gather a sequence-split first input once, where a block of colwise projections starts."""
+
+    def gather(_module: nn.Module, args: tuple) -> tuple:
+        first = args[0]
+        if not isinstance(first, DTensor):
+            first = DTensor.from_local(first, mesh, [SEQ], run_check=False)
+        return (first.redistribute(mesh, [Replicate()]), *args[1:])
+
+    block.register_forward_pre_hook(gather)
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """``parallelize_module`` wraps each module's weight in a new Parameter: share tied ones again.
+
+    Tied weights split the same way (the embedding's vocabulary rows and the head's output rows
+    are both dim 0), so the first module's DTensor serves both.
+    """
+    for first, *rest in groups:
+        shared = model.get_parameter(first)
+        for name in rest:
+            owner, _, attr = name.rpartition(".")
+            other = model.get_parameter(name)
+            if getattr(other, "placements", None) != getattr(shared, "placements", None):
+                raise PosttuneError(f"tp: tied weights '{first}' and '{name}' are split differently "
+                                    f"({getattr(shared, 'placements', None)} vs {getattr(other, 'placements', None)})")
+            setattr(model.get_submodule(owner), attr, shared)

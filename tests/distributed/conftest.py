@@ -1,0 +1,89 @@
+"""Distributed runs for tests: `posttune train` under torchrun (gloo, CPU), each run once per session.
+
+Every run trains the same tiny Llama SFT job; a parallel run and the single-process run that
+sees the same global batch must log the same per-step losses and save the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import string
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+TOKENIZER = "package:posttune_llama/demo/tokenizer"
+ROWS = 32
+STEPS = 4
+TIMEOUT = 300  # seconds per launch; a hang fails the test instead of the suite
+
+
+def rows(count: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        word = "".join(rng.choice(string.ascii_uppercase) for _ in range(rng.randint(3, 9)))
+        out.append({"messages": [{"role": "user", "content": f"Reverse: {word}"},
+                                 {"role": "assistant", "content": word[::-1]}]})
+    return out
+
+
+def write_config(directory: Path, *, batch_size: int, parallel: dict | None = None, adapter: dict | None = None,
+                 checkpoint: dict | None = None, steps: int = STEPS) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    data = directory / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows(ROWS)))
+    config = {
+        "model": {"family": "llama", "size": "tiny", "build_overrides": {"vocab_size": 384}},
+        "tokenizer": {"path": TOKENIZER},
+        "method": {"name": "sft"},
+        "data": {"train": {"path": str(data), "format": "chat"}, "max_seq_len": 48},
+        "train": {"max_steps": steps, "batch_size": batch_size, "lr": 1e-3, "seed": 0},
+        "checkpoint": {"output_dir": str(directory / "out"), **(checkpoint or {})},
+        "parallel": parallel or {},
+    }
+    if adapter is not None:
+        config["adapter"] = adapter
+    path = directory / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1"}
+
+
+def train(config: Path, *overrides: str, nproc: int | None = None) -> subprocess.CompletedProcess:
+    """`posttune train CONFIG OVERRIDES [--nproc-per-node N --standalone]` in a subprocess."""
+    launch = ["--nproc-per-node", str(nproc), "--standalone"] if nproc else []
+    command = [sys.executable, "-m", "posttune.cli.main", "train", str(config), *overrides, *launch]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env())
+    assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> Callable[..., Path]:
+    """``runs(name, batch_size=, parallel=, nproc=, ...)`` -> the run's output dir, trained once per session."""
+    root = tmp_path_factory.mktemp("distributed")
+    done: dict[str, Path] = {}
+
+    def run(name: str, *, nproc: int | None = None, overrides: tuple[str, ...] = (), **config) -> Path:
+        if name not in done:
+            path = write_config(root / name, **config)
+            train(path, *overrides, nproc=nproc)
+            done[name] = root / name / "out"
+        return done[name]
+
+    return run

@@ -1,0 +1,48 @@
+"""Run under torchrun: context-parallel logits (flex attention, load-balanced shards) vs. one process.
+
+Every rank builds the same seeded tiny Llama, computes the single-process logits (SDPA, whole
+sequence), then the CP logits of its share; rank 0 reassembles the shares and prints the max
+difference for padded rows and for packed rows (documents).
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from posttune_cp.shard import ContextParallel, attach, head_tail_order
+from posttune_llama.model import build
+from posttune_llama.sizes import LLAMA_SIZES
+
+dist.init_process_group("gloo")
+cp = dist.get_world_size()
+mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+torch.manual_seed(0)
+dtype = getattr(torch, sys.argv[1])  # float32: the training dtype; float64: kernel rounding out of the way
+model = build(**{**LLAMA_SIZES["tiny"], "vocab_size": 96}).to(dtype).eval()
+ids = torch.randint(0, 96, (2, 22), generator=torch.Generator().manual_seed(1))
+documents = torch.tensor([[0] * 9 + [1] * 7 + [2] * 6, [0] * 22])
+
+state = ContextParallel(mesh, multiple=2 * cp)
+results = {}
+with torch.no_grad():
+    for name, docs in (("padded", None), ("packed", documents)):
+        reference = model(ids, document_ids=docs)
+        hooks = attach(model, state) if name == "padded" else None
+        batch = {"input_ids": ids.clone(), "labels": ids.clone()}
+        if docs is not None:
+            batch["document_ids"] = docs.clone()
+        with state.step(None, batch):
+            local = model(batch["input_ids"], document_ids=batch.get("document_ids"))
+        shares = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(shares, local.contiguous())
+        seq_len = local.shape[1] * cp
+        full = torch.empty(local.shape[0], seq_len, local.shape[2], dtype=dtype)
+        full[:, head_tail_order(seq_len, cp).flatten()] = torch.cat(shares, dim=1)
+        results[name] = (full[:, :ids.shape[1]] - reference).abs().max().item()
+        results[f"{name}_local_len"] = local.shape[1]
+if dist.get_rank() == 0:
+    print("RESULT " + json.dumps(results))
+dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""Parallel plans before launch: options, mesh order, requires/conflicts and shape checks, each
+refused as one line naming the field; and the plugins register without importing torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import posttune_fsdp2
+import posttune_llama
+import posttune_loss_parallel
+import posttune_sft
+import posttune_tp
+from posttune.config import validate
+from posttune.errors import ConfigError
+from posttune.plan import resolve_plan
+from posttune.plugins import get_registry
+
+
+@pytest.fixture
+def plugins(register_plugin):
+    for module, dist in ((posttune_llama, "posttune-llama"), (posttune_sft, "posttune-sft"),
+                         (posttune_fsdp2, "posttune-fsdp2"), (posttune_tp, "posttune-tp"),
+                         (posttune_loss_parallel, "posttune-loss-parallel")):
+        register_plugin(module, distribution=dist, version="0.1.0")
+
+
+def plan_for(world: int, parallel: dict, **sections):
+    raw = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "tokenizer": {"path": "unused"},
+           "data": {"train": {"path": "unused.jsonl"}}, "parallel": parallel, **sections}
+    return resolve_plan(validate(raw), get_registry(), world_size=world)
+
+
+def test_mesh_dims_are_ordered_outer_to_inner_whatever_the_listing(plugins):
+    plan = plan_for(4, {"plans": ["tp", "fsdp2"], "dims": {"tp": 2}})
+    assert list(plan.mesh.items()) == [("dp_shard", 2), ("tp", 2)]
+    assert [p.descriptor.name for p in plan.parallel] == ["tp", "fsdp2"]
+
+
+def test_plans_run_in_order_loss_parallel_then_tp_then_fsdp2(plugins):
+    plan = plan_for(2, {"plans": ["fsdp2", "loss_parallel", "tp"], "dims": {"tp": 2}})
+    order = [s.what for s in plan.steps if s.stage == "parallelize"]
+    assert order == ["parallel plan 'loss_parallel'", "parallel plan 'tp'", "parallel plan 'fsdp2'"]
+
+
+def test_fsdp2_options_are_validated_against_its_dataclass(plugins):
+    plan = plan_for(2, {"plans": ["fsdp2"], "options": {"fsdp2": {"cpu_offload": True}}})
+    options = plan.parallel_options["fsdp2"]
+    assert options.cpu_offload is True and options.reshard_after_forward is True
+    with pytest.raises(ConfigError, match=r"parallel\.options\.fsdp2\.reshard: unknown key"):
+        plan_for(2, {"plans": ["fsdp2"], "options": {"fsdp2": {"reshard": False}}})
+    with pytest.raises(ConfigError, match=r"parallel\.options\.fsdp2\.param_dtype: expected one of"):
+        plan_for(2, {"plans": ["fsdp2"], "options": {"fsdp2": {"param_dtype": "int8"}}})
+
+
+def test_options_for_an_unlisted_plan_or_a_plan_without_options_are_refused(plugins):
+    with pytest.raises(ConfigError, match=r"parallel\.options\.tp: 'tp' is not in parallel\.plans"):
+        plan_for(2, {"plans": ["fsdp2"], "options": {"tp": {}}})
+    with pytest.raises(ConfigError, match=r"parallel\.options\.tp: plan 'tp' .* takes no options"):
+        plan_for(2, {"plans": ["tp"], "options": {"tp": {}}})
+
+
+def test_options_are_checked_on_one_process_too(plugins):
+    plan = plan_for(1, {"plans": ["fsdp2"], "options": {"fsdp2": {"mixed_precision": True}}})
+    assert plan.parallel == [] and plan.parallel_options["fsdp2"].mixed_precision is True
+
+
+def test_tp_degree_must_divide_the_head_counts(plugins):
+    # tiny llama: 4 heads, 2 key/value heads
+    plan_for(2, {"plans": ["tp"]})
+    with pytest.raises(ConfigError, match=r"parallel\.dims\.tp: tp=4 does not divide the model's 2 key/value heads"):
+        plan_for(4, {"plans": ["tp"]})
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide the model's 6 attention heads"):
+        plan_for(4, {"plans": ["tp"]}, model={"family": "llama", "size": "tiny",
+                                              "build_overrides": {"num_heads": 6, "num_kv_heads": 2}})
+
+
+def test_tp_reads_head_counts_from_an_unsized_dim(plugins):
+    with pytest.raises(ConfigError, match="tp=4 does not divide"):
+        plan_for(8, {"plans": ["fsdp2", "tp"], "dims": {"dp_shard": 2}})
+
+
+def test_loss_parallel_requires_tp(plugins):
+    with pytest.raises(ConfigError, match=r"parallel\.plans: 'loss_parallel' requires 'tp'; add it to parallel\.plans"):
+        plan_for(2, {"plans": ["fsdp2", "loss_parallel"]})
+
+
+def test_dora_and_merged_saves_are_refused_with_sharding(plugins):
+    with pytest.raises(ConfigError, match=r"adapter\.kind: dora is not supported with tp"):
+        plan_for(2, {"plans": ["tp"]}, adapter={"kind": "dora"})
+    with pytest.raises(ConfigError, match=r"checkpoint\.save_merged: not supported with fsdp2"):
+        plan_for(2, {"plans": ["fsdp2"]}, adapter={}, checkpoint={"save_merged": True})
+
+
+def test_world_size_must_fit_the_dims(plugins):
+    with pytest.raises(ConfigError, match=r"parallel\.dims: dp_shard=2 x tp=2 does not fit the 2 processes"):
+        plan_for(2, {"plans": ["fsdp2", "tp"], "dims": {"dp_shard": 2, "tp": 2}})
+
+
+def test_importing_the_plugins_does_not_import_torch():
+    code = ("import sys, posttune_fsdp2, posttune_tp, posttune_loss_parallel; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
