@@ -58,7 +58,8 @@ def test_one_process_runs_the_same_config_with_plans_inactive(registry):
     ({"memory": ["opt_bwd"], "train": {"grad_accum_steps": 4}}, 1,
      "config: train.grad_accum_steps: opt_bwd cannot accumulate gradients; set it to 1"),
     ({"memory": ["chunked"]}, 1, "config: memory[0]: no memory technique 'chunked' is installed "
-                                 "(installed: ckpt, offload, opt_bwd)"),
+                                 "(installed: activation_checkpointing, activation_offloading, chunked_cross_entropy, "
+                                 "ckpt, offload, opt_bwd, optimizer_in_backward)"),  # core built-ins, then the fakes
     ({"parallel": {"plans": ["fsdp2"]}}, 2, "config: parallel.plans[0]: no parallel plan 'fsdp2' is installed "
                                             "(installed: fsdp, lossp, tensor) — pip install posttune-fsdp2"),
     ({"method": "sft"}, 1, "config: method: no method 'sft' is installed (installed: fdpo, fsft) "

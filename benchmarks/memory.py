@@ -1,0 +1,163 @@
+"""Peak memory and time of one CPU training step with each memory technique off and on.
+
+    python benchmarks/memory.py                      # every case, JSON to stdout
+    python benchmarks/memory.py --cases chunked_cross_entropy --steps 3 --out result.json
+
+Each (case, on/off) runs in a fresh subprocess, which builds its model and batch, records its
+peak resident memory (``ru_maxrss``) after setup, runs one warm-up step and ``--steps`` timed
+steps, and records the peak again. ``step_peak`` = peak after the steps - peak after setup:
+the memory a training step adds on top of weights and batch. This process never imports torch
+(a forked child inherits its parent's peak RSS).
+
+Cases (fp32, tiny Llama-shaped models built from posttune-llama, SGD unless noted):
+- chunked_cross_entropy: vocab 128256 x seq 2048, hidden 256, 2 layers; the plain loss
+  materialises [2048, 128256] logits.
+- activation_checkpointing: 8 layers, hidden 384, batch 2 x seq 1024, small vocab; also every=2.
+- optimizer_in_backward: 4 wide layers (hidden 768), AdamW, short sequence: gradients dominate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+CHILD = r'''
+import json, resource, sys, time
+from types import SimpleNamespace
+import torch
+torch.set_num_threads(2)
+from posttune_llama.model import build
+from posttune.training.compose import random_init
+from posttune.losses import token_cross_entropy
+
+spec = json.loads(sys.argv[1])
+rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+model = build(**spec["model"], max_position_embeddings=4096, tie_word_embeddings=False)
+random_init(model, 0)
+model.train()
+gen = torch.Generator().manual_seed(0)
+batch = {"input_ids": torch.randint(0, spec["model"]["vocab_size"], (spec["batch"], spec["seq"]), generator=gen)}
+batch["labels"] = torch.randint(0, spec["model"]["vocab_size"], (spec["batch"], spec["seq"]), generator=gen)
+session = SimpleNamespace(model=model, state={}, device=torch.device("cpu"), plan=SimpleNamespace(memory_options={}))
+technique = spec.get("technique")
+if spec["optimizer"] == "adamw":
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+else:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+session.optimizer = optimizer
+session.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+if technique == "activation_checkpointing":
+    from posttune.memory import CheckpointingConfig
+    from posttune.memory.checkpointing import apply
+    session.plan.memory_options[technique] = CheckpointingConfig(every=spec.get("every", 1))
+    apply(session)
+elif technique == "chunked_cross_entropy":
+    from posttune.memory import ChunkedCrossEntropyConfig
+    from posttune.memory.linear_cross_entropy import apply
+    session.plan.memory_options[technique] = ChunkedCrossEntropyConfig(**spec.get("options", {}))
+    apply(session)
+elif technique == "optimizer_in_backward":
+    from posttune.memory.optimizer_in_backward import apply
+    apply(session)
+
+def step():
+    loss, tokens = token_cross_entropy(session, batch)
+    scale = 1.0 / float(tokens)
+    if session.state.get("steps_in_backward"):
+        session.state["grad_scale"] = scale
+        loss.backward()
+    else:
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    session.optimizer.step()
+    session.scheduler.step()
+    session.optimizer.zero_grad(set_to_none=True)
+
+setup_peak = rss()
+step()
+times = []
+for _ in range(spec["steps"]):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+print(json.dumps({"setup_peak": setup_peak, "peak": rss(), "step_seconds": times}))
+'''
+
+LLAMA_128K = {"vocab_size": 128256, "hidden_size": 256, "intermediate_size": 512, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 2}
+DEEP = {"vocab_size": 1024, "hidden_size": 384, "intermediate_size": 1024, "num_layers": 8, "num_heads": 6,
+        "num_kv_heads": 2}
+WIDE = {"vocab_size": 8192, "hidden_size": 768, "intermediate_size": 2048, "num_layers": 4, "num_heads": 8,
+        "num_kv_heads": 8}
+
+CASES = {
+    "chunked_cross_entropy": [
+        ("off", {"model": LLAMA_128K, "batch": 1, "seq": 2048, "optimizer": "sgd"}),
+        ("on", {"model": LLAMA_128K, "batch": 1, "seq": 2048, "optimizer": "sgd",
+                "technique": "chunked_cross_entropy"}),
+    ],
+    "activation_checkpointing": [
+        ("off", {"model": DEEP, "batch": 2, "seq": 1024, "optimizer": "sgd"}),
+        ("on", {"model": DEEP, "batch": 2, "seq": 1024, "optimizer": "sgd", "technique": "activation_checkpointing"}),
+        ("every=2", {"model": DEEP, "batch": 2, "seq": 1024, "optimizer": "sgd",
+                     "technique": "activation_checkpointing", "every": 2}),
+    ],
+    "optimizer_in_backward": [
+        ("off", {"model": WIDE, "batch": 1, "seq": 128, "optimizer": "adamw"}),
+        ("on", {"model": WIDE, "batch": 1, "seq": 128, "optimizer": "adamw", "technique": "optimizer_in_backward"}),
+    ],
+}
+
+MIB = 2**20
+
+
+def measure(spec: dict, steps: int) -> dict:
+    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps({**spec, "steps": steps})],
+                         capture_output=True, text=True, check=False)
+    if run.returncode != 0:
+        raise SystemExit(f"benchmark child failed:\n{run.stderr[-3000:]}")
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    return {
+        "peak_mib": round(result["peak"] / MIB, 1),
+        "setup_peak_mib": round(result["setup_peak"] / MIB, 1),
+        "step_peak_mib": round((result["peak"] - result["setup_peak"]) / MIB, 1),
+        "step_seconds_median": round(statistics.median(result["step_seconds"]), 3),
+        "step_seconds": [round(t, 3) for t in result["step_seconds"]],
+    }
+
+
+def compare(off: dict, on: dict) -> dict:
+    return {
+        "peak_saved_mib": round(off["peak_mib"] - on["peak_mib"], 1),
+        "step_peak_ratio": round(on["step_peak_mib"] / max(off["step_peak_mib"], 1e-9), 3),
+        "time_ratio": round(on["step_seconds_median"] / off["step_seconds_median"], 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (after one warm-up)")
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    report = {}
+    for case in args.cases:
+        runs = {label: {"spec": spec, **measure(spec, args.steps)} for label, spec in CASES[case]}
+        off = runs["off"]
+        report[case] = {"runs": runs, "vs_off": {label: compare(off, run) for label, run in runs.items()
+                                                 if label != "off"}}
+        print(f"{case}: {json.dumps(report[case]['vs_off'])}", file=sys.stderr)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""chunked_cross_entropy: next-token cross-entropy from hidden states, without full logits.
+
+The plain loss builds ``[batch, seq, vocab]`` logits, a float32 copy, the log-softmax and, in
+backward, a gradient of the same size: at vocab 128k and 2048 tokens each is 1 GiB. Here:
+
+1. the model returns its final hidden states (``model.hidden_states``);
+2. positions whose label is ignored (-100: prompts, padding) are dropped first;
+3. the remaining rows are projected to the vocabulary ``chunk_size`` rows at a time, and each
+   chunk's loss *and* its gradients w.r.t. the hidden rows and the head weight are computed
+   right there, in the forward pass, so the chunk's logits are freed before the next chunk.
+
+Backward only scales the stored gradients by the incoming gradient, so the matmuls are the
+same three as the plain loss (logits, grad-hidden, grad-weight) and nothing is recomputed:
+lower memory and no slower. Gemma-style final-logit soft-capping (``model.logit_softcap``) is
+applied per chunk, with its derivative folded into the chunk's gradient.
+
+The output head may be a plain ``nn.Linear`` (also tied to the embedding) or an adapted
+``LoRALinear`` (LoRA or DoRA, without dropout): its weight as one differentiable tensor
+``W + s * B @ A`` (DoRA: row-rescaled) is formed once per step, so gradients reach the
+adapters through autograd. A head sharded as a DTensor (tensor parallel over the vocabulary,
+FSDP2) is refused with one line: with TP use ``loss_parallel`` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttune.adapters.lora import LoRALinear, row_norm
+from posttune.errors import PosttuneError
+from posttune.losses import IGNORE_INDEX
+from posttune.training.distributed import is_dtensor
+
+
+def apply(session: Any) -> None:
+    head = getattr(session.model, "output", None)
+    if head is None or not callable(getattr(session.model, "hidden_states", None)):
+        raise PosttuneError("memory: chunked_cross_entropy needs a model with `hidden_states()` and an `output` "
+                            f"head (the native decoder contract); {type(session.model).__name__} has not")
+    check_head(head)
+    chunk_size = session.plan.memory_options["chunked_cross_entropy"].chunk_size
+    session.state["token_loss"] = lambda s, batch: token_loss(s, batch, chunk_size=chunk_size)
+
+
+def check_head(head: torch.nn.Module) -> None:
+    weight = head.weight
+    if is_dtensor(weight):
+        raise PosttuneError("memory: chunked_cross_entropy cannot use an output head sharded as a DTensor "
+                            "(tensor parallel or fsdp2); with tp use the loss_parallel plan instead")
+    if isinstance(head, LoRALinear) and head.dropout_p > 0:
+        raise PosttuneError("memory: chunked_cross_entropy folds the output head's adapter into one weight, "
+                            f"which dropout ({head.dropout_p}) does not allow; set adapter.dropout to 0 or "
+                            "leave `output` out of adapter.targets")
+
+
+def token_loss(session: Any, batch: dict[str, torch.Tensor], *, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``posttune.losses.token_cross_entropy``'s contract: (summed loss, labelled tokens)."""
+    model = session.model
+    hidden = model.hidden_states(batch["input_ids"], document_ids=batch.get("document_ids"))
+    labels = batch["labels"]
+    keep = labels != IGNORE_INDEX
+    weight, bias = head_weight(model.output)
+    loss = linear_cross_entropy(hidden[keep], weight, labels[keep], bias=bias,
+                                softcap=getattr(model, "logit_softcap", None), chunk_size=chunk_size)
+    return loss, keep.sum()
+
+
+def head_weight(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's effective (weight, bias), differentiable w.r.t. whatever trains in it."""
+    if not isinstance(head, LoRALinear) or head.disabled:
+        return head.weight, head.bias
+    check_head(head)
+    weight = head.base.weight
+    delta = head.lora_delta().to(weight.dtype)
+    if head.magnitude is None:
+        return weight + delta, head.bias
+    # DoRA: m * (W + delta) / ||W + delta||_row, the norm detached as in the layer's forward.
+    norm = row_norm(weight, delta.detach()).detach()
+    return (head.magnitude / norm).to(weight.dtype).unsqueeze(1) * (weight + delta), head.bias
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, softcap: float | None = None,
+                         chunk_size: int = 1024) -> torch.Tensor:
+    """``sum(cross_entropy(softcap(hidden @ weight.T + bias), targets))`` over rows ``[n, hidden]``.
+
+    Every row counts (drop ignored rows first). Peak extra memory is one chunk's
+    ``[chunk_size, vocab]`` float32 logits plus a float32 ``[vocab, hidden]`` weight gradient.
+    """
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, softcap, chunk_size)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, softcap: float | None, chunk_size: int) -> torch.Tensor:
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = hidden[start:start + chunk_size]
+            target = targets[start:start + chunk_size]
+            logits = (rows @ weight.T if bias is None else torch.addmm(bias, rows, weight.T)).float()
+            if softcap is not None:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += (lse - logits.gather(1, target.unsqueeze(1)).squeeze(1)).sum()
+            # d(loss)/d(logits) = softmax - onehot, written into the logits' own storage.
+            grad = logits.sub_(lse.unsqueeze(1)).exp_()
+            grad[torch.arange(len(target), device=grad.device), target] -= 1.0
+            if softcap is not None:
+                grad.mul_(1.0 - capped.square())  # d(c * tanh(z / c)) / dz
+            if need_bias:
+                grad_bias += grad.sum(0)
+            grad = grad.to(weight.dtype)
+            if need_hidden:
+                torch.matmul(grad, weight, out=grad_hidden[start:start + chunk_size])
+            if need_weight:
+                if weight.dtype == torch.float32:
+                    grad_weight.addmm_(grad.T, rows)
+                else:  # low-precision matmul as the plain loss's backward, summed over chunks in fp32
+                    grad_weight += grad.T @ rows
+        # Kept on ctx, not saved for backward: they are this function's own results, and backward
+        # scales them in place (retain_graph would need a second copy; it is refused instead).
+        ctx.grads = [grad_hidden, grad_weight, grad_bias]
+        ctx.dtypes = [hidden.dtype, weight.dtype, None if bias is None else bias.dtype]
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.grads is None:
+            raise PosttuneError("chunked_cross_entropy: backward ran twice through one loss (retain_graph); "
+                                "compute the loss again instead")
+        grads, ctx.grads = ctx.grads, None
+        unit = bool(grad_loss == 1.0)  # the usual case: no scaling, no copy
+        out = []
+        for grad, dtype in zip(grads, ctx.dtypes):
+            if grad is not None:
+                if not unit:
+                    grad.mul_(grad_loss.to(grad.dtype))
+                grad = grad.to(dtype)
+            out.append(grad)
+        return (*out, None, None, None)

@@ -1,0 +1,142 @@
+"""optimizer_in_backward: each parameter is stepped, and its gradient freed, inside backward.
+
+A normal step keeps every gradient until ``optimizer.step()``: one full copy of the trainable
+parameters. Here each trainable parameter gets its own optimizer (same class and settings as
+the one the core built), stepped from ``register_post_accumulate_grad_hook`` the moment its
+gradient is complete; the gradient is then dropped, so at most the gradients backward is
+still producing exist at once.
+
+What that costs, checked before launch (``posttune.memory.validate_optimizer_in_backward``):
+no gradient accumulation (a parameter is stepped after every backward) and no clipping by the
+global norm (a parameter is stepped before the other gradients exist). Gradients must be
+normalised by the global token count before they are applied, so the technique sets
+``session.state["steps_in_backward"]``: the trainer then computes the scale (``world / tokens``)
+after the forward pass, before backward (with accumulation 1 the count is known there), and
+each hook multiplies its finished gradient by it, exactly as the normal step would.
+
+Sharded models (FSDP2/TP) are refused for now: FSDP2 does call these hooks after its
+reduce-scatter, but sharded checkpoints (DCP) expect plain optimizers; not wired yet.
+
+The LR schedule and checkpoints work unchanged: the core's optimizer stays as the holder of
+the param groups its scheduler drives (it never steps and holds no state), and the per-
+parameter optimizers copy its learning rates after every scheduler step. ``state_dict`` of
+both wrappers is what ``posttune.training.state`` saves and restores.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from posttune.errors import PosttuneError
+from posttune.training import distributed
+
+STEPS_IN_BACKWARD = "steps_in_backward"  # the trainer publishes state["grad_scale"] before backward
+
+
+def apply(session: Any) -> None:
+    if any(distributed.is_dtensor(p) for p in session.model.parameters()):
+        # FSDP2 would call the hooks after its reduce-scatter, but sharded (DCP) checkpoints
+        # read a plain optimizer; until that is wired and tested, refuse rather than half-work.
+        raise PosttuneError("memory: optimizer_in_backward does not support sharded (fsdp2/tp) models yet; "
+                            "drop it or run on one device")
+    optimizer = InBackwardOptimizer(session.optimizer, dict(session.model.named_parameters()), session.state)
+    session.optimizer = optimizer
+    session.scheduler = InBackwardScheduler(session.scheduler, optimizer)
+    session.state[STEPS_IN_BACKWARD] = True
+
+
+class InBackwardOptimizer:
+    """What the trainer and checkpoints see as ``session.optimizer``; the steps happen in hooks."""
+
+    def __init__(self, holder: torch.optim.Optimizer, named: dict[str, torch.nn.Parameter],
+                 state: dict[str, Any]):
+        self.holder = holder  # the core's optimizer: param groups and LRs for the scheduler, no state
+        self.state = state  # the session's: ``grad_scale`` is set by the trainer before each backward
+        names = {id(p): n for n, p in named.items()}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.group_of: dict[str, int] = {}
+        for index, group in enumerate(holder.param_groups):
+            settings = {k: v for k, v in group.items() if k != "params"}
+            for param in group["params"]:
+                name = names[id(param)]
+                self.optimizers[name] = type(holder)([{"params": [param], **settings}])
+                self.group_of[name] = index
+                param.register_post_accumulate_grad_hook(self._stepper(name))
+        self._grad_sq = torch.zeros((), dtype=torch.float32)
+
+    def _stepper(self, name: str) -> Any:
+        optimizer = self.optimizers[name]
+
+        def step(param: torch.nn.Parameter) -> None:
+            grad = param.grad.detach()
+            grad.mul_(self.state.get("grad_scale", 1.0))
+            norm_sq = distributed.full_value(torch.linalg.vector_norm(grad, dtype=torch.float32)).pow(2)
+            self._grad_sq = self._grad_sq + norm_sq.to(self._grad_sq.device)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)  # the memory this technique exists to free
+
+        return step
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.holder.param_groups
+
+    def step(self) -> None:
+        """Nothing left to do: every parameter was stepped during backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are already freed; reset the norm the trainer logs for the next step."""
+        self._grad_sq = torch.zeros((), dtype=torch.float32)
+
+    def consumed_grad_norm(self) -> torch.Tensor:
+        """The global gradient norm of this step's gradients, measured before each was freed."""
+        return self._grad_sq.sqrt()
+
+    def sync_lr(self) -> None:
+        for name, optimizer in self.optimizers.items():
+            group = self.holder.param_groups[self.group_of[name]]
+            optimizer.param_groups[0]["lr"] = group["lr"]
+
+    def state_dict(self) -> dict[str, Any]:
+        # The holder has no state, but its param groups carry the LRs the scheduler set.
+        return {"holder": self.holder.state_dict(),
+                "per_parameter": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["per_parameter"]
+        missing = sorted(set(self.optimizers) - set(saved))
+        if missing:
+            raise PosttuneError(f"optimizer_in_backward: the checkpoint has no optimizer state for {missing[0]}"
+                                f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
+        self.holder.load_state_dict(state["holder"])
+        for name, optimizer in self.optimizers.items():
+            optimizer.load_state_dict(saved[name])
+        self.sync_lr()
+
+
+class InBackwardScheduler:
+    """The core's scheduler, driving the holder's LRs, copied to every per-parameter optimizer."""
+
+    def __init__(self, scheduler: Any, optimizer: InBackwardOptimizer):
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+        optimizer.sync_lr()
+
+    def step(self) -> None:
+        with warnings.catch_warnings():  # the holder never steps (its parameters were, in backward)
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step()
+        self.optimizer.sync_lr()
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+        self.optimizer.sync_lr()

@@ -1,0 +1,119 @@
+"""posttune-torchao: memory techniques built on torchao.
+
+    memory: [adamw_8bit]                      # or adamw_4bit: AdamW states in 8 (4) bits
+    memory: [qlora_nf4]   + an adapter: section  # frozen base weights stored as NF4
+    memory: [qat]         memory_options: {qat: {scheme: 8da4w, group_size: 32}}
+    memory: [fp8]                             # float8 matmuls (CUDA, compute capability >= 8.9)
+
+Stages, and why (DESIGN §4, docs/memory.md):
+
+- ``qat`` at ``quantize``: linear layers are swapped for fake-quantised ones while the model is
+  still on the meta device, before parallel plans wrap or shard them; parameter names do not
+  change, so weights load into them as usual.
+- ``fp8`` at ``quantize`` for the same reason (module swap before TP/FSDP2, as torchtitan does).
+- ``qlora_nf4`` at ``load``: NF4 quantisation needs the real base weights, which exist only
+  once the ``load`` stage has streamed them in; the adapters are initialised by then too.
+- ``adamw_8bit`` / ``adamw_4bit`` at ``optimizer``: they replace the AdamW the core built (same
+  param groups, LR and weight decay) and rebuild the LR schedule around it.
+
+Importing this module imports neither torch nor torchao (``posttune plugins`` stays fast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from posttune import hookimpl
+from posttune.descriptors import MemoryTechnique
+from posttune.errors import ConfigError
+from posttune.memory import require_cuda
+
+POSTTUNE_PLUGIN_API = 1
+__version__ = "0.1.0"
+
+
+@dataclass(frozen=True)
+class QATOptions:
+    scheme: Literal["8da4w", "4w"] = "8da4w"  # int8 dynamic activations + int4 weights, or int4 weights only
+    group_size: int = 32  # weights share one int4 scale per this many input features
+
+
+def _apply(module: str) -> Any:
+    """``apply`` of ``posttune_torchao.<module>``, imported (with torchao) on first use."""
+
+    def run(session: Any) -> None:
+        import importlib
+
+        importlib.import_module(f"posttune_torchao.{module}").apply(session)
+
+    return run
+
+
+def _low_bit(name: str) -> Any:
+    def run(session: Any) -> None:
+        from posttune_torchao.low_bit_optim import apply
+
+        apply(session, name)
+
+    return run
+
+
+def validate_adamw(name: str) -> Any:
+    def check(config: Any) -> None:
+        if config.train.optimizer != "adamw":
+            raise ConfigError("train.optimizer", f"{name} replaces the optimizer 'adamw'; got "
+                                                 f"{config.train.optimizer!r}: set it to adamw or drop {name}")
+
+    return check
+
+
+def validate_qlora(config: Any) -> None:
+    if config.adapter is None:
+        raise ConfigError("adapter", "qlora_nf4 stores the frozen base weights as NF4 under LoRA adapters; add an "
+                                     "`adapter:` section (e.g. {kind: lora, rank: 16})")
+    if config.adapter.kind != "lora":
+        raise ConfigError("adapter.kind", f"qlora_nf4 supports kind 'lora'; '{config.adapter.kind}' needs the "
+                                          "dense base weight's row norms")
+
+
+def validate_fp8(config: Any) -> None:
+    require_cuda(config, "fp8", "float8 matmuls run on GPUs of compute capability 8.9 or newer")
+
+
+TECHNIQUES = (
+    MemoryTechnique(
+        name="adamw_8bit", stage="optimizer", apply=_low_bit("adamw_8bit"),
+        conflicts=("adamw_4bit", "optimizer_in_backward"), validate=validate_adamw("adamw_8bit"),
+        saves="AdamW's two moment tensors in 8 bits with a scale per 256 values (about 4x smaller)",
+        description="torchao AdamW8bit in place of AdamW (tensors under 4096 elements keep fp32 state)",
+    ),
+    MemoryTechnique(
+        name="adamw_4bit", stage="optimizer", apply=_low_bit("adamw_4bit"),
+        conflicts=("optimizer_in_backward",), validate=validate_adamw("adamw_4bit"),
+        saves="AdamW's two moment tensors in 4 bits with a scale per 128 values (about 8x smaller)",
+        description="torchao AdamW4bit in place of AdamW (tensors under 4096 elements keep fp32 state)",
+    ),
+    MemoryTechnique(
+        name="qlora_nf4", stage="load", apply=_apply("qlora"), validate=validate_qlora,
+        conflicts=("qat", "fp8", "fsdp2", "tp"),
+        saves="frozen base weights of the decoder layers as 4-bit NormalFloat (about 0.52 bytes/parameter)",
+        description="QLoRA: NF4 base weights under LoRA adapters; the merged export is dequantised",
+    ),
+    MemoryTechnique(
+        name="qat", stage="quantize", apply=_apply("qat"), config=QATOptions, conflicts=("fp8",),
+        saves="nothing in training; trains weights to survive int4 quantisation (smaller deployed model)",
+        description="quantisation-aware training (int4 weights, int8 activations); exports grid-snapped weights",
+    ),
+    MemoryTechnique(
+        name="fp8", stage="quantize", apply=_apply("fp8"), validate=validate_fp8,
+        saves="activation and matmul bandwidth: float8 inputs to the linear layers' matmuls",
+        description="float8 training of linear layers (torchao.float8; CUDA, compute capability >= 8.9)",
+    ),
+)
+
+
+@hookimpl
+def posttune_register_memory_techniques(register):
+    for technique in TECHNIQUES:
+        register(technique)

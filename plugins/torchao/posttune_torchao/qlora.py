@@ -1,0 +1,83 @@
+"""qlora_nf4: the frozen base weights of the decoder layers stored as 4-bit NormalFloat (QLoRA).
+
+Applied at the ``load`` stage: NF4 quantisation needs real weights, and the meta-device model
+has none until the ``load`` stage streamed them in (the adapters are initialised by then as
+well). Every frozen ``nn.Linear`` weight inside ``model.layers`` (the bases under LoRA, and
+any linear layer left without an adapter) becomes a torchao ``NF4Tensor``: 4-bit codes with
+one scale per 64 values, the scales themselves quantised to 8 bits (double quantisation).
+The embedding and the output head stay in the training dtype, as in the QLoRA paper.
+torchao's NF4 linear dequantises per matmul; gradients flow to the activations and the
+bf16/fp32 adapters, never to the NF4 weights.
+
+At the end of training (``posttune.training.BEFORE_FINAL_SAVE``) the base weights are
+dequantised back to the training dtype, so the adapter merges into exactly the weights it was
+trained against and the merged export is an ordinary HF checkpoint. Resuming reloads the base
+from ``model.path`` and quantises it again: NF4 is deterministic, so the same codes result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttune.errors import PosttuneError
+from posttune.training import BEFORE_FINAL_SAVE
+
+BLOCK = 64  # values per NF4 scale
+SCALER_BLOCK = 256  # scales per double-quantisation block (smaller when a tensor is small)
+
+
+def apply(session: Any) -> None:
+    if any(hasattr(p, "device_mesh") for p in session.model.parameters()):
+        raise PosttuneError("memory: qlora_nf4 does not support sharded (DTensor) models yet; run it on one device")
+    quantized = quantize_frozen_linears(session.model)
+    if not quantized:
+        raise PosttuneError("memory: qlora_nf4 found no frozen linear layer in model.layers to quantise")
+    session.state.setdefault(BEFORE_FINAL_SAVE, []).append(lambda s: dequantize(s.model))
+
+
+def frozen_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise PosttuneError("memory: qlora_nf4 needs a model with decoder layers in `model.layers`")
+    return {f"layers.{name}": module for name, module in layers.named_modules()
+            if isinstance(module, nn.Linear) and not module.weight.requires_grad}
+
+
+def quantize_frozen_linears(model: nn.Module) -> list[str]:
+    from torchao.quantization import to_nf4
+
+    done = []
+    for name, linear in frozen_linears(model).items():
+        weight = linear.weight
+        if weight.numel() % BLOCK:
+            raise PosttuneError(f"memory: qlora_nf4 cannot quantise '{name}': {weight.numel()} values is not a "
+                                f"multiple of the NF4 block size {BLOCK}")
+        linear.weight = nn.Parameter(to_nf4(weight.detach(), BLOCK, scaler_block(weight.numel())),
+                                     requires_grad=False)
+        done.append(name)
+    return done
+
+
+def scaler_block(numel: int) -> int:
+    """The double-quantisation block: 256 scales, or the largest power of two dividing their count."""
+    scales, block = numel // BLOCK, SCALER_BLOCK
+    while scales % block:
+        block //= 2
+    return block
+
+
+@torch.no_grad()
+def dequantize(model: nn.Module) -> list[str]:
+    """NF4 weights back to dense ones in their original dtype (what the adapters trained against)."""
+    from torchao.quantization.quantize_.workflows import NF4Tensor
+
+    done = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) and isinstance(weight, NF4Tensor):
+            module.weight = nn.Parameter(weight.get_original_weight(), requires_grad=False)
+            done.append(name)
+    return done

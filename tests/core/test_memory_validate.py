@@ -1,0 +1,114 @@
+"""`posttune validate` refuses impossible memory combinations with one line naming both sides."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from memory_support import sft_config, tiny_llama
+
+import posttune_llama
+import posttune_sft
+from posttune.descriptors import ParallelPlan
+from posttune.errors import PosttuneError
+from posttune.plugins import module_plugin
+
+
+def noop(session):
+    return None
+
+
+def stand_in_plans(register):
+    """Plans named as the first-party ones, so memory techniques' conflicts with them are checked."""
+    for name in ("loss_parallel", "tp", "fsdp2"):
+        register(ParallelPlan(name, noop))
+
+
+@pytest.fixture
+def plugins(register_plugin):
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    register_plugin(module_plugin("stand_in_plans", posttune_register_parallel_plans=stand_in_plans),
+                    distribution="posttune-stand-in")
+
+
+def validate(posttune_cli, tmp_path, **sections):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(sft_config(tmp_path, **sections)))
+    return posttune_cli("validate", str(path))
+
+
+def conflicting_pairs(registry) -> list[tuple[str, str]]:
+    techniques = registry.entries["memory_technique"]
+    return sorted({(name, other) for name, item in techniques.items() for other in item.descriptor.conflicts})
+
+
+def test_every_conflicting_pair_is_refused_naming_both(plugins, posttune_plugins, posttune_cli, tmp_path):
+    pairs = conflicting_pairs(posttune_plugins.registry)
+    assert ("chunked_cross_entropy", "loss_parallel") in pairs
+    plans = set(posttune_plugins.registry.entries["parallel_plan"])
+    for name, other in pairs:
+        memory = [name] + ([] if other in plans else [other])
+        result = validate(posttune_cli, tmp_path, memory=memory,
+                          parallel={"plans": [other]} if other in plans else {})
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code != 0, (name, other)
+        assert len(lines) == 1 and name in lines[0] and other in lines[0], lines
+
+
+def test_offloading_without_checkpointing_is_refused(plugins, posttune_cli, tmp_path):
+    result = validate(posttune_cli, tmp_path, memory=["activation_offloading"])
+    assert result.exit_code != 0
+    assert "'activation_offloading' requires 'activation_checkpointing'" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refused only without CUDA")
+def test_offloading_is_refused_on_cpu(plugins, posttune_cli, tmp_path):
+    result = validate(posttune_cli, tmp_path, memory=["activation_checkpointing", "activation_offloading"])
+    assert result.exit_code != 0
+    assert "'activation_offloading' needs a CUDA device" in result.stderr
+    from posttune.memory.offloading import apply
+
+    with pytest.raises(PosttuneError, match="needs a CUDA device"):
+        apply(SimpleNamespace(model=tiny_llama(), device=torch.device("cpu"), state={}))
+
+
+def test_memory_options_are_checked_against_the_techniques_dataclass(plugins, posttune_cli, tmp_path):
+    ok = validate(posttune_cli, tmp_path, memory=["activation_checkpointing"],
+                  memory_options={"activation_checkpointing": {"every": 2}})
+    assert ok.exit_code == 0, ok.stderr
+    typo = validate(posttune_cli, tmp_path, memory=["activation_checkpointing"],
+                    memory_options={"activation_checkpointing": {"evrey": 2}})
+    assert "memory_options.activation_checkpointing.evrey: unknown key" in typo.stderr
+    absent = validate(posttune_cli, tmp_path, memory=[], memory_options={"activation_checkpointing": {"every": 2}})
+    assert "memory_options.activation_checkpointing: 'activation_checkpointing' is not in memory" in absent.stderr
+    none = validate(posttune_cli, tmp_path, memory=["optimizer_in_backward"], train={"max_grad_norm": None},
+                    memory_options={"optimizer_in_backward": {"x": 1}})
+    assert "takes no options" in none.stderr
+    zero = validate(posttune_cli, tmp_path, memory=["activation_checkpointing"],
+                    memory_options={"activation_checkpointing": {"every": 0}})
+    assert "memory_options.activation_checkpointing.every: expected a positive integer" in zero.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloading_gives_the_same_gradients_on_cuda(monkeypatch):
+    from memory_support import batch, fake_session, grads, twin
+
+    from posttune.losses import token_cross_entropy
+    from posttune.memory import CheckpointingConfig
+    from posttune.memory import checkpointing, offloading
+
+    plain = tiny_llama().cuda()
+    ours = twin(plain)
+    session = fake_session(ours, activation_checkpointing=CheckpointingConfig())
+    session.device = torch.device("cuda")
+    checkpointing.apply(session)
+    monkeypatch.setattr(offloading, "MIN_BYTES", 0)  # offload everything, even these tiny activations
+    offloading.apply(session)
+    data = {k: v.cuda() for k, v in batch().items()}
+    token_cross_entropy(fake_session(plain), data)[0].backward()
+    token_cross_entropy(fake_session(ours), data)[0].backward()
+    for name, grad in grads(plain).items():
+        torch.testing.assert_close(grads(ours)[name], grad, atol=1e-5, rtol=0, msg=name)
