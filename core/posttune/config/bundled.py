@@ -33,6 +33,19 @@ def resolve_config_path(source: str | Path) -> Path:
     return found.descriptor.path
 
 
+def configs_in(folder: Path) -> list:
+    """A plugin's bundled configs: every ``*.yaml`` in ``folder``, named by its file name and
+    described by its ``description:`` line (what `posttune ls configs` shows)."""
+    from posttune.descriptors import BundledConfig
+
+    found = []
+    for path in sorted(Path(folder).glob("*.yaml")):
+        about = next((line.split(":", 1)[1].strip() for line in path.read_text(encoding="utf-8").splitlines()
+                      if line.startswith("description:")), "")
+        found.append(BundledConfig(path.stem, path, about))
+    return found
+
+
 PACKAGE = "package:"
 #: config fields that hold paths (dotted); only these are resolved
 PATH_FIELDS = ("model.path", "tokenizer.path", "data.train.path", "data.validation.path")

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from posttune import hookimpl
-from posttune.descriptors import BundledConfig, CheckpointConverter, ModelFamily
+from posttune.config.bundled import configs_in
+from posttune.descriptors import CheckpointConverter, ModelFamily
 from posttune_gemma import config, hf
 from posttune_gemma.sizes import GEMMA2_SIZES, GEMMA3_SIZES, GEMMA_SIZES
 from posttune_gemma.tp_plan import GEMMA2_TP_PLAN, GEMMA_TP_PLAN
@@ -75,7 +76,5 @@ CONFIGS = Path(__file__).parent / "configs"
 @hookimpl
 def posttune_register_configs(register):
     """Every YAML in configs/, named by its file name; the description is its `description:` line."""
-    for path in sorted(CONFIGS.glob("*.yaml")):
-        about = next((line.split(":", 1)[1].strip() for line in path.read_text().splitlines()
-                      if line.startswith("description:")), "")
-        register(BundledConfig(path.stem, path, about))
+    for bundled in configs_in(CONFIGS):
+        register(bundled)

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from posttune import hookimpl
-from posttune.descriptors import BundledConfig, CheckpointConverter, ModelFamily
+from posttune.config.bundled import configs_in
+from posttune.descriptors import CheckpointConverter, ModelFamily
 from posttune_llama import config, hf
 from posttune_llama.sizes import LLAMA_SIZES, MISTRAL_SIZES
 from posttune_llama.tp_plan import TP_PLAN
@@ -71,7 +72,5 @@ CONFIGS = Path(__file__).parent / "configs"
 @hookimpl
 def posttune_register_configs(register):
     """Every YAML in configs/, named by its file name; the description is its `description:` line."""
-    for path in sorted(CONFIGS.glob("*.yaml")):
-        about = next((line.split(":", 1)[1].strip() for line in path.read_text().splitlines()
-                      if line.startswith("description:")), "")
-        register(BundledConfig(path.stem, path, about))
+    for bundled in configs_in(CONFIGS):
+        register(bundled)

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from posttune import hookimpl
-from posttune.descriptors import BundledConfig, CheckpointConverter, ModelFamily
+from posttune.config.bundled import configs_in
+from posttune.descriptors import CheckpointConverter, ModelFamily
 from posttune_qwen import config, hf
 from posttune_qwen.sizes import QWEN2_SIZES, QWEN3_SIZES
 from posttune_qwen.tp_plan import TP_PLAN
@@ -79,7 +80,5 @@ CONFIGS = Path(__file__).parent / "configs"
 @hookimpl
 def posttune_register_configs(register):
     """Every YAML in configs/, named by its file name; the description is its `description:` line."""
-    for path in sorted(CONFIGS.glob("*.yaml")):
-        about = next((line.split(":", 1)[1].strip() for line in path.read_text().splitlines()
-                      if line.startswith("description:")), "")
-        register(BundledConfig(path.stem, path, about))
+    for bundled in configs_in(CONFIGS):
+        register(bundled)
