@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,17 @@ def step():
     session.scheduler.step()
     session.optimizer.zero_grad(set_to_none=True)
 
+if spec.get("measure") == "activations":
+    # What the forward pass keeps alive for backward: resident memory right after the forward,
+    # minus right before it (the parent sets MALLOC_MMAP_THRESHOLD_ so that every large tensor
+    # is its own mapping and freed ones leave the resident set at once).
+    step()  # warm up: lazy allocations, optimizer state
+    current = lambda: int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+    before = current()
+    loss, tokens = token_cross_entropy(session, batch)
+    retained = current() - before
+    print(json.dumps({"activations": retained}))
+    sys.exit(0)
 setup_peak = rss()
 step()
 times = []
@@ -122,7 +134,14 @@ def measure(spec: dict, steps: int) -> dict:
     if run.returncode != 0:
         raise SystemExit(f"benchmark child failed:\n{run.stderr[-3000:]}")
     result = json.loads(run.stdout.strip().splitlines()[-1])
+    held = subprocess.run([sys.executable, "-c", CHILD, json.dumps({**spec, "steps": 0, "measure": "activations"})],
+                          capture_output=True, text=True, check=False,
+                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    if held.returncode != 0:
+        raise SystemExit(f"benchmark child failed:\n{held.stderr[-3000:]}")
+    activations = json.loads(held.stdout.strip().splitlines()[-1])["activations"]
     return {
+        "activations_mib": round(activations / MIB, 1),
         "peak_mib": round(result["peak"] / MIB, 1),
         "setup_peak_mib": round(result["setup_peak"] / MIB, 1),
         "step_peak_mib": round((result["peak"] - result["setup_peak"]) / MIB, 1),
@@ -133,6 +152,7 @@ def measure(spec: dict, steps: int) -> dict:
 
 def compare(off: dict, on: dict) -> dict:
     return {
+        "activations_ratio": round(on["activations_mib"] / max(off["activations_mib"], 1e-9), 3),
         "peak_saved_mib": round(off["peak_mib"] - on["peak_mib"], 1),
         "step_peak_ratio": round(on["step_peak_mib"] / max(off["step_peak_mib"], 1e-9), 3),
         "time_ratio": round(on["step_seconds_median"] / off["step_seconds_median"], 3),
