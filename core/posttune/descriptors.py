@@ -40,6 +40,15 @@ Validator = Callable[["RunConfig"], None]
 """Called before launch with the whole validated config; raises ConfigError to refuse it."""
 
 
+#: Adapter targets covering every linear layer of the core decoder blocks (fnmatch patterns over
+#: native module names): the default QLoRA found necessary to match full fine-tuning. Families
+#: assembled from ``posttune.modules`` pass it as ``ModelFamily.lora_targets``.
+DECODER_LINEAR_LAYERS: tuple[str, ...] = tuple(
+    f"layers.*.{name}" for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+)
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """A model architecture: how to read its HF config and build it from core blocks."""

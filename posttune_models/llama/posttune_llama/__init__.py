@@ -12,7 +12,7 @@ from typing import Any
 
 from posttune import hookimpl
 from posttune.config.bundled import configs_in
-from posttune.descriptors import CheckpointConverter, ModelFamily
+from posttune.descriptors import DECODER_LINEAR_LAYERS, CheckpointConverter, ModelFamily
 from posttune_llama import config, hf
 from posttune_llama.sizes import LLAMA_SIZES, MISTRAL_SIZES
 from posttune_llama.tp_plan import TP_PLAN
@@ -20,12 +20,8 @@ from posttune_llama.tp_plan import TP_PLAN
 POSTTUNE_PLUGIN_API = 1
 __version__ = "0.1.0"
 
-#: Default adapter targets (fnmatch patterns over native module names): every linear layer of
-#: every block, which QLoRA found necessary to match full fine-tuning.
-LORA_TARGETS: tuple[str, ...] = tuple(
-    f"layers.*.{name}" for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
-                                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-)
+#: Default adapter targets: every linear layer of every block.
+LORA_TARGETS = DECODER_LINEAR_LAYERS
 
 
 def build(**kwargs: Any) -> Any:
