@@ -49,6 +49,28 @@ DECODER_LINEAR_LAYERS: tuple[str, ...] = tuple(
 )
 
 
+#: Tensor-parallel styles for the core decoder blocks (fnmatch patterns over native names), as
+#: torchtitan's Llama plan: q/k/v and gate/up split their output features ("colwise"), o/down
+#: their input features ("rowwise") so each block needs one reduction; norms run
+#: sequence-parallel between blocks; the embedding is split by vocabulary rows and the head by
+#: vocabulary columns (which suits tied weights: both split the vocab dim). Families assembled
+#: from ``posttune.modules`` pass it (or extend it) as ``ModelFamily.tp_plan``.
+DECODER_TP_PLAN: dict[str, str] = {
+    "embed": "rowwise",
+    "layers.*.attn_norm": "sequence_parallel",
+    "layers.*.attn.q_proj": "colwise",
+    "layers.*.attn.k_proj": "colwise",
+    "layers.*.attn.v_proj": "colwise",
+    "layers.*.attn.o_proj": "rowwise",
+    "layers.*.mlp_norm": "sequence_parallel",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+    "norm": "sequence_parallel",
+    "output": "colwise",
+}
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """A model architecture: how to read its HF config and build it from core blocks."""

@@ -10,20 +10,9 @@ attention path are per-head and per-token, so a head shard runs them unchanged.
 
 from __future__ import annotations
 
-GEMMA_TP_PLAN: dict[str, str] = {
-    "embed": "rowwise",
-    "layers.*.attn_norm": "sequence_parallel",
-    "layers.*.attn.q_proj": "colwise",
-    "layers.*.attn.k_proj": "colwise",
-    "layers.*.attn.v_proj": "colwise",
-    "layers.*.attn.o_proj": "rowwise",
-    "layers.*.mlp_norm": "sequence_parallel",
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-    "norm": "sequence_parallel",
-    "output": "colwise",
-}
+from posttune.descriptors import DECODER_TP_PLAN
+
+GEMMA_TP_PLAN: dict[str, str] = dict(DECODER_TP_PLAN)
 
 #: Gemma 2 and 3: the same, plus the post-norms (identities in Gemma 1, so not named there)
 GEMMA2_TP_PLAN: dict[str, str] = {

@@ -12,17 +12,6 @@ transformers' ``replicated_with_grad_allreduce`` for the same modules).
 
 from __future__ import annotations
 
-TP_PLAN: dict[str, str] = {
-    "embed": "rowwise",
-    "layers.*.attn_norm": "sequence_parallel",
-    "layers.*.attn.q_proj": "colwise",
-    "layers.*.attn.k_proj": "colwise",
-    "layers.*.attn.v_proj": "colwise",
-    "layers.*.attn.o_proj": "rowwise",
-    "layers.*.mlp_norm": "sequence_parallel",
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-    "norm": "sequence_parallel",
-    "output": "colwise",
-}
+from posttune.descriptors import DECODER_TP_PLAN
+
+TP_PLAN: dict[str, str] = dict(DECODER_TP_PLAN)
