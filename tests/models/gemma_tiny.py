@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import transformers
 from torch import nn
 
 import posttune_gemma
-from posttune.modules import init_buffers
 from posttune.testing.tiny import TINY
+from posttune.testing.tiny import native_from_hf as shared_native_from_hf
 
 FAMILIES = {family.name: family for family in posttune_gemma.FAMILIES}
 CONVERTERS = {c.family: c for c in posttune_gemma.CONVERTERS}
@@ -65,18 +64,7 @@ CONFIGS = {
 
 
 def native_from_hf(hf_model: nn.Module) -> nn.Module:
-    """Build the native model from the HF config on the meta device, then copy the HF weights in
-    through the family's converter (the file loader is tested on its own)."""
-    config = hf_model.config.to_dict()
-    family = FAMILIES[{"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])]
-    with torch.device("meta"):
-        model = family.build(**family.from_hf_config(config))
-    model.to_empty(device="cpu")
-    init_buffers(model)
-    state = {}
-    for key, tensor in hf_model.state_dict().items():
-        mapped = CONVERTERS[family.name].to_native(key, tensor, config)
-        if mapped is not None:
-            state[mapped[0]] = mapped[1]
-    model.load_state_dict(state, strict=True)
-    return model.to(hf_model.dtype).eval()
+    """The native gemma model carrying an HF model's weights (the file loader is tested on its own)."""
+    model_type = hf_model.config.model_type
+    family = FAMILIES[{"gemma3_text": "gemma3"}.get(model_type, model_type)]
+    return shared_native_from_hf(hf_model, family, CONVERTERS[family.name])

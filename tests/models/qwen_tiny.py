@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import transformers
 from torch import nn
 
 import posttune_qwen
-from posttune.modules import init_buffers
 from posttune.testing.tiny import TINY
+from posttune.testing.tiny import native_from_hf as shared_native_from_hf
 
 FAMILIES = {"qwen2": posttune_qwen.QWEN2, "qwen3": posttune_qwen.QWEN3}
 CONVERTERS = {c.family: c for c in posttune_qwen.CONVERTERS}
@@ -49,18 +48,6 @@ CONFIGS = {
 
 
 def native_from_hf(hf_model: nn.Module) -> nn.Module:
-    """Build the native model from the HF config on the meta device, then stream the HF weights in."""
-    config = hf_model.config.to_dict()
-    family = FAMILIES[config["model_type"]]
-    with torch.device("meta"):
-        model = family.build(**family.from_hf_config(config))
-    model.to_empty(device="cpu")
-    init_buffers(model)
-    converter = CONVERTERS[family.name]
-    state = {}
-    for key, tensor in hf_model.state_dict().items():
-        mapped = converter.to_native(key, tensor, config)
-        if mapped is not None:
-            state[mapped[0]] = mapped[1]
-    model.load_state_dict(state, strict=True)
-    return model.to(hf_model.dtype).eval()
+    """The native qwen2/qwen3 model carrying an HF model's weights."""
+    family = FAMILIES[hf_model.config.model_type]
+    return shared_native_from_hf(hf_model, family, CONVERTERS[family.name])

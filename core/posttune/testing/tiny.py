@@ -70,3 +70,28 @@ def save_tiny_hf_checkpoint(path: str | Path, config: transformers.PreTrainedCon
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(Path(path), **kwargs)
     return model
+
+
+def native_from_hf(hf_model: Any, family: Any, converter: Any) -> Any:
+    """``family``'s native model carrying ``hf_model``'s weights, copied through ``converter``.
+
+    Built on the meta device from the HF config, materialised, then filled in memory (no files:
+    the checkpoint loader is tested on its own), so a test exercises exactly the key map and the
+    architecture.
+    """
+    import torch
+
+    from posttune.modules import init_buffers
+
+    config = hf_model.config.to_dict()
+    with torch.device("meta"):
+        model = family.build(**family.from_hf_config(config))
+    model.to_empty(device="cpu")
+    init_buffers(model)
+    state = {}
+    for key, tensor in hf_model.state_dict().items():
+        mapped = converter.to_native(key, tensor, config)
+        if mapped is not None:
+            state[mapped[0]] = mapped[1]
+    model.load_state_dict(state, strict=True)
+    return model.to(hf_model.dtype).eval()
