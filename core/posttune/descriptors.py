@@ -7,7 +7,7 @@ model, method or plan up by anything but its registered name.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -208,12 +208,3 @@ class Command:
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
-
-
-def first_line(text: str) -> str:
-    """The first non-empty line of a docstring or description."""
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
-
-
-def names(items: Iterable[Any]) -> list[str]:
-    return [item.name for item in items]

@@ -32,3 +32,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def first_line(text: str) -> str:
+    """The first non-empty line, stripped: one-line errors quote only that much of a message."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")

@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
-from posttune.errors import PosttuneError
+from posttune.errors import PosttuneError, first_line
 from posttune.tokenizer import NAMED_TOKENS, Tokenizer, added_token
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -35,7 +35,7 @@ def read_tokenizer(folder: Path) -> Tokenizer:
     try:
         backend = Backend.from_file(str(path))
     except Exception as exc:  # the Rust error text spans lines; keep its first
-        raise PosttuneError(f"tokenizer: {path} cannot be read: {str(exc).splitlines()[0]}") from None
+        raise PosttuneError(f"tokenizer: {path} cannot be read: {first_line(str(exc))}") from None
     config = read_json(folder / "tokenizer_config.json") or {}
     raw_tokens = _special_token_values(folder, config)
     special_tokens = {name: _token_text(value) for name, value in raw_tokens.items()}

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from posttune import first_party
-from posttune.errors import PosttuneError
+from posttune.errors import PosttuneError, first_line
 from posttune.registry import Registered, Registry
 
 #: What `snapshot_download` fetches for a hub id: weights, configs and tokenizer files only
@@ -73,7 +73,7 @@ def local_dir(path_or_id: str | Path) -> Path:
         return Path(snapshot_download(str(path_or_id), allow_patterns=list(HUB_PATTERNS)))
     except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors alike
         raise PosttuneError(f"{path_or_id}: cannot download from the hub: "
-                            f"{type(exc).__name__}: {_first_line(exc)}") from None
+                            f"{type(exc).__name__}: {first_line(str(exc))}") from None
 
 
 def _hub_config(repo_id: str) -> Path:
@@ -83,11 +83,7 @@ def _hub_config(repo_id: str) -> Path:
         return Path(hf_hub_download(repo_id, "config.json"))
     except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors alike
         raise PosttuneError(f"{repo_id}: cannot fetch config.json from the hub: "
-                            f"{type(exc).__name__}: {_first_line(exc)}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [""])[0]
+                            f"{type(exc).__name__}: {first_line(str(exc))}") from None
 
 
 def family_for(hf_config: Mapping[str, Any], registry: Registry, where: str) -> Registered:

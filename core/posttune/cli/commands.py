@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 from posttune.cli import generate, launch
-from posttune.descriptors import Command, first_line
-from posttune.errors import PosttuneError, did_you_mean
+from posttune.descriptors import Command
+from posttune.errors import PosttuneError, did_you_mean, first_line
 from posttune.plugins import PLUGIN_API, get_plugins, get_registry, hookimpl
 from posttune.registry import KINDS, duplicate_messages
 
@@ -199,7 +199,7 @@ def _run_download(args: argparse.Namespace) -> int:
         path = snapshot_download(args.repo_id, revision=args.revision, local_dir=args.output,
                                  allow_patterns=DOWNLOAD_PATTERNS, ignore_patterns=DOWNLOAD_EXCLUDES)
     except Exception as exc:  # noqa: BLE001 - not found, gated, offline: one line each
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        detail = first_line(str(exc))
         raise PosttuneError(f"download of {args.repo_id} failed: {type(exc).__name__}: {detail}") from None
     print(path)
     return 0

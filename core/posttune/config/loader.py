@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from posttune.errors import ConfigError, PosttuneError
+from posttune.errors import ConfigError, PosttuneError, first_line
 
 
 class _Loader(yaml.SafeLoader):
@@ -36,7 +36,7 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        problem = getattr(exc, "problem", None) or first_line(str(exc))
         raise PosttuneError(f"{source}{where}: invalid YAML: {problem}") from exc
 
 

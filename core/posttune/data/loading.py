@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from posttune.config.schema import DatasetConfig
-from posttune.errors import ConfigError
+from posttune.errors import ConfigError, first_line
 
 #: file extension -> the `datasets` packaged builder that reads it
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -71,7 +71,7 @@ def _load(where: str, shown: str, path: str, *, hint: str = "", **kwargs: Any) -
     try:
         return datasets.load_dataset(path, **kwargs)
     except Exception as exc:  # unreadable file, offline hub, unknown split: one line naming the dataset
-        problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        problem = first_line(str(exc)) or type(exc).__name__
         problem = f"could not load {shown!r} ({type(exc).__name__}: {problem}){hint}"
         raise ConfigError(f"{where}.path", problem) from None
     finally:
