@@ -5,39 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import transformers
 
 import posttune
 import posttune_gemma
 from gemma_tiny import CONFIGS
 from posttune.testing.tiny import save_tiny_hf_checkpoint
-
-IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
-FP32_TOLERANCE = 1e-4
+from logits import assert_close, native_logits, transformers_logits
 
 
 @pytest.fixture(autouse=True)
 def gemma_plugin(register_plugin):
     register_plugin(posttune_gemma, name="gemma", distribution="posttune-gemma")
-
-
-def transformers_logits(path_or_model) -> torch.Tensor:
-    model = path_or_model
-    if not isinstance(model, torch.nn.Module):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path_or_model, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        return model(IDS).logits
-
-
-def native_logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).float()
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert (a - b).abs().max().item() <= FP32_TOLERANCE
 
 
 @pytest.mark.parametrize("name", ["gemma_gqa", "gemma_mqa_untied", "gemma2_softcap_window",

@@ -5,39 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-import transformers
 
 import posttune
 import posttune_qwen
 from posttune.testing.tiny import save_tiny_hf_checkpoint
 from qwen_tiny import CONFIGS
-
-IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
-FP32_TOLERANCE = 1e-4
+from logits import assert_close, native_logits, transformers_logits
 
 
 @pytest.fixture(autouse=True)
 def qwen_plugin(register_plugin):
     register_plugin(posttune_qwen, name="qwen", distribution="posttune-qwen")
-
-
-def transformers_logits(path_or_model) -> torch.Tensor:
-    model = path_or_model
-    if not isinstance(model, torch.nn.Module):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path_or_model, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        return model(IDS).logits
-
-
-def native_logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).float()
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert (a - b).abs().max().item() <= FP32_TOLERANCE
 
 
 @pytest.mark.parametrize("name", ["qwen2_gqa", "qwen2_tied", "qwen2_sliding_window",
