@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -35,10 +38,27 @@ def test_shortened_demo_leaves_a_checkpoint_transformers_and_generate_load(tmp_p
     assert generated.returncode == 0, generated.stderr
 
 
+#: what the README promises of the demo: a final validation loss below this (every seed we ran,
+#: 0-4 with 1 and 2 threads, ends near 0.0004: benchmarks/demo_seeds.py), and exact answers
+MAX_VAL_LOSS = 0.01
+MIN_EXACT_MATCH = 0.95
+
+
+def readme_generate_example() -> tuple[list[str], str]:
+    """The README's `posttune generate` command for the demo model, and the answer it promises."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    match = re.search(r"`(posttune generate --model outputs/llama-demo-reverse/model [^`]+)` prints `([^`]+)`", readme)
+    assert match, "README.md has no `posttune generate ...` prints `...` example for the demo"
+    return shlex.split(match.group(1))[1:], match.group(2)
+
+
 @pytest.mark.slow
 def test_full_demo_learns_to_reverse_unseen_strings(tmp_path):
-    """The whole demo as the README runs it (~2 minutes on 2 cores): the answers after training are right."""
-    run = posttune_cmd("train", "llama-demo-reverse", f"checkpoint.output_dir={tmp_path / 'demo'}",
+    """The whole demo as the README runs it (~2 minutes on 2 cores), judged by what robustness means
+    rather than one machine's trajectory: exact answers on the whole validation split, the three
+    sample prompts and the README's example, and a validation loss well under the README's figure."""
+    out = tmp_path / "demo"
+    run = posttune_cmd("train", "llama-demo-reverse", f"checkpoint.output_dir={out}",
                        timeout=1800)  # ~2 min alone; generous for a busy shared machine
     assert run.returncode == 0, run.stderr
     answers = {}
@@ -46,4 +66,15 @@ def test_full_demo_learns_to_reverse_unseen_strings(tmp_path):
         prompt, _, rest = block.partition("\n")
         answers[prompt] = rest.split("after:", 1)[1].strip().splitlines()[0].strip("'")
     assert answers == {"Reverse: PLUGIN": "NIGULP", "Reverse: TORCH": "HCROT", "Reverse: HELLO": "OLLEH"}
-    assert Path(tmp_path / "demo" / "model" / "config.json").is_file()
+    final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert final["val_loss"] < MAX_VAL_LOSS
+    from posttune_llama.demo.check import score
+
+    scored = score(out / "model")
+    assert scored["exact_match"] >= MIN_EXACT_MATCH, scored
+    assert scored["samples_right"], scored["samples"]
+    argv, promised = readme_generate_example()
+    argv[argv.index("outputs/llama-demo-reverse/model")] = str(out / "model")
+    generated = posttune_cmd(*argv)
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.strip() == promised

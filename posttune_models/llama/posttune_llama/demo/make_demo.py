@@ -40,7 +40,7 @@ def main() -> None:
 
     save_tiny_tokenizer(HERE / "tokenizer", template="llama3")
     rng = random.Random(SEED)
-    seen: set[str] = {"PLUGIN", "TORCH", "HELLO"}  # kept out of the data: the demo's sample prompts
+    seen: set[str] = {"PLUGIN", "TORCH", "HELLO", "KERNEL"}  # kept out of the data: check.SAMPLE_WORDS
     for name, count in (("reverse_train.jsonl", TRAIN_ROWS), ("reverse_validation.jsonl", VALIDATION_ROWS)):
         lines = [json.dumps(row(word)) for word in words(rng, count, seen)]
         (HERE / name).write_text("\n".join(lines) + "\n")
