@@ -66,10 +66,9 @@ def main() -> int:
         kwargs = {**LLAMA_SIZES["1b"], "vocab_size": args.vocab_size}
         model = mat.build(build, kwargs, torch.bfloat16, "meta")
         options = FSDP2Options(reshard_after_forward=args.reshard_after_forward)
-        session = SimpleNamespace(model=model, mesh=mesh, state={},
-                                  plan=SimpleNamespace(parallel_options={"fsdp2": options}),
-                                  config=SimpleNamespace(model=SimpleNamespace(dtype="bf16")))
-        shard_model(session)
+        session = SimpleNamespace(model=model, mesh=mesh, init_device=None,
+                                  plan=SimpleNamespace(parallel_options={"fsdp2": options}))
+        shard_model(session, SimpleNamespace(model=model, config=SimpleNamespace(dtype="bf16")))
         mat.materialize(model, device)
         random_init(model, seed=0)
         init_buffers(model)

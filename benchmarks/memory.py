@@ -42,7 +42,9 @@ model.train()
 gen = torch.Generator().manual_seed(0)
 batch = {"input_ids": torch.randint(0, spec["model"]["vocab_size"], (spec["batch"], spec["seq"]), generator=gen)}
 batch["labels"] = torch.randint(0, spec["model"]["vocab_size"], (spec["batch"], spec["seq"]), generator=gen)
-session = SimpleNamespace(model=model, state={}, device=torch.device("cpu"), plan=SimpleNamespace(memory_options={}))
+session = SimpleNamespace(model=model, device=torch.device("cpu"), plan=SimpleNamespace(memory_options={}),
+                          loss_kernel=None, before_backward=[], clip_gradients=None, mesh=None)
+target = SimpleNamespace(model=model, role="policy", trainable=True)
 technique = spec.get("technique")
 if spec["optimizer"] == "adamw":
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -54,27 +56,24 @@ if technique == "activation_checkpointing":
     from posttune.memory import CheckpointingConfig
     from posttune.memory.checkpointing import apply
     session.plan.memory_options[technique] = CheckpointingConfig(every=spec.get("every", 1))
-    apply(session)
+    apply(session, target)
 elif technique == "chunked_cross_entropy":
     from posttune.memory import ChunkedCrossEntropyConfig
     from posttune.memory.linear_cross_entropy import apply
     session.plan.memory_options[technique] = ChunkedCrossEntropyConfig(**spec.get("options", {}))
-    apply(session)
+    apply(session, target)
 elif technique == "optimizer_in_backward":
     from posttune.memory.optimizer_in_backward import apply
-    apply(session)
+    apply(session, target)
 
 def step():
     loss, tokens = token_cross_entropy(session, batch)
-    scale = 1.0 / float(tokens)
-    if session.state.get("steps_in_backward"):
-        session.state["grad_scale"] = scale
-        loss.backward()
-    else:
-        loss.backward()
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+    for hook in session.before_backward:  # optimizer_in_backward: the gradient scale, before backward
+        hook(session, SimpleNamespace(normaliser=tokens))
+    loss.backward()
+    for p in model.parameters():  # the trainer's normalisation (nothing left here in backward mode)
+        if p.grad is not None:
+            p.grad.mul_(1.0 / float(tokens))
     session.optimizer.step()
     session.scheduler.step()
     session.optimizer.zero_grad(set_to_none=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 from posttune.plugins import PLUGIN_API, hookimpl
 
-__version__ = "0.1.0"
+from posttune.version import __version__
 
 _LAZY = {
     "load_model": "posttune.api",

@@ -7,7 +7,7 @@ model, method or plan up by anything but its registered name.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -16,10 +16,9 @@ if TYPE_CHECKING:  # torch is imported lazily so that `posttune plugins` starts 
     import torch
 
     from posttune.config.schema import RunConfig
+    from posttune.session import Session
 
-Session = Any  # the composed training session; typed for real by the trainer
-
-#: Composition stages in the order `posttune train` runs them (DESIGN §4). Memory techniques
+#: Composition stages in the order `posttune train` runs them (docs/architecture.md). Memory techniques
 #: name the stage they act at; within ``parallelize`` they interleave with parallel plans by
 #: ``order`` (activation checkpointing must wrap layers before FSDP2 shards them).
 STAGES: tuple[str, ...] = (
@@ -109,37 +108,103 @@ class CheckpointConverter:
 
 @dataclass(frozen=True)
 class LossOutput:
-    """What ``Method.loss`` returns: a summed loss, the tokens it covers, and metrics to log.
+    """What ``Method.loss`` returns: a summed loss, what to divide it by, and what it processed.
 
-    The trainer divides by the token count summed over micro-batches and ranks, so a method
-    never normalises by itself.
+    The trainer sums ``loss_sum`` and ``normaliser`` over the micro-batches of a step and over
+    the ranks that hold different data, and divides once, so a method never normalises by
+    itself: SFT's normaliser is its labelled tokens, DPO's its preference pairs (``unit`` names
+    it in the logs). ``tokens`` is what the forward passes processed, padding excluded: the
+    logged ``tokens`` and ``tokens_per_s`` count it.
+
+    ``metrics``: a plain number is averaged over micro-batches and ranks; a pair
+    ``(total, count)`` is reported as ``sum(total) / sum(count)`` over all of them (e.g. a
+    reward summed over pairs, and the pair count), which is exact under any batching.
     """
 
     loss_sum: torch.Tensor
-    num_tokens: torch.Tensor | int
-    metrics: Mapping[str, float] = field(default_factory=dict)
+    normaliser: torch.Tensor | float
+    tokens: torch.Tensor | int = 0
+    metrics: Mapping[str, float | torch.Tensor | tuple[Any, Any]] = field(default_factory=dict)
+    unit: str = "labelled_tokens"  # what ``normaliser`` counts, logged under this name ("pairs" for DPO)
+
+
+#: Extra models a method can ask for (docs/architecture.md, "Model roles"). ``reference``: frozen, from the
+#: policy's source (or the `reference:` section); ``teacher``: frozen, from the `teacher:` section.
+ROLES: tuple[str, ...] = ("reference", "teacher")
+RoleName = Literal["reference", "teacher"]
+
+
+@dataclass(frozen=True)
+class ModelRole:
+    """An extra, frozen model a method needs: ``session.models[name]``.
+
+    ``adapters_off``: with LoRA/DoRA and no separate source configured, the role may be the
+    policy itself with its adapters disabled (no second copy in memory): what DPO's reference is.
+    """
+
+    name: RoleName
+    adapters_off: bool = False
 
 
 @dataclass(frozen=True)
 class Method:
-    """A post-training algorithm. The core owns the loop; the method owns data and loss."""
+    """A post-training algorithm (plugin API 2). The core owns the loop; the method owns its data,
+    its extra models and its loss (docs/architecture.md, "The method lifecycle").
+
+    - ``data(session, dataset, split)`` -> a loader: an iterable of micro-batches, with
+      optional ``len()`` (micro-batches per epoch), ``set_epoch(epoch)`` and
+      ``state_dict()``/``load_state_dict()`` (mid-epoch resume). Called for ``"train"`` and,
+      when configured, ``"validation"``, before the step count and LR schedule are fixed.
+    - ``loss(session, batch)`` -> ``LossOutput``.
+    - ``roles``: the model roles it needs (names or ``ModelRole``), or a function of its
+      validated config returning them (e.g. none for a reference-free loss).
+    - ``batches(session)``: the micro-batches of one epoch; default: the train loader's.
+    - ``setup(session)``: after data, optimizer and roles, before resume (e.g. precompute).
+    - ``evaluate(session) -> dict``: default: loss and metrics over the validation loader.
+    - ``on_step_end(session, record)``: after each optimizer step; may add to ``record``.
+    - ``state_dict(session)`` / ``load_state_dict(session, state)``: kept in checkpoints
+      (tensors and plain containers: they are read back with ``weights_only=True``).
+    - ``validate(config, method_config)``: before launch; raise ConfigError to refuse.
+    """
 
     name: str
     config: type  # dataclass validated from the config's `method:` section
     dataset_kind: DatasetKind
-    setup: Callable[[Session], None]
-    batches: Callable[[Session], Iterator[Any]]
+    data: Callable[[Session, Any, str], Any]
     loss: Callable[[Session, Any], LossOutput]
-    validate: Validator | None = None
+    roles: tuple[RoleName | ModelRole, ...] | Callable[[Any], tuple[RoleName | ModelRole, ...]] = ()
+    batches: Callable[[Session], Iterable[Any]] | None = None
+    setup: Callable[[Session], None] | None = None
+    evaluate: Callable[[Session], Mapping[str, float]] | None = None
+    on_step_end: Callable[[Session, dict[str, Any]], None] | None = None
+    state_dict: Callable[[Session], Any] | None = None
+    load_state_dict: Callable[[Session, Any], None] | None = None
+    validate: Callable[[RunConfig, Any], None] | None = None
     description: str = ""
+
+    def model_roles(self, method_config: Any) -> tuple[ModelRole, ...]:
+        """The roles this method needs with ``method_config``, as ``ModelRole``s."""
+        roles = self.roles(method_config) if callable(self.roles) else self.roles
+        return tuple(role if isinstance(role, ModelRole) else ModelRole(role) for role in roles)
+
+
+#: What a parallel plan or memory technique does with frozen model roles (a reference, a
+#: teacher): ``"apply"`` to them as to the policy, ``"skip"`` them (e.g. activation
+#: checkpointing: nothing runs backward through a frozen model), or ``"refuse"`` a method
+#: that has roles (a plan not yet made to work with them), with a one-line error before launch.
+FrozenModels = Literal["apply", "skip", "refuse"]
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """A way to split the model over devices, applied at the ``parallelize`` stage by ``order``."""
+    """A way to split models over devices, applied at the ``parallelize`` stage by ``order``.
+
+    ``apply(session, target)`` acts on ``target.model`` (a ``ModelTarget``: the policy, or a
+    frozen role when ``frozen`` is ``"apply"``).
+    """
 
     name: str
-    apply: Callable[[Session], None]
+    apply: Callable[[Session, Any], None]
     mesh_dim: str | None = None  # the DeviceMesh dimension this plan owns, e.g. "tp"
     order: int = 0  # lower runs first: TP/loss-parallel/CP before FSDP2
     requires: tuple[str, ...] = ()  # other plans that must be active
@@ -148,15 +213,21 @@ class ParallelPlan:
     description: str = ""
     config: type | None = None  # dataclass validated from `parallel.options.<name>`; the instance
     #                             is ``session.plan.parallel_options[name]`` when the plan runs
+    frozen: FrozenModels = "apply"
 
 
 @dataclass(frozen=True)
 class MemoryTechnique:
-    """A switch that trades compute or precision for memory, applied at one stage."""
+    """A switch that trades compute or precision for memory, applied at one stage.
+
+    ``apply(session, target)``: at the model stages (build .. load) ``target`` is the model
+    being built (``target.model``; frozen roles too when ``frozen`` is ``"apply"``); at the
+    ``optimizer`` and ``loss`` stages it is the policy's target.
+    """
 
     name: str
     stage: Stage
-    apply: Callable[[Session], None]
+    apply: Callable[[Session, Any], None]
     order: int = 0  # within the stage; compared with ParallelPlan.order in ``parallelize``
     requires: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()
@@ -165,6 +236,7 @@ class MemoryTechnique:
     description: str = ""
     config: type | None = None  # dataclass validated from `memory_options.<name>`; the instance
     #                             is ``session.plan.memory_options[name]`` when the technique runs
+    frozen: FrozenModels = "skip"
 
 
 @dataclass(frozen=True)

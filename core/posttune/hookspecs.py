@@ -2,7 +2,7 @@
 
 Registration hooks receive a typed register object; a plugin calls it once per descriptor.
 The core calls each plugin's implementation on its own, so every registered name knows the
-distribution and version it came from. Plugins declare ``POSTTUNE_PLUGIN_API = 1``.
+distribution and version it came from. Plugins declare ``POSTTUNE_PLUGIN_API = 2``.
 """
 
 from __future__ import annotations

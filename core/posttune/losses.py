@@ -1,7 +1,13 @@
-"""Token-level losses shared by methods. Memory techniques may replace how logits are formed.
+"""Token-level losses shared by methods; the ``loss``-stage memory technique may replace the kernels.
 
-Every function returns a *sum* and the number of tokens it covers: the trainer divides once
-by the global count (see ``posttune.training.trainer``).
+Labels are pre-shifted by the data pipeline (``labels[:, t]`` is the target of position t,
+``IGNORE_INDEX`` where nothing is learned), so nothing here shifts. Every function that feeds
+the trainer returns a *sum* (the trainer divides once by the global normaliser, see
+``posttune.training.trainer``).
+
+When a technique installed ``session.loss_kernel`` (chunked cross-entropy), both functions use
+it: full ``[batch, seq, vocab]`` logits are then never materialised. Final-logit soft-caps are
+applied either way (``model.logits`` / the kernel's per-chunk cap).
 """
 
 from __future__ import annotations
@@ -15,17 +21,42 @@ IGNORE_INDEX = -100
 
 
 def token_cross_entropy(session: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy over labelled positions, and their count.
-
-    ``batch["labels"]`` is pre-shifted (the target of each position). A memory technique can
-    install ``session.state["token_loss"]`` (e.g. chunked linear cross-entropy that never
-    materialises full logits); it receives the same arguments and returns the same pair.
-    """
-    custom = session.state.get("token_loss") if hasattr(session, "state") else None
-    if custom is not None:
-        return custom(session, batch)
+    """Summed next-token cross-entropy of the policy over labelled positions, and their count."""
+    kernel = getattr(session, "loss_kernel", None)
+    if kernel is not None:
+        return kernel.cross_entropy(session.model, batch)
     logits = session.model(batch["input_ids"], document_ids=batch.get("document_ids"))
     labels = batch["labels"]
     loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
     return loss_sum, (labels != IGNORE_INDEX).sum()
+
+
+def token_logps(session: Any, batch: dict[str, torch.Tensor], model: Any = None) -> torch.Tensor:
+    """``[batch, seq]`` log-probabilities of each label under ``model``; 0 where the label is ignored.
+
+    ``model`` defaults to the policy; a model role (``session.models["reference"]``, also the
+    policy with its adapters disabled) works the same way. Differentiable when grad is enabled.
+    Under loss parallel the logits stay vocabulary-sharded: ``cross_entropy`` is what that
+    context parallelises.
+    """
+    from posttune.adapters.inject import active_model
+
+    with active_model(session.model if model is None else model) as module:
+        kernel = getattr(session, "loss_kernel", None)
+        if kernel is not None:
+            return kernel.logps(module, batch)
+        logits = module(batch["input_ids"], document_ids=batch.get("document_ids"))
+        labels = batch["labels"]
+        nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                              reduction="none")
+        if hasattr(nll, "full_tensor"):  # vocabulary-sharded logits under loss parallel: a DTensor result
+            nll = nll.full_tensor()
+        return -nll.view(labels.shape)
+
+
+def sequence_logps(token_values: torch.Tensor, labels: torch.Tensor, *, average: bool = False) -> torch.Tensor:
+    """Per-row sum (or mean) of ``token_values`` over labelled positions: ``[batch]``."""
+    mask = labels != IGNORE_INDEX
+    total = (token_values * mask).sum(-1)
+    return total / mask.sum(-1).clamp(min=1) if average else total

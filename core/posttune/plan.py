@@ -1,4 +1,4 @@
-"""Resolve a validated config against the installed plugins, in composition order (DESIGN §4).
+"""Resolve a validated config against the installed plugins, in composition order (docs/architecture.md).
 
 Everything here runs before any weight is loaded, so `posttune validate`, `plan` and `train`
 refuse an impossible run in a second, with one line naming the field or plugin.
@@ -14,10 +14,10 @@ from typing import Any
 from posttune import first_party
 from posttune.checkpoint.source import family_for, read_hf_config
 from posttune.config.requires import check_requires
-from posttune.config.schema import RunConfig
+from posttune.config.schema import ModelConfig, RunConfig
 from posttune.config.typed import from_dict
-from posttune.descriptors import STAGES, ParallelPlan
-from posttune.errors import ConfigError, UnknownNameError
+from posttune.descriptors import ROLES, STAGES, ModelRole, ParallelPlan
+from posttune.errors import ConfigError, UnknownNameError, did_you_mean
 from posttune.registry import Registered, Registry
 
 CHECKPOINT_FORMAT = "hf"
@@ -35,6 +35,21 @@ class Step:
     provider: str
 
 
+@dataclass(frozen=True)
+class RolePlan:
+    """A model role the method asked for, resolved: where its weights come from and who builds it.
+
+    ``shares_policy``: the role is the policy with its adapters disabled (no second model).
+    """
+
+    role: ModelRole
+    config: ModelConfig  # the role's model section (the policy's own for a default reference)
+    section: str  # the config section it was read from: "model", "reference" or "teacher"
+    family: Registered
+    converter: Registered | None = None
+    shares_policy: bool = False
+
+
 @dataclass
 class Plan:
     config: RunConfig
@@ -43,6 +58,7 @@ class Plan:
     method_config: Any
     world_size: int
     converter: Registered | None = None
+    roles: dict[str, RolePlan] = field(default_factory=dict)  # role name -> how it is built
     datasets: dict[str, Registered] = field(default_factory=dict)  # "train"/"validation" -> format
     parallel: list[Registered] = field(default_factory=list)  # active plans, in order
     memory: list[Registered] = field(default_factory=list)
@@ -55,18 +71,14 @@ class Plan:
 def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | None = 1) -> Plan:
     """The whole run, checked: plugins by name, requires/conflicts, mesh dims against the world."""
     check_requires(config.requires)
-    family = _family(config, registry)
-    method = _get(registry, "method", config.method_name, "method.name" if isinstance(config.method, dict) else "method")
+    family = _family(config.model, registry, "model")
+    where = "method.name" if isinstance(config.method, dict) else "method"
+    method = _get(registry, "method", config.method_name, where)
     plan = Plan(config, family, method, from_dict(method.descriptor.config, config.method_settings, "method"),
                 world_size or 1)
-    if config.model.path is not None:
-        plan.converter = _get(registry, "checkpoint_converter", f"{family.descriptor.name}:{CHECKPOINT_FORMAT}",
-                              "model.path")
-    if config.model.size is not None and config.model.size not in family.descriptor.sizes:
-        sizes = ", ".join(family.descriptor.sizes) or "none"
-        raise ConfigError("model.size", f"family '{family.descriptor.name}' has no size '{config.model.size}' "
-                                        f"(sizes: {sizes})")
+    plan.converter = _converter(config.model, family, registry, "model")
     _datasets(plan, registry)
+    _roles(plan, registry)
     plan.parallel = [_get(registry, "parallel_plan", n, f"parallel.plans[{i}]")
                      for i, n in enumerate(config.parallel.plans)]
     plan.memory = [_get(registry, "memory_technique", n, f"memory[{i}]") for i, n in enumerate(config.memory)]
@@ -78,7 +90,10 @@ def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | Non
         plan.parallel = []  # one process: the same config runs with the plans inactive
     # Plans see the degrees this launch resolved (a -1 replaced by the rest of the world).
     resolved = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dims=dict(plan.mesh)))
-    for item in [method, *plan.parallel, *plan.memory]:
+    _check_frozen(plan)
+    if method.descriptor.validate is not None:
+        method.descriptor.validate(config, plan.method_config)
+    for item in [*plan.parallel, *plan.memory]:
         if item.descriptor.validate is not None:
             item.descriptor.validate(resolved if isinstance(item.descriptor, ParallelPlan) else config)
     plan.steps = _steps(plan)
@@ -94,7 +109,7 @@ def model_kwargs(config: RunConfig, registry: Registry | None = None) -> dict[st
         from posttune.plugins import get_registry
 
         registry = get_registry()
-    family = _family(config, registry).descriptor
+    family = _family(config.model, registry, "model").descriptor
     if config.model.path is not None:
         base = family.from_hf_config(read_hf_config(config.model.path))
     else:
@@ -109,10 +124,90 @@ def _get(registry: Registry, kind: str, name: str, where: str) -> Registered:
         raise ConfigError(where, str(exc)) from None
 
 
-def _family(config: RunConfig, registry: Registry) -> Registered:
-    if config.model.family is not None:
-        return _get(registry, "model_family", config.model.family, "model.family")
-    return family_for(read_hf_config(config.model.path), registry, str(config.model.path))
+def _family(model: ModelConfig, registry: Registry, section: str) -> Registered:
+    """The family a model section names, or the one that reads its checkpoint's architecture."""
+    if model.family is not None:
+        family = _get(registry, "model_family", model.family, f"{section}.family")
+    else:
+        family = family_for(read_hf_config(model.path), registry, str(model.path))
+    if model.path is None and model.size not in family.descriptor.sizes:
+        sizes = ", ".join(family.descriptor.sizes) or "none"
+        raise ConfigError(f"{section}.size", f"family '{family.descriptor.name}' has no size '{model.size}' "
+                                             f"(sizes: {sizes})")
+    _check_overrides(model, family, section)
+    return family
+
+
+def _check_overrides(model: ModelConfig, family: Registered, section: str) -> None:
+    """Every ``build_overrides`` key must be an argument of the family's builder (else it fails at build)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(family.descriptor.build).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    for key in model.build_overrides:
+        if key not in parameters:
+            raise ConfigError(f"{section}.build_overrides.{key}",
+                              f"family '{family.descriptor.name}' ({family.provenance}) builds with no argument "
+                              f"'{key}'{did_you_mean(key, parameters)} (arguments: {', '.join(parameters)})")
+
+
+def _converter(model: ModelConfig, family: Registered, registry: Registry, section: str) -> Registered | None:
+    if model.path is None:
+        return None
+    return _get(registry, "checkpoint_converter", f"{family.descriptor.name}:{CHECKPOINT_FORMAT}", f"{section}.path")
+
+
+def _roles(plan: Plan, registry: Registry) -> None:
+    """The model roles the method asks for, each resolved to a family and a weight source.
+
+    A role section the method does not use is refused rather than ignored: a `teacher:` that
+    never loads is a mistake the user should hear about before the run, not after it.
+    """
+    config, method = plan.config, plan.method.descriptor
+    wanted = {role.name: role for role in method.model_roles(plan.method_config)}
+    for name in wanted:
+        if name not in ROLES:
+            raise ConfigError("method", f"method '{method.name}' ({plan.method.provenance}) asks for an unknown "
+                                        f"model role '{name}' (roles: {', '.join(ROLES)})")
+    for name in ROLES:
+        if getattr(config, name) is not None and name not in wanted:
+            raise ConfigError(name, f"method '{method.name}' uses no {name} model with these settings; "
+                                    f"remove the `{name}:` section")
+    for name, role in wanted.items():
+        section = name if getattr(config, name) is not None else ("model" if name == "reference" else None)
+        if section is None:
+            raise ConfigError(name, f"required: method '{method.name}' needs a {name} model "
+                                    f"({name}.path, or {name}.family and {name}.size)")
+        model = getattr(config, section)
+        shares = role.adapters_off and config.adapter is not None and section == "model"
+        family = plan.family if section == "model" else _family(model, registry, section)
+        converter = plan.converter if section == "model" else _converter(model, family, registry, section)
+        plan.roles[name] = RolePlan(role, model, section, family, converter, shares)
+
+
+#: the stages that build a model; frozen roles go through these (never adapt, optimizer or loss)
+MODEL_STAGES: tuple[str, ...] = ("build", "quantize", "parallelize", "load")
+
+
+def applies_to_frozen(descriptor: Any) -> bool:
+    """Whether a parallel plan or memory technique also acts on frozen model roles."""
+    stage = "parallelize" if isinstance(descriptor, ParallelPlan) else descriptor.stage
+    return descriptor.frozen == "apply" and stage in MODEL_STAGES
+
+
+def _check_frozen(plan: Plan) -> None:
+    """Plans and techniques that cannot work with frozen roles refuse a method that has them."""
+    if not plan.roles:
+        return
+    for item in [*plan.parallel, *plan.memory]:
+        if item.descriptor.frozen == "refuse":
+            roles = ", ".join(plan.roles)
+            raise ConfigError(_where(item), f"'{item.descriptor.name}' ({item.provenance}) does not support model "
+                                            f"roles yet, and method '{plan.method.descriptor.name}' uses {roles}")
 
 
 def _datasets(plan: Plan, registry: Registry) -> None:
@@ -217,6 +312,7 @@ def _mesh_rank(dim: str) -> int:
 
 
 def _steps(plan: Plan) -> list[Step]:
+    """The plan's lines in the order `posttune train` composes the run (docs/architecture.md)."""
     config, steps = plan.config, []
     by_stage: dict[str, list[Registered]] = {stage: [] for stage in STAGES}
     for item in plan.memory:
@@ -227,15 +323,20 @@ def _steps(plan: Plan) -> list[Step]:
     def add(stage: str, what: str, provider: Any) -> None:
         steps.append(Step(stage, what, str(provider)))
 
-    from posttune import __version__
+    def add_techniques(stage: str) -> None:
+        for item in by_stage[stage]:
+            kind = "parallel plan" if isinstance(item.descriptor, ParallelPlan) else "memory technique"
+            add(stage, f"{kind} '{item.descriptor.name}'", item.provenance)
+
+    from posttune.version import __version__
 
     core = f"posttune {__version__}"
     mesh = ", ".join(f"{d}={n}" for d, n in plan.mesh.items()) or "none"
     add("distributed", f"{plan.world_size} process(es), mesh {mesh}", core)
     source = config.model.path or f"random init, size {config.model.size}"
-    add("build", f"model family '{plan.family.descriptor.name}' on the meta device ({source})",
+    add("build", f"policy: model family '{plan.family.descriptor.name}' on the meta device ({source})",
         plan.family.provenance)
-    for stage in STAGES:
+    for stage in ("build", "adapt", "quantize", "parallelize", "load"):
         if stage == "adapt" and config.adapter is not None:
             targets = ", ".join(config.adapter.targets or plan.family.descriptor.lora_targets) or "family default"
             add(stage, f"{config.adapter.kind} rank {config.adapter.rank} on {targets}", core)
@@ -243,15 +344,22 @@ def _steps(plan: Plan) -> list[Step]:
             what = (f"weights from {config.model.path} via converter '{plan.converter.descriptor.name}'"
                     if plan.converter else "random weights")
             add(stage, what, plan.converter.provenance if plan.converter else core)
-        if stage == "optimizer":
-            optimizer = config.train.optimizer
-            add(stage, f"optimizer {optimizer if isinstance(optimizer, str) else optimizer.get('_component_')}, "
-                       f"lr {config.train.lr:g}", core)
-        for item in by_stage[stage]:
-            kind = "parallel plan" if isinstance(item.descriptor, ParallelPlan) else "memory technique"
-            add(stage, f"{kind} '{item.descriptor.name}'", item.provenance)
+        add_techniques(stage)
+    for name, role in plan.roles.items():
+        if role.shares_policy:
+            add("roles", f"{name}: the policy with its adapters disabled (no copy)", core)
+            continue
+        source = role.config.path or f"random init, size {role.config.size}"
+        frozen = [item.descriptor.name for item in plan.parallel + plan.memory if applies_to_frozen(item.descriptor)]
+        how = f", with {', '.join(frozen)}" if frozen else ""
+        add("roles", f"{name}: frozen '{role.family.descriptor.name}' model ({source}){how}", role.family.provenance)
     for split, fmt in plan.datasets.items():
         add("data", f"{split}: {getattr(config.data, split).path} as '{fmt.descriptor.name}'", fmt.provenance)
-    add("method", f"method '{plan.method.descriptor.name}' (setup, batches, loss)", plan.method.provenance)
+    optimizer = config.train.optimizer
+    add("optimizer", f"optimizer {optimizer if isinstance(optimizer, str) else optimizer.get('_component_')}, "
+                     f"lr {config.train.lr:g}", core)
+    add_techniques("optimizer")
+    add_techniques("loss")
+    add("method", f"method '{plan.method.descriptor.name}': its data loaders, setup, loss", plan.method.provenance)
     add("train", "trainer loop", core)
     return steps

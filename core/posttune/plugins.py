@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import types
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -21,9 +22,12 @@ from posttune import hookspecs
 from posttune.errors import did_you_mean
 from posttune.registry import HOOK_ARG, KINDS, Provenance, Register, Registered, Registry
 
-#: The plugin API versions this core accepts. A plugin declares ``POSTTUNE_PLUGIN_API = 1``.
-PLUGIN_API = 1
-SUPPORTED_PLUGIN_APIS = frozenset({1})
+#: The plugin API this core speaks. A plugin declares ``POSTTUNE_PLUGIN_API = 2``. API 2 (this
+#: release): methods build their own data and declare model roles; plans and techniques receive
+#: the model they act on (``apply(session, target)``); plugins share state through typed session
+#: fields (docs/plugins.md lists what changed from API 1).
+PLUGIN_API = 2
+SUPPORTED_PLUGIN_APIS = frozenset({2})
 ENTRY_POINT_GROUP = "posttune"
 
 #: Generic pieces of the core, registered through the same hooks as any plugin.
@@ -45,6 +49,7 @@ class PluginInfo:
     module: str
     hooks: list[str] = field(default_factory=list)
     error: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +75,7 @@ class PluginSet:
         info.error = _add(self.pm, plugin, name)
         if info.error is None:
             info.hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or ())
+            info.warnings = unmarked_hooks(plugin)
         self.plugins[name] = info
         self._registry = None
         return info
@@ -89,9 +95,10 @@ def _add(pm: pluggy.PluginManager, plugin: Any, name: str) -> str | None:
     """Register ``plugin``; return why it was refused, or None."""
     api = getattr(plugin, "POSTTUNE_PLUGIN_API", None)
     if api not in SUPPORTED_PLUGIN_APIS:
-        wanted = "no POSTTUNE_PLUGIN_API" if api is None else f"plugin API {api!r}"
-        return (f"declares {wanted}; this posttune supports plugin API "
-                f"{', '.join(map(str, sorted(SUPPORTED_PLUGIN_APIS)))}")
+        speaks = " and ".join(map(str, sorted(SUPPORTED_PLUGIN_APIS)))
+        if api is None:
+            return f"declares no POSTTUNE_PLUGIN_API; this posttune speaks plugin API {speaks}"
+        return f"built for plugin API {api!r}; this posttune speaks {speaks}"
     try:
         pm.register(plugin, name=name)
         pm.check_pending()
@@ -103,14 +110,31 @@ def _add(pm: pluggy.PluginManager, plugin: Any, name: str) -> str | None:
 
 
 def _explain_validation(exc: pluggy.PluginValidationError) -> str:
-    text = str(exc)
-    for word in text.replace("'", " ").replace(",", " ").split():
-        if word.startswith("posttune_") and not hasattr(hookspecs, word):
-            hooks = [h for h in vars(hookspecs) if h.startswith("posttune_")]
-            return f"unknown hook '{word}'{did_you_mean(word, hooks)}"
-    lines = text.splitlines()
-    hook = lines[0].split(" for ", 1)[-1]
-    return f"{hook}: {lines[-1]}" if len(lines) > 1 else lines[0]
+    """pluggy's own message in one line: an unknown hook (with a suggestion) or a signature mismatch."""
+    lines = str(exc).splitlines()
+    unknown = re.match(r"unknown hook '([^']+)'", lines[0])
+    if unknown:
+        word = unknown.group(1)
+        return f"unknown hook '{word}'{did_you_mean(word, hook_names())}"
+    hook = re.search(r"for hook '([^']+)'", lines[0])
+    detail = lines[-1] if len(lines) > 1 else lines[0]
+    return f"hook '{hook.group(1)}': {detail}" if hook else detail
+
+
+def hook_names() -> list[str]:
+    return [h for h in vars(hookspecs) if h.startswith("posttune_")]
+
+
+def unmarked_hooks(plugin: Any) -> list[str]:
+    """Functions named like a hook but missing ``@hookimpl``: pluggy would silently ignore them."""
+    marker = f"{hookspecs.PROJECT}_impl"
+    found = []
+    for attr in dir(plugin):
+        value = getattr(plugin, attr, None)
+        if attr.startswith("posttune_") and callable(value) and not hasattr(value, marker):
+            known = " (a hook of this name exists)" if attr in hook_names() else did_you_mean(attr, hook_names())
+            found.append(f"'{attr}' is named like a hook but lacks @hookimpl, so it is never called{known}")
+    return found
 
 
 def new_plugin_set(*, builtins: bool = True) -> PluginSet:
@@ -119,7 +143,7 @@ def new_plugin_set(*, builtins: bool = True) -> PluginSet:
     pm.add_hookspecs(hookspecs)
     plugins = PluginSet(pm)
     if builtins:
-        from posttune import __version__
+        from posttune.version import __version__
 
         for module_name in BUILTIN_PLUGINS:
             module = importlib.import_module(module_name)

@@ -140,9 +140,13 @@ class Registry:
         return UnknownNameError(message)
 
     def _failed_hint(self, distribution: str | None) -> str:
-        for plugin, (dist, error) in self.failed.items():
+        """Why the name may be missing: its (first-party) distribution, or any plugin, failed to load."""
+        for _plugin, (dist, error) in self.failed.items():
             if distribution is not None and dist == distribution:
                 return f"; {dist} is installed but failed to load: {error}"
+        if distribution is None and self.failed:
+            shown = "; ".join(f"{dist} ({error})" for dist, error in self.failed.values())
+            return f"; installed plugins that failed to load, which may provide it: {shown}"
         return ""
 
 

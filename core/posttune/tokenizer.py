@@ -18,13 +18,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
 from posttune import chat_template as ct
 from posttune.errors import PosttuneError
+from posttune.tokenizer_files import NAMED_TOKENS, read_tokenizer_files, write_tokenizer_files
 
-NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+__all__ = ["NAMED_TOKENS", "TOKENIZER_FILES", "Tokenizer", "load_tokenizer"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "additional_chat_templates/*.jinja")
 # owner/name, as posttune.checkpoint reads hub ids: anything else is a local path with a typo
@@ -156,8 +156,6 @@ class Tokenizer:
         ``AutoTokenizer.from_pretrained(out_dir)`` loads the result. ``generation_config.json`` belongs
         to the model and is written with it, not here.
         """
-        from posttune.tokenizer_files import write_tokenizer_files
-
         return write_tokenizer_files(self, Path(out_dir))
 
     def __repr__(self) -> str:
@@ -166,9 +164,10 @@ class Tokenizer:
 
 def load_tokenizer(path_or_id: str | Path) -> Tokenizer:
     """The tokenizer of a checkpoint directory, or of a hub id (only the tokenizer files are downloaded)."""
-    from posttune.tokenizer_files import read_tokenizer
-
-    return read_tokenizer(_resolve(path_or_id))
+    files = read_tokenizer_files(_resolve(path_or_id))
+    return Tokenizer(files.backend, files.config, special_tokens=files.special_tokens,
+                     chat_template=files.chat_template, generation_eos_ids=files.generation_eos_ids,
+                     source=files.source)
 
 
 def _resolve(path_or_id: str | Path) -> Path:
@@ -199,11 +198,3 @@ def _clean_up_spaces(text: str) -> str:
                           (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
         text = text.replace(before, after)
     return text
-
-
-def added_token(value: str | Mapping[str, Any], *, special: bool) -> AddedToken:
-    """A `tokenizers.AddedToken` from a config value (plain text or transformers' serialised dict)."""
-    if isinstance(value, str):
-        return AddedToken(value, special=special)
-    fields = {k: value[k] for k in ("single_word", "lstrip", "rstrip", "normalized") if k in value}
-    return AddedToken(value["content"], special=bool(value.get("special", special)) or special, **fields)

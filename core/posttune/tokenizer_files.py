@@ -18,16 +18,36 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
 from posttune.errors import PosttuneError, first_line
-from posttune.tokenizer import NAMED_TOKENS, Tokenizer, added_token
+
+if TYPE_CHECKING:  # posttune.tokenizer imports this module, never the other way round
+    from posttune.tokenizer import Tokenizer
+
+NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
 
 
-def read_tokenizer(folder: Path) -> Tokenizer:
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """What a checkpoint folder's tokenizer files hold, read and checked (``Tokenizer`` is built from it)."""
+
+    backend: Backend
+    config: dict[str, Any]
+    special_tokens: dict[str, str]
+    chat_template: str | dict[str, str] | None
+    generation_eos_ids: list[int]
+    source: str
+
+
+def read_tokenizer_files(folder: Path) -> TokenizerFiles:
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise PosttuneError(f"tokenizer: {folder} has no tokenizer.json (posttune reads fast tokenizers; "
@@ -41,8 +61,8 @@ def read_tokenizer(folder: Path) -> Tokenizer:
     special_tokens = {name: _token_text(value) for name, value in raw_tokens.items()}
     _add_missing_tokens(backend, config, raw_tokens, folder / "tokenizer_config.json")
     backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-    return Tokenizer(backend, config, special_tokens=special_tokens, chat_template=_chat_templates(folder, config),
-                     generation_eos_ids=_generation_eos_ids(folder), source=str(folder))
+    return TokenizerFiles(backend, config, special_tokens, _chat_templates(folder, config),
+                          _generation_eos_ids(folder), str(folder))
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -169,3 +189,11 @@ def _write_templates(templates: str | dict[str, str] | None, out: Path) -> None:
             raise PosttuneError(f"tokenizer: chat template name {name!r} cannot be a file name")
         (out / TEMPLATE_DIR).mkdir(exist_ok=True)
         (out / TEMPLATE_DIR / f"{name}.jinja").write_text(source, encoding="utf-8")
+
+
+def added_token(value: str | Mapping[str, Any], *, special: bool) -> AddedToken:
+    """A `tokenizers.AddedToken` from a config value (plain text or transformers' serialised dict)."""
+    if isinstance(value, str):
+        return AddedToken(value, special=special)
+    fields = {k: value[k] for k in ("single_word", "lstrip", "rstrip", "normalized") if k in value}
+    return AddedToken(value["content"], special=bool(value.get("special", special)) or special, **fields)

@@ -74,7 +74,7 @@ class FakeDPOConfig:
 class FakePlugin:
     """Everything a plan can name, registered from one object (a class works as well as a module)."""
 
-    POSTTUNE_PLUGIN_API = 1
+    POSTTUNE_PLUGIN_API = 2
 
     @hookimpl
     def posttune_register_model_families(self, register):
@@ -87,8 +87,8 @@ class FakePlugin:
 
     @hookimpl
     def posttune_register_methods(self, register):
-        register(Method("fsft", dict, "sft", noop, noop, noop))
-        register(Method("fdpo", FakeDPOConfig, "preference", noop, noop, noop))
+        register(Method("fsft", dict, "sft", data=noop, loss=noop))
+        register(Method("fdpo", FakeDPOConfig, "preference", data=noop, loss=noop, roles=("reference",)))
 
     @hookimpl
     def posttune_register_parallel_plans(self, register):

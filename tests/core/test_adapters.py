@@ -232,7 +232,7 @@ def _to_native(key, tensor, config):
 
 
 class ToyFamily:
-    POSTTUNE_PLUGIN_API = 1
+    POSTTUNE_PLUGIN_API = 2
 
     @hookimpl
     def posttune_register_model_families(self, register):

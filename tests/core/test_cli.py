@@ -72,6 +72,17 @@ def test_ls_without_kind_lists_all_sections(fake, posttune_cli):
         assert section in out
 
 
+def test_ls_json_gives_each_name_with_its_distribution(fake, posttune_cli):
+    import json
+
+    listing = json.loads(posttune_cli("ls", "--json").stdout)
+    assert listing["methods"]["fdpo"] == {"distribution": "posttune-fake", "version": "9.9", "description": ""}
+    assert listing["datasets"]["preference"]["distribution"] == "posttune"
+    assert set(listing) == {"families", "converters", "methods", "plans", "memory", "datasets", "rewards", "configs"}
+    only = json.loads(posttune_cli("ls", "methods", "--json").stdout)
+    assert set(only) == {"methods"} and set(only["methods"]) == {"fdpo", "fsft"}
+
+
 def test_ls_says_when_nothing_is_installed(posttune_cli):
     assert posttune_cli("ls", "families").stdout.strip() == "(no model family installed)"
 
@@ -131,7 +142,7 @@ def test_plan_prints_stages_in_order_with_providers(fake, posttune_cli, config_f
     lines = result.stdout.splitlines()
     assert lines[0].split()[:3] == ["distributed", "4", "process(es),"]
     assert [line.split()[0] for line in lines] == ["distributed", "build", "parallelize", "parallelize", "load",
-                                                   "optimizer", "data", "method", "train"]
+                                                   "data", "optimizer", "method", "train"]
     assert lines[1].endswith("[posttune-fake 9.9]")
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from posttune.config.schema import DataConfig, DatasetConfig
-from posttune.data import IGNORE_INDEX, build_sft_loader
+from posttune.data import IGNORE_INDEX
+from posttune_sft import sft_loader as build_sft_loader
 from posttune.errors import ConfigError, PosttuneError
 from posttune.plugins import new_plugin_set
 from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
@@ -107,11 +108,12 @@ def alpaca_messages(row):
 def test_alpaca_rows_from_each_file_type_tokenize_with_the_chat_template(ext, tmp_path, tokenizer, formats):
     path = write(tmp_path / f"alpaca.{ext}", ALPACA[:3])
     (batch,) = all_batches(loader_for(path, tokenizer, formats, shuffle=False))
-    assert batch.keys() == {"input_ids", "labels"}
+    assert batch.keys() == {"input_ids", "labels", "num_tokens"}
     assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
     rows = [row for row, _ in zip(ALPACA, range(3))]
     for (ids, labels), row in zip(unpadded(batch), rows):
         assert (ids, labels) == expected_sample(tokenizer, alpaca_messages(row))
+    assert int(batch["num_tokens"]) == sum(len(ids) for ids, _ in unpadded(batch))  # padding not counted
 
 
 def test_labels_are_the_assistant_tokens_shifted_by_one(tmp_path, tokenizer, formats):
@@ -243,8 +245,9 @@ def test_packing_fills_rows_of_max_seq_len_with_document_ids(tmp_path, tokenizer
     batches = all_batches(loader_for(path, tokenizer, formats, shuffle=False, packing=True, max_seq_len=160,
                                      batch_size=64))
     (batch,) = batches
-    assert batch.keys() == {"input_ids", "labels", "document_ids"}
+    assert batch.keys() == {"input_ids", "labels", "document_ids", "num_tokens"}
     assert batch["input_ids"].shape[1] == 160 and batch["input_ids"].shape[0] < len(ALPACA)
+    assert int(batch["num_tokens"]) == sum(len(ids) for ids, _ in samples)
     unpacked = []
     for ids, labels, docs in zip(*(batch[k].tolist() for k in ("input_ids", "labels", "document_ids"))):
         assert docs == sorted(docs) and docs[0] == 0

@@ -387,7 +387,7 @@ def test_a_dtensor_parameter_receives_its_shard(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from posttune.checkpoint.hf_load import copy_into as _copy_into
+    from posttune.checkpoint.materialize import copy_into as _copy_into
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -21,7 +21,8 @@ def step_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Te
 def test_checkpointed_layers_give_the_same_loss_and_gradients(every):
     plain = tiny_llama(num_layers=3)
     checkpointed = twin(plain)
-    apply(fake_session(checkpointed, activation_checkpointing=CheckpointingConfig(every=every)))
+    session = fake_session(checkpointed, activation_checkpointing=CheckpointingConfig(every=every))
+    apply(session, session.target)
     wrapped = [getattr(layer, "activation_checkpointed", False) for layer in checkpointed.layers]
     assert wrapped == ([True, True, True] if every == 1 else [False, True, False])
     loss, expected = step_grads(plain)
@@ -34,7 +35,8 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients(every):
 
 def test_a_checkpointed_layer_runs_its_forward_again_in_backward():
     model = tiny_llama()
-    apply(fake_session(model, activation_checkpointing=CheckpointingConfig()))
+    session = fake_session(model, activation_checkpointing=CheckpointingConfig())
+    apply(session, session.target)
     calls = []
     # a pre-hook: recomputation stops early once the last saved tensor is rebuilt, before the MLP returns
     model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(torch.is_grad_enabled()))
@@ -47,7 +49,8 @@ def test_a_checkpointed_layer_runs_its_forward_again_in_backward():
 def test_checkpointing_keeps_parameter_names_and_skips_recompute_without_grad():
     model = tiny_llama()
     names = list(model.state_dict())
-    apply(fake_session(model, activation_checkpointing=CheckpointingConfig()))
+    session = fake_session(model, activation_checkpointing=CheckpointingConfig())
+    apply(session, session.target)
     assert list(model.state_dict()) == names
     with torch.no_grad():
         logits = model(batch()["input_ids"])

@@ -43,7 +43,7 @@ def test_linear_cross_entropy_matches_the_full_logits_formula(softcap, with_bias
 
 def chunked(model: torch.nn.Module, chunk_size: int = 5):
     session = fake_session(model, chunked_cross_entropy=ChunkedCrossEntropyConfig(chunk_size=chunk_size))
-    lce.apply(session)
+    lce.apply(session, session.target)
     return session
 
 

@@ -72,7 +72,8 @@ def test_offloading_is_refused_on_cpu(plugins, posttune_cli, tmp_path):
     from posttune.memory.offloading import apply
 
     with pytest.raises(PosttuneError, match="needs a CUDA device"):
-        apply(SimpleNamespace(model=tiny_llama(), device=torch.device("cpu"), state={}))
+        model = tiny_llama()
+        apply(SimpleNamespace(model=model, device=torch.device("cpu")), SimpleNamespace(model=model))
 
 
 def test_memory_options_are_checked_against_the_techniques_dataclass(plugins, posttune_cli, tmp_path):
@@ -104,9 +105,9 @@ def test_offloading_gives_the_same_gradients_on_cuda(monkeypatch):
     ours = twin(plain)
     session = fake_session(ours, activation_checkpointing=CheckpointingConfig())
     session.device = torch.device("cuda")
-    checkpointing.apply(session)
+    checkpointing.apply(session, session.target)
     monkeypatch.setattr(offloading, "MIN_BYTES", 0)  # offload everything, even these tiny activations
-    offloading.apply(session)
+    offloading.apply(session, session.target)
     data = {k: v.cuda() for k, v in batch().items()}
     token_cross_entropy(fake_session(plain), data)[0].backward()
     token_cross_entropy(fake_session(ours), data)[0].backward()

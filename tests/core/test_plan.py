@@ -27,7 +27,7 @@ def test_plan_lists_each_stage_with_its_provider_in_composition_order(registry):
                                memory=["ckpt", "opt_bwd"], adapter={"rank": 4}), registry, world_size=4)
     stages = [step.stage for step in plan.steps]
     assert stages == ["distributed", "build", "adapt", "parallelize", "parallelize", "parallelize", "load",
-                      "optimizer", "optimizer", "data", "method", "train"]
+                      "data", "optimizer", "optimizer", "method", "train"]
     parallel = [step.what for step in plan.steps if step.stage == "parallelize"]
     assert parallel == ["parallel plan 'tensor'", "memory technique 'ckpt'", "parallel plan 'fsdp'"]
     assert plan.mesh == {"dp_shard": 2, "tp": 2}
@@ -69,7 +69,8 @@ def test_one_process_runs_the_same_config_with_plans_inactive(registry):
     ({"method": "fdpo"}, 1, "config: data.train.format: 'chat' gives sft rows; method 'fdpo' needs preference rows"),
     ({"data": None}, 1, "config: data: required: method 'fsft' trains on a dataset"),
     ({"data": {"train": {"path": "x", "format": "alpacca"}}}, 1,
-     "config: data.train.format: no dataset format 'alpacca' is installed (installed: alpaca, chat, text) "
+     "config: data.train.format: no dataset format 'alpacca' is installed (installed: alpaca, chat, preference, "
+     "text) "
      "(did you mean 'alpaca'?)"),
     ({"model": {"family": "fam", "size": "huge"}}, 1, "config: model.size: family 'fam' has no size 'huge' (sizes: tiny)"),
     ({"model": {"family": "qwen3", "size": "0.6b"}}, 1,

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from posttune.descriptors import DatasetFormat, ModelFamily
-from posttune.errors import PluginError, UnknownNameError
+from posttune.errors import PluginError, PosttuneError, UnknownNameError
 from posttune.plugins import get_plugins, module_plugin
 from posttune.testing import run_cli
 
 FAMILY_PLUGIN = """
 from posttune import hookimpl
 from posttune.descriptors import ModelFamily
-POSTTUNE_PLUGIN_API = 1
+POSTTUNE_PLUGIN_API = 2
 
 @hookimpl
 def posttune_register_model_families(register):
@@ -28,7 +29,7 @@ def family(name: str, arch: str = "XForCausalLM") -> ModelFamily:
 
 def test_builtins_register_dataset_formats_and_commands(posttune_plugins):
     registry = posttune_plugins.registry
-    assert registry.names("dataset_format") == ["alpaca", "chat", "text"]
+    assert registry.names("dataset_format") == ["alpaca", "chat", "preference", "text"]
     assert {"plugins", "ls", "cp", "validate", "plan", "train", "download"} <= set(registry.names("command"))
     provenance = registry.lookup("dataset_format", "chat").provenance
     assert provenance.distribution == "posttune"
@@ -70,7 +71,7 @@ def test_missing_name_from_a_broken_first_party_plugin_says_why(posttune_plugins
 def test_misspelled_hook_is_refused_naming_the_hook(fake_distribution, installed):
     fake_distribution("fake-typo", "fake_typo", """
         from posttune import hookimpl
-        POSTTUNE_PLUGIN_API = 1
+        POSTTUNE_PLUGIN_API = 2
 
         @hookimpl
         def posttune_register_model_familys(register):
@@ -89,12 +90,46 @@ def test_hook_with_wrong_argument_is_refused(register_plugin):
                           "hookimpl but can not be found in the hookspec")
 
 
-@pytest.mark.parametrize("api, shown", [(2, "declares plugin API 2"), (None, "declares no POSTTUNE_PLUGIN_API")])
-def test_incompatible_plugin_api_is_refused(fake_distribution, installed, api, shown):
+@pytest.mark.parametrize("api, error", [
+    (1, "built for plugin API 1; this posttune speaks 2"),
+    (3, "built for plugin API 3; this posttune speaks 2"),
+    (None, "declares no POSTTUNE_PLUGIN_API; this posttune speaks plugin API 2"),
+])
+def test_incompatible_plugin_api_is_refused(fake_distribution, installed, api, error):
     line = "" if api is None else f"POSTTUNE_PLUGIN_API = {api}"
     fake_distribution("fake-future", "fake_future", f"{line}\n")
     info = installed().plugins["fake_future"]
-    assert info.error == f"{shown}; this posttune supports plugin API 1"
+    assert info.error == error
+    listed = run_cli("plugins").stdout
+    assert f"FAILED TO LOAD: {error}" in listed
+
+
+def test_hook_with_an_argument_the_spec_lacks_gets_pluggys_message(register_plugin):
+    plugin = module_plugin("extra_arg", posttune_register_methods=lambda register, extra: None)
+    info = register_plugin(plugin, distribution="extra-dist")
+    assert info.error == ("hook 'posttune_register_methods': Argument(s) {'extra'} are declared in the "
+                          "hookimpl but can not be found in the hookspec")
+
+
+def test_function_named_like_a_hook_without_hookimpl_is_warned_about(register_plugin, posttune_cli):
+    plugin = module_plugin("forgot", posttune_register_configs=lambda register: None)
+    plugin.posttune_register_methods = lambda register: None  # no @hookimpl: pluggy never calls it
+    info = register_plugin(plugin, distribution="forgot-dist")
+    assert info.error is None
+    assert info.warnings == ["'posttune_register_methods' is named like a hook but lacks @hookimpl, so it is "
+                             "never called (a hook of this name exists)"]
+    assert "warning: 'posttune_register_methods' is named like a hook" in posttune_cli("plugins").stdout
+    report = json.loads(posttune_cli("plugins", "--json").stdout)
+    assert [p["warnings"] for p in report["plugins"] if p["name"] == "forgot"] == [info.warnings]
+
+
+def test_unknown_name_mentions_a_third_party_plugin_that_failed_to_load(fake_distribution, installed):
+    fake_distribution("acme-methods", "acme_methods", "raise ImportError('needs acme-kernels')\n")
+    registry = installed().registry
+    with pytest.raises(PosttuneError) as error:
+        registry.get("method", "acme_rl")
+    assert str(error.value).endswith("; installed plugins that failed to load, which may provide it: acme-methods "
+                                     "(ImportError: needs acme-kernels)")
 
 
 def test_duplicate_name_is_an_error_naming_both_distributions(fake_distribution, installed):
@@ -180,7 +215,7 @@ def test_dataset_format_registered_by_a_test_plugin_is_listed(register_plugin, p
 
     register_plugin(module_plugin("qa", posttune_register_datasets=register), distribution="qa-dist", version="0.2")
     out = posttune_cli("ls", "datasets").stdout
-    assert "csvqa   qa-dist 0.2  questions from a CSV" in out
+    assert re.search(r"^csvqa +qa-dist 0.2  questions from a CSV$", out, re.MULTILINE)
 
 
 def test_reward_functions_are_registered_and_callable(register_plugin, posttune_plugins, posttune_cli):

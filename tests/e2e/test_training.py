@@ -91,6 +91,17 @@ def test_streaming_without_max_steps_is_refused(llama_sft, posttune_cli, write_c
                              "(the epoch length is unknown)\n")
 
 
+def test_an_unknown_build_override_is_named_in_one_line(llama_sft, posttune_cli, write_config):
+    path = write_config(model={"build_overrides": {"vocab_size": 384, "hiden_size": 32}})
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 2
+    assert result.stderr == ("posttune: error: config: model.build_overrides.hiden_size: family 'llama' builds "
+                             "with no argument 'hiden_size'\n")
+    plan = posttune_cli("plan", str(path))
+    assert plan.stdout.splitlines()[-1] == ("memory estimate: not available (config: model.build_overrides."
+                                            "hiden_size: family 'llama' builds with no argument 'hiden_size')")
+
+
 def test_bad_row_is_named_in_one_line(llama_sft, posttune_cli, write_config, tmp_path):
     path = write_config()
     rows = (tmp_path / "train.jsonl").read_text().splitlines()

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from posttune.config.schema import DataConfig, DatasetConfig
-from posttune.data import IGNORE_INDEX, build_sft_loader
+from posttune.data import IGNORE_INDEX
+from posttune_sft import sft_loader as build_sft_loader
 from posttune.plugins import new_plugin_set
 from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer

@@ -76,7 +76,7 @@ def reference_labels(tokenizer, chat) -> tuple[list[int], list[int]]:
 def test_sft_trains_only_assistant_turns_and_matches_transformers_loss(session, tmp_path):
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "qwen")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qwen", dtype=torch.float32).eval()
-    batches = list(posttune_sft.batches(session))
+    batches = list(session.train_data)
     assert len(batches) == len(CHATS)
     seen = set()
     for batch in batches:
@@ -92,6 +92,7 @@ def test_sft_trains_only_assistant_turns_and_matches_transformers_loss(session, 
         with torch.no_grad():
             output = posttune_sft.loss(session, batch)
             expected = hf_model(torch.tensor([ids]), labels=torch.tensor([labels])).loss
-        assert int(output.num_tokens) == len(targets)
-        torch.testing.assert_close(output.loss_sum / output.num_tokens, expected, atol=1e-5, rtol=1e-5)
+        assert int(output.normaliser) == len(targets)
+        assert int(output.tokens) == len(ids)  # what was processed: the whole chat
+        torch.testing.assert_close(output.loss_sum / output.normaliser, expected, atol=1e-5, rtol=1e-5)
     assert seen == {0, 1}

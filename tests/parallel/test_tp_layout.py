@@ -16,7 +16,6 @@ from posttune.training import distributed
 from posttune_llama import LLAMA, LORA_TARGETS
 from posttune_llama.model import build
 from posttune_llama.sizes import LLAMA_SIZES
-from posttune_tp import STYLE_OVERRIDES
 from posttune_tp.styles import apply_tp
 
 
@@ -29,9 +28,16 @@ def tp_mesh():
         dist.destroy_process_group()
 
 
-def session_for(model, mesh, **state):
-    plan = SimpleNamespace(family=SimpleNamespace(descriptor=LLAMA))
-    return SimpleNamespace(model=model, mesh={"tp": mesh}, plan=plan, state=dict(state))
+def session_for(model, mesh, overrides=None):
+    """What ``apply_tp(session, target)`` reads; ``session.target`` is the policy's target."""
+    target = SimpleNamespace(model=model, family=LLAMA, role="policy", trainable=True)
+    return SimpleNamespace(model=model, mesh={"tp": mesh}, tp_style_overrides=dict(overrides or {}),
+                           step_contexts=[], target=target)
+
+
+def apply(session):
+    apply_tp(session, session.target)
+    return session
 
 
 def tiny(**overrides):
@@ -45,7 +51,7 @@ def placements(model, name):
 
 def test_llama_plan_layout_and_tied_embedding(tp_mesh):
     model = tiny()
-    apply_tp(session_for(model, tp_mesh))
+    apply(session_for(model, tp_mesh))
     assert placements(model, "embed.weight") == (Shard(0),)  # vocabulary rows
     assert model.output.weight is model.embed.weight  # still tied
     assert placements(model, "layers.0.attn.q_proj.weight") == (Shard(0),)  # colwise: output features
@@ -56,7 +62,7 @@ def test_llama_plan_layout_and_tied_embedding(tp_mesh):
 def test_lora_under_tp_shards_with_its_base_and_stays_the_only_trainable_part(tp_mesh):
     model = tiny()
     apply_adapters(model, targets=LORA_TARGETS, rank=4, alpha=8)
-    apply_tp(session_for(model, tp_mesh))
+    apply(session_for(model, tp_mesh))
     colwise, rowwise = "layers.0.attn.q_proj", "layers.0.mlp.down_proj"
     assert placements(model, f"{colwise}.base.weight") == (Shard(0),)
     assert placements(model, f"{colwise}.lora_A.weight") == (Replicate(),)
@@ -71,8 +77,7 @@ def test_lora_under_tp_shards_with_its_base_and_stays_the_only_trainable_part(tp
 def test_tp_forward_matches_the_plain_model_and_pads_the_sequence(tp_mesh):
     reference = tiny()
     model = tiny()
-    session = session_for(model, tp_mesh)
-    apply_tp(session)
+    session = apply(session_for(model, tp_mesh))
     batch = {"input_ids": torch.randint(0, 96, (2, 7)), "labels": torch.randint(0, 96, (2, 7))}
     with distributed.step_context(session, batch):
         logits = model(batch["input_ids"])
@@ -82,7 +87,7 @@ def test_tp_forward_matches_the_plain_model_and_pads_the_sequence(tp_mesh):
 
 def test_vocab_sharded_head_returns_sharded_logits(tp_mesh):
     model = tiny()
-    apply_tp(session_for(model, tp_mesh, **{STYLE_OVERRIDES: {"output": "colwise_vocab_sharded"}}))
+    apply(session_for(model, tp_mesh, {"output": "colwise_vocab_sharded"}))
     logits = model(torch.randint(0, 96, (1, 4)))
     assert isinstance(logits, DTensor) and tuple(logits.placements) == (Shard(2),)
 

@@ -16,12 +16,13 @@
 from __future__ import annotations
 
 from posttune.adapters.inject import (
+    AdaptersOff,
+    active_model,
     adapted_key,
     adapted_modules,
     adapter_state_dict,
     adapters_disabled,
     apply_adapters,
-    base_key,
     freeze_base,
     init_adapters,
     is_adapter_key,
@@ -31,9 +32,10 @@ from posttune.adapters.inject import (
 )
 from posttune.adapters.lora import KINDS, LoRALinear
 from posttune.adapters.peft_format import load_peft_adapter, save_peft_adapter
+from posttune.checkpoint.keymap import base_key  # the unwrapped (checkpoint) name of an adapted key
 
 __all__ = [
-    "KINDS", "LoRALinear", "adapted_key", "adapted_modules", "adapter_state_dict", "adapters_disabled",
-    "apply_adapters", "base_key", "freeze_base", "init_adapters", "is_adapter_key", "load_peft_adapter",
-    "matches", "merge_adapters", "save_peft_adapter", "trainable_parameters",
+    "KINDS", "AdaptersOff", "LoRALinear", "active_model", "adapted_key", "adapted_modules", "adapter_state_dict",
+    "adapters_disabled", "apply_adapters", "base_key", "freeze_base", "init_adapters", "is_adapter_key",
+    "load_peft_adapter", "matches", "merge_adapters", "save_peft_adapter", "trainable_parameters",
 ]

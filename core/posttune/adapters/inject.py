@@ -1,6 +1,6 @@
 """Put adapters into any model, generically: by module name, never by model type.
 
-The trainer's order (DESIGN §4) is: build on the meta device -> ``apply_adapters`` ->
+The trainer's order (docs/architecture.md) is: build on the meta device -> ``apply_adapters`` ->
 quantise / parallelise -> materialise and load base weights -> ``init_adapters``. On a real
 (non-meta) model ``apply_adapters`` initialises the adapters itself.
 
@@ -15,6 +15,7 @@ import contextlib
 import fnmatch
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,18 +103,6 @@ def _adapter_keys(model: nn.Module) -> list[str]:
             for param in adapter_parameter_names(layer)]
 
 
-def base_key(key: str) -> str:
-    """The base model's native key for a state-dict key of an adapted model.
-
-    ``layers.0.attn.q_proj.base.weight`` -> ``layers.0.attn.q_proj.weight``; other keys
-    are returned unchanged. (Native models have no module named ``base``.)
-    """
-    module, _, param = key.rpartition(".")
-    if module == BASE or module.endswith(f".{BASE}"):
-        return f"{module[:-len(BASE)]}{param}".lstrip(".")
-    return key
-
-
 def adapted_key(native_key: str, model: nn.Module) -> str:
     """The state-dict key of ``model`` holding the base model's tensor ``native_key``."""
     module, _, param = native_key.rpartition(".")
@@ -172,6 +161,35 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for layer, state in zip(layers, previous):
             layer.disabled = state
+
+
+class AdaptersOff:
+    """A model role that is the policy with its adapters disabled: a frozen base at no memory cost.
+
+    What LoRA DPO uses as its reference and GRPO for its KL term. Calling it runs the policy
+    inside ``adapters_disabled``; ``active()`` yields the policy switched that way for code
+    that calls several of its parts (hidden states, then the head), as the chunked losses do.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[nn.Module]:
+        with adapters_disabled(self.model) as model:
+            yield model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.active() as model:
+            return model(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"AdaptersOff({type(self.model).__name__})"
+
+
+def active_model(model: Any) -> contextlib.AbstractContextManager:
+    """``with active_model(m) as module:`` -- the module to call for a model or a model role."""
+    return model.active() if isinstance(model, AdaptersOff) else contextlib.nullcontext(model)
 
 
 @torch.no_grad()

@@ -34,9 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttune.checkpoint.keymap import BASE  # the child holding the wrapped nn.Linear
+
 Kind = Literal["lora", "dora"]
 KINDS: tuple[str, ...] = ("lora", "dora")
-BASE = "base"  # the child holding the wrapped nn.Linear
 
 
 class LoRALinear(nn.Module):
@@ -86,7 +87,7 @@ class LoRALinear(nn.Module):
         """
         weight_a = self.lora_A.weight
         if hasattr(weight_a, "device_mesh"):  # sharded (FSDP2/TP): draw the whole matrix, keep this rank's part
-            from posttune.checkpoint.hf_load import copy_into
+            from posttune.checkpoint.materialize import copy_into
 
             full = torch.empty(weight_a.shape, dtype=weight_a.dtype, device=weight_a.device)
             copy_into(weight_a, nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator))

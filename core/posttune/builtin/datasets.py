@@ -1,7 +1,9 @@
-"""Built-in dataset formats: alpaca, chat (OpenAI ``messages`` or ShareGPT ``conversations``), text.
+"""Built-in dataset formats: alpaca, chat (OpenAI ``messages`` or ShareGPT ``conversations``), text
+(kind ``sft``), and preference (kind ``preference``).
 
 An ``sft`` transform returns chat messages (``[{"role", "content"}]``) to be rendered with the
-checkpoint's chat template, or a plain string for completion-style training on every token.
+checkpoint's chat template, or a plain string for completion-style training on every token. A
+``preference`` transform returns a ``PreferencePair`` (prompt, chosen and rejected messages).
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ def text(row: Mapping[str, Any]) -> str:
     return field_of(row, "text")
 
 
+def preference(row: Mapping[str, Any]) -> Any:
+    from posttune.data.preference import preference_pair
+
+    return preference_pair(row)
+
+
 @hookimpl
 def posttune_register_datasets(register):
     register(DatasetFormat("alpaca", "sft", alpaca, ("instruction", "input", "output"),
@@ -83,3 +91,6 @@ def posttune_register_datasets(register):
                            "OpenAI `messages` (role/content) or ShareGPT `conversations` (from/value)"))
     register(DatasetFormat("text", "sft", text, ("text",),
                            "plain text, trained on every token (no chat template)"))
+    register(DatasetFormat("preference", "preference", preference, ("prompt", "chosen", "rejected"),
+                           "prompt + chosen/rejected (strings or messages), or chosen/rejected conversations "
+                           "sharing a prompt"))

@@ -1,4 +1,6 @@
-"""Write a directory so that a crash never leaves a half-written one at the target (DESIGN §8).
+"""Write a directory so that a crash never leaves a half-written one at the target.
+
+See docs/architecture.md, "Checkpoints and resume".
 
 Everything is written into a hidden temporary directory next to the target (same file
 system, so a rename moves it), each file fsynced; then the temporary directory is renamed

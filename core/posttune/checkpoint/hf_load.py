@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from posttune.checkpoint import materialize as mat
+from posttune.checkpoint.keymap import BASE, base_key
+from posttune.checkpoint.materialize import copy_into
 from posttune.checkpoint import source
 from posttune.checkpoint.origin import ModelOrigin, attach
 from posttune.checkpoint.safetensors_io import Entry, fits, iter_tensors, read_header
@@ -61,7 +63,7 @@ def load_hf(path_or_id: str | Path, *, dtype: torch.dtype | str | None = None,
 def load_into(model: nn.Module, path_or_id: str | Path, *, family: str | None = None) -> nn.Module:
     """Fill an already materialised model with a checkpoint's weights, in place.
 
-    For the trainer, which builds, adapts and shards the model before loading (DESIGN §4):
+    For the trainer, which builds, adapts and shards the model before loading (docs/architecture.md, "Composition"):
     adapter tensors (LoRA/DoRA) are not expected from the checkpoint and an adapted layer's
     ``base`` receives the base weight; DTensor (FSDP2/TP) parameters receive their own shard.
     Non-persistent buffers are the caller's (``posttune.modules.init_buffers``).
@@ -236,41 +238,19 @@ class _Loader:
 def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors by the native name a checkpoint gives them.
 
-    An adapted layer keeps the base weight under ``base`` (``q_proj.base.weight`` is the
-    checkpoint's ``q_proj.weight``); its adapter tensors are not in a base checkpoint.
+    A wrapping layer (an adapter) keeps the wrapped weight under ``base`` (``q_proj.base.weight``
+    is the checkpoint's ``q_proj.weight``); its own tensors (``q_proj.lora_A.weight``) are not in
+    a base checkpoint. Told apart by that naming rule alone, so loading needs no adapter code.
     """
-    from posttune.adapters import adapted_modules
-
-    adapted = tuple(f"{name}." for name in adapted_modules(model))
+    state = model.state_dict(keep_vars=True)
+    wrapped = tuple(f"{key.rsplit(f'.{BASE}.', 1)[0]}." for key in state if f".{BASE}." in f".{key}")
     targets = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
+    for key, tensor in state.items():
         native = base_key(key)
-        if native == key and key.startswith(adapted):
-            continue  # lora_A / lora_B / magnitude
+        if native == key and key.startswith(wrapped):
+            continue  # the wrapper's own tensors: lora_A / lora_B / magnitude
         targets[native] = tensor
     return targets
-
-
-def base_key(key: str) -> str:
-    from posttune.adapters import base_key as strip_base
-
-    return strip_base(key)
-
-
-@torch.no_grad()
-def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy a full tensor into a parameter; a DTensor parameter takes its own shard of it.
-
-    Every rank reads the same file, so the shard is cut locally (``src_data_rank=None``): no
-    communication, and never more than one full tensor per process.
-    """
-    mesh = getattr(target, "device_mesh", None)
-    if mesh is not None:
-        from torch.distributed.tensor import distribute_tensor
-
-        value = distribute_tensor(value.to(device=target.device, dtype=target.dtype), mesh, target.placements,
-                                  src_data_rank=None)
-    target.copy_(value)
 
 
 def _label(hf_key: str, native_key: str) -> str:

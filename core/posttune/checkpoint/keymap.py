@@ -64,3 +64,19 @@ class LayeredKeyMap:
         if hf_key is None:
             raise PosttuneError(f"native tensor '{key}' has no Hugging Face name in the {self.family} family")
         return hf_key, tensor
+
+
+#: the child under which a wrapping layer (an adapter) keeps the layer it wraps; checkpoints name
+#: the wrapped tensors without it (``q_proj.base.weight`` is saved and loaded as ``q_proj.weight``)
+BASE = "base"
+
+
+def base_key(key: str) -> str:
+    """The unwrapped native key: ``layers.0.attn.q_proj.base.weight`` -> ``layers.0.attn.q_proj.weight``.
+
+    Other keys are returned unchanged (native models have no module named ``base``).
+    """
+    module, _, param = key.rpartition(".")
+    if module == BASE or module.endswith(f".{BASE}"):
+        return f"{module[:-len(BASE)]}{param}".lstrip(".")
+    return key

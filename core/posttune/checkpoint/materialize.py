@@ -83,3 +83,19 @@ def init_buffers(model: nn.Module) -> None:
     from posttune.modules import init_buffers as init_all
 
     init_all(model)
+
+
+@torch.no_grad()
+def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter; a DTensor parameter takes its own shard of it.
+
+    Every rank reads the same file, so the shard is cut locally (``src_data_rank=None``): no
+    communication, and never more than one full tensor per process.
+    """
+    mesh = getattr(target, "device_mesh", None)
+    if mesh is not None:
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(device=target.device, dtype=target.dtype), mesh, target.placements,
+                                  src_data_rank=None)
+    target.copy_(value)

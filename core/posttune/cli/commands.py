@@ -39,6 +39,7 @@ def plugins_report() -> list[dict]:
             "hooks": info.hooks,
             "registers": registered,
             "error": info.error,
+            "warnings": info.warnings,
         })
     return report
 
@@ -57,6 +58,8 @@ def _run_plugins(args: argparse.Namespace) -> int:
         print(f"{plugin['distribution']} {plugin['version']}  ({plugin['name']})")
         if plugin["error"]:
             print(f"  FAILED TO LOAD: {plugin['error']}")
+        for warning in plugin["warnings"]:
+            print(f"  warning: {warning}")
         for kind, names in plugin["registers"].items():
             print(f"  {kind}: {', '.join(names)}")
     for line in problems:
@@ -71,10 +74,20 @@ LS_KINDS = {kind.plural: kind for kind in KINDS.values() if kind.key != "command
 
 def _configure_ls(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("kind", nargs="?", choices=sorted(LS_KINDS), help="what to list (default: all)")
+    parser.add_argument("--json", action="store_true", help="print JSON: kind -> name -> distribution, version, "
+                                                             "description")
 
 
 def _run_ls(args: argparse.Namespace) -> int:
     registry = get_registry()
+    if args.json:
+        listing = {plural: {item.descriptor.name: {"distribution": item.provenance.distribution,
+                                                   "version": item.provenance.version,
+                                                   "description": getattr(item.descriptor, "description", "")}
+                            for item in registry.items(kind.key)}
+                   for plural, kind in LS_KINDS.items() if args.kind in (None, plural)}
+        print(json.dumps(listing, indent=2))
+        return 0
     for plural in [args.kind] if args.kind else list(LS_KINDS):
         kind = LS_KINDS[plural]
         if not args.kind:

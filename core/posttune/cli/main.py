@@ -15,7 +15,7 @@ USER_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from posttune import __version__
+    from posttune.version import __version__
     from posttune.plugins import get_registry
 
     parser = argparse.ArgumentParser(prog="posttune", description="LLM post-training as a core plus plugins.")

@@ -44,7 +44,8 @@ class DatasetConfig:
 class DataConfig:
     train: DatasetConfig
     validation: DatasetConfig | None = None
-    max_seq_len: int = 2048
+    max_seq_len: int = 2048  # tokens per sample (prompt and response together)
+    max_prompt_len: int | None = None  # preference/prompt data: keep the prompt's last N tokens
     packing: bool = False
     skip_bad_rows: bool = False
 
@@ -104,6 +105,10 @@ class RunConfig:
     data: DataConfig | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
     adapter: AdapterConfig | None = None
+    #: the frozen `reference` model role (DPO, GRPO's KL): default, the policy's own source
+    reference: ModelConfig | None = None
+    #: the frozen `teacher` model role (distillation): required by methods that ask for it
+    teacher: ModelConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: list[str] = field(default_factory=list)
     memory_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # technique name -> its settings
@@ -123,14 +128,20 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     config = from_dict(RunConfig, raw)
     if isinstance(config.method, dict) and not isinstance(config.method.get("name"), str):
         raise ConfigError("method.name", "required: the method to run (e.g. sft)")
-    model = config.model
-    if model.path is None and (model.family is None or model.size is None):
-        raise ConfigError("model", "set `path` (a checkpoint) or both `family` and `size` (random init)")
+    for section in ("model", "reference", "teacher"):
+        model = getattr(config, section)
+        if model is not None and model.path is None and (model.family is None or model.size is None):
+            raise ConfigError(section, "set `path` (a checkpoint) or both `family` and `size` (random init)")
     _positive(config.train, "train", "batch_size", "grad_accum_steps", "epochs", "log_every")
     if config.train.max_steps is not None:
         _positive(config.train, "train", "max_steps")
     if config.data is not None:
         _positive(config.data, "data", "max_seq_len")
+        if config.data.max_prompt_len is not None:
+            _positive(config.data, "data", "max_prompt_len")
+            if config.data.max_prompt_len >= config.data.max_seq_len:
+                raise ConfigError("data.max_prompt_len", f"must be below data.max_seq_len "
+                                                         f"({config.data.max_seq_len}) to leave room for a response")
     for dim, degree in config.parallel.dims.items():
         if degree != -1 and degree < 1:
             raise ConfigError(f"parallel.dims.{dim}", f"expected a positive degree or -1, got {degree}")

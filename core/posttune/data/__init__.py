@@ -1,29 +1,32 @@
-"""The SFT data pipeline: dataset config -> rows -> samples -> micro-batches (DESIGN §7).
+"""The data toolkit every method builds its loaders from (docs/architecture.md, "Data").
 
-    from posttune.data import build_sft_loader
+    from posttune.plugin import SampleMaker, build_loader, dataset_format, padded_batch, pad_id
 
-    loader = build_sft_loader(config.data.train, data=config.data, fmt=registry.get("dataset_format", name),
-                              tokenizer=tokenizer, batch_size=config.train.batch_size, seed=config.train.seed,
-                              train_on_input=False, rank=rank, world_size=world_size)
-    for epoch in range(loader.epoch, config.train.epochs):
-        loader.set_epoch(epoch)
-        for batch in loader:           # {"input_ids", "labels"[, "document_ids"]}: LongTensor [b, s]
-            logits = model(batch["input_ids"], document_ids=batch.get("document_ids"))
-            loss_sum = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
-                                       ignore_index=IGNORE_INDEX, reduction="sum")
-    checkpoint["data"] = loader.state_dict()   # later: loader.load_state_dict(checkpoint["data"])
-    print(loader.skipped.total)                # rows left out (bad rows, nothing to train on)
+    def data(session, dataset, split):                       # a method's ``data`` callback
+        make = SampleMaker(dataset_format(session, split), session.tokenizer,
+                           max_seq_len=session.config.data.max_seq_len, where=f"data.{split}")
+        return build_loader(session, dataset, split, make=make,
+                            collate=partial(padded_batch, pad_id=pad_id(session.tokenizer)))
 
 Stages, one file each: `loading` (local files or hub names through `datasets.load_dataset`,
 ``column_map``), `samples` (the registered format's transform, the tokenizer's chat template with
 the prompt masked, truncation, **pre-shifted labels**: ``labels[:, t]`` is the target of position
-t, so methods never shift), `packing` (greedy rows of ``max_seq_len``), `collate` (padding or
-packed rows with ``document_ids``), `loader` (shuffled per epoch, sharded per rank, resumable
-mid-epoch bitwise).
+t, so methods never shift), `preference` (pairs of samples sharing a prompt), `packing` (greedy
+rows of ``max_seq_len``), `collate` (padding, packed rows with ``document_ids``, stacked pairs),
+`loader` (shuffled per epoch, sharded per rank, resumable mid-epoch bitwise), `build` (all of it
+in one call).
 """
 
-from posttune.data.loader import SFTLoader
-from posttune.data.samples import IGNORE_INDEX, Sample, SkipCounts
-from posttune.data.sft import build_sft_loader
+from posttune.data.build import build_loader, dataset_format, make_loader
+from posttune.data.collate import pad_id, packed_batch, padded_batch, pair_batch
+from posttune.data.loader import BatchLoader
+from posttune.data.loading import check_columns, load_rows, rename
+from posttune.data.packing import pack
+from posttune.data.preference import PairMaker, PreferencePair, as_messages, preference_pair
+from posttune.data.samples import IGNORE_INDEX, Sample, SampleMaker, SampleStore, SkipCounts, shift_labels
 
-__all__ = ["IGNORE_INDEX", "SFTLoader", "Sample", "SkipCounts", "build_sft_loader"]
+__all__ = [
+    "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "Sample", "SampleMaker", "SampleStore",
+    "SkipCounts", "as_messages", "build_loader", "check_columns", "dataset_format", "load_rows", "make_loader", "pack",
+    "pad_id", "packed_batch", "padded_batch", "pair_batch", "preference_pair", "rename", "shift_labels",
+]

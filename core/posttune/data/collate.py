@@ -7,6 +7,11 @@ Batch dict keys:
   and one more id for the row's tail padding. Ids are non-negative and non-decreasing along a
   row, so they serve both `modules.attention.attention_mask` (a query sees only its own id) and
   varlen kernels that derive boundaries from id changes. The model restarts positions per id.
+- ``num_tokens`` LongTensor []: the real (non-padding) tokens of the batch, what throughput counts.
+
+``pair_batch`` (preference pairs) stacks the chosen samples, then the rejected ones, so one
+forward pass scores both: rows ``i`` and ``b + i`` are pair i; ``rows`` LongTensor [b] holds each
+pair's dataset row (-1 for a placeholder), the key under which a method keeps per-pair data.
 
 A rank whose share of the last global batch is empty gets a placeholder batch of one padding
 row with no targets: every rank then runs the same number of steps, and the trainer's token-count
@@ -15,24 +20,45 @@ normalisation gives that rank zero weight.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from posttune.data.samples import IGNORE_INDEX, Sample
 
 
-def padded_batch(rows: list[list[Sample]], *, pad_id: int) -> dict[str, torch.Tensor]:
+def padded_batch(rows: list[list[Sample]], *, pad_id: int) -> dict[str, Any]:
     """One sample per row, right-padded to the longest (a single padding token for an empty share)."""
     samples = [sample for row in rows for sample in row]
-    length = max((len(s) for s in samples), default=1)
-    input_ids = torch.full((max(len(samples), 1), length), pad_id, dtype=torch.long)
+    input_ids, labels = _pad(samples, pad_id, rows=max(len(samples), 1))
+    return {"input_ids": input_ids, "labels": labels, "num_tokens": _count(samples)}
+
+
+def pair_batch(rows: list[list[Sample]], *, pad_id: int) -> dict[str, Any]:
+    """Preference pairs ``[chosen, rejected]``: chosen rows first, then rejected, right-padded.
+
+    An empty share becomes one placeholder pair without targets (``rows`` -1).
+    """
+    chosen, rejected = [row[0] for row in rows], [row[1] for row in rows]
+    count = max(len(rows), 1)
+    input_ids, labels = _pad(chosen + [None] * (count - len(rows)) + rejected, pad_id, rows=2 * count)
+    pair_rows = torch.tensor([row[0].row for row in rows] or [-1], dtype=torch.long)
+    return {"input_ids": input_ids, "labels": labels, "rows": pair_rows, "num_tokens": _count(chosen + rejected)}
+
+
+def _pad(samples: list[Sample | None], pad_id: int, *, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` x longest ids and labels, right-padded; a None sample (or a missing one) is all padding."""
+    length = max((len(s) for s in samples if s is not None), default=1)
+    input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     for index, sample in enumerate(samples):
-        input_ids[index, : len(sample)] = sample.ids
-        labels[index, : len(sample)] = sample.labels
-    return {"input_ids": input_ids, "labels": labels}
+        if sample is not None:
+            input_ids[index, : len(sample)] = sample.ids
+            labels[index, : len(sample)] = sample.labels
+    return input_ids, labels
 
 
-def packed_batch(rows: list[list[Sample]], *, pad_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:
+def packed_batch(rows: list[list[Sample]], *, pad_id: int, max_seq_len: int) -> dict[str, Any]:
     """Each row's samples side by side in exactly ``max_seq_len`` tokens, with ``document_ids``."""
     input_ids = torch.full((max(len(rows), 1), max_seq_len), pad_id, dtype=torch.long)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
@@ -46,4 +72,17 @@ def packed_batch(rows: list[list[Sample]], *, pad_id: int, max_seq_len: int) -> 
             document_ids[index, start:end] = document
             start = end
         document_ids[index, start:] = len(row)
-    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
+    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids,
+            "num_tokens": _count([sample for row in rows for sample in row])}
+
+
+def _count(samples: list[Sample]) -> torch.Tensor:
+    return torch.tensor(sum(len(sample) for sample in samples), dtype=torch.long)
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The pad id, else eos, else 0: padded positions carry no target, so any valid id serves."""
+    for candidate in (getattr(tokenizer, "pad_id", None), getattr(tokenizer, "eos_id", None)):
+        if candidate is not None:
+            return int(candidate)
+    return 0

@@ -1,6 +1,7 @@
-"""`SFTLoader`: deterministic, shardable, resumable micro-batches for one epoch at a time.
+"""`BatchLoader`: deterministic, shardable, resumable micro-batches for one epoch at a time.
 
-An *item* is one row of a batch: a single sample (padding) or a packed row of samples. Items
+Methods build their loaders from it (the SFT, DPO and template plugins do). An *item* is one
+row of a batch: a single sample (padding), a packed row of samples, or a preference pair. Items
 are grouped into *global batches* of ``batch_size * world_size``; rank ``r`` takes items
 ``r, r + world_size, ...`` of each, so ranks hold disjoint shares that together cover the epoch,
 and every rank yields the same number of micro-batches (an empty share of the last global batch
@@ -30,7 +31,7 @@ Item = list[Sample]
 Batch = dict[str, torch.Tensor]
 
 
-class SFTLoader:
+class BatchLoader:
     """Iterate micro-batches of one epoch; ``set_epoch``, ``state_dict``/``load_state_dict`` to resume.
 
     Give either ``num_items`` and ``get_item`` (map-style) or ``open_stream(start_row)`` (streaming).
@@ -64,7 +65,7 @@ class SFTLoader:
     def __len__(self) -> int:
         """Micro-batches per epoch on this rank (the same on every rank)."""
         if self.num_items is None:
-            raise TypeError("a streaming SFTLoader has no len(): the number of batches is known only at the end")
+            raise TypeError("a streaming BatchLoader has no len(): the number of batches is known only at the end")
         return -(-self.num_items // self.global_batch_size)
 
     def set_epoch(self, epoch: int) -> None:

@@ -68,31 +68,42 @@ def shift_labels(ids: Sequence[int], trained: Sequence[bool]) -> list[int]:
 
 
 class SampleMaker:
-    """Turns dataset rows into (ids, labels) with a format and a tokenizer, reporting bad rows by index."""
+    """Turns dataset rows into (ids, labels) with a format and a tokenizer, reporting bad rows by index.
+
+    The SFT maker; ``PairMaker`` (``preference.py``) reuses its row handling for preference pairs.
+    """
+
+    kind = "sft"
 
     def __init__(self, fmt: DatasetFormat, tokenizer: Any, *, max_seq_len: int, train_on_input: bool = False,
                  skip_bad_rows: bool = False, column_map: Mapping[str, str] | None = None,
                  where: str = "data.train", skipped: SkipCounts | None = None):
-        if fmt.kind != "sft":
-            raise PosttuneError(f"{where}: format '{fmt.name}' gives {fmt.kind} rows; SFT data needs an sft format "
-                                f"(alpaca, chat, text, ...)")
+        if fmt.kind != self.kind:
+            raise PosttuneError(f"{where}: format '{fmt.name}' gives {fmt.kind} rows; this data needs a "
+                                f"{self.kind} format")
         self.fmt, self.tokenizer = fmt, tokenizer
         self.max_seq_len, self.train_on_input = max_seq_len, train_on_input
         self.skip_bad_rows, self.column_map, self.where = skip_bad_rows, dict(column_map or {}), where
         self.skipped = skipped if skipped is not None else SkipCounts()
 
-    def __call__(self, row: Mapping[str, Any], index: int) -> tuple[list[int], list[int]] | None:
-        """(ids, labels) of a row, or None when it is skipped (and counted)."""
+    def __call__(self, row: Mapping[str, Any], index: int) -> Any:
+        """What a row becomes (here: ``(ids, labels)``), or None when it is skipped (and counted)."""
         try:
-            ids, trained = self._tokenize(self.fmt.transform(rename(row, self.column_map)))
+            made = self.make(self.fmt.transform(rename(row, self.column_map)))
         except (KeyError, ValueError) as exc:
             return self._bad(index, self._problem(exc))
         except PosttuneError as exc:  # the chat template refused these messages
             if getattr(self.tokenizer, "chat_template", True) is None:
                 raise PosttuneError(f"{self.where}: format '{self.fmt.name}' gives chat messages: {exc}") from None
             return self._bad(index, str(exc))
-        if not any(trained[1:]):  # the first token is never a target
+        if made is None:  # no token left to train on
             self.skipped.record("untrained", index)
+        return made
+
+    def make(self, content: Any) -> tuple[list[int], list[int]] | None:
+        """(ids, pre-shifted labels) of one transformed row; None when no token is trained on."""
+        ids, trained = self._tokenize(content)
+        if not any(trained[1:]):  # the first token is never a target
             return None
         return ids, shift_labels(ids, trained)
 
@@ -122,45 +133,72 @@ class SampleMaker:
 
     def samples(self, rows: Iterable[Mapping[str, Any]], *, start: int = 0) -> Iterable[Sample]:
         """Lazily: the samples of ``rows``, numbered from ``start`` (for streaming datasets)."""
+        for group in self.groups(rows, start=start):
+            yield from group
+
+    def groups(self, rows: Iterable[Mapping[str, Any]], *, start: int = 0) -> Iterable[list[Sample]]:
+        """Lazily: each kept row's samples (a group), numbered from ``start`` (for streaming datasets)."""
         for index, row in enumerate(rows, start):
             made = self(row, index)
             if made is not None:
-                yield Sample(torch.tensor(made[0], dtype=torch.long), torch.tensor(made[1], dtype=torch.long), index)
+                yield [Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long), index)
+                       for ids, labels in ([made] if isinstance(made, tuple) else made)]
 
 
 class SampleStore:
     """Every sample of a map-style dataset, tokenized once, as flat int32 tensors plus offsets.
 
-    Flat storage keeps memory near 8 bytes per token (Python lists of ints take ~10x that), so an
-    epoch never re-tokenizes and a large dataset still fits.
+    A dataset row gives a *group* of samples: one for SFT, two (chosen, rejected) for a
+    preference pair. ``group(i)`` returns the i-th kept row's samples, ``row_of(i)`` its index in
+    the dataset. Flat storage keeps memory near 8 bytes per token (Python lists of ints take
+    ~10x that), so an epoch never re-tokenizes and a large dataset still fits.
     """
 
-    def __init__(self, ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor,
+                 groups: torch.Tensor | None = None):
         self.ids, self.labels, self.offsets, self.rows = ids, labels, offsets, rows
+        # groups[i]..groups[i + 1]: the samples of kept row i (one sample per row when not given)
+        self.groups = groups if groups is not None else torch.arange(len(rows) + 1, dtype=torch.int64)
 
     @classmethod
-    def build(cls, rows: Iterable[Mapping[str, Any]], make: SampleMaker) -> SampleStore:
-        ids, labels, offsets, kept = array("i"), array("i"), array("q", [0]), array("q")
+    def build(cls, rows: Iterable[Mapping[str, Any]], make: Any) -> SampleStore:
+        """Tokenize every row with ``make(row, index)``: ``(ids, labels)``, a list of such pairs
+        (a group), or None for a skipped row."""
+        ids, labels, offsets, kept, groups = array("i"), array("i"), array("q", [0]), array("q"), array("q", [0])
         for index, row in enumerate(rows):
             made = make(row, index)
             if made is None:
                 continue
-            ids.extend(made[0])
-            labels.extend(made[1])
-            offsets.append(len(ids))
+            for sample_ids, sample_labels in ([made] if isinstance(made, tuple) else made):
+                ids.extend(sample_ids)
+                labels.extend(sample_labels)
+                offsets.append(len(ids))
             kept.append(index)
+            groups.append(len(offsets) - 1)
         return cls(_tensor(ids, torch.int32), _tensor(labels, torch.int32), _tensor(offsets, torch.int64),
-                   _tensor(kept, torch.int64))
+                   _tensor(kept, torch.int64), _tensor(groups, torch.int64))
 
     def __len__(self) -> int:
+        """Kept rows (groups)."""
         return self.rows.numel()
 
     def length(self, index: int) -> int:
-        return int(self.offsets[index + 1] - self.offsets[index])
+        """Tokens of row ``index``'s first sample (all of them for SFT): what packing needs."""
+        first = int(self.groups[index])
+        return int(self.offsets[first + 1] - self.offsets[first])
+
+    def sample(self, position: int, row: int) -> Sample:
+        start, end = int(self.offsets[position]), int(self.offsets[position + 1])
+        return Sample(self.ids[start:end].long(), self.labels[start:end].long(), row)
+
+    def group(self, index: int) -> list[Sample]:
+        """The samples of kept row ``index`` (SFT: one; a preference pair: chosen, rejected)."""
+        row = int(self.rows[index])
+        return [self.sample(p, row) for p in range(int(self.groups[index]), int(self.groups[index + 1]))]
 
     def __getitem__(self, index: int) -> Sample:
-        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
-        return Sample(self.ids[start:end].long(), self.labels[start:end].long(), int(self.rows[index]))
+        """The first sample of kept row ``index`` (the only one for SFT)."""
+        return self.group(index)[0]
 
 
 def _tensor(values: array, dtype: torch.dtype) -> torch.Tensor:

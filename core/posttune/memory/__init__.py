@@ -38,28 +38,28 @@ class ChunkedCrossEntropyConfig:
     chunk_size: int = 1024  # labelled tokens projected to the vocabulary at a time
 
 
-def _checkpointing(session: Any) -> None:
+def _checkpointing(session: Any, target: Any) -> None:
     from posttune.memory.checkpointing import apply
 
-    apply(session)
+    apply(session, target)
 
 
-def _offloading(session: Any) -> None:
+def _offloading(session: Any, target: Any) -> None:
     from posttune.memory.offloading import apply
 
-    apply(session)
+    apply(session, target)
 
 
-def _optimizer_in_backward(session: Any) -> None:
+def _optimizer_in_backward(session: Any, target: Any) -> None:
     from posttune.memory.optimizer_in_backward import apply
 
-    apply(session)
+    apply(session, target)
 
 
-def _chunked_cross_entropy(session: Any) -> None:
+def _chunked_cross_entropy(session: Any, target: Any) -> None:
     from posttune.memory.linear_cross_entropy import apply
 
-    apply(session)
+    apply(session, target)
 
 
 def validate_checkpointing(config: Any) -> None:

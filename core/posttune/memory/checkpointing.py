@@ -37,9 +37,9 @@ def decoder_layers(model: nn.Module, technique: str) -> nn.ModuleList:
     return layers
 
 
-def apply(session: Any) -> None:
+def apply(session: Any, target: Any) -> None:
     every = session.plan.memory_options["activation_checkpointing"].every
-    for index, layer in enumerate(decoder_layers(session.model, "activation_checkpointing")):
+    for index, layer in enumerate(decoder_layers(target.model, "activation_checkpointing")):
         if (index + 1) % every == 0:
             checkpoint_layer(layer)
 

@@ -30,17 +30,23 @@ import torch
 from posttune.adapters.lora import LoRALinear, row_norm
 from posttune.errors import PosttuneError
 from posttune.losses import IGNORE_INDEX
+from posttune.session import LossKernel
 from posttune.training.distributed import is_dtensor
 
 
-def apply(session: Any) -> None:
-    head = getattr(session.model, "output", None)
-    if head is None or not callable(getattr(session.model, "hidden_states", None)):
+def apply(session: Any, target: Any) -> None:
+    model = target.model
+    head = getattr(model, "output", None)
+    if head is None or not callable(getattr(model, "hidden_states", None)):
         raise PosttuneError("memory: chunked_cross_entropy needs a model with `hidden_states()` and an `output` "
-                            f"head (the native decoder contract); {type(session.model).__name__} has not")
+                            f"head (the native decoder contract); {type(model).__name__} has not")
     check_head(head)
     chunk_size = session.plan.memory_options["chunked_cross_entropy"].chunk_size
-    session.state["token_loss"] = lambda s, batch: token_loss(s, batch, chunk_size=chunk_size)
+    session.loss_kernel = LossKernel(
+        cross_entropy=lambda model, batch: token_loss(model, batch, chunk_size=chunk_size),
+        logps=lambda model, batch: token_logps(model, batch, chunk_size=chunk_size),
+        name="chunked_cross_entropy",
+    )
 
 
 def check_head(head: torch.nn.Module) -> None:
@@ -54,16 +60,27 @@ def check_head(head: torch.nn.Module) -> None:
                             "leave `output` out of adapter.targets")
 
 
-def token_loss(session: Any, batch: dict[str, torch.Tensor], *, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_loss(model: Any, batch: dict[str, torch.Tensor], *, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``posttune.losses.token_cross_entropy``'s contract: (summed loss, labelled tokens)."""
-    model = session.model
+    keep, rows = labelled_rows(model, batch)
+    return linear_cross_entropy(*rows, chunk_size=chunk_size), keep.sum()
+
+
+def token_logps(model: Any, batch: dict[str, torch.Tensor], *, chunk_size: int) -> torch.Tensor:
+    """``posttune.losses.token_logps``'s contract: ``[batch, seq]`` label log-probs, 0 where ignored."""
+    keep, rows = labelled_rows(model, batch)
+    logps = linear_logps(*rows, chunk_size=chunk_size)
+    return torch.zeros(keep.shape, dtype=logps.dtype, device=logps.device).masked_scatter(keep, logps)
+
+
+def labelled_rows(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """(mask of labelled positions, the kernels' arguments for them: hidden rows, head weight,
+    targets, bias, soft-cap). Ignored positions (prompts, padding) are dropped before the head."""
     hidden = model.hidden_states(batch["input_ids"], document_ids=batch.get("document_ids"))
     labels = batch["labels"]
     keep = labels != IGNORE_INDEX
     weight, bias = head_weight(model.output)
-    loss = linear_cross_entropy(hidden[keep], weight, labels[keep], bias=bias,
-                                softcap=getattr(model, "logit_softcap", None), chunk_size=chunk_size)
-    return loss, keep.sum()
+    return keep, (hidden[keep], weight, labels[keep], bias, getattr(model, "logit_softcap", None))
 
 
 def head_weight(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,8 +97,8 @@ def head_weight(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
     return (head.magnitude / norm).to(weight.dtype).unsqueeze(1) * (weight + delta), head.bias
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                         bias: torch.Tensor | None = None, softcap: float | None = None,
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         bias: torch.Tensor | None = None, softcap: float | None = None, *,
                          chunk_size: int = 1024) -> torch.Tensor:
     """``sum(cross_entropy(softcap(hidden @ weight.T + bias), targets))`` over rows ``[n, hidden]``.
 
@@ -89,6 +106,70 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     ``[chunk_size, vocab]`` float32 logits plus a float32 ``[vocab, hidden]`` weight gradient.
     """
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, softcap, chunk_size)
+
+
+def linear_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                 bias: torch.Tensor | None = None, softcap: float | None = None, *,
+                 chunk_size: int = 1024) -> torch.Tensor:
+    """``log_softmax(softcap(hidden @ weight.T + bias))[i, targets[i]]`` for each row: ``[n]`` float32.
+
+    Unlike the summed loss, the gradient of each row is known only in backward (a DPO or GRPO
+    loss weighs rows differently), so backward recomputes each chunk's logits: one extra
+    matmul per chunk instead of keeping ``[n, vocab]`` logits alive between the passes.
+    """
+    return _LinearLogps.apply(hidden, weight, bias, targets, softcap, chunk_size)
+
+
+def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's float32 logits (soft-capped) and, with a cap, ``tanh`` of the uncapped ones."""
+    logits = (rows @ weight.T if bias is None else torch.addmm(bias, rows, weight.T)).float()
+    if softcap is None:
+        return logits, None
+    capped = torch.tanh(logits / softcap)
+    return capped * softcap, capped
+
+
+class _LinearLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, softcap: float | None, chunk_size: int) -> torch.Tensor:
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            logits, _ = _chunk_logits(hidden[start:start + chunk_size], weight, bias, softcap)
+            target = targets[start:start + chunk_size]
+            out[start:start + chunk_size] = logits.gather(1, target.unsqueeze(1)).squeeze(1) - logits.logsumexp(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.softcap, ctx.chunk_size = softcap, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        size = ctx.chunk_size
+        for start in range(0, hidden.shape[0], size):
+            rows = hidden[start:start + size]
+            target = targets[start:start + size]
+            logits, capped = _chunk_logits(rows, weight, bias, ctx.softcap)
+            # d(logp_i)/d(logits_i) = onehot - softmax, times the incoming gradient of row i
+            grad = logits.softmax(-1).neg_()
+            grad[torch.arange(len(target), device=grad.device), target] += 1.0
+            grad.mul_(grad_out[start:start + size].float().unsqueeze(1))
+            if capped is not None:
+                grad.mul_(1.0 - capped.square())
+            if need_bias:
+                grad_bias += grad.sum(0)
+            grad = grad.to(weight.dtype)
+            if need_hidden:
+                torch.matmul(grad, weight, out=grad_hidden[start:start + size])
+            if need_weight:
+                grad_weight += (grad.T @ rows).float()  # low precision as the plain backward, summed in fp32
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -26,14 +26,13 @@ from posttune.memory.checkpointing import decoder_layers
 MIN_BYTES = 1 << 20  # smaller tensors are not worth a copy each way
 
 
-def apply(session: Any) -> None:
+def apply(session: Any, target: Any) -> None:
     device = session.device
     if device is None or device.type != "cuda":
         raise PosttuneError(f"memory: 'activation_offloading' needs a CUDA device; this run is on {device}")
-    offloader = Offloader(device)
-    for layer in decoder_layers(session.model, "activation_offloading"):
+    offloader = Offloader(device)  # kept alive by the wrapped forwards that close over it
+    for layer in decoder_layers(target.model, "activation_offloading"):
         layer.forward = offloader.wrap(layer.forward)
-    session.state["activation_offloader"] = offloader
 
 
 class Offloader:

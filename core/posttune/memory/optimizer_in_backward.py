@@ -9,10 +9,11 @@ still producing exist at once.
 What that costs, checked before launch (``posttune.memory.validate_optimizer_in_backward``):
 no gradient accumulation (a parameter is stepped after every backward) and no clipping by the
 global norm (a parameter is stepped before the other gradients exist). Gradients must be
-normalised by the global token count before they are applied, so the technique sets
-``session.state["steps_in_backward"]``: the trainer then computes the scale (``world / tokens``)
+normalised by the global normaliser (tokens, pairs) before they are applied: the technique
+adds a ``session.before_backward`` callback that computes the scale (``ranks / normaliser``)
 after the forward pass, before backward (with accumulation 1 the count is known there), and
-each hook multiplies its finished gradient by it, exactly as the normal step would.
+each hook multiplies its finished gradient by it, exactly as the trainer's step would. Its
+``session.clip_gradients`` reports the norm the hooks measured (nothing is left to clip).
 
 Sharded models (FSDP2/TP) are refused for now: FSDP2 does call these hooks after its
 reduce-scatter, but sharded checkpoints (DCP) expect plain optimizers; not wired yet.
@@ -33,28 +34,25 @@ import torch
 from posttune.errors import PosttuneError
 from posttune.training import distributed
 
-STEPS_IN_BACKWARD = "steps_in_backward"  # the trainer publishes state["grad_scale"] before backward
-
-
-def apply(session: Any) -> None:
+def apply(session: Any, target: Any) -> None:
     if any(distributed.is_dtensor(p) for p in session.model.parameters()):
         # FSDP2 would call the hooks after its reduce-scatter, but sharded (DCP) checkpoints
         # read a plain optimizer; until that is wired and tested, refuse rather than half-work.
         raise PosttuneError("memory: optimizer_in_backward does not support sharded (fsdp2/tp) models yet; "
                             "drop it or run on one device")
-    optimizer = InBackwardOptimizer(session.optimizer, dict(session.model.named_parameters()), session.state)
+    optimizer = InBackwardOptimizer(session.optimizer, dict(session.model.named_parameters()))
     session.optimizer = optimizer
     session.scheduler = InBackwardScheduler(session.scheduler, optimizer)
-    session.state[STEPS_IN_BACKWARD] = True
+    session.before_backward.append(optimizer.set_scale)
+    session.clip_gradients = lambda _session, _params, _max_norm: optimizer.consumed_grad_norm()
 
 
 class InBackwardOptimizer:
     """What the trainer and checkpoints see as ``session.optimizer``; the steps happen in hooks."""
 
-    def __init__(self, holder: torch.optim.Optimizer, named: dict[str, torch.nn.Parameter],
-                 state: dict[str, Any]):
+    def __init__(self, holder: torch.optim.Optimizer, named: dict[str, torch.nn.Parameter]):
         self.holder = holder  # the core's optimizer: param groups and LRs for the scheduler, no state
-        self.state = state  # the session's: ``grad_scale`` is set by the trainer before each backward
+        self.grad_scale = 1.0  # set before each backward (``set_scale``)
         names = {id(p): n for n, p in named.items()}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.group_of: dict[str, int] = {}
@@ -72,13 +70,23 @@ class InBackwardOptimizer:
 
         def step(param: torch.nn.Parameter) -> None:
             grad = param.grad.detach()
-            grad.mul_(self.state.get("grad_scale", 1.0))
+            grad.mul_(self.grad_scale)
             norm_sq = distributed.full_value(torch.linalg.vector_norm(grad, dtype=torch.float32)).pow(2)
             self._grad_sq = self._grad_sq + norm_sq.to(self._grad_sq.device)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)  # the memory this technique exists to free
 
         return step
+
+    def set_scale(self, session: Any, out: Any) -> None:
+        """Before backward: the scale the trainer's step would apply, ``ranks / global normaliser``.
+
+        Summed over the ranks that hold different data, not the world: TP ranks share a batch.
+        """
+        group_size = distributed.token_group(session.mesh)[1]
+        normaliser = torch.as_tensor(out.normaliser, dtype=torch.float32, device=session.device).clone()
+        normaliser = distributed.sum_over_token_ranks(normaliser, session.mesh)
+        self.grad_scale = group_size / max(float(normaliser), 1.0)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Training: compose the session, run the loop, save the result (DESIGN §4, §5, §8).
+"""Training: compose the session, run the loop, save the result (docs/architecture.md).
 
     plan -> compose(plan) -> samples before -> train(session) -> save final -> samples after
 """
@@ -11,8 +11,6 @@ from typing import Any
 
 #: torchrun runs this module on every rank: it re-enters `posttune train` there.
 WORKER_MODULE = "posttune.training.worker"
-#: ``session.state[BEFORE_FINAL_SAVE]``: callables ``(session) -> None`` run once before the final save.
-BEFORE_FINAL_SAVE = "before_final_save"
 
 
 def run(plan: Any) -> int:
@@ -64,8 +62,8 @@ def save_final(session: Any) -> dict[str, str]:
     out = Path(session.config.checkpoint.output_dir)
     outputs: dict[str, str] = {}
     # Techniques that trained a stand-in for the exported model put the real one back first
-    # (QLoRA dequantises its NF4 base, QAT swaps in its quantised weights): callables(session).
-    for prepare in session.state.get(BEFORE_FINAL_SAVE, ()):
+    # (QLoRA dequantises its NF4 base, QAT swaps in its quantised weights).
+    for prepare in session.before_final_save:
         prepare(session)
     name = "adapter" if session.config.adapter is not None else "model"
     saved = save_model_or_adapter(session, out / name)  # every rank: a sharded model is gathered first

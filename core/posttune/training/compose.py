@@ -1,12 +1,17 @@
 """Turn a resolved Plan into a ready Session, one stage at a time, in the documented order.
 
-    distributed -> tokenizer -> build (meta device) -> adapt -> quantize -> parallelize
-    -> load (materialise; stream weights or initialise) -> optimizer -> data -> method.setup
-    -> resume
+    distributed -> tokenizer
+    -> policy: build (meta device) -> adapt -> quantize -> parallelize -> load
+    -> model roles the method asks for (reference, teacher): build -> quantize -> parallelize
+       -> load, frozen; or the policy with its adapters disabled
+    -> data: method.data(session, dataset, split) for train and validation
+    -> step count -> optimizer, LR schedule -> ``optimizer`` and ``loss`` techniques
+    -> method.setup -> resume
 
-Each stage first does the core's part, then runs the memory techniques registered for it
-(``parallelize`` interleaves them with parallel plans by ``order``). Nothing here knows a
-family, method or plan by name.
+Each model stage first does the core's part, then runs the memory techniques registered for
+it (``parallelize`` interleaves them with parallel plans by ``order``); a frozen role gets only
+those whose ``frozen`` is ``"apply"``. Nothing here knows a family, method or plan by name.
+docs/architecture.md walks through the same order.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from torch import nn
 from posttune.checkpoint import materialize as mat
 from posttune.checkpoint.origin import ModelOrigin, attach
 from posttune.errors import ConfigError
-from posttune.plan import Plan
+from posttune.plan import Plan, applies_to_frozen
 from posttune.registry import Registered
-from posttune.session import Session
+from posttune.session import ModelTarget, Session
 from posttune.training import distributed, state
 from posttune.training.metrics import read_metrics
 from posttune.training.optim import build_optimizer, build_scheduler
@@ -35,29 +40,25 @@ INIT_STD = 0.02  # random initialisation of Linear and Embedding weights, as HF'
 
 
 def compose(plan: Plan) -> Session:
-    session = Session(plan.config, plan, method_config=plan.method_config, state={"epoch": 0})
+    session = Session(plan.config, plan, method_config=plan.method_config)
+    method = plan.method.descriptor
     init_distributed(session)
     seed_everything(plan.config.train.seed)
     session.tokenizer = load_tokenizer(session)
-    session.model = build_model(session)
-    run_stage(session, "build")
-    if plan.config.adapter is not None:
-        inject_adapters(session)
-    run_stage(session, "adapt")
-    run_stage(session, "quantize")
-    run_stage(session, "parallelize")
-    resume_from = state.find_resume(session)
-    load_weights(session, resume_from)
-    run_stage(session, "load")
+    session.resume_from = state.find_resume(session)
+    build_policy(session)
+    build_roles(session)
     build_data(session)
+    session.total_steps = total_steps(session)
     session.optimizer = build_optimizer(session.model.named_parameters(), plan.config.train)
-    session.state["total_steps"] = total_steps(session)
-    session.scheduler = build_scheduler(session.optimizer, plan.config.train, session.state["total_steps"])
-    run_stage(session, "optimizer")
-    run_stage(session, "loss")
-    plan.method.descriptor.setup(session)
-    if resume_from is not None:
-        state.load_trainer_state(session, resume_from)
+    session.scheduler = build_scheduler(session.optimizer, plan.config.train, session.total_steps)
+    policy = session.targets["policy"]
+    run_stage(session, "optimizer", policy)
+    run_stage(session, "loss", policy)
+    if method.setup is not None:
+        method.setup(session)
+    if session.resume_from is not None:
+        state.load_trainer_state(session, session.resume_from)
         trim_metrics(session)
     return session
 
@@ -96,9 +97,52 @@ def load_tokenizer(session: Session) -> Any:
     return load(path)
 
 
-def build_model(session: Session) -> nn.Module:
-    """The family's model on the meta device: no memory is spent until the ``load`` stage."""
-    config, family = session.config.model, session.plan.family.descriptor
+# ---- models ------------------------------------------------------------------------------------
+
+def build_policy(session: Session) -> None:
+    """The model that trains: build -> adapt -> quantize -> parallelize -> load."""
+    config = session.config
+    target = ModelTarget("policy", session.plan.family.descriptor, config.model, trainable=True)
+    session.targets["policy"] = target
+    target.model = build_model(target)
+    run_stage(session, "build", target)
+    if config.adapter is not None:
+        inject_adapters(session, target.model)
+    run_stage(session, "adapt", target)
+    run_stage(session, "quantize", target)
+    run_stage(session, "parallelize", target)
+    load_weights(session, target)
+    run_stage(session, "load", target)
+    session.model = target.model
+
+
+def build_roles(session: Session) -> None:
+    """Each model role the method asked for, frozen: ``session.models[name]``.
+
+    A role with its own source goes through the policy's model stages minus adapters (and only
+    the plans and techniques that apply to frozen models); a reference that may be the policy
+    without its adapters costs no memory at all.
+    """
+    from posttune.adapters import AdaptersOff
+
+    for name, role in session.plan.roles.items():
+        if role.shares_policy:
+            session.models[name] = AdaptersOff(session.model)
+            continue
+        target = ModelTarget(name, role.family.descriptor, role.config, trainable=False)
+        session.targets[name] = target
+        target.model = build_model(target)
+        for stage in ("build", "quantize", "parallelize"):
+            run_stage(session, stage, target)
+        load_weights(session, target)
+        run_stage(session, "load", target)
+        target.model.requires_grad_(False)
+        session.models[name] = target.model.eval()
+
+
+def build_model(target: ModelTarget) -> nn.Module:
+    """The target's family model on the meta device: no memory is spent until the ``load`` stage."""
+    config, family = target.config, target.family
     if config.path is not None:
         from posttune.checkpoint.source import local_dir, read_hf_config
 
@@ -106,12 +150,20 @@ def build_model(session: Session) -> nn.Module:
         kwargs = {**family.from_hf_config(hf_config), **config.build_overrides}
     else:
         hf_config, kwargs = None, {**family.sizes[config.size], **config.build_overrides}
-    model = mat.build(family.build, kwargs, DTYPES[config.dtype], "meta")
+    try:
+        model = mat.build(family.build, kwargs, DTYPES[config.dtype], "meta")
+    except TypeError as exc:  # a builder argument the family does not take: name the override
+        unknown = [key for key in config.build_overrides if f"'{key}'" in str(exc)]
+        if not unknown:
+            raise
+        section = "model" if target.role == "policy" else target.role
+        raise ConfigError(f"{section}.build_overrides.{unknown[0]}",
+                          f"family '{family.name}' builds with no argument '{unknown[0]}'") from None
     attach(model, ModelOrigin(family.name, kwargs, hf_config, source=config.path))
     return model
 
 
-def inject_adapters(session: Session) -> None:
+def inject_adapters(session: Session, model: nn.Module) -> None:
     from posttune.adapters import apply_adapters
 
     adapter = session.config.adapter
@@ -119,41 +171,44 @@ def inject_adapters(session: Session) -> None:
     if not targets:
         raise ConfigError("adapter.targets", f"family '{session.plan.family.descriptor.name}' names no default "
                                              "targets; list module-name patterns")
-    apply_adapters(session.model, targets=targets, rank=adapter.rank, alpha=adapter.alpha,
+    apply_adapters(model, targets=targets, rank=adapter.rank, alpha=adapter.alpha,
                    dropout=adapter.dropout, kind=adapter.kind)
 
 
-def run_stage(session: Session, stage: str) -> None:
-    """Apply the plans and memory techniques of ``stage`` by their ``order``."""
+def run_stage(session: Session, stage: str, target: ModelTarget) -> None:
+    """Apply the plans and memory techniques of ``stage`` to ``target``, by their ``order``."""
     items: list[Registered] = [m for m in session.plan.memory if m.descriptor.stage == stage]
     if stage == "parallelize":
         items += session.plan.parallel
     for item in sorted(items, key=lambda r: r.descriptor.order):
-        item.descriptor.apply(session)
+        if target.trainable or applies_to_frozen(item.descriptor):
+            item.descriptor.apply(session, target)
 
 
-def load_weights(session: Session, resume_from: Path | None) -> None:
-    """Materialise the model and fill it: checkpoint weights, or a seeded random initialisation."""
-    model, config = session.model, session.config
-    # A plan may keep parameters elsewhere (FSDP2 CPU offload: "init_device" is "cpu").
-    mat.materialize(model, session.state.get("init_device", session.device))
-    # Full fine-tuning resumes its own weights; a sharded checkpoint restores them later, with the
-    # optimizer (state.load_trainer_state), so the model starts from its usual source here.
+def load_weights(session: Session, target: ModelTarget) -> None:
+    """Materialise the target and fill it: checkpoint weights, or a seeded random initialisation.
+
+    The policy resumes its own weights (full fine-tuning) or adapter from the checkpoint; a
+    frozen role always loads its source (a seeded random init draws what the policy drew).
+    """
+    model, config = target.model, session.config
+    # A plan may keep parameters elsewhere (FSDP2 CPU offload: init_device "cpu").
+    mat.materialize(model, session.init_device or session.device)
+    resume_from = session.resume_from if target.trainable else None
+    # A sharded checkpoint restores its weights later, with the optimizer (state.load_trainer_state).
     resumes_hf = resume_from is not None and (resume_from / "model").is_dir()
-    if resumes_hf and config.adapter is None:
-        source: str | None = str(resume_from / "model")
-    else:
-        source = config.model.path
+    adapted = target.trainable and config.adapter is not None
+    source = str(resume_from / "model") if resumes_hf and not adapted else target.config.path
     if source is None:
         random_init(model, config.train.seed)
     else:
         from posttune.checkpoint.hf_load import load_into
 
-        load_into(model, source, family=session.plan.family.descriptor.name)
+        load_into(model, source, family=target.family.name)
     from posttune.modules import init_buffers
 
     init_buffers(model)
-    if config.adapter is not None:
+    if adapted:
         from posttune.adapters import init_adapters, load_peft_adapter
 
         init_adapters(model)
@@ -167,12 +222,19 @@ def random_init(model: nn.Module, seed: int) -> None:
     """Linear and Embedding weights ~ N(0, 0.02), biases 0, norms their own reset; seeded.
 
     Every rank draws the same full tensors and a sharded (DTensor) weight keeps its own shard,
-    so a sharded model starts exactly where the single-process one does.
+    so a sharded model starts exactly where the single-process one does. Adapters are skipped
+    (``init_adapters`` sets them): the base weights are the same draws with or without LoRA, so
+    a frozen reference built from the same seed is exactly the policy's base.
     """
-    from posttune.checkpoint.hf_load import copy_into
+    from posttune.adapters import LoRALinear
+    from posttune.checkpoint.materialize import copy_into
 
+    adapters = {id(part) for layer in model.modules() if isinstance(layer, LoRALinear)
+                for part in (layer.lora_A, layer.lora_B)}
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for module in model.modules():
+        if id(module) in adapters:
+            continue
         if isinstance(module, (nn.Linear, nn.Embedding)):
             weight = module.weight
             copy_into(weight, torch.randn(weight.shape, generator=generator, dtype=torch.float32) * INIT_STD)
@@ -182,20 +244,14 @@ def random_init(model: nn.Module, seed: int) -> None:
             module.reset_parameters()
 
 
-def build_data(session: Session) -> None:
-    from posttune.data import build_sft_loader
+# ---- data and steps ----------------------------------------------------------------------------
 
-    data, train = session.config.data, session.config.train
-    # Shard by the data-parallel coordinate: the TP/CP ranks of one data-parallel group read the same batch.
-    rank, world = distributed.data_rank(session.mesh)
-    kwargs = dict(data=data, tokenizer=session.tokenizer, seed=train.seed, rank=rank, world_size=world,
-                  train_on_input=getattr(session.method_config, "train_on_input", False))
-    session.train_data = build_sft_loader(data.train, fmt=session.plan.datasets["train"].descriptor,
-                                          batch_size=train.batch_size, where="data.train", **kwargs)
+def build_data(session: Session) -> None:
+    """The method builds its own loaders, for ``train`` and (when configured) ``validation``."""
+    method, data = session.plan.method.descriptor, session.config.data
+    session.train_data = method.data(session, data.train, "train")
     if data.validation is not None:
-        session.validation_data = build_sft_loader(data.validation, fmt=session.plan.datasets["validation"].descriptor,
-                                                   batch_size=train.batch_size, where="data.validation",
-                                                   shuffle=False, **kwargs)
+        session.validation_data = method.data(session, data.validation, "validation")
 
 
 def total_steps(session: Session) -> int:
@@ -205,7 +261,10 @@ def total_steps(session: Session) -> int:
     try:
         per_epoch = math.ceil(len(session.train_data) / train.grad_accum_steps)
     except TypeError:
-        raise ConfigError("train.max_steps", "required with streaming data (the epoch length is unknown)") from None
+        if session.config.data.train.streaming:
+            raise ConfigError("train.max_steps", "required with streaming data (the epoch length is unknown)") from None
+        raise ConfigError("train.max_steps", f"required: method '{session.plan.method.descriptor.name}' makes its "
+                                             "batches as it goes, so the epoch length is unknown") from None
     return train.epochs * per_epoch
 
 

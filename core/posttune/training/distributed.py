@@ -125,16 +125,15 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tor
 
 # ---- contexts around a micro-batch's loss and backward -------------------------------------
 
-#: ``session.state[STEP_CONTEXTS]``: callables ``(session, batch) -> context manager``, entered
-#: around each micro-batch's forward, loss and backward (torch's ``loss_parallel`` and
-#: ``context_parallel`` must wrap both). Parallel plans append to it in ``apply``.
-STEP_CONTEXTS = "step_contexts"
-
-
 @contextlib.contextmanager
 def step_context(session: Any, batch: Any) -> Iterator[None]:
+    """Enter ``session.step_contexts`` around a micro-batch's forward, loss and backward.
+
+    torch's ``loss_parallel`` and ``context_parallel`` must wrap both; parallel plans append
+    their context makers in ``apply``.
+    """
     with contextlib.ExitStack() as stack:
-        for make in session.state.get(STEP_CONTEXTS, ()):
+        for make in session.step_contexts:
             stack.enter_context(make(session, batch))
         yield
 

@@ -11,6 +11,15 @@ from posttune.errors import PosttuneError
 from posttune.training.metrics import read_metrics
 
 
+#: the unit a method's normaliser counts (logged under its name) -> how the loss axis reads
+UNITS = {"labelled_tokens": "per token", "pairs": "per pair"}
+
+
+def loss_unit(record: dict) -> str:
+    """What the logged loss is averaged over, from the unit key its step record carries."""
+    return next((shown for key, shown in UNITS.items() if key in record), "per unit")
+
+
 def plot_losses(output_dir: str | Path, out: str | Path | None = None) -> Path:
     output_dir = Path(output_dir)
     records = read_metrics(output_dir)
@@ -30,7 +39,7 @@ def plot_losses(output_dir: str | Path, out: str | Path | None = None) -> Path:
     if val:
         axis.plot(*zip(*val), "o-", label="validation", markersize=4)
     axis.set_xlabel("step")
-    axis.set_ylabel("loss (per token)")
+    axis.set_ylabel(f"loss ({loss_unit(records[0])})")
     axis.set_title(output_dir.name)
     axis.grid(alpha=0.3)
     axis.legend()

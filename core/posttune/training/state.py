@@ -5,7 +5,8 @@
         optimizer.pt       optimizer state dict
         scheduler.pt       LR scheduler state dict
         rng.pt             torch and Python RNG states
-        trainer_state.json step, epoch, data position, the config it was written with
+        method.pt          the method's own state, when it keeps one (``Method.state_dict``)
+        trainer_state.json step, epoch, data position
 
 A sharded model (FSDP2, TP: DTensor parameters) writes ``sharded/`` (model and optimizer
 through torch.distributed.checkpoint, see ``sharded_state.py``) instead of ``model/`` and
@@ -35,6 +36,7 @@ from posttune.training import distributed
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
+METHOD_FILE = "method.pt"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -49,14 +51,16 @@ def save_checkpoint(session: Session) -> Path:
     """
     target = checkpoint_root(session) / f"step-{session.step:08d}"
 
+    method = session.plan.method.descriptor
+
     def write_trainer_state(tmp: Path) -> None:
         torch.save(session.scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / STATE_FILE).write_text(json.dumps({
-            "step": session.step,
-            "epoch": session.state["epoch"],
-            "data": session.train_data.state_dict(),
-        }, indent=2))
+        if method.state_dict is not None:
+            torch.save(method.state_dict(session), tmp / METHOD_FILE)
+        data = session.train_data.state_dict() if hasattr(session.train_data, "state_dict") else None
+        (tmp / STATE_FILE).write_text(json.dumps({"step": session.step, "epoch": session.epoch, "data": data},
+                                                 indent=2))
 
     if distributed.is_sharded(session.model):
         from posttune.training import sharded_state
@@ -152,7 +156,14 @@ def load_trainer_state(session: Session, path: Path) -> None:
     else:
         session.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     session.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    session.train_data.load_state_dict(meta["data"])
+    if meta.get("data") is not None and hasattr(session.train_data, "load_state_dict"):
+        session.train_data.load_state_dict(meta["data"])
+    method = session.plan.method.descriptor
+    if method.load_state_dict is not None:
+        if not (path / METHOD_FILE).is_file():
+            raise PosttuneError(f"checkpoint.resume: {path} has no {METHOD_FILE}, which method '{method.name}' "
+                                "keeps its state in; it was written by another method or version")
+        method.load_state_dict(session, torch.load(path / METHOD_FILE, weights_only=True))
     session.step = meta["step"]
-    session.state["epoch"] = meta["epoch"]
+    session.epoch = meta["epoch"]
     set_rng_state(torch.load(path / "rng.pt", weights_only=True))

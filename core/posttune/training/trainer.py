@@ -1,21 +1,24 @@
-"""The training loop: one readable function, the same for every method (DESIGN §5).
+"""The training loop: one readable function, the same for every method (docs/architecture.md).
 
     for each micro-batch of method.batches(session):
-        out = method.loss(session, batch)          # LossOutput(loss_sum, num_tokens, metrics)
-        out.loss_sum.backward()                    # gradients of the *sum*
+        out = method.loss(session, batch)     # LossOutput(loss_sum, normaliser, tokens, metrics)
+        out.loss_sum.backward()               # gradients of the *sum*
     at the accumulation boundary (or the end of an epoch):
-        tokens = all-reduce(sum of num_tokens)     # across micro-batches and ranks
-        grads *= world / tokens                    # the mean over every non-ignored token
-        clip, optimizer.step(), scheduler.step(), log, evaluate, checkpoint
+        n = all-reduce(sum of normalisers)    # across micro-batches and ranks: tokens, pairs, ...
+        grads *= ranks / n                    # the mean over every unit of the whole step
+        clip, optimizer.step(), scheduler.step(), method.on_step_end, log, evaluate, checkpoint
 
-Summing first and dividing once by the global token count makes batch 4 x accumulation 1 and
+Summing first and dividing once by the global normaliser makes batch 4 x accumulation 1 and
 batch 1 x accumulation 4 give the same gradients even when sequences differ in length.
-``world`` undoes the mean that data-parallel gradient reduction takes over ranks.
+``ranks`` undoes the mean that data-parallel gradient reduction takes over ranks. Plugins
+extend the loop only through the session's typed fields (``step_contexts``,
+``before_backward``, ``clip_gradients``); the loop has no branch for any method or technique.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,136 +32,163 @@ from posttune.training.metrics import MetricsLog, peak_memory_mib
 
 @dataclass
 class Window:
-    """What the micro-batches of one optimizer step add up to."""
+    """What the micro-batches of one optimizer step (or one evaluation) add up to.
+
+    Every metric is kept as (total, count): a method's plain number counts once per
+    micro-batch, a ``(total, count)`` pair as given. One all-reduce then gives the global means.
+    """
 
     micro: int = 0
     loss_sum: torch.Tensor | float = 0.0
+    normaliser: torch.Tensor | float = 0.0
     tokens: torch.Tensor | float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)
+    unit: str = "labelled_tokens"
+    metrics: dict[str, list[float]] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
     def add(self, out: Any) -> None:
         self.micro += 1
         # full_value: a loss computed under loss parallel is a (replicated) DTensor
         self.loss_sum = self.loss_sum + distributed.full_value(out.loss_sum.detach()).float()
-        self.tokens = self.tokens + torch.as_tensor(out.num_tokens, dtype=torch.float32)
+        self.normaliser = self.normaliser + torch.as_tensor(out.normaliser, dtype=torch.float32)
+        self.tokens = self.tokens + torch.as_tensor(out.tokens, dtype=torch.float32)
+        self.unit = out.unit
         for key, value in out.metrics.items():
-            self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
+            total, count = value if isinstance(value, tuple) else (value, 1.0)
+            sums = self.metrics.setdefault(key, [0.0, 0.0])
+            sums[0] += _number(total)
+            sums[1] += _number(count)
+
+    def reduce(self, session: Session) -> dict[str, Any]:
+        """Sum over the ranks that hold different data: loss per unit, units, tokens, metric means."""
+        keys = sorted(self.metrics)
+        values = [torch.as_tensor(v, dtype=torch.float32) for v in (self.loss_sum, self.normaliser, self.tokens)]
+        values += [torch.tensor(self.metrics[k], dtype=torch.float32) for k in keys]
+        flat = torch.cat([v.reshape(-1).to(session.device) for v in values])
+        flat = distributed.sum_over_token_ranks(flat, session.mesh).tolist()
+        loss_sum, normaliser, tokens = flat[:3]
+        means = {k: flat[3 + 2 * i] / max(flat[4 + 2 * i], 1e-12) for i, k in enumerate(keys)}
+        return {"loss": loss_sum / max(normaliser, 1.0), "normaliser": normaliser, "tokens": tokens, **means}
+
+
+def _number(value: Any) -> float:
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
 def train(session: Session) -> dict[str, Any]:
-    """Run until ``session.state['total_steps']``; returns the summary also printed at the end."""
+    """Run until ``session.total_steps``; returns the summary also printed at the end."""
     method = session.plan.method.descriptor
     config = session.config.train
-    total = session.state["total_steps"]
-    log = MetricsLog(Path(session.config.checkpoint.output_dir), total_steps=total, initial_step=session.step,
-                     enabled=distributed.is_main())
+    log = MetricsLog(Path(session.config.checkpoint.output_dir), total_steps=session.total_steps,
+                     initial_step=session.step, enabled=distributed.is_main())
     session.model.train()
     window = Window()
     run_start, run_tokens = time.perf_counter(), 0.0
-    while session.step < total:
-        for batch in method.batches(session):
+    while session.step < session.total_steps:
+        for batch in batches(session):
             batch = distributed.to_device(batch, session.device)
-            # Parallel plans' contexts (loss parallel, context parallel) wrap forward and backward.
+            # Plans' contexts (loss parallel, context parallel, sequence padding) wrap forward and backward.
             with distributed.step_context(session, batch):
                 out = method.loss(session, batch)
-                _backward(session, out)
+                for hook in session.before_backward:
+                    hook(session, out)
+                out.loss_sum.backward()
             window.add(out)
             if window.micro == config.grad_accum_steps:
                 run_tokens += _optimizer_step(session, window, log)
                 window = Window()
-                if session.step >= total:
+                if session.step >= session.total_steps:
                     break
         else:  # the epoch ran out: a partial accumulation still makes a step
             if window.micro:
                 run_tokens += _optimizer_step(session, window, log)
                 window = Window()
-            session.state["epoch"] += 1
-            session.train_data.set_epoch(session.state["epoch"])
+            session.epoch += 1
+            if hasattr(session.train_data, "set_epoch"):
+                session.train_data.set_epoch(session.epoch)
     summary = _summary(session, run_tokens, time.perf_counter() - run_start)
     log.close()
     return summary
 
 
-def _backward(session: Session, out: Any) -> None:
-    """Gradients of the summed loss; with an optimizer stepping in backward, their scale first.
-
-    ``optimizer_in_backward`` applies each gradient the moment backward produces it, so there
-    is no later point to divide by the token count: it sets ``steps_in_backward`` and, with
-    accumulation 1, the global count is known here, after the forward pass. The scale is
-    published as ``session.state["grad_scale"]`` and applied to each finished gradient, the
-    same multiplication ``_optimizer_step`` does, so both paths round alike.
-    """
-    if session.state.get("steps_in_backward"):
-        group_size = distributed.token_group(session.mesh)[1]
-        tokens = torch.as_tensor(out.num_tokens, dtype=torch.float32, device=session.device).clone()
-        tokens = distributed.sum_over_token_ranks(tokens, session.mesh)  # not the world: TP ranks share tokens
-        session.state["grad_scale"] = group_size / max(float(tokens), 1.0)
-    out.loss_sum.backward()
+def batches(session: Session) -> Iterable[Any]:
+    """One epoch of micro-batches: the method's own ``batches``, or its train loader's."""
+    method = session.plan.method.descriptor
+    return method.batches(session) if method.batches is not None else session.train_data
 
 
 def _optimizer_step(session: Session, window: Window, log: MetricsLog) -> float:
     """Normalise, clip and apply the accumulated gradients; log; evaluate and save when due."""
     config = session.config.train
     params = [p for p in session.model.parameters() if p.requires_grad]
-    # Sum over the ranks that see different tokens (data parallel, context parallel), not the
-    # world: TP ranks of one group share a batch. FSDP2 averages gradients over that same group,
-    # so ``group_size`` undoes its mean.
-    group_size = distributed.token_group(session.mesh)[1]
-    loss_sum, tokens = distributed.sum_over_token_ranks(torch.stack([
-        torch.as_tensor(window.loss_sum, dtype=torch.float32), torch.as_tensor(window.tokens, dtype=torch.float32)
-    ]).to(session.device), session.mesh).tolist()
-    scale = group_size / max(tokens, 1.0)
+    reduced = window.reduce(session)
+    # FSDP2 averages gradients over the ranks that hold different data; ``group_size`` undoes that mean.
+    scale = distributed.token_group(session.mesh)[1] / max(reduced["normaliser"], 1.0)
     for param in params:
         if param.grad is not None:
             param.grad.mul_(scale)
     max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
-    if hasattr(session.optimizer, "consumed_grad_norm"):  # gradients stepped and freed in backward
-        grad_norm = session.optimizer.consumed_grad_norm()
-    else:
-        grad_norm = distributed.clip_grad_norm(params, max_norm)  # plain and DTensor (FSDP2/TP) gradients
+    clip = session.clip_gradients or (lambda _s, ps, norm: distributed.clip_grad_norm(ps, norm))
+    grad_norm = clip(session, params, max_norm)
     lr = float(session.optimizer.param_groups[0]["lr"])  # torchao optimizers keep a tensor LR
     session.optimizer.step()
     session.scheduler.step()
     session.optimizer.zero_grad(set_to_none=True)
     session.step += 1
     elapsed = time.perf_counter() - window.started
+    normaliser, tokens = reduced.pop("normaliser"), reduced.pop("tokens")
     record = {
         "step": session.step,
-        "epoch": session.state["epoch"],
-        "loss": loss_sum / max(tokens, 1.0),
+        "epoch": session.epoch,
+        "loss": reduced.pop("loss"),
         "lr": lr,
         "grad_norm": float(distributed.full_value(grad_norm)),
         "tokens": int(tokens),
+        window.unit: int(normaliser),
         "tokens_per_s": tokens / max(elapsed, 1e-9),
         "peak_memory_mib": peak_memory_mib(session.device),
-        **{k: v / window.micro for k, v in window.metrics.items()},
+        **reduced,
     }
+    method = session.plan.method.descriptor
+    if method.on_step_end is not None:
+        method.on_step_end(session, record)
     if config.eval_every and session.step % config.eval_every == 0 and session.validation_data is not None:
-        record["val_loss"] = evaluate(session)
+        record.update(_prefixed(evaluate(session)))
     log.write(record)
     every = session.config.checkpoint.save_every
-    if every and session.step % every == 0 and session.step < session.state["total_steps"]:
+    if every and session.step % every == 0 and session.step < session.total_steps:
         path = state.save_checkpoint(session)
         log.note(f"saved checkpoint {path}")
     return tokens
 
 
-@torch.no_grad()
-def evaluate(session: Session) -> float:
-    """Mean loss per token over the whole validation set, across ranks."""
+def evaluate(session: Session) -> dict[str, float]:
+    """The method's evaluation, or the default: its loss and metrics over the validation loader."""
     method = session.plan.method.descriptor
+    was_training = session.model.training
     session.model.eval()
-    totals = torch.zeros(2, dtype=torch.float32, device=session.device)
+    try:
+        return dict(method.evaluate(session)) if method.evaluate is not None else validation_loss(session)
+    finally:
+        session.model.train(was_training)
+
+
+@torch.no_grad()
+def validation_loss(session: Session) -> dict[str, float]:
+    """Loss per unit (and the method's metrics) over the whole validation set, across ranks."""
+    method = session.plan.method.descriptor
+    window = Window()
     for batch in session.validation_data:
         batch = distributed.to_device(batch, session.device)
         with distributed.step_context(session, batch):
-            out = method.loss(session, batch)
-        totals += torch.stack([distributed.full_value(out.loss_sum.detach()).float(),
-                               torch.as_tensor(out.num_tokens, dtype=torch.float32, device=session.device)])
-    session.model.train()
-    loss_sum, tokens = distributed.sum_over_token_ranks(totals, session.mesh).tolist()
-    return loss_sum / max(tokens, 1.0)
+            window.add(method.loss(session, batch))
+    reduced = window.reduce(session)
+    reduced.pop("normaliser"), reduced.pop("tokens")
+    return reduced
+
+
+def _prefixed(results: Mapping[str, float]) -> dict[str, float]:
+    return {f"val_{key}": float(value) for key, value in results.items()}
 
 
 def _summary(session: Session, tokens: float, seconds: float) -> dict[str, Any]:
@@ -170,5 +200,5 @@ def _summary(session: Session, tokens: float, seconds: float) -> dict[str, Any]:
         "peak_memory_mib": round(peak_memory_mib(session.device), 1),
     }
     if session.validation_data is not None:
-        summary["val_loss"] = evaluate(session)
+        summary.update(_prefixed(evaluate(session)))
     return summary

@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttune import hookimpl
-from posttune.descriptors import BundledConfig, Method, ModelFamily
+from posttune.plugin import BundledConfig, CheckpointConverter, Method, ModelFamily
 
-from posttune_template import method, model  # neither imports torch at import time
+from posttune_template import method, model, preference  # none imports torch at import time
 
-POSTTUNE_PLUGIN_API = 1
+POSTTUNE_PLUGIN_API = 2
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -35,15 +35,35 @@ def posttune_register_model_families(register):
 
 
 @hookimpl
+def posttune_register_checkpoint_converters(register):
+    # The bigram's checkpoint keys are its module names (``embed.weight``, ``proj.weight``): the
+    # identity both ways. A real family maps HF names here (see posttune-llama's hf.py).
+    register(CheckpointConverter("bigram", "hf", to_native=model.same_key, from_native=model.same_key,
+                                 description="bigram tensors under their own names"))
+
+
+@hookimpl
 def posttune_register_methods(register):
     register(Method(
         name="toy_lm",
         config=method.ToyLMConfig,
         dataset_kind="sft",
-        setup=method.setup,
-        batches=method.batches,
+        data=method.data,
         loss=method.loss,
         description="next-token cross-entropy on labelled tokens (example plugin)",
+    ))
+    register(Method(
+        name="toy_rank",
+        config=preference.ToyRankConfig,
+        dataset_kind="preference",
+        data=preference.data,
+        loss=preference.loss,
+        setup=preference.setup,
+        on_step_end=preference.on_step_end,
+        state_dict=preference.state_dict,
+        load_state_dict=preference.load_state_dict,
+        validate=preference.validate,
+        description="reference-free ranking of chosen over rejected responses (example plugin)",
     ))
 
 

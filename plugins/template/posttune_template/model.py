@@ -30,3 +30,8 @@ def from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def to_hf_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {"architectures": ["PosttuneBigramForCausalLM"], "model_type": "posttune_bigram", **kwargs}
+
+
+def same_key(key: str, tensor: Any, config: Mapping[str, Any]) -> tuple[str, Any]:
+    """A checkpoint converter direction for a family whose HF names are its native names."""
+    return key, tensor

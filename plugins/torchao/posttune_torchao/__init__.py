@@ -5,7 +5,7 @@
     memory: [qat]         memory_options: {qat: {scheme: 8da4w, group_size: 32}}
     memory: [fp8]                             # float8 matmuls (CUDA, compute capability >= 8.9)
 
-Stages, and why (DESIGN §4, docs/memory.md):
+Stages, and why (docs/architecture.md, docs/memory.md):
 
 - ``qat`` at ``quantize``: linear layers are swapped for fake-quantised ones while the model is
   still on the meta device, before parallel plans wrap or shard them; parameter names do not
@@ -25,11 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from posttune import hookimpl
-from posttune.descriptors import MemoryTechnique
-from posttune.errors import ConfigError
-from posttune.memory import require_cuda
+from posttune.plugin import ConfigError, MemoryTechnique, require_cuda
 
-POSTTUNE_PLUGIN_API = 1
+POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
 
@@ -42,16 +40,16 @@ class QATOptions:
 def _apply(module: str) -> Any:
     """``apply`` of ``posttune_torchao.<module>``, imported (with torchao) on first use."""
 
-    def run(session: Any) -> None:
+    def run(session: Any, target: Any) -> None:
         import importlib
 
-        importlib.import_module(f"posttune_torchao.{module}").apply(session)
+        importlib.import_module(f"posttune_torchao.{module}").apply(session, target)
 
     return run
 
 
 def _low_bit(name: str) -> Any:
-    def run(session: Any) -> None:
+    def run(session: Any, target: Any) -> None:
         from posttune_torchao.low_bit_optim import apply
 
         apply(session, name)
@@ -97,6 +95,7 @@ TECHNIQUES = (
     MemoryTechnique(
         name="qlora_nf4", stage="load", apply=_apply("qlora"), validate=validate_qlora,
         conflicts=("qat", "fp8", "fsdp2", "tp"),
+        frozen="apply",  # a frozen teacher or reference is stored in NF4 too
         saves="frozen base weights of the decoder layers as 4-bit NormalFloat (about 0.52 bytes/parameter)",
         description="QLoRA: NF4 base weights under LoRA adapters; the merged export is dequantised",
     ),

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttune.errors import PosttuneError
+from posttune.plugin import PosttuneError
 
 
-def apply(session: Any) -> None:
+def apply(session: Any, target: Any) -> None:
     device = session.device
     if device is None or device.type != "cuda":
         raise PosttuneError(f"memory: 'fp8' needs a CUDA device; this run is on {device}")
@@ -27,7 +27,7 @@ def apply(session: Any) -> None:
                             f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}")
     from torchao.float8 import convert_to_float8_training
 
-    convert_to_float8_training(session.model, module_filter_fn=float8_eligible)
+    convert_to_float8_training(target.model, module_filter_fn=float8_eligible)
 
 
 def float8_eligible(module: nn.Module, name: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from posttune.training.optim import build_scheduler
+from posttune.plugin import build_scheduler
 
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
@@ -27,7 +27,7 @@ def apply(session: Any, name: str) -> None:
     train = session.config.train
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in session.optimizer.param_groups]
     session.optimizer = optimizer_class(name)(groups, lr=train.lr)
-    session.scheduler = build_scheduler(session.optimizer, train, session.state["total_steps"])
+    session.scheduler = build_scheduler(session.optimizer, train, session.total_steps)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -8,7 +8,7 @@ straight-through gradients. The layer is an ``nn.Linear`` subclass with the same
 names, so weights load, save (periodic checkpoints hold the latent full-precision weights, for
 exact resume) and shard as before.
 
-Conversion at the end (``posttune.training.BEFORE_FINAL_SAVE``): each fake-quantised layer is
+Conversion at the end (``session.before_final_save``): each fake-quantised layer is
 replaced by a plain ``nn.Linear`` holding its weight *after* fake quantisation, i.e. values
 already on the int4 grid, in the training dtype. transformers loads the export as an ordinary
 model, and quantising it afterwards with the matching torchao config
@@ -26,9 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttune.adapters.lora import LoRALinear
-from posttune.errors import PosttuneError
-from posttune.training import BEFORE_FINAL_SAVE
+from posttune.plugin import LoRALinear, PosttuneError
 
 
 def fake_quant_configs(scheme: str, group_size: int) -> tuple[Any, Any]:
@@ -39,12 +37,12 @@ def fake_quant_configs(scheme: str, group_size: int) -> tuple[Any, Any]:
     return activations, weights
 
 
-def apply(session: Any) -> None:
+def apply(session: Any, target: Any) -> None:
     options = session.plan.memory_options["qat"]
-    swapped = prepare(session.model, options.scheme, options.group_size)
+    swapped = prepare(target.model, options.scheme, options.group_size)
     if not swapped:
         raise PosttuneError("memory: qat found no linear layer in model.layers to fake-quantise")
-    session.state.setdefault(BEFORE_FINAL_SAVE, []).append(lambda s: convert(s.model))
+    session.before_final_save.append(lambda s: convert(s.model))
 
 
 def target_linears(model: nn.Module) -> dict[str, nn.Linear]:

@@ -9,7 +9,7 @@ The embedding and the output head stay in the training dtype, as in the QLoRA pa
 torchao's NF4 linear dequantises per matmul; gradients flow to the activations and the
 bf16/fp32 adapters, never to the NF4 weights.
 
-At the end of training (``posttune.training.BEFORE_FINAL_SAVE``) the base weights are
+At the end of training (``session.before_final_save``) the policy's base weights are
 dequantised back to the training dtype, so the adapter merges into exactly the weights it was
 trained against and the merged export is an ordinary HF checkpoint. Resuming reloads the base
 from ``model.path`` and quantises it again: NF4 is deterministic, so the same codes result.
@@ -22,20 +22,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttune.errors import PosttuneError
-from posttune.training import BEFORE_FINAL_SAVE
+from posttune.plugin import PosttuneError
 
 BLOCK = 64  # values per NF4 scale
 SCALER_BLOCK = 256  # scales per double-quantisation block (smaller when a tensor is small)
 
 
-def apply(session: Any) -> None:
-    if any(hasattr(p, "device_mesh") for p in session.model.parameters()):
+def apply(session: Any, target: Any) -> None:
+    """The target's frozen decoder linears to NF4; a frozen role (teacher, reference) is quantised whole."""
+    model = target.model
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):
         raise PosttuneError("memory: qlora_nf4 does not support sharded (DTensor) models yet; run it on one device")
-    quantized = quantize_frozen_linears(session.model)
+    quantized = quantize_frozen_linears(model)
     if not quantized:
-        raise PosttuneError("memory: qlora_nf4 found no frozen linear layer in model.layers to quantise")
-    session.state.setdefault(BEFORE_FINAL_SAVE, []).append(lambda s: dequantize(s.model))
+        raise PosttuneError(f"memory: qlora_nf4 found no frozen linear layer in the {target.role}'s model.layers "
+                            "to quantise")
+    if target.trainable:
+        session.before_final_save.append(lambda s: dequantize(s.model))
 
 
 def frozen_linears(model: nn.Module) -> dict[str, nn.Linear]:

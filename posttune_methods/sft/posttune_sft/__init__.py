@@ -1,20 +1,22 @@
 """posttune-sft: supervised fine-tuning.
 
-Labels arrive pre-shifted from the data pipeline (``labels[:, t]`` is the target of position
-t, -100 where nothing is learned), so the loss is a plain token cross-entropy, and packed
-documents never predict across a boundary.
+The method builds its loaders with the core's data toolkit (chat template, prompt masked unless
+``train_on_input``, truncation, optional packing) and trains a plain token cross-entropy on
+the labelled tokens. Labels arrive pre-shifted (``labels[:, t]`` is the target of position t,
+-100 where nothing is learned), so packed documents never predict across a boundary; the
+trainer divides the summed loss by the labelled-token count across micro-batches and ranks.
+Importing this package does not import torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from posttune import hookimpl
-from posttune.descriptors import LossOutput, Method
+from posttune.plugin import LossOutput, Method, hookimpl
 
-POSTTUNE_PLUGIN_API = 1
+POSTTUNE_PLUGIN_API = 2
 
 
 @dataclass(frozen=True)
@@ -22,19 +24,40 @@ class SFTConfig:
     train_on_input: bool = False  # also learn the prompt (user/system) tokens
 
 
-def setup(session: Any) -> None:
-    """SFT needs no reference model, teacher or generator."""
+def data(session: Any, dataset: Any, split: str) -> Any:
+    """SFT samples of one split: one sample a row, padded per batch or packed into rows."""
+    from posttune.plugin import data_rank, dataset_format
+
+    rank, world = data_rank(session.mesh)
+    train = session.config.train
+    return sft_loader(dataset, data=session.config.data, fmt=dataset_format(session, split),
+                      tokenizer=session.tokenizer, batch_size=train.batch_size, seed=train.seed,
+                      shuffle=split == "train", train_on_input=session.method_config.train_on_input,
+                      rank=rank, world_size=world, where=f"data.{split}")
 
 
-def batches(session: Any) -> Iterator[dict[str, Any]]:
-    yield from session.train_data
+def sft_loader(dataset: Any, *, data: Any, fmt: Any, tokenizer: Any, batch_size: int, seed: int = 0,
+               shuffle: bool = True, train_on_input: bool = False, rank: int = 0, world_size: int = 1,
+               where: str = "data.train") -> Any:
+    """SFT's loader from explicit settings (``data`` is the run's `data:` section): what ``data``
+    builds for a run, callable without one (tests, tools)."""
+    from posttune.plugin import SampleMaker, make_loader, pad_id, packed_batch, padded_batch
+
+    make = SampleMaker(fmt, tokenizer, max_seq_len=data.max_seq_len, train_on_input=train_on_input,
+                       skip_bad_rows=data.skip_bad_rows, column_map=dataset.column_map, where=where)
+    pad = pad_id(tokenizer)
+    collate = (partial(packed_batch, pad_id=pad, max_seq_len=data.max_seq_len) if data.packing
+               else partial(padded_batch, pad_id=pad))
+    return make_loader(dataset, make=make, collate=collate, max_seq_len=data.max_seq_len, batch_size=batch_size,
+                       seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, packing=data.packing,
+                       where=where)
 
 
 def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
-    from posttune.losses import token_cross_entropy
+    from posttune.plugin import token_cross_entropy
 
-    loss_sum, tokens = token_cross_entropy(session, batch)
-    return LossOutput(loss_sum, tokens)
+    loss_sum, labelled = token_cross_entropy(session, batch)
+    return LossOutput(loss_sum, labelled, tokens=batch.get("num_tokens", 0))
 
 
 @hookimpl
@@ -43,8 +66,7 @@ def posttune_register_methods(register):
         name="sft",
         config=SFTConfig,
         dataset_kind="sft",
-        setup=setup,
-        batches=batches,
+        data=data,
         loss=loss,
         description="supervised fine-tuning: cross-entropy on response tokens",
     ))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from posttune.checkpoint.keymap import LayeredKeyMap
+from posttune.plugin import LayeredKeyMap
 
 TOP_LEVEL = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "output"}
 _BLOCKS = {f"self_attn.{name}": f"attn.{name}" for name in ("q_proj", "k_proj", "v_proj", "o_proj")} | {

@@ -10,7 +10,7 @@ attention path are per-head and per-token, so a head shard runs them unchanged.
 
 from __future__ import annotations
 
-from posttune.descriptors import DECODER_TP_PLAN
+from posttune.plugin import DECODER_TP_PLAN
 
 GEMMA_TP_PLAN: dict[str, str] = dict(DECODER_TP_PLAN)
 

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from posttune import hookimpl
-from posttune.config.bundled import configs_in
-from posttune.descriptors import DECODER_LINEAR_LAYERS, CheckpointConverter, ModelFamily
+from posttune.plugin import configs_in
+from posttune.plugin import DECODER_LINEAR_LAYERS, CheckpointConverter, ModelFamily
 from posttune_llama import config, hf
 from posttune_llama.sizes import LLAMA_SIZES, MISTRAL_SIZES
 from posttune_llama.tp_plan import TP_PLAN
 
-POSTTUNE_PLUGIN_API = 1
+POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
 #: Default adapter targets: every linear layer of every block.

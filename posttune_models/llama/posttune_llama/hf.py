@@ -10,7 +10,7 @@ embedding's parameter and is filled by ``model.embed_tokens.weight``.
 
 from __future__ import annotations
 
-from posttune.checkpoint.keymap import LayeredKeyMap
+from posttune.plugin import LayeredKeyMap
 
 TOP_LEVEL = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "output"}
 PER_LAYER = {

@@ -4,6 +4,6 @@ comment explains each style)."""
 
 from __future__ import annotations
 
-from posttune.descriptors import DECODER_TP_PLAN
+from posttune.plugin import DECODER_TP_PLAN
 
 TP_PLAN: dict[str, str] = dict(DECODER_TP_PLAN)

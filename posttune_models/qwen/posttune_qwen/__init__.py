@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from posttune import hookimpl
-from posttune.config.bundled import configs_in
-from posttune.descriptors import DECODER_LINEAR_LAYERS, CheckpointConverter, ModelFamily
+from posttune.plugin import configs_in
+from posttune.plugin import DECODER_LINEAR_LAYERS, CheckpointConverter, ModelFamily
 from posttune_qwen import config, hf
 from posttune_qwen.sizes import QWEN2_SIZES, QWEN3_SIZES
 from posttune_qwen.tp_plan import TP_PLAN
 
-POSTTUNE_PLUGIN_API = 1
+POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
 #: Default adapter targets: every linear layer of every block.

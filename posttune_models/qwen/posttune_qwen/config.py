@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from posttune.errors import PosttuneError
+from posttune.plugin import PosttuneError
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FULL, SLIDING = "full_attention", "sliding_attention"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from posttune.checkpoint.keymap import LayeredKeyMap
+from posttune.plugin import LayeredKeyMap
 
 TOP_LEVEL = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "output"}
 QWEN2_LAYER = {

@@ -12,6 +12,6 @@ transformers' ``replicated_with_grad_allreduce`` for the same modules).
 
 from __future__ import annotations
 
-from posttune.descriptors import DECODER_TP_PLAN
+from posttune.plugin import DECODER_TP_PLAN
 
 TP_PLAN: dict[str, str] = dict(DECODER_TP_PLAN)

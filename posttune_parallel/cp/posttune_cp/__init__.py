@@ -14,19 +14,18 @@ from __future__ import annotations
 from typing import Any
 
 from posttune import hookimpl
-from posttune.descriptors import ParallelPlan
-from posttune.errors import ConfigError
+from posttune.plugin import ConfigError, ParallelPlan
 
-POSTTUNE_PLUGIN_API = 1
+POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
 ORDER = 20  # after tp (10), before activation checkpointing (50) and fsdp2 (100)
 
 
-def apply(session: Any) -> None:
+def apply(session: Any, target: Any) -> None:
     from posttune_cp.shard import install
 
-    install(session)
+    install(session, target)
 
 
 def validate(config: Any) -> None:
@@ -36,7 +35,7 @@ def validate(config: Any) -> None:
     if device == "cpu" or (device == "auto" and not _cuda_available()):
         raise ConfigError("parallel.plans", "cp trains on GPUs only: torch has no CPU backward for flex "
                                             "attention; remove cp or run on CUDA devices")
-    from posttune.plan import model_kwargs
+    from posttune.plugin import model_kwargs
 
     if model_kwargs(config).get("sliding_window"):
         raise ConfigError("parallel.plans", "cp does not support sliding-window attention yet; remove cp")
@@ -56,6 +55,7 @@ PLAN = ParallelPlan(
     requires=("fsdp2",),
     validate=validate,
     description="context parallelism: split sequences over cp (load-balanced), flex attention (GPU)",
+    frozen="refuse",  # a frozen role's forward inside the sharded step is not wired (GPU-only, untested)
 )
 
 

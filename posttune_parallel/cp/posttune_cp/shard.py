@@ -20,7 +20,7 @@ from torch import nn
 
 from posttune.modules import Attention, default_positions
 from posttune.modules.flex_attention import FlexMask, block_mask
-from posttune.training import distributed
+from posttune.plugin import padded_sequence
 
 MASK_ARG = 3  # Attention.forward(x, cos, sin, mask, cache)
 
@@ -49,7 +49,7 @@ class ContextParallel:
 
     def shard(self, batch: dict[str, torch.Tensor]) -> None:
         """Pad, then keep this rank's load-balanced share of every [batch, seq] tensor, in place."""
-        with distributed.padded_sequence(batch, self.multiple):
+        with padded_sequence(batch, self.multiple):
             pass
         ids = batch["input_ids"]
         size, seq_len = ids.shape
@@ -88,13 +88,12 @@ def causal_mask(local: torch.Tensor, gathered: torch.Tensor, documents: torch.Te
                       kv_len=gathered.numel(), device=local.device)
 
 
-def install(session: Any) -> None:
+def install(session: Any, target: Any) -> None:
     mesh = session.mesh["cp"]
     tp = session.mesh["tp"].size() if "tp" in (session.mesh.mesh_dim_names or ()) else 1
     state = ContextParallel(mesh, multiple=2 * mesh.size() * tp)
-    attach(session.model, state)
-    session.state.setdefault(distributed.STEP_CONTEXTS, []).append(state.step)
-    session.state["context_parallel"] = state
+    attach(target.model, state)
+    session.step_contexts.append(state.step)
 
 
 def attach(model: nn.Module, state: ContextParallel) -> None:

@@ -2,7 +2,8 @@
 
 Parameters, gradients and optimizer state are sharded over the ``dp_shard`` mesh dimension
 (and ``cp`` with context parallelism: those ranks see different tokens, so they reduce
-gradients together). Importing this package does not import torch.
+gradients together). Frozen model roles (a DPO reference, a teacher) are sharded the same way,
+so no rank holds a whole extra model. Importing this package does not import torch.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from posttune import hookimpl
-from posttune.descriptors import ParallelPlan
-from posttune.errors import ConfigError
+from posttune.plugin import ParallelPlan
+from posttune.plugin import ConfigError
 
-POSTTUNE_PLUGIN_API = 1
+POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
 ORDER = 100  # last: TP / loss parallel / CP (and activation checkpointing, 50) come first
@@ -31,10 +32,10 @@ class FSDP2Options:
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory
 
 
-def apply(session: Any) -> None:
+def apply(session: Any, target: Any) -> None:
     from posttune_fsdp2.shard import shard_model
 
-    shard_model(session)
+    shard_model(session, target)
 
 
 def validate(config: Any) -> None:

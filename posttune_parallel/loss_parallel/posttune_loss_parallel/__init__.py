@@ -15,22 +15,20 @@ from collections.abc import Iterator
 from typing import Any
 
 from posttune import hookimpl
-from posttune.descriptors import ParallelPlan
+from posttune.plugin import ParallelPlan
 
-POSTTUNE_PLUGIN_API = 1
+POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
-ORDER = 5  # before tp (10), which reads the head's style from session.state
-#: what ``tp`` reads (posttune_tp.STYLE_OVERRIDES); spelled out so importing this needs no posttune_tp
-STYLE_OVERRIDES = "tp_style_overrides"
+ORDER = 5  # before tp (10), which reads the head's style from ``session.tp_style_overrides``
 HEAD = "output"  # the native model contract: ``model.output`` is the head
 
 
-def apply(session: Any) -> None:
-    from posttune.training.distributed import STEP_CONTEXTS
-
-    session.state.setdefault(STYLE_OVERRIDES, {})[HEAD] = "colwise_vocab_sharded"
-    session.state.setdefault(STEP_CONTEXTS, []).append(vocab_parallel_loss)
+def apply(session: Any, target: Any) -> None:
+    """Once, for the policy: every model tp splits afterwards (frozen roles too) keeps its head's
+    logits vocabulary-sharded, and ``token_logps``/``token_cross_entropy`` run inside the context."""
+    session.tp_style_overrides[HEAD] = "colwise_vocab_sharded"
+    session.step_contexts.append(vocab_parallel_loss)
 
 
 @contextlib.contextmanager
@@ -46,6 +44,7 @@ PLAN = ParallelPlan(
     apply=apply,
     order=ORDER,
     requires=("tp",),
+    frozen="skip",  # session-wide: applied once with the policy
     description="cross-entropy over vocabulary-sharded logits (no rank holds full logits); needs tp",
 )
 

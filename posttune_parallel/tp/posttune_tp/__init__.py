@@ -11,22 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 from posttune import hookimpl
-from posttune.descriptors import ParallelPlan
-from posttune.errors import ConfigError
+from posttune.plugin import ParallelPlan
+from posttune.plugin import ConfigError
 
-POSTTUNE_PLUGIN_API = 1
+POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
 ORDER = 10  # before activation checkpointing (50) and FSDP2 (100); loss_parallel (5) sets up the head first
-#: ``session.state`` key: module name -> style name overriding the family's plan (loss_parallel
-#: sets ``{"output": "colwise_vocab_sharded"}``)
-STYLE_OVERRIDES = "tp_style_overrides"
 
 
-def apply(session: Any) -> None:
+def apply(session: Any, target: Any) -> None:
     from posttune_tp.styles import apply_tp
 
-    apply_tp(session)
+    apply_tp(session, target)
 
 
 def validate(config: Any) -> None:
@@ -34,7 +31,7 @@ def validate(config: Any) -> None:
     degree = config.parallel.dims.get("tp", 1)
     if degree <= 1:
         return
-    from posttune.plan import model_kwargs
+    from posttune.plugin import model_kwargs
 
     kwargs = model_kwargs(config)
     heads = kwargs.get("num_heads")

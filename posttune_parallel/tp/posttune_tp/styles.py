@@ -41,23 +41,19 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from posttune.adapters import LoRALinear
-from posttune.checkpoint import materialize as mat
-from posttune.errors import PosttuneError
-from posttune.training import distributed
-from posttune_tp import STYLE_OVERRIDES
+from posttune.plugin import LoRALinear, PosttuneError, padded_sequence, tie_groups
 
 STYLES = ("colwise", "rowwise", "sequence_parallel", "colwise_vocab_sharded")
 SEQ = Shard(1)  # the sequence dimension of [batch, seq, hidden] activations
 
 
-def apply_tp(session: Any) -> None:
+def apply_tp(session: Any, target: Any) -> None:
     mesh = session.mesh["tp"]
-    model = session.model
-    plan = dict(session.plan.family.descriptor.tp_plan)
-    styles = resolve(model, plan, session.state.get(STYLE_OVERRIDES, {}), session.plan.family.descriptor.name)
+    model = target.model
+    plan = dict(target.family.tp_plan)
+    styles = resolve(model, plan, session.tp_style_overrides, target.family.name)
     sequence_parallel = "sequence_parallel" in styles.values()
-    ties = mat.tie_groups(model)
+    ties = tie_groups(model)
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     gathered: set[str] = set()
     for name, style in styles.items():
@@ -77,10 +73,9 @@ def apply_tp(session: Any) -> None:
     for name, param in model.named_parameters():  # some styles re-wrap weights as trainable Parameters
         if name in frozen:
             param.requires_grad_(False)
-    if sequence_parallel:
+    if sequence_parallel and target.trainable:  # one padding per micro-batch serves every model of the run
         degree = mesh.size()
-        session.state.setdefault(distributed.STEP_CONTEXTS, []).append(
-            lambda _session, batch: distributed.padded_sequence(batch, degree))
+        session.step_contexts.append(lambda _session, batch: padded_sequence(batch, degree))
 
 
 def resolve(model: nn.Module, plan: Mapping[str, str], overrides: Mapping[str, str], family: str) -> dict[str, str]:

@@ -3,8 +3,9 @@
     python -m posttune_llama.demo.check outputs/llama-demo-reverse/model
 
 prints the exact-match accuracy on the bundled validation split (strings the model never
-trained on) and the answers to the demo's sample prompts and the README's example, as JSON. The demo test and
-`benchmarks/demo_seeds.py` use the same function, so the README's claims are what they measure.
+trained on) and the answers to the demo's sample prompts and the README's example, as JSON.
+The demo test and `benchmarks/demo_seeds.py` use the same function, so the README's claims are
+what they measure.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def answers(model_dir: str | Path, words: list[str], *, max_new_tokens: int = 12
     """Greedy answer of the model in ``model_dir`` to "Reverse: WORD", for each word."""
     import torch
 
-    from posttune import load_model, load_tokenizer
-    from posttune.generation import generate
+    from posttune.plugin import generate, load_model, load_tokenizer
 
     model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
     out = {}

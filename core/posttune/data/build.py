@@ -1,0 +1,71 @@
+"""`build_loader`: a dataset config -> tokenized sample groups -> a resumable, sharded loader.
+
+The part of a method's ``data`` callback every method shares: load the rows, turn each into a
+group of samples with a *maker* (``SampleMaker`` for SFT, ``PairMaker`` for preference pairs, or
+a method's own), keep them (map-style) or stream them, optionally pack single samples into rows
+of ``max_seq_len``, and batch them per data-parallel rank with a resumable order. What a group
+becomes in a batch is the method's ``collate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from posttune.config.schema import DatasetConfig
+from posttune.data.loader import BatchLoader
+from posttune.data.loading import check_columns, load_rows
+from posttune.data.packing import pack
+from posttune.data.samples import Sample, SampleStore
+from posttune.errors import PosttuneError
+
+
+def build_loader(session: Any, dataset: DatasetConfig, split: str, *, make: Any,
+                 collate: Callable[[list[list[Sample]]], dict[str, Any]], packing: bool = False) -> BatchLoader:
+    """The loader of one split of the run (``"train"`` shuffled per epoch, anything else in order).
+
+    ``make(row, index)`` returns ``(ids, labels)``, a list of them (a group), or None, and keeps
+    ``make.skipped`` (``SampleMaker`` does all of that). Sharded by the data-parallel coordinate:
+    the TP/CP ranks of one group read the same batches.
+    """
+    from posttune.training.distributed import data_rank
+
+    rank, world = data_rank(session.mesh)
+    train = session.config.train
+    return make_loader(dataset, make=make, collate=collate, max_seq_len=session.config.data.max_seq_len,
+                       batch_size=train.batch_size, seed=train.seed, shuffle=split == "train", rank=rank,
+                       world_size=world, packing=packing, where=f"data.{split}")
+
+
+def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[list[Sample]]], dict[str, Any]],
+                max_seq_len: int, batch_size: int, seed: int = 0, shuffle: bool = True, rank: int = 0,
+                world_size: int = 1, packing: bool = False, where: str = "data.train") -> BatchLoader:
+    """``build_loader`` without a session: every setting given (tests and tools use it).
+
+    Every rank reads and tokenizes the whole dataset, so shuffling and packing agree across ranks
+    without communication; each then keeps its own share of every global batch.
+    """
+    rows = load_rows(dataset, where=where)
+    check_columns(rows, dataset.column_map, where)
+    common = dict(collate=collate, batch_size=batch_size, seed=seed, shuffle=shuffle, rank=rank,
+                  world_size=world_size, skipped=make.skipped)
+    if dataset.streaming:
+        def open_stream(start_row: int) -> Iterator[list[Sample]]:
+            groups = make.groups(rows.skip(start_row) if start_row else rows, start=start_row)
+            return pack((s for group in groups for s in group), max_seq_len) if packing else groups
+
+        return BatchLoader(open_stream=open_stream, **common)
+    store = SampleStore.build(rows, make)
+    if len(store) == 0:
+        raise PosttuneError(f"{where}: no usable samples in {dataset.path!r} ({make.skipped.bad_rows} bad rows "
+                            f"skipped, {make.skipped.untrained} with nothing to train on within "
+                            f"max_seq_len={max_seq_len})")
+    if packing:
+        packed = list(pack(range(len(store)), max_seq_len, length=store.length))
+        return BatchLoader(num_items=len(packed), get_item=lambda i: [store[j] for j in packed[i]], **common)
+    return BatchLoader(num_items=len(store), get_item=store.group, **common)
+
+
+def dataset_format(session: Any, split: str) -> Any:
+    """The registered ``DatasetFormat`` the config names for ``split`` (resolved before launch)."""
+    return session.plan.datasets[split].descriptor

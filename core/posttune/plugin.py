@@ -1,0 +1,107 @@
+"""The public plugin surface: everything a posttune plugin may use from the core, in one module.
+
+    from posttune.plugin import Method, LossOutput, hookimpl, build_loader, token_logps
+
+A plugin (first-party or third-party) imports from here, from ``posttune.modules`` (model
+building blocks) and, in its tests, from ``posttune.testing``; nothing else in the core is
+public, and a test keeps the first-party plugins to that rule. docs/plugins.md documents each
+name by group; docs/architecture.md shows where each is used in a run.
+
+Names that need torch are imported on first use, so a plugin's ``__init__`` can import
+descriptors and ``hookimpl`` from here and `posttune plugins` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from posttune.config.bundled import configs_in
+from posttune.descriptors import (
+    DECODER_LINEAR_LAYERS,
+    DECODER_TP_PLAN,
+    ROLES,
+    STAGES,
+    BundledConfig,
+    CheckpointConverter,
+    Command,
+    DatasetFormat,
+    LossOutput,
+    MemoryTechnique,
+    Method,
+    ModelFamily,
+    ModelRole,
+    ParallelPlan,
+    RewardFunction,
+)
+from posttune.errors import ConfigError, PosttuneError
+from posttune.memory import require_cuda
+from posttune.plan import model_kwargs
+from posttune.plugins import PLUGIN_API, hookimpl
+from posttune.session import LossKernel, ModelTarget, Session
+
+#: name -> the core module it lives in, imported when the name is first used (these need torch)
+_LAZY: dict[str, str] = {
+    # data toolkit: rows -> samples -> batches, resumable and sharded (docs/architecture.md, "Data")
+    **dict.fromkeys([
+        "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "Sample", "SampleMaker", "SampleStore",
+        "SkipCounts", "as_messages", "build_loader", "check_columns", "dataset_format", "load_rows", "make_loader",
+        "pack",
+        "pad_id", "packed_batch", "padded_batch", "pair_batch", "preference_pair", "rename", "shift_labels",
+    ], "posttune.data"),
+    # losses that honour the loss-stage technique (chunked) and final-logit soft-caps
+    **dict.fromkeys(["token_cross_entropy", "token_logps", "sequence_logps"], "posttune.losses"),
+    # generation with a KV cache
+    **dict.fromkeys(["generate", "next_token"], "posttune.generation"),
+    # models, checkpoints, tokenizers
+    **dict.fromkeys(["load_model", "save_model", "build_model", "load_tokenizer"], "posttune.api"),
+    "LayeredKeyMap": "posttune.checkpoint.keymap",
+    "tie_groups": "posttune.checkpoint.materialize",
+    # adapters
+    **dict.fromkeys(["LoRALinear", "AdaptersOff", "active_model", "adapters_disabled", "adapted_modules"],
+                    "posttune.adapters"),
+    # optimisation
+    "build_scheduler": "posttune.training.optim",
+    # distributed helpers (one process: the same calls, no communication)
+    **dict.fromkeys([
+        "TOKEN_DIMS", "all_reduce_sum", "data_rank", "flattened", "full_state_dict", "full_value", "is_dtensor",
+        "is_main", "is_sharded", "padded_sequence", "rank", "sum_over_token_ranks", "to_device", "token_group",
+        "world_size",
+    ], "posttune.training.distributed"),
+}
+
+__all__ = [
+    "DECODER_LINEAR_LAYERS", "DECODER_TP_PLAN", "PLUGIN_API", "ROLES", "STAGES", "BundledConfig",
+    "CheckpointConverter", "Command", "ConfigError", "DatasetFormat", "LossKernel", "LossOutput",
+    "MemoryTechnique", "Method", "ModelFamily", "ModelRole", "ModelTarget", "ParallelPlan", "PosttuneError",
+    "RewardFunction", "Session", "configs_in", "hookimpl", "lookup", "model_kwargs", "registered",
+    "require_cuda", *sorted(_LAZY),
+]
+
+
+def lookup(kind: str, name: str) -> Any:
+    """The descriptor an installed plugin registered as ``name`` (kinds: ``model_family``, ``method``,
+    ``parallel_plan``, ``memory_technique``, ``dataset_format``, ``reward_function``, ``config``,
+    ``command``, ``checkpoint_converter``); an unknown name raises a one-line PosttuneError."""
+    from posttune.plugins import get_registry
+
+    return get_registry().get(kind, name)
+
+
+def registered(kind: str) -> list[str]:
+    """The names registered for ``kind`` by the installed plugins, sorted."""
+    from posttune.plugins import get_registry
+
+    return get_registry().names(kind)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'posttune.plugin' has no attribute '{name}'")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

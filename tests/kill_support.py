@@ -1,0 +1,56 @@
+"""Kill a `posttune train` run at a chosen moment (for exact-resume tests), and read its losses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+#: Runs `posttune train CONFIG` after arranging for this very process to be SIGKILLed at a chosen
+#: moment, so the kill lands at the same place every time (a timer could miss a 20-step run).
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    from posttune.cli.main import main
+    import posttune.training.trainer as trainer
+
+    mode, at = sys.argv[1], int(sys.argv[2])
+    step = trainer._optimizer_step
+
+    def kill_after_step(session, window, log):
+        tokens = step(session, window, log)
+        if session.step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return tokens
+
+    real_save = torch.save
+    saves = []
+
+    def kill_while_saving(obj, path, *args, **kwargs):
+        real_save(obj, path, *args, **kwargs)
+        if str(path).endswith("optimizer.pt"):
+            saves.append(path)
+            if len(saves) == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    if mode == "step":
+        trainer._optimizer_step = kill_after_step
+    else:
+        torch.save = kill_while_saving
+    sys.exit(main(["train", *sys.argv[3:]]))
+""")
+
+
+def run(*args: str, killer: tuple[str, int] | None = None) -> subprocess.CompletedProcess:
+    if killer is None:
+        command = [sys.executable, "-m", "posttune.cli.main", "train", *args]
+    else:
+        command = [sys.executable, "-c", KILLER, killer[0], str(killer[1]), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def losses(output_dir: Path) -> list[tuple[int, float]]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines)]

@@ -1,0 +1,71 @@
+"""Tiny Llama runs for tests: small reversal datasets (SFT chats or preference pairs) written per
+test, run configs over them, and a composed session without training."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+from typing import Any
+
+import posttune_llama
+
+TOKENIZER = str(Path(posttune_llama.__file__).parent / "demo" / "tokenizer")
+
+
+def words(count: int, seed: int, lengths: tuple[int, int]) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(string.ascii_uppercase) for _ in range(rng.randint(*lengths))) for _ in range(count)]
+
+
+def reversal_rows(count: int, seed: int = 0) -> list[dict]:
+    """Chats asking to reverse 3-6 capital letters, answered right."""
+    return [{"messages": [{"role": "user", "content": f"Reverse: {word}"},
+                          {"role": "assistant", "content": word[::-1]}]} for word in words(count, seed, (3, 6))]
+
+
+def preference_rows(count: int, seed: int = 0) -> list[dict]:
+    """Reverse-a-string prompts: chosen the reversal, rejected the string copied (3-7 letters)."""
+    return [{"prompt": f"Reverse: {word}", "chosen": word[::-1], "rejected": word}
+            for word in words(count, seed, (3, 7))]
+
+
+def tiny_run_config(tmp_path: Path, rows: list[dict], *, fmt: str, base_method: dict, batch_size: int,
+                    **sections: Any) -> dict:
+    """A tiny random-init Llama run over ``rows`` (written to a file); sections merged over the defaults
+    (a ``method`` section over ``base_method``)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config: dict[str, Any] = {
+        "model": {"family": "llama", "size": "tiny", "build_overrides": {"vocab_size": 384}},
+        "tokenizer": {"path": TOKENIZER},
+        "method": base_method,
+        "data": {"train": {"path": str(train), "format": fmt}, "max_seq_len": 48},
+        "train": {"epochs": 1, "batch_size": batch_size, "lr": 1e-3, "seed": 0, "device": "cpu"},
+        "checkpoint": {"output_dir": str(tmp_path / "out")},
+    }
+    for section, values in sections.items():
+        config[section] = {**config.get(section, {}), **values} if isinstance(values, dict) else values
+    return config
+
+
+def sft_config(tmp_path: Path, *, rows: int = 16, **sections: Any) -> dict:
+    return tiny_run_config(tmp_path, reversal_rows(rows), fmt="chat", base_method={"name": "sft"}, batch_size=2,
+                           **sections)
+
+
+def dpo_config(tmp_path: Path, *, rows: int = 16, **sections: Any) -> dict:
+    return tiny_run_config(tmp_path, preference_rows(rows), fmt="preference", base_method={"name": "dpo", "beta": 0.5},
+                           batch_size=4, **sections)
+
+
+def compose_run(config: dict) -> Any:
+    """The session `posttune train` would run, composed from a config mapping (no training)."""
+    from posttune.config import validate
+    from posttune.plan import resolve_plan
+    from posttune.plugins import get_registry
+    from posttune.training.compose import compose
+
+    return compose(resolve_plan(validate(config), get_registry()))
