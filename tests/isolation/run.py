@@ -1,12 +1,17 @@
 """The `isolation` tox env: distributions install on their own, and plugins appear as installed.
 
 Scenario 1, in a brand-new venv: install only `core` -> `posttune plugins` lists the built-ins
-alone; add `plugins/template` -> its names appear; add one first-party plugin -> it appears too.
+alone; add `plugins/template` -> its names appear, and its own tests pass there (a third-party
+plugin's tests with nothing but posttune, the plugin and pytest installed: it may import only the
+public surface); add one first-party plugin -> it appears too.
 
 Scenario 2, in another brand-new venv: install `core` and `posttune_models/qwen` alone ->
 exactly `posttune` and `posttune-qwen` are listed, `posttune ls families` shows qwen2 and qwen3
 but no llama or gemma, and a config naming family `gemma2` fails validation with exit status 2
 and the `pip install posttune-gemma` hint.
+
+Scenario 3, in another brand-new venv: `core`, `posttune_models/llama` and `posttune_methods/dpo`
+(no posttune-sft) -> a shortened `posttune train dpo-tiny-reverse` runs end to end.
 """
 
 import subprocess
@@ -23,6 +28,8 @@ STEPS = [
     (["posttune_models/llama"], ["posttune", "posttune-template", "posttune-llama"]),
 ]
 QWEN_ALONE = [(["core", "posttune_models/qwen"], ["posttune", "posttune-qwen"])]
+DPO_WITHOUT_SFT = [(["core", "posttune_models/llama", "posttune_methods/dpo"],
+                    ["posttune", "posttune-llama", "posttune-dpo"])]
 GEMMA2_CONFIG = """\
 model: {family: gemma2, size: tiny}
 method: {name: sft}
@@ -41,7 +48,19 @@ def install_steps(env: Path, steps: list[tuple[list[str], list[str]]]) -> int:
         check = subprocess.run([str(python), str(ROOT / "tests/isolation/check_plugins.py"), *expected])
         if check.returncode != 0:
             return check.returncode
+        if "plugins/template" in folders:
+            code = run_template_tests(python)
+            if code != 0:
+                return code
     return 0
+
+
+def run_template_tests(python: Path) -> int:
+    """The template plugin's own test suite, in the venv that holds only posttune and the template."""
+    print("== pytest plugins/template/tests (core + template only)", flush=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), "pytest>=8"], check=True)
+    return subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(ROOT / "plugins/template/tests")], cwd=ROOT / "plugins/template").returncode
 
 
 def check_qwen_alone(env: Path, tmp: Path) -> list[str]:
@@ -65,23 +84,38 @@ def check_qwen_alone(env: Path, tmp: Path) -> list[str]:
     return problems
 
 
+def check_dpo_without_sft(env: Path, tmp: Path) -> list[str]:
+    """A shortened `posttune train dpo-tiny-reverse` in a venv without posttune-sft."""
+    train = subprocess.run([str(env / "bin" / "posttune"), "train", "dpo-tiny-reverse", "train.max_steps=20",
+                            "train.eval_every=10", f"checkpoint.output_dir={tmp}/dpo"], cwd=tmp,
+                           capture_output=True, text=True)
+    print(train.stdout[-800:], end="")
+    if train.returncode != 0 or not (tmp / "dpo" / "model" / "config.json").is_file():
+        return [f"posttune train dpo-tiny-reverse -> {train.returncode}: {train.stderr[-2000:]}"]
+    return []
+
+
+#: (what it shows, the install steps, the checks run in that venv afterwards)
+SCENARIOS = [
+    ("distributions one by one", STEPS, None),
+    ("core and posttune-qwen alone", QWEN_ALONE, check_qwen_alone),
+    ("core, posttune-llama and posttune-dpo (no posttune-sft)", DPO_WITHOUT_SFT, check_dpo_without_sft),
+]
+
+
 def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="posttune-isolation-") as tmp:
-        print("== scenario: distributions one by one", flush=True)
-        code = install_steps(Path(tmp) / "venv", STEPS)
-        if code != 0:
-            return code
-    with tempfile.TemporaryDirectory(prefix="posttune-isolation-qwen-") as tmp:
-        print("== scenario: core and posttune-qwen alone", flush=True)
-        env = Path(tmp) / "venv"
-        code = install_steps(env, QWEN_ALONE)
-        if code != 0:
-            return code
-        problems = check_qwen_alone(env, Path(tmp))
-        for problem in problems:
-            print(f"FAIL: {problem}", file=sys.stderr)
-        if problems:
-            return 1
+    for title, steps, check in SCENARIOS:
+        with tempfile.TemporaryDirectory(prefix="posttune-isolation-") as tmp:
+            print(f"== scenario: {title}", flush=True)
+            env = Path(tmp) / "venv"
+            code = install_steps(env, steps)
+            if code != 0:
+                return code
+            problems = check(env, Path(tmp)) if check is not None else []
+            for problem in problems:
+                print(f"FAIL: {problem}", file=sys.stderr)
+            if problems:
+                return 1
     print("isolation: ok")
     return 0
 

@@ -1,0 +1,103 @@
+"""posttune-dpo: direct preference optimisation -- DPO, cDPO (label smoothing), IPO and SimPO.
+
+    method:
+      name: dpo
+      loss_type: sigmoid          # sigmoid (DPO) | ipo | simpo (reference-free)
+      beta: 0.1
+      label_smoothing: 0.0        # cDPO: the chance a preference label is wrong (sigmoid, simpo)
+      simpo_gamma: 0.5            # SimPO's target reward margin (simpo only)
+      precompute_reference: false # score every pair with the reference once, then free it
+
+Written against the public plugin surface only (``posttune.plugin``). Importing this package
+does not import torch. The losses are in ``losses.py``, the data, reference and loss wiring
+in ``method.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from posttune.plugin import ConfigError, Method, ModelRole, configs_in, hookimpl
+
+POSTTUNE_PLUGIN_API = 2
+__version__ = "0.1.0"
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    loss_type: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    beta: float = 0.1  # strength of the implicit KL to the reference (SimPO: the reward scale, ~2)
+    label_smoothing: float = 0.0  # cDPO: probability that a pair's preference label is flipped
+    simpo_gamma: float = 0.5  # SimPO: target margin between the chosen and rejected rewards
+    precompute_reference: bool = False  # reference log-probs computed once before training; no reference model
+
+
+def roles(config: DPOConfig) -> tuple[ModelRole, ...]:
+    """A reference model, except for reference-free SimPO; with LoRA it is the policy without adapters."""
+    return () if config.loss_type == "simpo" else (ModelRole("reference", adapters_off=True),)
+
+
+def validate(config: Any, method: DPOConfig) -> None:
+    if not (math.isfinite(method.beta) and method.beta > 0):
+        raise ConfigError("method.beta", f"expected a positive number, got {method.beta}")
+    if not 0.0 <= method.label_smoothing < 0.5:
+        raise ConfigError("method.label_smoothing", f"expected a value in [0, 0.5), got {method.label_smoothing}")
+    if method.label_smoothing and method.loss_type == "ipo":
+        raise ConfigError("method.label_smoothing", "ipo has no label smoothing (it is a squared loss); "
+                                                    "use loss_type sigmoid for cDPO")
+    if method.simpo_gamma != DPOConfig.simpo_gamma and method.loss_type != "simpo":
+        raise ConfigError("method.simpo_gamma", f"only loss_type simpo uses it (this run: {method.loss_type})")
+    if method.precompute_reference and method.loss_type == "simpo":
+        raise ConfigError("method.precompute_reference", "simpo uses no reference model; remove it")
+    if config.data.packing:
+        raise ConfigError("data.packing", "dpo scores each chosen and rejected response as its own row; "
+                                          "set packing to false")
+    streaming = [split for split in ("train", "validation")
+                 if getattr(config.data, split) is not None and getattr(config.data, split).streaming]
+    if method.precompute_reference and streaming:
+        raise ConfigError(f"data.{streaming[0]}.streaming", "precompute_reference scores the whole dataset "
+                                                            "before training; it needs a map-style dataset")
+
+
+def _data(session: Any, dataset: Any, split: str) -> Any:
+    from posttune_dpo.method import data
+
+    return data(session, dataset, split)
+
+
+def _loss(session: Any, batch: Any) -> Any:
+    from posttune_dpo.method import loss
+
+    return loss(session, batch)
+
+
+def _setup(session: Any) -> None:
+    from posttune_dpo.method import setup
+
+    setup(session)
+
+
+@hookimpl
+def posttune_register_methods(register):
+    register(Method(
+        name="dpo",
+        config=DPOConfig,
+        dataset_kind="preference",
+        data=_data,
+        loss=_loss,
+        roles=roles,
+        setup=_setup,
+        validate=validate,
+        description="direct preference optimisation: DPO, cDPO, IPO, SimPO; chosen and rejected in one forward",
+    ))
+
+
+@hookimpl
+def posttune_register_configs(register):
+    for config in configs_in(CONFIGS):
+        register(config)

@@ -1,0 +1,137 @@
+"""DPO as a posttune method: its data, its reference model and its loss (plugin API 2).
+
+- ``data``: preference pairs through the core's toolkit (``PairMaker``: the checkpoint's chat
+  template, the prompt masked, its tail kept under ``max_prompt_len``), batched by
+  ``pair_batch``: the chosen responses, then the rejected ones, in *one* forward pass.
+- the reference: the ``reference`` model role. The core builds it as a frozen copy of the
+  policy's source (sharded like the policy under FSDP2), or hands the policy itself with its
+  adapters disabled when LoRA/DoRA trains (no copy); with ``precompute_reference`` it is used
+  once, in ``setup``, and then released.
+- ``loss``: the summed per-pair loss, normalised by the trainer over the pairs of the whole step.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from posttune.plugin import LossOutput, sequence_logps, token_logps
+from posttune_dpo.losses import LENGTH_NORMALISED, preference_losses
+
+REFERENCE = "reference"
+
+
+def data(session: Any, dataset: Any, split: str) -> Any:
+    from posttune.plugin import PairMaker, build_loader, dataset_format, pad_id, pair_batch
+
+    config = session.config.data
+    make = PairMaker(dataset_format(session, split), session.tokenizer, max_seq_len=config.max_seq_len,
+                     max_prompt_len=config.max_prompt_len, skip_bad_rows=config.skip_bad_rows,
+                     column_map=dataset.column_map, where=f"data.{split}")
+    pad = pad_id(session.tokenizer)
+
+    def collate(rows: list) -> dict[str, Any]:
+        batch = pair_batch(rows, pad_id=pad)
+        batch["split"] = split  # which precomputed reference table holds these pairs
+        return batch
+
+    return build_loader(session, dataset, split, make=make, collate=collate)
+
+
+def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
+    config = session.method_config
+    average = config.loss_type in LENGTH_NORMALISED
+    policy_chosen, policy_rejected = sequence_logps(token_logps(session, batch), batch["labels"],
+                                                    average=average).chunk(2)
+    reference_chosen = reference_rejected = None
+    if config.loss_type != "simpo":
+        reference_chosen, reference_rejected = reference_logps(session, batch, average)
+    losses, chosen_rewards, rejected_rewards = preference_losses(
+        policy_chosen, policy_rejected, reference_chosen, reference_rejected, loss_type=config.loss_type,
+        beta=config.beta, label_smoothing=config.label_smoothing, gamma=config.simpo_gamma)
+    real = (batch["rows"] >= 0).to(losses.dtype)  # a placeholder pair (an empty share) weighs nothing
+    pairs = real.sum()
+
+    def mean(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (values.detach() * real).sum(), pairs
+
+    return LossOutput((losses * real).sum(), pairs, tokens=batch["num_tokens"], unit="pairs", metrics={
+        "rewards/chosen": mean(chosen_rewards),
+        "rewards/rejected": mean(rejected_rewards),
+        "rewards/accuracy": mean((chosen_rewards > rejected_rewards).to(losses.dtype)),
+        "rewards/margin": mean(chosen_rewards - rejected_rewards),
+        "logps/chosen": mean(policy_chosen),
+        "logps/rejected": mean(policy_rejected),
+    })
+
+
+@torch.no_grad()
+def reference_logps(session: Any, batch: dict[str, Any], average: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's (chosen, rejected) sequence log-probs: precomputed, or a forward pass now."""
+    tables = session.method_state
+    if tables is not None:
+        return lookup(tables[batch["split"]], batch["rows"])
+    logps = token_logps(session, batch, model=session.models[REFERENCE])
+    return sequence_logps(logps, batch["labels"], average=average).chunk(2)
+
+
+def setup(session: Any) -> None:
+    """With ``precompute_reference``: score every pair with the reference once, then release it."""
+    if not session.method_config.precompute_reference:
+        return
+    average = session.method_config.loss_type in LENGTH_NORMALISED
+    splits = {"train": session.train_data, "validation": session.validation_data}
+    session.method_state = {split: precompute(session, loader, average)
+                            for split, loader in splits.items() if loader is not None}
+    session.models.pop(REFERENCE)  # nothing holds the frozen copy any more (an adapters-off view costs nothing)
+    session.targets.pop(REFERENCE, None)
+    gc.collect()
+
+
+@torch.no_grad()
+def precompute(session: Any, loader: Any, average: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted dataset rows, ``[rows, 2]`` reference log-probs) for every pair of a map-style loader.
+
+    Each data-parallel rank scores its own share of the dataset in order (every rank runs the
+    same number of forward passes, as FSDP2 needs), then the shares are gathered, so each rank
+    can look up any pair whatever the epoch's shuffle hands it. Keyed by dataset row, the table
+    means the same after a resume from any data position.
+    """
+    from posttune.plugin import BatchLoader, to_device, world_size
+
+    in_order = BatchLoader(num_items=loader.num_items, get_item=loader.get_item, collate=loader.collate,
+                           batch_size=loader.batch_size, shuffle=False, rank=loader.rank,
+                           world_size=loader.world_size)
+    rows, values = [], []
+    model = session.models[REFERENCE]
+    for batch in in_order:
+        batch = to_device(batch, session.device)
+        chosen, rejected = sequence_logps(token_logps(session, batch, model=model), batch["labels"],
+                                          average=average).chunk(2)
+        keep = batch["rows"] >= 0
+        rows.append(batch["rows"][keep].cpu())
+        values.append(torch.stack([chosen, rejected], dim=1)[keep].float().cpu())
+    mine = (torch.cat(rows), torch.cat(values))
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        shares: list[Any] = [None] * world_size()
+        dist.all_gather_object(shares, mine)
+        mine = (torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares]))
+    order = torch.argsort(mine[0])
+    keys, table = mine[0][order], mine[1][order]
+    unique = torch.ones_like(keys, dtype=torch.bool)  # TP ranks of one data-parallel group score the same rows
+    unique[1:] = keys[1:] != keys[:-1]
+    return keys[unique], table[unique]
+
+
+def lookup(table: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The precomputed (chosen, rejected) log-probs of ``rows`` (0 for a placeholder row -1)."""
+    keys, values = table
+    wanted = rows.cpu()
+    index = torch.searchsorted(keys, wanted.clamp(min=0)).clamp(max=max(len(keys) - 1, 0))
+    found = values[index] * (wanted >= 0).unsqueeze(1)
+    found = found.to(rows.device)
+    return found[:, 0], found[:, 1]

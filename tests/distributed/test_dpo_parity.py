@@ -1,0 +1,60 @@
+"""DPO on 2 gloo ranks trains exactly like one process (fp32, per step, 1e-5): FSDP2 with full
+fine-tuning (the frozen reference sharded too) and with LoRA (the adapters-disabled reference), and
+tensor parallelism, with and without loss parallel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TIMEOUT, env, metrics, write_config
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-5
+DPO = {"name": "dpo", "beta": 0.5}
+LORA = {"rank": 4, "alpha": 8}
+SCRIPT = Path(__file__).with_name("dpo_roles.py")
+KEYS = ("loss", "grad_norm", "rewards/margin", "rewards/accuracy", "logps/chosen")
+
+
+def assert_same_curve(run: list[dict], reference: list[dict]) -> None:
+    assert [r["step"] for r in run] == [r["step"] for r in reference] == [1, 2, 3, 4]
+    for got, want in zip(run, reference):
+        assert got["pairs"] == want["pairs"] == 8 and got["tokens"] == want["tokens"]
+        for key in KEYS:
+            assert abs(got[key] - want[key]) <= TOL * max(1.0, abs(want[key])), (got["step"], key, got[key], want[key])
+    assert run[-1]["loss"] != reference[0]["loss"]  # it trained
+
+
+@pytest.mark.parametrize("adapter", [None, LORA], ids=["full", "lora"])
+def test_dpo_under_fsdp2_matches_one_process(runs, adapter):
+    name = "lora" if adapter else "full"
+    single = runs(f"dpo_{name}_single", batch_size=8, method=DPO, adapter=adapter)
+    sharded = runs(f"dpo_{name}_fsdp2", nproc=2, batch_size=4, parallel={"plans": ["fsdp2"]}, method=DPO,
+                   adapter=adapter)
+    assert_same_curve(metrics(sharded), metrics(single))
+
+
+@pytest.mark.parametrize("plans", [["tp"], ["tp", "loss_parallel"]], ids=["tp", "tp_loss_parallel"])
+def test_dpo_under_tensor_parallelism_matches_one_process(runs, plans):
+    """TP splits the frozen reference too; with loss parallel both models' logits stay vocabulary-sharded."""
+    single = runs("dpo_full_single", batch_size=8, method=DPO)
+    split = runs(f"dpo_{'_'.join(plans)}", nproc=2, batch_size=8, parallel={"plans": plans}, method=DPO)
+    assert_same_curve(metrics(split), metrics(single))
+
+
+def test_the_frozen_reference_is_sharded_like_the_policy(tmp_path):
+    config = write_config(tmp_path, batch_size=4, parallel={"plans": ["fsdp2"]}, method=DPO)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(SCRIPT),
+               str(config)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env())
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert found["all_dtensors"] and found["frozen"] and found["policy_frozen_params"] == 0
+    assert found["placements"] == ["(Shard(dim=0),)"]
+    assert found["local_values"] * 2 <= found["full_values"] + 2 * 384  # each rank holds about half of it

@@ -1,0 +1,175 @@
+"""DPO, cDPO, IPO and SimPO on a real model and batch: losses, rewards and gradients equal the
+papers' formulas computed independently (plain log-softmax, no posttune loss code), fp32, 1e-6."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from run_support import compose_run
+
+from posttune.adapters import AdaptersOff, adapted_modules
+
+TOL = 1e-6
+CASES = {
+    "dpo": {"loss_type": "sigmoid", "beta": 0.5},
+    "cdpo": {"loss_type": "sigmoid", "beta": 0.5, "label_smoothing": 0.2},
+    "ipo": {"loss_type": "ipo", "beta": 0.5},
+    "simpo": {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.3},
+    "simpo_smoothed": {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.3, "label_smoothing": 0.1},
+}
+
+
+@torch.no_grad()
+def perturb(model: torch.nn.Module, seed: int = 1, scale: float = 0.05) -> None:
+    """Move the policy away from its reference so the log-ratios are not all zero."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in model.parameters():
+        param.add_(torch.randn(param.shape, generator=generator) * scale)
+
+
+def independent_logps(model, batch, *, average: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) sequence log-probs: full logits, log-softmax, gather, masked sum (or mean)."""
+    logits = model(batch["input_ids"]).float()
+    labels = batch["labels"]
+    mask = labels != -100
+    per_token = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    sequences = per_token.sum(-1) / mask.sum(-1) if average else per_token.sum(-1)
+    return sequences.chunk(2)
+
+
+def paper(settings: dict, pc, pr, rc, rr) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair loss and rewards as the papers write them (DPO eq. 7, cDPO, IPO eq. 17, SimPO eq. 6)."""
+    beta, eps = settings["beta"], settings.get("label_smoothing", 0.0)
+    kind = settings["loss_type"]
+    if kind == "simpo":
+        z = beta * pc - beta * pr - settings["simpo_gamma"]
+        loss = -(1 - eps) * torch.log(torch.sigmoid(z)) - eps * torch.log(torch.sigmoid(-z))
+        return loss, beta * pc, beta * pr
+    h = (pc - rc) - (pr - rr)
+    if kind == "ipo":
+        loss = (h - 1 / (2 * beta)) ** 2
+    else:
+        loss = -(1 - eps) * torch.log(torch.sigmoid(beta * h)) - eps * torch.log(torch.sigmoid(-beta * h))
+    return loss, beta * (pc - rc), beta * (pr - rr)
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dpo_config, tmp_path, case):
+    settings = CASES[case]
+    session = compose_run(make_dpo_config(tmp_path, rows=8, method={"name": "dpo", **settings}))
+    assert ("reference" in session.models) == (settings["loss_type"] != "simpo")
+    perturb(session.model)
+    batch = next(iter(session.train_data))
+    forwards = []
+    handle = session.model.register_forward_hook(lambda _m, _i, out: forwards.append(out.shape))
+    out = session.plan.method.descriptor.loss(session, batch)
+    handle.remove()
+    assert forwards == [(8, batch["input_ids"].shape[1], 384)]  # chosen and rejected in one forward pass
+    assert out.unit == "pairs" and float(out.normaliser) == 4
+    (out.loss_sum / out.normaliser).backward()
+    ours = gradients(session.model)
+
+    average = settings["loss_type"] in ("ipo", "simpo")
+    pc, pr = independent_logps(session.model, batch, average=average)
+    rc = rr = None
+    if "reference" in session.models:
+        with torch.no_grad():
+            rc, rr = independent_logps(session.models["reference"], batch, average=average)
+    losses, chosen_rewards, rejected_rewards = paper(settings, pc, pr, rc, rr)
+    losses.mean().backward()
+    theirs = gradients(session.model)
+
+    torch.testing.assert_close(out.loss_sum / out.normaliser, losses.mean().detach(), atol=TOL, rtol=0)
+    assert ours.keys() == theirs.keys() and len(ours) == len(list(session.model.parameters()))
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, atol=TOL, rtol=0, msg=name)
+    metrics = {key: float(total.detach() / count) for key, (total, count) in out.metrics.items()}
+    expected = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
+                "rewards/margin": (chosen_rewards - rejected_rewards).mean(),
+                "rewards/accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+                "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}
+    for key, value in expected.items():
+        assert abs(metrics[key] - float(value.detach())) <= TOL, key
+
+
+def test_with_the_chunked_loss_technique_the_loss_and_gradients_are_unchanged(llama_dpo, make_dpo_config, tmp_path):
+    results = []
+    for memory in ([], ["chunked_cross_entropy"]):
+        session = compose_run(make_dpo_config(tmp_path / str(len(memory)), rows=8, memory=memory,
+                                              memory_options={"chunked_cross_entropy": {"chunk_size": 7}}
+                                              if memory else {}))
+        assert (session.loss_kernel is not None) == bool(memory)
+        perturb(session.model)
+        out = session.plan.method.descriptor.loss(session, next(iter(session.train_data)))
+        (out.loss_sum / out.normaliser).backward()
+        results.append((out.loss_sum.detach(), gradients(session.model)))
+    (plain, plain_grads), (chunked, chunked_grads) = results
+    torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, atol=1e-5, rtol=0, msg=name)
+
+
+@torch.no_grad()
+def train_adapters(model: torch.nn.Module) -> None:
+    """Give every adapter a non-zero update (as after some training), the same in every model."""
+    generator = torch.Generator().manual_seed(3)
+    for layer in adapted_modules(model).values():
+        layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=generator) * 0.05)
+
+
+def test_lora_reference_with_adapters_disabled_equals_a_frozen_copy_of_the_base(llama_dpo, make_dpo_config,
+                                                                                 tmp_path):
+    adapter = {"rank": 4, "alpha": 8}
+    shared = compose_run(make_dpo_config(tmp_path / "shared", rows=8, adapter=adapter))
+    config = make_dpo_config(tmp_path / "copy", rows=8, adapter=adapter)
+    copied = compose_run({**config, "reference": dict(config["model"])})  # an explicit source: a frozen copy
+    assert isinstance(shared.models["reference"], AdaptersOff) and shared.models["reference"].model is shared.model
+    assert not isinstance(copied.models["reference"], AdaptersOff)
+    assert not any(p.requires_grad for p in copied.models["reference"].parameters())
+    losses = []
+    for session in (shared, copied):
+        train_adapters(session.model)
+        out = session.plan.method.descriptor.loss(session, next(iter(session.train_data)))
+        (out.loss_sum / out.normaliser).backward()
+        losses.append((out.loss_sum.detach(), gradients(session.model), dict(out.metrics)))
+    (loss_shared, grads_shared, metrics_shared), (loss_copied, grads_copied, metrics_copied) = losses
+    assert float(metrics_shared["rewards/margin"][0]) != 0.0  # the adapters moved the policy off its reference
+    torch.testing.assert_close(loss_shared, loss_copied, atol=TOL, rtol=0)
+    assert grads_shared.keys() == grads_copied.keys() and all(".lora_" in name for name in grads_shared)
+    for name, grad in grads_copied.items():
+        torch.testing.assert_close(grads_shared[name], grad, atol=TOL, rtol=0, msg=name)
+    for session in (shared, copied):  # the reference pass left the adapters switched on
+        assert not any(layer.disabled for layer in adapted_modules(session.model).values())
+
+
+def test_chunked_log_probs_equal_the_log_softmax_in_values_and_gradients():
+    from posttune.memory.linear_cross_entropy import linear_logps
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(29, 16, generator=generator).requires_grad_()
+    weight = torch.randn(50, 16, generator=generator).requires_grad_()
+    bias = torch.randn(50, generator=generator).requires_grad_()
+    targets = torch.randint(0, 50, (29,), generator=generator)
+    upstream = torch.randn(29, generator=generator)  # a loss that weighs each row differently
+    for softcap in (None, 3.0):
+        ours = linear_logps(hidden, weight, targets, bias=bias, softcap=softcap, chunk_size=8)
+        (ours * upstream).sum().backward()
+        mine = [t.grad.clone() for t in (hidden, weight, bias)]
+        for t in (hidden, weight, bias):
+            t.grad = None
+        logits = hidden @ weight.T + bias
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        expected = F.log_softmax(logits, -1).gather(1, targets.unsqueeze(1)).squeeze(1)
+        (expected * upstream).sum().backward()
+        torch.testing.assert_close(ours, expected.detach(), atol=1e-5, rtol=0)
+        for got, t in zip(mine, (hidden, weight, bias)):
+            torch.testing.assert_close(got, t.grad, atol=1e-5, rtol=0)
+            t.grad = None

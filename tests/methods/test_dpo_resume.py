@@ -1,0 +1,36 @@
+"""DPO resumes exactly: SIGKILL mid-epoch, `resume: latest`, and the per-step losses (and the
+reward metrics) are bitwise those of the uninterrupted run, with a live or a precomputed reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from kill_support import run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("precompute", [False, True], ids=["live", "precomputed"])
+def test_sigkill_mid_epoch_then_resume_gives_the_same_dpo_losses(make_dpo_config, tmp_path, precompute):
+    paths = {}
+    for name in ("straight", "killed"):
+        config = make_dpo_config(tmp_path / name, rows=24,
+                                 method={"name": "dpo", "beta": 0.5, "precompute_reference": precompute},
+                                 train={"epochs": 2, "lr": 3e-3}, checkpoint={"save_every": 2, "keep_last": 2})
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(config))
+    assert run(str(paths["straight"])).returncode == 0
+    killed = run(str(paths["killed"]), killer=("step", 5))  # last checkpoint: step 4, mid-epoch 0 (6 steps each)
+    assert killed.returncode == -9
+    resumed = run(str(paths["killed"]), "checkpoint.resume=latest")
+    assert resumed.returncode == 0, resumed.stderr
+
+    def curve(name: str) -> list[tuple]:
+        records = [json.loads(line) for line in (tmp_path / name / "out" / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"], r["rewards/margin"], r["logps/chosen"]) for r in records]
+
+    expected = curve("straight")
+    assert [step for step, *_ in expected] == list(range(1, 13))
+    assert curve("killed") == expected

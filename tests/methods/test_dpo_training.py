@@ -1,0 +1,136 @@
+"""DPO runs end to end: validation of preference configs, a precomputed reference, plan and metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+import posttune_dpo
+
+
+def write(tmp_path: Path, config: dict, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def metrics(output_dir: str | Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_preference_config_trains_with_dpo_and_logs_pair_metrics(llama_dpo, posttune_cli, make_dpo_config,
+                                                                   tmp_path):
+    config = make_dpo_config(tmp_path, rows=12, train={"epochs": 2, "eval_every": 3})
+    config["data"]["validation"] = dict(config["data"]["train"])
+    result = posttune_cli("train", str(write(tmp_path, config)))
+    assert result.exit_code == 0, result.stderr
+    records = metrics(config["checkpoint"]["output_dir"])
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(r["pairs"] == 4 for r in records)  # the normaliser: pairs, not tokens
+    assert all(r["tokens"] > 8 * 4 for r in records)  # what was processed: both responses' tokens
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen",
+                "logps/rejected"):
+        assert key in records[-1] and f"val_{key}" in records[2]
+    assert records[0]["rewards/margin"] == 0.0  # before the first update the policy is its reference
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_precomputed_reference_gives_the_same_per_step_losses_as_a_live_one(llama_dpo, posttune_cli,
+                                                                           make_dpo_config, tmp_path):
+    runs = {}
+    for precompute in (False, True):
+        config = make_dpo_config(tmp_path / str(precompute), rows=14,
+                                 method={"name": "dpo", "beta": 0.5, "precompute_reference": precompute},
+                                 train={"epochs": 2, "eval_every": 2})
+        config["data"]["validation"] = dict(config["data"]["train"])
+        result = posttune_cli("train", str(write(tmp_path, config, f"{precompute}.yaml")))
+        assert result.exit_code == 0, result.stderr
+        runs[precompute] = metrics(config["checkpoint"]["output_dir"])
+    assert len(runs[True]) == len(runs[False]) == 8  # 14 pairs / 4: 4 steps an epoch, the last one partial
+    for live, pre in zip(runs[False], runs[True]):
+        for key in ("loss", "rewards/margin", "val_loss"):
+            if key in live:
+                assert abs(pre[key] - live[key]) <= 1e-6, (live["step"], key, pre[key], live[key])
+
+
+def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp_path):
+    from run_support import compose_run
+
+    session = compose_run(make_dpo_config(tmp_path, rows=6, method={"name": "dpo", "precompute_reference": True}))
+    assert "reference" not in session.models and "reference" not in session.targets
+    keys, table = session.method_state["train"]
+    assert keys.tolist() == list(range(6)) and table.shape == (6, 2)
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"method": "sft"}, "config: data.train.format: 'preference' gives preference rows; method 'sft' needs sft rows"),
+    ({"data": {"train": {"path": "x.jsonl", "format": "chat"}}},
+     "config: data.train.format: 'chat' gives sft rows; method 'dpo' needs preference rows"),
+    ({"data": {"packing": True}}, "config: data.packing: dpo scores each chosen and rejected response as its own row; "
+                                  "set packing to false"),
+    ({"method": {"name": "dpo", "beta": 0}}, "config: method.beta: expected a positive number, got 0.0"),
+    ({"method": {"name": "dpo", "loss_type": "ipo", "label_smoothing": 0.1}},
+     "config: method.label_smoothing: ipo has no label smoothing (it is a squared loss); use loss_type sigmoid "
+     "for cDPO"),
+    ({"method": {"name": "dpo", "label_smoothing": 0.5}},
+     "config: method.label_smoothing: expected a value in [0, 0.5), got 0.5"),
+    ({"method": {"name": "dpo", "simpo_gamma": 1.0}}, "config: method.simpo_gamma: only loss_type simpo uses it "
+                                                      "(this run: sigmoid)"),
+    ({"method": {"name": "dpo", "loss_type": "simpo", "precompute_reference": True}},
+     "config: method.precompute_reference: simpo uses no reference model; remove it"),
+    ({"method": {"name": "dpo", "loss_type": "simpo"}, "reference": {"family": "llama", "size": "tiny"}},
+     "config: reference: method 'dpo' uses no reference model with these settings; remove the `reference:` section"),
+    ({"teacher": {"family": "llama", "size": "tiny"}},
+     "config: teacher: method 'dpo' uses no teacher model with these settings; remove the `teacher:` section"),
+    ({"reference": {"family": "qwen3", "size": "0.6b"}},
+     "config: reference.family: no model family 'qwen3' is installed (installed: llama, mistral) — pip install "
+     "posttune-qwen"),
+    ({"method": {"name": "dpo", "loss_type": "orpo"}},
+     "config: method.loss_type: expected one of 'sigmoid', 'ipo', 'simpo', got 'orpo'"),
+])
+def test_impossible_preference_runs_are_refused_by_validate_in_one_line(llama_dpo, posttune_cli, make_dpo_config,
+                                                                       tmp_path, sections, message):
+    config = make_dpo_config(tmp_path, rows=4)
+    for section, values in sections.items():
+        config[section] = ({**config[section], **values} if isinstance(values, dict) and
+                           isinstance(config.get(section), dict) and section != "method" else values)
+    result = posttune_cli("validate", str(write(tmp_path, config)))
+    assert result.exit_code == 2
+    assert result.stderr == f"posttune: error: {message}\n"
+
+
+def test_plan_lists_the_reference_role_and_its_memory(llama_dpo, posttune_cli, make_dpo_config, tmp_path):
+    full = posttune_cli("plan", str(write(tmp_path, make_dpo_config(tmp_path, rows=4))))
+    assert full.exit_code == 0, full.stderr
+    assert "roles        reference: frozen 'llama' model (random init, size tiny)" in full.stdout
+    assert "  reference (frozen, " in full.stdout
+    lora = posttune_cli("plan", str(write(tmp_path, make_dpo_config(tmp_path, rows=4, adapter={"rank": 4}))))
+    assert "reference: the policy with its adapters disabled (no copy)" in lora.stdout
+    assert "  reference: the policy with adapters disabled, no extra memory" in lora.stdout
+
+
+NAMES = sorted(path.stem for path in posttune_dpo.CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bundled_configs_validate_and_show_their_command(llama_dpo, register_plugin, posttune_cli, name):
+    import posttune_qwen
+
+    register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
+    assert (posttune_dpo.CONFIGS / f"{name}.yaml").read_text().splitlines()[0] == f"# posttune train {name}"
+    result = posttune_cli("validate", name)
+    assert result.exit_code == 0, result.stderr
+
+
+def test_the_bundled_configs_cover_lora_full_and_the_cpu_example():
+    assert {"dpo-tiny-reverse", "llama3.2-1b-dpo-lora", "qwen2.5-0.5b-dpo"} <= set(NAMES)
+
+
+def test_the_loss_plot_names_what_the_loss_is_averaged_over():
+    from posttune.training.plot import loss_unit
+
+    assert loss_unit({"step": 1, "loss": 0.6, "pairs": 4}) == "per pair"
+    assert loss_unit({"step": 1, "loss": 2.1, "labelled_tokens": 40}) == "per token"

@@ -1,0 +1,179 @@
+"""posttune-dpo's loss equals TRL's on the same weights and the same preference rows (fp32, 1e-6).
+
+One tiny random Llama checkpoint is the reference; the same weights, perturbed, are the policy.
+Both libraries load both checkpoints from disk and read the same conversational rows; TRL runs
+a real ``trl.DPOTrainer`` (``learning_rate=0``: every logged loss is of the initial weights, and
+Trainer computes a step's loss before its update) and posttune its method's ``loss`` on the
+composed session's first batch. Before the losses are compared, each pair's scored tokens
+(their ids and positions) and every token before them are checked to be the same in both.
+
+What is compared, and why only that:
+
+- ``sigmoid`` (DPO) and ``ipo``: the same formula in both (TRL's IPO, like posttune's, divides each
+  response's log-ratio by its number of completion tokens). Loss, and for ``sigmoid`` the logged
+  rewards and log-probs too. posttune's IPO rewards and ``logps/*`` are per-token means (the
+  quantity IPO's loss uses); TRL logs token sums for every loss type, so those are not compared.
+- cDPO (``label_smoothing``): TRL 1.x no longer smooths ``sigmoid``; its ``robust`` loss is a
+  different formula (the flipped term is subtracted and the sum rescaled by ``1/(1 - 2 eps)``).
+  Its ``aot`` loss is ``-(1-eps) log sigmoid(beta d) - eps log sigmoid(-beta d)`` with ``d`` the
+  *batch-sorted* policy log-ratios minus the batch-sorted reference log-ratios: with one pair per
+  batch sorting is the identity and ``d`` is DPO's ``(pi_c - ref_c) - (pi_r - ref_r)``, so
+  one-pair batches of ``aot`` are exactly cDPO. posttune's mean over four pairs is compared with
+  the mean of TRL's four one-pair steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+import datasets  # noqa: E402  (trl depends on both)
+import transformers  # noqa: E402
+from run_support import TOKENIZER, compose_run  # noqa: E402
+
+from posttune.testing.tiny import tiny_hf_model, tiny_llama_config  # noqa: E402
+
+# transformers 5 renamed gradient checkpointing; TRL 1.16's config still sets the old name
+pytestmark = pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing` is deprecated:FutureWarning")
+
+TOL = 1e-6
+BETA = 0.5
+PAIRS = 4
+#: reversal prompts of varied lengths (the batch is padded), chosen the reversal, rejected a copy
+WORDS = ["YNBIQP", "KRE", "TQZUWMA", "HELOS"]
+CASES = {
+    # name: (posttune method settings, TRL DPOConfig settings, pairs per TRL step)
+    "dpo": ({"loss_type": "sigmoid"}, {"loss_type": ["sigmoid"]}, PAIRS),
+    "ipo": ({"loss_type": "ipo"}, {"loss_type": ["ipo"]}, PAIRS),
+    "cdpo": ({"loss_type": "sigmoid", "label_smoothing": 0.2}, {"loss_type": ["aot"], "label_smoothing": 0.2}, 1),
+}
+#: posttune metric -> TRL's logged name, where both log the same quantity (sigmoid losses)
+SAME_METRICS = {"rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejected",
+                "rewards/margin": "rewards/margins", "rewards/accuracy": "rewards/accuracies",
+                "logps/chosen": "logps/chosen", "logps/rejected": "logps/rejected"}
+
+
+def conversational_rows() -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": f"Reverse: {word}"}],
+             "chosen": [{"role": "assistant", "content": word[::-1]}],
+             "rejected": [{"role": "assistant", "content": word}]} for word in WORDS]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """A tiny HF Llama (the demo tokenizer's 384 ids) as the reference, and it perturbed as the policy."""
+    root = tmp_path_factory.mktemp("dpo_trl")
+    config = tiny_llama_config(vocab_size=384, bos_token_id=0, eos_token_id=4, pad_token_id=4)
+    model = tiny_hf_model(config, seed=0)
+    model.save_pretrained(root / "reference")
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(1)
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    model.save_pretrained(root / "policy")
+    data = root / "prefs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in conversational_rows()))
+    return {"policy": root / "policy", "reference": root / "reference", "data": data}
+
+
+def run_trl(checkpoints: dict[str, Path], out: Path, settings: dict, batch_size: int) -> tuple[list[dict], list]:
+    """A real DPOTrainer run over the rows with learning rate 0: (each step's logs, each step's batch)."""
+    batches, steps = [], []
+
+    class Recorder(trl.DPOTrainer):
+        """Keeps the collated batch each step scores; the loss itself is TRL's."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            batches.append({key: value.detach().clone() for key, value in inputs.items()})
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    class Logs(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:  # a step's log, not the end-of-training summary
+                steps.append({**logs, "step": state.global_step})
+
+    load = dict(dtype=torch.float32)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["policy"], **load)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["reference"], **load)
+    before = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    args = trl.DPOConfig(output_dir=str(out), beta=BETA, per_device_train_batch_size=batch_size,
+                         max_steps=PAIRS // batch_size, logging_steps=1, learning_rate=0.0, bf16=False, fp16=False,
+                         use_cpu=True, max_length=None, gradient_checkpointing=False, report_to="none",
+                         save_strategy="no", dataloader_num_workers=0, seed=0, **settings)
+    trainer = Recorder(model=policy, ref_model=reference, args=args,
+                       train_dataset=datasets.Dataset.from_list(conversational_rows()),
+                       processing_class=transformers.AutoTokenizer.from_pretrained(TOKENIZER), callbacks=[Logs()])
+    trainer.train()
+    for name, param in policy.named_parameters():  # lr 0: every step scored the initial weights
+        assert torch.equal(param.detach(), before[name]), name
+    assert [entry["step"] for entry in steps] == list(range(1, PAIRS // batch_size + 1))
+    return steps, batches
+
+
+def trl_pairs(batches: list[dict]) -> list[tuple]:
+    """Each pair TRL scored: (chosen ids, chosen (position, id) targets, the same for rejected)."""
+    pairs = []
+    for batch in batches:
+        rows = []
+        columns = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        for ids, attention, completion in zip(*columns, strict=True):
+            length = int(attention.sum())
+            assert attention[:length].all()  # right-padded
+            ids = ids[:length].tolist()
+            rows.append((tuple(ids), tuple((t, ids[t]) for t in range(length) if completion[t])))
+        half = len(rows) // 2  # chosen rows, then rejected rows
+        pairs += [(*rows[i], *rows[half + i]) for i in range(half)]
+    return sorted(pairs)
+
+
+def posttune_pairs(batch: dict) -> list[tuple]:
+    """The same for posttune's batch: labels are pre-shifted, so ``labels[t]`` is the token at t + 1."""
+    rows = []
+    for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True):
+        targets = tuple((t + 1, int(labels[t])) for t in range(len(labels)) if labels[t] != -100)
+        for position, token in targets:
+            assert int(ids[position]) == token
+        rows.append((tuple(ids[: targets[-1][0] + 1].tolist()), targets))  # up to the last scored token
+    half = len(rows) // 2
+    return sorted((*rows[i], *rows[half + i]) for i in range(half))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dpo_loss_equals_trl_dpo_trainer_loss(llama_dpo, checkpoints, tmp_path, case):
+    ours_settings, trl_settings, trl_batch = CASES[case]
+    session = compose_run({
+        "model": {"path": str(checkpoints["policy"])},
+        "reference": {"path": str(checkpoints["reference"])},
+        "tokenizer": {"path": TOKENIZER},
+        "method": {"name": "dpo", "beta": BETA, **ours_settings},
+        "data": {"train": {"path": str(checkpoints["data"]), "format": "preference"}, "max_seq_len": 64},
+        "train": {"epochs": 1, "batch_size": PAIRS, "lr": 1e-3, "seed": 0, "device": "cpu"},
+        "checkpoint": {"output_dir": str(tmp_path / "out")},
+    })
+    assert {p.dtype for p in session.model.parameters()} == {torch.float32}
+    batch = next(iter(session.train_data))
+    with torch.no_grad():
+        out = session.plan.method.descriptor.loss(session, batch)
+    assert float(out.normaliser) == PAIRS
+    ours = float(out.loss_sum / out.normaliser)
+    metrics = {key: float(total / count) for key, (total, count) in out.metrics.items()}
+
+    logs, batches = run_trl(checkpoints, tmp_path / "trl", trl_settings, trl_batch)
+    assert trl_pairs(batches) == posttune_pairs(batch)  # the same tokens, the same ones scored
+    theirs = sum(entry["loss"] for entry in logs) / len(logs)  # the mean over pairs: steps hold equal counts
+
+    assert math.isfinite(ours) and abs(ours - theirs) <= TOL, (ours, theirs)
+    if ours_settings["loss_type"] == "sigmoid":
+        # the policy is well off its reference, so a wrong reference or ratio would show
+        assert min(abs(metrics["rewards/chosen"]), abs(metrics["rewards/rejected"])) > 0.1
+        for key, name in SAME_METRICS.items():
+            value = sum(entry[name] for entry in logs) / len(logs)
+            # log-probs are sums of ~40 in magnitude, where one fp32 ulp is 3.8e-6: compare them relatively
+            tolerance = TOL * max(1.0, abs(value)) if key.startswith("logps/") else TOL
+            assert abs(metrics[key] - value) <= tolerance, (key, metrics[key], value)
