@@ -256,11 +256,20 @@ class DatasetFormat:
 
 @dataclass(frozen=True)
 class RewardFunction:
-    """Scores completions for GRPO: ``fn(prompts, completions, **row_fields) -> list[float]``."""
+    """Scores completions: ``fn(prompts, completions, **row_fields) -> list[float | None]``.
+
+    ``prompts`` and ``completions`` are lists of equal length (a prompt repeated once per
+    completion of its group); every other field of the dataset row (e.g. ``answer``) arrives
+    as a keyword argument holding the same-length list, untouched. None means "cannot score
+    this one" (the method decides whether that is an error). With ``config`` (a dataclass) the
+    run's options for this reward are validated against it before launch and passed as
+    ``reward_options=<instance>`` (not ``options``: a dataset may have a column of that name).
+    """
 
     name: str
-    fn: Callable[..., list[float]]
+    fn: Callable[..., list[float | None]]
     description: str = ""
+    config: type | None = None
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,12 @@ NAMES: dict[str, dict[str, str]] = {
         "cp": "posttune-cp",
         "loss_parallel": "posttune-loss-parallel",
     },
+    "reward_function": {
+        "math_answer": "posttune-grpo",
+        "exact_answer": "posttune-grpo",
+        "format": "posttune-grpo",
+        "length": "posttune-grpo",
+    },
     "memory_technique": {
         "qlora_nf4": "posttune-torchao",
         "qat": "posttune-torchao",

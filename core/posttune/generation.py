@@ -1,69 +1,321 @@
-"""Autoregressive generation with a KV cache: one prefill forward, then one token per step.
+"""Batched autoregressive generation with a KV cache: left-pad, prefill once, one token per step.
 
-Works with any model that follows the native contract (``model(ids, kv_cache=cache)``).
-Greedy by default; with ``temperature > 0`` it samples (optionally top-k / top-p filtered)
-from a ``torch.Generator`` seeded by ``seed``, so a seeded run repeats exactly.
+    out = generate_batch(model, [[5, 17, 300], [9, 4]], max_new_tokens=64, temperature=0.7,
+                         seeds=[11, 12], stop_token_ids=tokenizer.eos_ids)
+    out.tokens, out.logprobs, out.mask  # [batch, T] each
+
+Works with any model that follows the native contract (``model(ids, kv_cache=cache)``, plus
+``padding_mask=`` when the prompts differ in length; see ``posttune.modules.decoder``). Prompts
+are left-padded so that every row's next token is in the last column; the decoder hides the
+padding and numbers each row's positions from its first real token, so a row generates what it
+would alone (greedy equals transformers' greedy ``generate`` token for token).
+
+Sampling draws no state from a ``torch.Generator``: the noise of row ``r`` at step ``t`` for
+token ``v`` is a hash of (row seed, t, v) (``uniform_noise``), and the token is the Gumbel-max
+of the filtered, temperature-scaled logits. A row's completion is therefore a function of its
+prompt and its own seed only, not of the batch it shares or of the rank that generates it:
+what data-parallel RL needs when the same (seed, prompt, sample) may be generated on 1 or N ranks.
+
+Under ``torch.distributed`` every rank runs the same number of forward passes (sharded models,
+FSDP2 or TP, run collectives inside forward): after each step the ranks agree whether any row
+anywhere is unfinished, and a rank whose rows are done keeps stepping with pad tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from posttune.modules.kv_cache import KVCache
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment (odd: index * _GOLDEN never repeats mod 2**64)
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
 
-@torch.inference_mode()
+
+@dataclass(frozen=True, eq=False)
+class Completions:
+    """What ``generate_batch`` returns; T is the longest completion (at most ``max_new_tokens``).
+
+    - ``tokens`` [batch, T] long: each row's generated tokens, ``pad_id`` after its end;
+    - ``logprobs`` [batch, T] float32: each token's log-probability under the sampling
+      distribution before filtering (see ``generate_batch``), 0 after the row's end;
+    - ``mask`` [batch, T] bool: True for each generated token, the stop token included.
+    """
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+
+    def token_lists(self) -> list[list[int]]:
+        """Each row's generated token ids (the stop token included), as Python lists."""
+        return [row[keep].tolist() for row, keep in zip(self.tokens.cpu(), self.mask.cpu(), strict=True)]
+
+
+@torch.no_grad()  # not inference_mode: FSDP2's forward hooks may not accept inference tensors
+def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], *, max_new_tokens: int,
+                   temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                   min_p: float | None = None, seed: int | None = None, seeds: Sequence[int] | None = None,
+                   stop_token_ids: Iterable[int] = (), pad_id: int = 0) -> Completions:
+    """Complete every prompt (token-id lists of any lengths) in one KV-cached batch.
+
+    Greedy when ``temperature`` is 0. Otherwise each row samples from ``softmax(logits /
+    temperature)`` restricted by ``top_k``, ``top_p`` and ``min_p`` (keep tokens with
+    ``p >= min_p * max p``), with noise from its own seed: ``seeds[i]`` for row ``i``, or
+    ``derive_seed(seed, i)`` from a run seed (then row i's completion depends on its index;
+    pass ``seeds`` to make it depend on the row alone). Without either, the run seed is drawn
+    from torch's global generator, so ``torch.manual_seed`` still makes a run repeat.
+
+    A row stops after its first token in ``stop_token_ids``, which is kept (mask True).
+
+    ``logprobs`` are ``log_softmax(logits / temperature)`` (``log_softmax(logits)`` when greedy)
+    at the chosen tokens, before top-k/top-p/min-p: the filters are a sampling device, and a
+    policy-gradient loss recomputes exactly this quantity from a plain forward pass (TRL and
+    verl record the same), so old and new log-probabilities are comparable.
+
+    Under torch.distributed this is a collective: call it on every rank, with the same
+    ``max_new_tokens`` and at least one prompt per rank.
+    """
+    rows = [_token_list(prompt) for prompt in prompts]
+    _check_arguments(rows, max_new_tokens, top_k, top_p, min_p, seed, seeds)
+    device = _device_of(model)
+    sampling = temperature > 0.0
+    row_seeds = _row_seeds(len(rows), seed, seeds, device) if sampling else None
+    input_ids, padding = _left_pad(rows, pad_id, device)
+    stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
+    cache = KVCache(input_ids.shape[1] + max_new_tokens)
+    finished = torch.zeros(len(rows), dtype=torch.bool, device=device)
+    tokens: list[torch.Tensor] = []
+    logprobs: list[torch.Tensor] = []
+    alive: list[torch.Tensor] = []
+    step_input = input_ids
+    last_only = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    for step in range(max_new_tokens):
+        extra = {} if padding is None else {"padding_mask": padding}
+        logits = model(step_input, kv_cache=cache, **extra, **last_only)[:, -1].float()
+        token, logprob = _choose(logits, step, temperature, top_k, top_p, min_p, row_seeds)
+        alive.append(~finished)
+        tokens.append(token.masked_fill(finished, pad_id))
+        logprobs.append(logprob.masked_fill(finished, 0.0))
+        finished = finished | torch.isin(tokens[-1], stop)
+        if step + 1 == max_new_tokens or not _any_unfinished(finished):
+            break
+        step_input = tokens[-1][:, None]
+        if padding is not None:  # a finished row's pad inputs count as real: its outputs are ignored anyway
+            padding = torch.cat([padding, padding.new_ones(len(rows), 1)], dim=1)
+    return _completions(tokens, logprobs, alive, len(rows), device)
+
+
 def generate(model: nn.Module, input_ids: list[int] | torch.Tensor, *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, eos_token_ids: Iterable[int] = ()) -> list[int]:
-    """The new tokens for one prompt (the first end-of-sequence token included, if produced)."""
-    device = _device_of(model)
-    prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(1, -1)
-    if prompt.shape[1] == 0:
+    """The new tokens for one prompt (the first end-of-sequence token included, if produced).
+
+    ``generate_batch`` with a batch of one, so both share one code path (and one seed scheme).
+    """
+    ids = _token_list(input_ids)
+    if not ids:
         raise ValueError("generate needs a non-empty prompt")
-    stop = set(eos_token_ids)
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-    cache = KVCache(prompt.shape[1] + max_new_tokens)
-    next_input, new_tokens = prompt, []
-    for _ in range(max_new_tokens):
-        logits = model(next_input, kv_cache=cache)[:, -1]
-        token = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        new_tokens.append(int(token))
-        if new_tokens[-1] in stop:
-            break
-        next_input = token.reshape(1, 1)
-    return new_tokens
+    out = generate_batch(model, [ids], max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                         top_p=top_p, seed=seed, stop_token_ids=eos_token_ids)
+    return out.token_lists()[0]
 
 
 def next_token(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | None = None,
-               top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick the next token id from ``logits`` [batch, vocab]; returns [batch]."""
+               top_p: float | None = None, min_p: float | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick the next token id from ``logits`` [batch, vocab] with a ``torch.Generator``; returns [batch].
+
+    For one-off use; ``generate_batch`` samples with per-row counter-based noise instead.
+    """
     logits = logits.float()
     if temperature <= 0.0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    filtered = filter_logits(logits / temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
+                  min_p: float | None = None) -> torch.Tensor:
+    """``logits`` [batch, vocab] with the tokens top-k, then top-p, then min-p drop set to -inf
+    (transformers' order); the most likely token always survives."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         logits = _top_p_filter(logits, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if min_p is not None and min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return logits
 
 
 def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability reaches ``top_p``."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # mass before this token already enough
+    probs = sorted_logits.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= top_p  # the mass before this token is already enough
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+# ---- counter-based noise ----------------------------------------------------------------------
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """A well-mixed int64 seed from ``seed`` and integer ``keys`` (row i of a run: ``derive_seed(seed, i)``).
+
+    Use it to give each completion a seed of its own, e.g. ``derive_seed(run_seed, prompt_id,
+    sample_index)``, so the same completion is sampled whichever rank or batch generates it.
+    """
+    state = _mix_int(seed & _MASK64)
+    for key in keys:
+        state = _mix_int((state + (key & _MASK64) * _GOLDEN) & _MASK64)
+    return _signed(state)
+
+
+def uniform_noise(row_seeds: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
+    """Uniform noise in (0, 1), float64 [rows, vocab_size]: a hash of (row seed, step, token).
+
+    A splitmix64 stream: row r at step t starts from ``mix(mix(seed_r) + (t+1) * golden)`` and
+    token v takes ``mix(start + (v+1) * golden)``; ``mix`` is a bijection of 64-bit integers, so
+    the values of one row and step never repeat. Computed with int64 torch ops (multiplication
+    wraps; ``>>`` is arithmetic on int64, hence the masked logical shift), on the seeds' device.
+    The top 53 bits become ``(k + 0.5) / 2**53``: never 0 or 1, so ``-log(-log(u))`` is finite.
+    """
+    start = _mix(_mix(row_seeds.long().clone()) + _signed((step + 1) * _GOLDEN % (1 << 64)))
+    index = torch.arange(1, vocab_size + 1, dtype=torch.long, device=row_seeds.device)
+    bits = _mix(start[:, None] + index * _signed(_GOLDEN))
+    bits >>= 11
+    bits &= (1 << 53) - 1  # the top 53 bits (torch's >> on int64 copies the sign bit)
+    return bits.double().add_(0.5).mul_(2.0**-53)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser, in place on an int64 tensor (wrapping arithmetic); returns ``z``.
+
+    In place because it runs over [rows, vocab] every sampling step: allocations dominate it.
+    """
+    scratch = torch.empty_like(z)
+    z ^= _shift_right(z, 30, out=scratch)
+    z *= _signed(_MIX1)
+    z ^= _shift_right(z, 27, out=scratch)
+    z *= _signed(_MIX2)
+    z ^= _shift_right(z, 31, out=scratch)
+    return z
+
+
+def _mix_int(z: int) -> int:
+    """``_mix`` on a Python int in [0, 2**64)."""
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _shift_right(z: torch.Tensor, bits: int, *, out: torch.Tensor) -> torch.Tensor:
+    """Logical right shift of int64 values into ``out`` (torch's ``>>`` keeps the sign bit)."""
+    torch.bitwise_right_shift(z, bits, out=out)
+    return out.bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def _signed(value: int) -> int:
+    """A value in [0, 2**64) as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# ---- the steps --------------------------------------------------------------------------------
+
+def _choose(logits: torch.Tensor, step: int, temperature: float, top_k: int | None, top_p: float | None,
+            min_p: float | None, row_seeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [batch], its log-probability before filtering [batch]) from float32 logits [batch, vocab]."""
+    if temperature <= 0.0 or row_seeds is None:
+        token = logits.argmax(dim=-1)
+        return token, logits.log_softmax(dim=-1).gather(-1, token[:, None]).squeeze(-1)
+    scaled = logits / temperature
+    filtered = filter_logits(scaled, top_k=top_k, top_p=top_p, min_p=min_p)
+    gumbel = uniform_noise(row_seeds, step, logits.shape[-1]).log_().neg_().log_().neg_()  # -log(-log(u))
+    token = (filtered + gumbel.float()).argmax(dim=-1)  # Gumbel-max: a draw from softmax(filtered)
+    return token, scaled.log_softmax(dim=-1).gather(-1, token[:, None]).squeeze(-1)
+
+
+def _any_unfinished(finished: torch.Tensor) -> bool:
+    """Whether any row on any rank still generates; one all-reduce per step under torch.distributed."""
+    flag = (~finished).any().to(torch.int32).reshape(1)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _completions(tokens: list[torch.Tensor], logprobs: list[torch.Tensor], alive: list[torch.Tensor],
+                 batch: int, device: torch.device) -> Completions:
+    """Stack the steps and cut them to the longest local completion (other ranks may have run longer)."""
+    if not tokens:
+        empty = torch.zeros(batch, 0, device=device)
+        return Completions(empty.long(), empty, empty.bool())
+    mask = torch.stack(alive, dim=1)
+    length = int(mask.sum(dim=1).max())
+    return Completions(torch.stack(tokens, dim=1)[:, :length], torch.stack(logprobs, dim=1)[:, :length],
+                       mask[:, :length])
+
+
+def _left_pad(rows: list[list[int]], pad_id: int, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """input_ids [batch, longest] left-padded, and the padding mask (None when no row is padded)."""
+    longest = max(len(row) for row in rows)
+    ids = torch.tensor([[pad_id] * (longest - len(row)) + row for row in rows], dtype=torch.long, device=device)
+    if all(len(row) == longest for row in rows):
+        return ids, None
+    real = torch.tensor([[False] * (longest - len(row)) + [True] * len(row) for row in rows], device=device)
+    return ids, real
+
+
+def _row_seeds(batch: int, seed: int | None, seeds: Sequence[int] | None, device: torch.device) -> torch.Tensor:
+    if seeds is None:
+        if seed is None:  # unseeded: follow torch's global generator, as torch.multinomial would
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        seeds = [derive_seed(seed, row) for row in range(batch)]
+    return torch.tensor([_signed(int(s) & _MASK64) for s in seeds], dtype=torch.long, device=device)
+
+
+def _check_arguments(rows: list[list[int]], max_new_tokens: int, top_k: int | None, top_p: float | None,
+                     min_p: float | None, seed: int | None, seeds: Sequence[int] | None) -> None:
+    if not rows:
+        raise ValueError("generate_batch needs at least one prompt")
+    if any(not row for row in rows):
+        raise ValueError("generate_batch needs non-empty prompts")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    if seed is not None and seeds is not None:
+        raise ValueError("give seed (a run seed) or seeds (one per prompt), not both")
+    if seeds is not None and len(seeds) != len(rows):
+        raise ValueError(f"seeds has {len(seeds)} values for {len(rows)} prompts")
+
+
+def _token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
+    """A prompt as a flat list of ints (a list, a [n] or [1, n] tensor)."""
+    return torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()
+
+
+def _accepts(model: Any, argument: str) -> bool:
+    """Whether ``model``'s forward takes ``argument`` (the native decoder does; another model may not)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return argument in parameters
 
 
 def _device_of(model: nn.Module) -> torch.device:

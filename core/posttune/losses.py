@@ -32,21 +32,25 @@ def token_cross_entropy(session: Any, batch: dict[str, torch.Tensor]) -> tuple[t
     return loss_sum, (labels != IGNORE_INDEX).sum()
 
 
-def token_logps(session: Any, batch: dict[str, torch.Tensor], model: Any = None) -> torch.Tensor:
+def token_logps(session: Any, batch: dict[str, torch.Tensor], model: Any = None, *,
+                temperature: float = 1.0) -> torch.Tensor:
     """``[batch, seq]`` log-probabilities of each label under ``model``; 0 where the label is ignored.
 
     ``model`` defaults to the policy; a model role (``session.models["reference"]``, also the
-    policy with its adapters disabled) works the same way. Differentiable when grad is enabled.
-    Under loss parallel the logits stay vocabulary-sharded: ``cross_entropy`` is what that
-    context parallelises.
+    policy with its adapters disabled) works the same way. ``temperature`` divides the logits
+    first (after any soft-cap), as sampling at that temperature did: what a policy-gradient loss
+    needs for completions it sampled. Differentiable when grad is enabled. Under loss parallel
+    the logits stay vocabulary-sharded: ``cross_entropy`` is what that context parallelises.
     """
     from posttune.adapters.inject import active_model
 
     with active_model(session.model if model is None else model) as module:
         kernel = getattr(session, "loss_kernel", None)
         if kernel is not None:
-            return kernel.logps(module, batch)
+            return kernel.logps(module, batch, temperature)
         logits = module(batch["input_ids"], document_ids=batch.get("document_ids"))
+        if temperature != 1.0:
+            logits = logits / temperature
         labels = batch["labels"]
         nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                               reduction="none")

@@ -17,6 +17,8 @@ import importlib
 from typing import Any
 
 from posttune.config.bundled import configs_in
+from posttune.config.schema import DatasetConfig, RunConfig
+from posttune.config.typed import from_dict
 from posttune.descriptors import (
     DECODER_LINEAR_LAYERS,
     DECODER_TP_PLAN,
@@ -34,7 +36,7 @@ from posttune.descriptors import (
     ParallelPlan,
     RewardFunction,
 )
-from posttune.errors import ConfigError, PosttuneError
+from posttune.errors import ConfigError, PosttuneError, did_you_mean, first_line
 from posttune.memory import require_cuda
 from posttune.plan import model_kwargs
 from posttune.plugins import PLUGIN_API, hookimpl
@@ -44,15 +46,16 @@ from posttune.session import LossKernel, ModelTarget, Session
 _LAZY: dict[str, str] = {
     # data toolkit: rows -> samples -> batches, resumable and sharded (docs/architecture.md, "Data")
     **dict.fromkeys([
-        "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "Sample", "SampleMaker", "SampleStore",
-        "SkipCounts", "as_messages", "build_loader", "check_columns", "dataset_format", "load_rows", "make_loader",
-        "pack",
-        "pad_id", "packed_batch", "padded_batch", "pair_batch", "preference_pair", "rename", "shift_labels",
+        "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptMaker", "PromptRow", "PromptSample",
+        "Sample", "SampleMaker", "SampleStore", "SkipCounts", "as_messages", "build_loader", "check_columns",
+        "dataset_format", "load_rows", "make_loader", "pack", "pad_id", "packed_batch", "padded_batch",
+        "pair_batch", "preference_pair", "prompt_batch", "prompt_loader", "prompt_row", "rename", "shift_labels",
     ], "posttune.data"),
     # losses that honour the loss-stage technique (chunked) and final-logit soft-caps
     **dict.fromkeys(["token_cross_entropy", "token_logps", "sequence_logps"], "posttune.losses"),
-    # generation with a KV cache
-    **dict.fromkeys(["generate", "next_token"], "posttune.generation"),
+    # generation with a KV cache: batched, seeded per row, the same forward count on every rank
+    **dict.fromkeys(["Completions", "derive_seed", "filter_logits", "generate", "generate_batch", "next_token"],
+                    "posttune.generation"),
     # models, checkpoints, tokenizers
     **dict.fromkeys(["load_model", "save_model", "build_model", "load_tokenizer"], "posttune.api"),
     "LayeredKeyMap": "posttune.checkpoint.keymap",
@@ -64,18 +67,18 @@ _LAZY: dict[str, str] = {
     "build_scheduler": "posttune.training.optim",
     # distributed helpers (one process: the same calls, no communication)
     **dict.fromkeys([
-        "TOKEN_DIMS", "all_reduce_sum", "data_rank", "flattened", "full_state_dict", "full_value", "is_dtensor",
-        "is_main", "is_sharded", "padded_sequence", "rank", "sum_over_token_ranks", "to_device", "token_group",
-        "world_size",
+        "TOKEN_DIMS", "all_reduce_max", "all_reduce_sum", "data_rank", "flattened", "full_state_dict", "full_value",
+        "is_dtensor", "is_main", "is_sharded", "padded_sequence", "rank", "step_context", "sum_over_token_ranks",
+        "to_device", "token_group", "world_size",
     ], "posttune.training.distributed"),
 }
 
 __all__ = [
     "DECODER_LINEAR_LAYERS", "DECODER_TP_PLAN", "PLUGIN_API", "ROLES", "STAGES", "BundledConfig",
-    "CheckpointConverter", "Command", "ConfigError", "DatasetFormat", "LossKernel", "LossOutput",
+    "CheckpointConverter", "Command", "ConfigError", "DatasetConfig", "DatasetFormat", "LossKernel", "LossOutput",
     "MemoryTechnique", "Method", "ModelFamily", "ModelRole", "ModelTarget", "ParallelPlan", "PosttuneError",
-    "RewardFunction", "Session", "configs_in", "hookimpl", "lookup", "model_kwargs", "registered",
-    "require_cuda", *sorted(_LAZY),
+    "RewardFunction", "RunConfig", "Session", "configs_in", "did_you_mean", "first_line", "from_dict", "hookimpl",
+    "lookup", "model_kwargs", "provenance", "registered", "require_cuda", *sorted(_LAZY),
 ]
 
 
@@ -86,6 +89,13 @@ def lookup(kind: str, name: str) -> Any:
     from posttune.plugins import get_registry
 
     return get_registry().get(kind, name)
+
+
+def provenance(kind: str, name: str) -> str:
+    """Who registered ``name``: ``"distribution version"`` (for messages); unknown names raise as ``lookup``."""
+    from posttune.plugins import get_registry
+
+    return str(get_registry().lookup(kind, name).provenance)
 
 
 def registered(kind: str) -> list[str]:

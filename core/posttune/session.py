@@ -31,12 +31,13 @@ class LossKernel:
     """How token losses are computed from a model's hidden states (the ``loss``-stage technique).
 
     ``cross_entropy(model, batch) -> (summed loss, labelled tokens)`` and
-    ``logps(model, batch) -> [batch, seq]`` per-token log-probabilities of the labels (0 where
-    ignored). ``posttune.losses.token_cross_entropy`` and ``token_logps`` call these when set.
+    ``logps(model, batch, temperature) -> [batch, seq]`` per-token log-probabilities of the
+    labels under ``softmax(logits / temperature)`` (0 where ignored).
+    ``posttune.losses.token_cross_entropy`` and ``token_logps`` call these when set.
     """
 
     cross_entropy: Callable[[Any, dict[str, Any]], tuple[Any, Any]]
-    logps: Callable[[Any, dict[str, Any]], Any]
+    logps: Callable[[Any, dict[str, Any], float], Any]
     name: str = ""
 
 
@@ -98,6 +99,10 @@ class Session:
     tp_style_overrides: dict[str, str] = field(default_factory=dict)
     #: where the ``load`` stage materialises parameters; None: ``device`` (FSDP2 CPU offload: "cpu")
     init_device: str | None = None
+    #: the engine online methods generate with: ``(model, prompts, **settings) -> Completions``, the
+    #: signature and result of ``posttune.generation.generate_batch`` (the default when None). A faster
+    #: engine (vLLM on GPU) plugs in here; it must keep the contract (seeds per row, behaviour log-probs)
+    generation_engine: Callable[..., Any] | None = None
     #: the method's own state (precomputed log-probs, a rollout buffer, ...): the method owns it,
     #: and saves what must survive a restart through ``Method.state_dict``
     method_state: Any = None

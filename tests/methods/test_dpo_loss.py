@@ -150,6 +150,7 @@ def test_lora_reference_with_adapters_disabled_equals_a_frozen_copy_of_the_base(
 
 
 def test_chunked_log_probs_equal_the_log_softmax_in_values_and_gradients():
+    """With soft-caps and a sampling temperature too (what GRPO's loss scores completions with)."""
     from posttune.memory.linear_cross_entropy import linear_logps
 
     generator = torch.Generator().manual_seed(0)
@@ -158,8 +159,8 @@ def test_chunked_log_probs_equal_the_log_softmax_in_values_and_gradients():
     bias = torch.randn(50, generator=generator).requires_grad_()
     targets = torch.randint(0, 50, (29,), generator=generator)
     upstream = torch.randn(29, generator=generator)  # a loss that weighs each row differently
-    for softcap in (None, 3.0):
-        ours = linear_logps(hidden, weight, targets, bias=bias, softcap=softcap, chunk_size=8)
+    for softcap, temperature in ((None, 1.0), (3.0, 1.0), (3.0, 0.7)):
+        ours = linear_logps(hidden, weight, targets, bias=bias, softcap=softcap, chunk_size=8, temperature=temperature)
         (ours * upstream).sum().backward()
         mine = [t.grad.clone() for t in (hidden, weight, bias)]
         for t in (hidden, weight, bias):
@@ -167,7 +168,7 @@ def test_chunked_log_probs_equal_the_log_softmax_in_values_and_gradients():
         logits = hidden @ weight.T + bias
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
-        expected = F.log_softmax(logits, -1).gather(1, targets.unsqueeze(1)).squeeze(1)
+        expected = F.log_softmax(logits / temperature, -1).gather(1, targets.unsqueeze(1)).squeeze(1)
         (expected * upstream).sum().backward()
         torch.testing.assert_close(ours, expected.detach(), atol=1e-5, rtol=0)
         for got, t in zip(mine, (hidden, weight, bias)):

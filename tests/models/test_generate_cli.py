@@ -58,3 +58,31 @@ def test_generate_on_a_folder_without_config_is_one_line(tmp_path, posttune_cli)
     result = posttune_cli("generate", "--model", str(tmp_path), "--prompt", "x")
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and "config.json" in result.stderr
+
+
+def test_several_prompts_print_each_completion_under_a_header_in_order(checkpoint, posttune_cli):
+    path, _ = checkpoint
+    prompts = ["The quick brown fox", "hello"]
+    flags = ["--max-new-tokens", "16", "--show-ids"]
+    alone = [posttune_cli("generate", "--model", str(path), "--prompt", p, *flags).stdout for p in prompts]
+    result = posttune_cli("generate", "--model", str(path), "--prompt", prompts[0], "--prompt", prompts[1], *flags)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == f"=== [1/2] {prompts[0]}\n{alone[0]}=== [2/2] {prompts[1]}\n{alone[1]}"
+
+
+def test_one_prompt_prints_just_its_completion(checkpoint, posttune_cli):
+    path, tokenizer = checkpoint
+    ids = tokenizer.encode("hello")
+    result = posttune_cli("generate", "--model", str(path), "--prompt", "hello", "--max-new-tokens", "8")
+    assert result.exit_code == 0, result.stderr
+    expected = reference(path, ids, 8, tokenizer.eos_ids)
+    assert result.stdout == tokenizer.decode(expected, skip_special_tokens=True) + "\n"
+
+
+def test_min_p_one_samples_the_greedy_completion(checkpoint, posttune_cli):
+    path, _ = checkpoint
+    args = ["generate", "--model", str(path), "--prompt", "hello", "--max-new-tokens", "8", "--show-ids"]
+    greedy = posttune_cli(*args)
+    sampled = posttune_cli(*args, "--temperature", "1.0", "--min-p", "1.0", "--seed", "1")
+    assert sampled.exit_code == 0, sampled.stderr
+    assert sampled.stdout == greedy.stdout

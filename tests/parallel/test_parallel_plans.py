@@ -58,8 +58,11 @@ def test_fsdp2_options_are_validated_against_its_dataclass(plugins):
 def test_options_for_an_unlisted_plan_or_a_plan_without_options_are_refused(plugins):
     with pytest.raises(ConfigError, match=r"parallel\.options\.tp: 'tp' is not in parallel\.plans"):
         plan_for(2, {"plans": ["fsdp2"], "options": {"tp": {}}})
-    with pytest.raises(ConfigError, match=r"parallel\.options\.tp: plan 'tp' .* takes no options"):
-        plan_for(2, {"plans": ["tp"], "options": {"tp": {}}})
+    with pytest.raises(ConfigError, match=r"parallel\.options\.loss_parallel: plan 'loss_parallel' .* takes no "
+                                          r"options"):
+        plan_for(2, {"plans": ["tp", "loss_parallel"], "options": {"loss_parallel": {}}})
+    with pytest.raises(ConfigError, match=r"parallel\.options\.tp\.sequence_paralel: unknown key"):
+        plan_for(2, {"plans": ["tp"], "options": {"tp": {"sequence_paralel": False}}})
 
 
 def test_options_are_checked_on_one_process_too(plugins):

@@ -28,11 +28,14 @@ def tp_mesh():
         dist.destroy_process_group()
 
 
-def session_for(model, mesh, overrides=None):
+def session_for(model, mesh, overrides=None, *, sequence_parallel=True):
     """What ``apply_tp(session, target)`` reads; ``session.target`` is the policy's target."""
+    from posttune_tp import TPOptions
+
     target = SimpleNamespace(model=model, family=LLAMA, role="policy", trainable=True)
+    plan = SimpleNamespace(parallel_options={"tp": TPOptions(sequence_parallel=sequence_parallel)})
     return SimpleNamespace(model=model, mesh={"tp": mesh}, tp_style_overrides=dict(overrides or {}),
-                           step_contexts=[], target=target)
+                           step_contexts=[], target=target, plan=plan)
 
 
 def apply(session):
@@ -83,6 +86,20 @@ def test_tp_forward_matches_the_plain_model_and_pads_the_sequence(tp_mesh):
         logits = model(batch["input_ids"])
     assert not isinstance(logits, DTensor)
     torch.testing.assert_close(logits, reference(batch["input_ids"]), atol=1e-5, rtol=0)
+
+
+def test_without_sequence_parallelism_norms_replicate_and_one_token_steps_work(tp_mesh):
+    """What generation needs: a one-token decoding step cannot be split over the sequence."""
+    from posttune.generation import generate_batch
+
+    reference = tiny()
+    model = tiny()
+    session = apply(session_for(model, tp_mesh, sequence_parallel=False))
+    assert not isinstance(model.layers[0].attn_norm.weight, DTensor)  # the norm is left alone
+    assert session.step_contexts == []  # no sequence padding either
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    got = generate_batch(model, prompts, max_new_tokens=4).tokens
+    torch.testing.assert_close(got, generate_batch(reference, prompts, max_new_tokens=4).tokens)
 
 
 def test_vocab_sharded_head_returns_sharded_logits(tp_mesh):

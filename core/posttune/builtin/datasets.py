@@ -1,9 +1,10 @@
 """Built-in dataset formats: alpaca, chat (OpenAI ``messages`` or ShareGPT ``conversations``), text
-(kind ``sft``), and preference (kind ``preference``).
+(kind ``sft``), preference (kind ``preference``) and prompt (kind ``prompt``).
 
 An ``sft`` transform returns chat messages (``[{"role", "content"}]``) to be rendered with the
 checkpoint's chat template, or a plain string for completion-style training on every token. A
-``preference`` transform returns a ``PreferencePair`` (prompt, chosen and rejected messages).
+``preference`` transform returns a ``PreferencePair`` (prompt, chosen and rejected messages); a
+``prompt`` transform a ``PromptRow`` (the prompt and the row's other fields, for online methods).
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def preference(row: Mapping[str, Any]) -> Any:
     return preference_pair(row)
 
 
+def prompt(row: Mapping[str, Any]) -> Any:
+    from posttune.data.prompts import prompt_row
+
+    return prompt_row(row)
+
+
 @hookimpl
 def posttune_register_datasets(register):
     register(DatasetFormat("alpaca", "sft", alpaca, ("instruction", "input", "output"),
@@ -94,3 +101,6 @@ def posttune_register_datasets(register):
     register(DatasetFormat("preference", "preference", preference, ("prompt", "chosen", "rejected"),
                            "prompt + chosen/rejected (strings or messages), or chosen/rejected conversations "
                            "sharing a prompt"))
+    register(DatasetFormat("prompt", "prompt", prompt, ("prompt",),
+                           "a prompt (string or messages) to generate from; every other field (e.g. answer) is "
+                           "kept for the reward functions"))

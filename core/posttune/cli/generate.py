@@ -1,4 +1,9 @@
-"""`posttune generate`: complete a prompt with a checkpoint, KV-cached, greedy by default."""
+"""`posttune generate`: complete prompts with a checkpoint, KV-cached, greedy by default.
+
+Several ``--prompt``s are completed together in one left-padded batch (``generate_batch``);
+each completion is printed under a ``=== [i/n] prompt`` header, in order. One prompt prints
+its completion alone, as before.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,15 @@ from posttune.descriptors import Command
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF checkpoint directory or hub id")
-    parser.add_argument("--prompt", required=True, help="the text to complete")
+    parser.add_argument("--prompt", required=True, action="append",
+                        help="the text to complete; repeat it to complete several prompts in one batch")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     parser.add_argument("--adapter", help="a PEFT adapter directory to apply on top of the model")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--min-p", type=float, default=None, help="keep tokens with p >= MIN_P x the top p")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
@@ -26,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from posttune.api import load_model, load_tokenizer
-    from posttune.generation import generate
+    from posttune.errors import first_line
+    from posttune.generation import generate_batch
 
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     if args.adapter:
@@ -34,20 +42,20 @@ def run(args: argparse.Namespace) -> int:
 
         load_peft_adapter(model, args.adapter)
     tokenizer = load_tokenizer(args.model)
-    if args.chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-    else:
-        ids = tokenizer.encode(args.prompt)
-    device = next(model.parameters()).device
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+               if args.chat else tokenizer.encode(prompt) for prompt in args.prompt]
     with torch.no_grad():
-        new = generate(model.eval(), torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                       eos_token_ids=tokenizer.eos_ids)
-    print(tokenizer.decode(new, skip_special_tokens=True))
-    if args.show_ids:
-        print(" ".join(map(str, new)))
+        out = generate_batch(model.eval(), prompts, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                             seed=args.seed, stop_token_ids=tokenizer.eos_ids)
+    for index, (prompt, new) in enumerate(zip(args.prompt, out.token_lists(), strict=True)):
+        if len(args.prompt) > 1:
+            print(f"=== [{index + 1}/{len(args.prompt)}] {first_line(prompt)}")
+        print(tokenizer.decode(new, skip_special_tokens=True))
+        if args.show_ids:
+            print(" ".join(map(str, new)))
     return 0
 
 
-COMMAND = Command("generate", "complete a prompt with a checkpoint (KV cache; greedy unless --temperature)",
+COMMAND = Command("generate", "complete prompts with a checkpoint (KV cache; greedy unless --temperature)",
                   configure, run)

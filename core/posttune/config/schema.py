@@ -38,6 +38,7 @@ class DatasetConfig:
     subset: str | None = None  # hub dataset configuration name
     streaming: bool = False
     column_map: dict[str, str] = field(default_factory=dict)  # format field -> dataset column
+    system_prompt: str | None = None  # a system turn put before each chat that has none
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
-            raise ConfigError(_join(path, str(key)), "unknown key" + did_you_mean(str(key), fields))
+            hint = did_you_mean(str(key), fields) or f" (keys: {', '.join(fields)})"
+            raise ConfigError(_join(path, str(key)), "unknown key" + hint)
     values = {}
     for name, f in fields.items():
         where = _join(path, name)

@@ -11,22 +11,24 @@
 Stages, one file each: `loading` (local files or hub names through `datasets.load_dataset`,
 ``column_map``), `samples` (the registered format's transform, the tokenizer's chat template with
 the prompt masked, truncation, **pre-shifted labels**: ``labels[:, t]`` is the target of position
-t, so methods never shift), `preference` (pairs of samples sharing a prompt), `packing` (greedy
-rows of ``max_seq_len``), `collate` (padding, packed rows with ``document_ids``, stacked pairs),
-`loader` (shuffled per epoch, sharded per rank, resumable mid-epoch bitwise), `build` (all of it
-in one call).
+t, so methods never shift), `preference` (pairs of samples sharing a prompt), `prompts` (prompts to
+generate from, their rows' fields kept), `packing` (greedy rows of ``max_seq_len``), `collate`
+(padding, packed rows with ``document_ids``, stacked pairs), `loader` (shuffled per epoch, sharded
+per rank, resumable mid-epoch bitwise), `build` (all of it in one call).
 """
 
-from posttune.data.build import build_loader, dataset_format, make_loader
+from posttune.data.build import build_loader, dataset_format, make_loader, prompt_loader
 from posttune.data.collate import pad_id, packed_batch, padded_batch, pair_batch
 from posttune.data.loader import BatchLoader
 from posttune.data.loading import check_columns, load_rows, rename
 from posttune.data.packing import pack
 from posttune.data.preference import PairMaker, PreferencePair, as_messages, preference_pair
+from posttune.data.prompts import PromptMaker, PromptRow, PromptSample, prompt_batch, prompt_row
 from posttune.data.samples import IGNORE_INDEX, Sample, SampleMaker, SampleStore, SkipCounts, shift_labels
 
 __all__ = [
-    "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "Sample", "SampleMaker", "SampleStore",
-    "SkipCounts", "as_messages", "build_loader", "check_columns", "dataset_format", "load_rows", "make_loader", "pack",
-    "pad_id", "packed_batch", "padded_batch", "pair_batch", "preference_pair", "rename", "shift_labels",
+    "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptMaker", "PromptRow", "PromptSample",
+    "Sample", "SampleMaker", "SampleStore", "SkipCounts", "as_messages", "build_loader", "check_columns",
+    "dataset_format", "load_rows", "make_loader", "pack", "pad_id", "packed_batch", "padded_batch", "pair_batch",
+    "preference_pair", "prompt_batch", "prompt_loader", "prompt_row", "rename", "shift_labels",
 ]

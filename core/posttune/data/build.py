@@ -66,6 +66,35 @@ def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[li
     return BatchLoader(num_items=len(store), get_item=store.group, **common)
 
 
+def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoader:
+    """Prompts to generate from (``PromptMaker`` with ``data.max_prompt_len``), batched by ``prompt_batch``.
+
+    The prompts of a map-style dataset are kept as tokenized (they are short; rewards need each
+    row's other fields too); a streaming one is read in order. Shuffling, sharding and resume are
+    ``BatchLoader``'s, as for every other loader.
+    """
+    from posttune.data.prompts import PromptMaker, prompt_batch
+    from posttune.training.distributed import data_rank
+
+    where, config = f"data.{split}", session.config
+    make = PromptMaker(dataset_format(session, split), session.tokenizer, max_prompt_len=config.data.max_prompt_len,
+                       skip_bad_rows=config.data.skip_bad_rows, column_map=dataset.column_map, where=where,
+                       system_prompt=dataset.system_prompt)
+    rows = load_rows(dataset, where=where)
+    check_columns(rows, dataset.column_map, where)
+    rank, world = data_rank(session.mesh)
+    common = dict(collate=prompt_batch, batch_size=config.train.batch_size, seed=config.train.seed,
+                  shuffle=split == "train", rank=rank, world_size=world, skipped=make.skipped)
+    if dataset.streaming:
+        return BatchLoader(open_stream=lambda start: make.groups(rows.skip(start) if start else rows, start=start),
+                           **common)
+    items = list(make.groups(rows))
+    if not items:
+        raise PosttuneError(f"{where}: no usable prompts in {dataset.path!r} ({make.skipped.bad_rows} bad rows "
+                            f"skipped, {make.skipped.untrained} empty)")
+    return BatchLoader(num_items=len(items), get_item=items.__getitem__, **common)
+
+
 def dataset_format(session: Any, split: str) -> Any:
     """The registered ``DatasetFormat`` the config names for ``split`` (resolved before launch)."""
     return session.plan.datasets[split].descriptor

@@ -41,11 +41,12 @@ class PairMaker(SampleMaker):
         self.max_prompt_len = max_prompt_len
 
     def make(self, pair: PreferencePair) -> list[tuple[list[int], list[int]]] | None:
-        prompt = self.tokenizer.apply_chat_template(pair.prompt, add_generation_prompt=True)
+        messages = self.with_system(pair.prompt)
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         cut = max(0, len(prompt) - self.max_prompt_len) if self.max_prompt_len is not None else 0
         samples = []
         for response in (pair.chosen, pair.rejected):
-            ids, trained = self.tokenizer.tokenize_messages([*pair.prompt, *response])
+            ids, trained = self.tokenizer.tokenize_messages([*messages, *response])
             if list(ids[: len(prompt)]) != list(prompt):
                 raise ValueError("the chat template renders the prompt differently once a response follows it, "
                                  "so the prompt cannot be masked")

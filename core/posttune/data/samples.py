@@ -77,7 +77,7 @@ class SampleMaker:
 
     def __init__(self, fmt: DatasetFormat, tokenizer: Any, *, max_seq_len: int, train_on_input: bool = False,
                  skip_bad_rows: bool = False, column_map: Mapping[str, str] | None = None,
-                 where: str = "data.train", skipped: SkipCounts | None = None):
+                 where: str = "data.train", skipped: SkipCounts | None = None, system_prompt: str | None = None):
         if fmt.kind != self.kind:
             raise PosttuneError(f"{where}: format '{fmt.name}' gives {fmt.kind} rows; this data needs a "
                                 f"{self.kind} format")
@@ -85,6 +85,13 @@ class SampleMaker:
         self.max_seq_len, self.train_on_input = max_seq_len, train_on_input
         self.skip_bad_rows, self.column_map, self.where = skip_bad_rows, dict(column_map or {}), where
         self.skipped = skipped if skipped is not None else SkipCounts()
+        self.system_prompt = system_prompt
+
+    def with_system(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` with the configured system turn first, unless they open with their own."""
+        if self.system_prompt is None or (messages and messages[0].get("role") == "system"):
+            return list(messages)
+        return [{"role": "system", "content": self.system_prompt}, *messages]
 
     def __call__(self, row: Mapping[str, Any], index: int) -> Any:
         """What a row becomes (here: ``(ids, labels)``), or None when it is skipped (and counted)."""
@@ -113,7 +120,8 @@ class SampleMaker:
             ids = list(self.tokenizer.encode(content)) + ([] if eos is None else [eos])
             ids = ids[: self.max_seq_len]
             return ids, [True] * len(ids)
-        ids, trained = self.tokenizer.tokenize_messages(content, train_on_input=self.train_on_input,
+        ids, trained = self.tokenizer.tokenize_messages(self.with_system(content),
+                                                        train_on_input=self.train_on_input,
                                                         max_seq_len=self.max_seq_len)
         return list(ids), list(trained)
 

@@ -44,7 +44,8 @@ def apply(session: Any, target: Any) -> None:
     chunk_size = session.plan.memory_options["chunked_cross_entropy"].chunk_size
     session.loss_kernel = LossKernel(
         cross_entropy=lambda model, batch: token_loss(model, batch, chunk_size=chunk_size),
-        logps=lambda model, batch: token_logps(model, batch, chunk_size=chunk_size),
+        logps=lambda model, batch, temperature=1.0: token_logps(model, batch, chunk_size=chunk_size,
+                                                                temperature=temperature),
         name="chunked_cross_entropy",
     )
 
@@ -66,10 +67,11 @@ def token_loss(model: Any, batch: dict[str, torch.Tensor], *, chunk_size: int) -
     return linear_cross_entropy(*rows, chunk_size=chunk_size), keep.sum()
 
 
-def token_logps(model: Any, batch: dict[str, torch.Tensor], *, chunk_size: int) -> torch.Tensor:
+def token_logps(model: Any, batch: dict[str, torch.Tensor], *, chunk_size: int,
+                temperature: float = 1.0) -> torch.Tensor:
     """``posttune.losses.token_logps``'s contract: ``[batch, seq]`` label log-probs, 0 where ignored."""
     keep, rows = labelled_rows(model, batch)
-    logps = linear_logps(*rows, chunk_size=chunk_size)
+    logps = linear_logps(*rows, chunk_size=chunk_size, temperature=temperature)
     return torch.zeros(keep.shape, dtype=logps.dtype, device=logps.device).masked_scatter(keep, logps)
 
 
@@ -110,14 +112,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 def linear_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                  bias: torch.Tensor | None = None, softcap: float | None = None, *,
-                 chunk_size: int = 1024) -> torch.Tensor:
-    """``log_softmax(softcap(hidden @ weight.T + bias))[i, targets[i]]`` for each row: ``[n]`` float32.
+                 chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(softcap(hidden @ weight.T + bias) / temperature)[i, targets[i]]``: ``[n]`` float32.
 
     Unlike the summed loss, the gradient of each row is known only in backward (a DPO or GRPO
     loss weighs rows differently), so backward recomputes each chunk's logits: one extra
     matmul per chunk instead of keeping ``[n, vocab]`` logits alive between the passes.
     """
-    return _LinearLogps.apply(hidden, weight, bias, targets, softcap, chunk_size)
+    return _LinearLogps.apply(hidden, weight, bias, targets, softcap, chunk_size, temperature)
 
 
 def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -133,14 +135,15 @@ def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 class _LinearLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, softcap: float | None, chunk_size: int) -> torch.Tensor:
+                targets: torch.Tensor, softcap: float | None, chunk_size: int, temperature: float) -> torch.Tensor:
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             logits, _ = _chunk_logits(hidden[start:start + chunk_size], weight, bias, softcap)
+            logits = logits / temperature
             target = targets[start:start + chunk_size]
             out[start:start + chunk_size] = logits.gather(1, target.unsqueeze(1)).squeeze(1) - logits.logsumexp(-1)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.softcap, ctx.chunk_size = softcap, chunk_size
+        ctx.softcap, ctx.chunk_size, ctx.temperature = softcap, chunk_size, temperature
         return out
 
     @staticmethod
@@ -155,10 +158,10 @@ class _LinearLogps(torch.autograd.Function):
             rows = hidden[start:start + size]
             target = targets[start:start + size]
             logits, capped = _chunk_logits(rows, weight, bias, ctx.softcap)
-            # d(logp_i)/d(logits_i) = onehot - softmax, times the incoming gradient of row i
-            grad = logits.softmax(-1).neg_()
+            # d(logp_i)/d(logits_i) = (onehot - softmax(logits / T)) / T, times row i's incoming gradient
+            grad = (logits / ctx.temperature).softmax(-1).neg_()
             grad[torch.arange(len(target), device=grad.device), target] += 1.0
-            grad.mul_(grad_out[start:start + size].float().unsqueeze(1))
+            grad.mul_(grad_out[start:start + size].float().unsqueeze(1) / ctx.temperature)
             if capped is not None:
                 grad.mul_(1.0 - capped.square())
             if need_bias:
@@ -169,7 +172,7 @@ class _LinearLogps(torch.autograd.Function):
             if need_weight:
                 grad_weight += (grad.T @ rows).float()  # low precision as the plain backward, summed in fp32
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -1,9 +1,9 @@
 """Grouped-query self-attention over ``F.scaled_dot_product_attention``.
 
 Masking is decided once per forward by ``attention_mask`` (causal, sliding window, packed
-documents, KV-cache offsets) and shared by every layer with the same window. Heads are
-reshaped with ``-1`` so a tensor-parallel (colwise) shard of q/k/v, which holds fewer heads,
-runs unchanged.
+documents, KV-cache offsets, left padding) and shared by every layer with the same window.
+Heads are reshaped with ``-1`` so a tensor-parallel (colwise) shard of q/k/v, which holds
+fewer heads, runs unchanged.
 
 Options families switch on: ``q_norm``/``k_norm`` are identities unless a family puts a
 norm over head_dim there; ``scale`` overrides 1/sqrt(head_dim); ``softcap`` bounds the scores
@@ -27,8 +27,8 @@ from posttune.modules.softcap import soft_cap
 
 
 def attention_mask(q_len: int, kv_len: int, *, device: torch.device | str = "cpu",
-                   document_ids: torch.Tensor | None = None,
-                   sliding_window: int | None = None) -> torch.Tensor | None:
+                   document_ids: torch.Tensor | None = None, sliding_window: int | None = None,
+                   padding_mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """Boolean mask [batch or 1, 1, q_len, kv_len] (True = may attend), or None for plain causal.
 
     The queries are the last ``q_len`` of ``kv_len`` positions (a KV cache holds the rest).
@@ -37,8 +37,13 @@ def attention_mask(q_len: int, kv_len: int, *, device: torch.device | str = "cpu
     With ``document_ids`` [batch, seq] a query sees only earlier keys of its own document, so a
     packed row attends exactly as its documents would alone. A sliding window of ``w`` keeps
     keys with ``q - k < w`` (the current token and the w-1 before it).
+    With ``padding_mask`` [batch, kv_len] (True = a real token; a left-padded batch) no query
+    sees a padding key, except that every query sees its own key: a padding query would otherwise
+    have no key at all, and the NaN of its empty softmax would reach real tokens in later layers
+    (0 * NaN). Padding queries' outputs are meaningless and ignored by the caller.
     """
-    if document_ids is None and sliding_window is None and (q_len == kv_len or q_len == 1):
+    if (document_ids is None and sliding_window is None and padding_mask is None
+            and (q_len == kv_len or q_len == 1)):
         return None
     q_idx = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     k_idx = torch.arange(kv_len, device=device)[None, :]
@@ -51,6 +56,11 @@ def attention_mask(q_len: int, kv_len: int, *, device: torch.device | str = "cpu
             raise ValueError("document_ids cannot be combined with a KV cache holding earlier tokens")
         same_doc = document_ids[:, :, None] == document_ids[:, None, :]
         allowed = allowed & same_doc[:, None]
+    if padding_mask is not None:
+        if padding_mask.shape[-1] != kv_len:
+            raise ValueError(f"padding_mask covers {padding_mask.shape[-1]} keys, the attention has {kv_len}")
+        own_key = (k_idx == q_idx)[None, None]
+        allowed = allowed & (padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :] | own_key)
     return allowed
 
 

@@ -2,12 +2,16 @@
 
 The native model contract every family returns from ``build``::
 
-    logits = model(input_ids, positions=None, document_ids=None, kv_cache=None)  # [b, s, vocab]
+    logits = model(input_ids, positions=None, document_ids=None, kv_cache=None, padding_mask=None)  # [b, s, vocab]
     hidden = model.hidden_states(input_ids, ...)  # final-normed [b, s, hidden]
     logits = model.logits(hidden)  # == model.output(hidden) unless the model soft-caps logits
 
 Positions default to 0..s-1 (continuing from a KV cache's length); with ``document_ids`` they
 restart at 0 for each document of a packed row, and attention stays within each document.
+``padding_mask`` [b, kv_len] (True = a real token, over the cached tokens and these) serves
+left-padded batches in generation: no token attends to padding, and a row's positions count
+its real tokens only (the first real token is position 0, as transformers does from
+``attention_mask.cumsum(-1) - 1``), so each row's logits are those of the row alone.
 
 Options a family switches on (each off by default, so a plain pre-norm decoder pays nothing):
 
@@ -88,9 +92,17 @@ class Decoder(nn.Module):
             self.output.weight = self.embed.weight
 
     def hidden_states(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
-                      document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                      document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                      padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq = input_ids.shape
         start = kv_cache.length if kv_cache is not None else 0
+        if padding_mask is not None and padding_mask.shape != (batch, start + seq):
+            raise ValueError(f"padding_mask must be [batch, cached + new tokens] = {[batch, start + seq]}, "
+                             f"got {list(padding_mask.shape)}")
+        if positions is None and padding_mask is not None:
+            if document_ids is not None:
+                raise ValueError("padding_mask and document_ids cannot be combined (a packed row has no padding)")
+            positions = padded_positions(padding_mask)[:, start:]
         if positions is None:
             positions = default_positions(batch, seq, start=start, document_ids=document_ids,
                                           device=input_ids.device)
@@ -102,8 +114,8 @@ class Decoder(nn.Module):
         for index, layer in enumerate(self.layers):
             window = layer.attn.sliding_window
             if window not in masks:
-                masks[window] = attention_mask(seq, start + seq, device=input_ids.device,
-                                               document_ids=document_ids, sliding_window=window)
+                masks[window] = attention_mask(seq, start + seq, device=input_ids.device, document_ids=document_ids,
+                                               sliding_window=window, padding_mask=padding_mask)
             local = window is not None and self.local_rope is not None
             if local not in rotations:
                 rotations[local] = (self.local_rope if local else self.rope)(positions)
@@ -114,8 +126,14 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        hidden = self.hidden_states(input_ids, positions=positions, document_ids=document_ids, kv_cache=kv_cache)
+                document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                padding_mask: torch.Tensor | None = None, logits_to_keep: int | None = None) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]``; ``logits_to_keep=k``: only the last k positions' (generation's
+        prefill needs one row of ``[batch, prompt, vocab]``, which for a long prompt is most of the memory)."""
+        hidden = self.hidden_states(input_ids, positions=positions, document_ids=document_ids, kv_cache=kv_cache,
+                                    padding_mask=padding_mask)
+        if logits_to_keep is not None:
+            hidden = hidden[:, -logits_to_keep:]
         return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -139,3 +157,11 @@ def default_positions(batch: int, seq: int, *, start: int = 0, document_ids: tor
     boundary[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     first = torch.where(boundary, index, torch.zeros_like(index)).cummax(dim=1).values
     return index - first
+
+
+def padded_positions(padding_mask: torch.Tensor) -> torch.Tensor:
+    """Positions [batch, kv_len] of a left-padded batch: each row's first real token is 0.
+
+    Padding keys get 0 as well; the mask hides them, so their rotation never matters.
+    """
+    return (padding_mask.long().cumsum(dim=-1) - 1).clamp(min=0)

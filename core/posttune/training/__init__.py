@@ -30,10 +30,8 @@ def run(plan: Any) -> int:
 
 
 def sample(session: Any) -> list[tuple[str, str]]:
-    """Greedy completions of ``train.sample_prompts``, rendered with the chat template."""
-    import torch
-
-    from posttune.generation import generate
+    """Greedy completions of ``train.sample_prompts``, rendered with the chat template, in one batch."""
+    from posttune.generation import generate_batch
 
     prompts = session.config.train.sample_prompts
     if not prompts:
@@ -41,17 +39,13 @@ def sample(session: Any) -> list[tuple[str, str]]:
     tokenizer, model = session.tokenizer, session.model
     was_training = model.training
     model.eval()
-    results = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = (tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-                   if tokenizer.chat_template else tokenizer.encode(prompt))
-            new = generate(model, torch.tensor([ids], device=session.device),
-                           max_new_tokens=session.config.train.sample_max_new_tokens,
-                           eos_token_ids=tokenizer.eos_ids)
-            results.append((prompt, tokenizer.decode(new, skip_special_tokens=True)))
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+           if tokenizer.chat_template else tokenizer.encode(prompt) for prompt in prompts]
+    out = generate_batch(model, ids, max_new_tokens=session.config.train.sample_max_new_tokens,
+                         stop_token_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id or 0)
     model.train(was_training)
-    return results
+    return [(prompt, tokenizer.decode(tokens, skip_special_tokens=True))
+            for prompt, tokens in zip(prompts, out.token_lists(), strict=True)]
 
 
 def save_final(session: Any) -> dict[str, str]:

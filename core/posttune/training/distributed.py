@@ -45,6 +45,13 @@ def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Maximum over ``group`` (None: the whole world) in place; one process: unchanged."""
+    if active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor (e.g. the grad norm under FSDP2) as a plain tensor; plain tensors pass through."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
@@ -109,17 +116,19 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tor
     Each mesh's gradients get their norm from torch (a DTensor norm needs its ranks' parts
     reduced: ``full_tensor``), the norms are combined, and every gradient is scaled once.
     """
-    params = [p for p in params if p.grad is not None]
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    by_mesh: dict[Any, list[torch.nn.Parameter]] = {}
     for param in params:
-        by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
-    norms = [full_value(torch.nn.utils.get_total_norm(grads, 2.0)).float() for grads in by_mesh.values()]
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    norms = [full_value(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)).float()
+             for group in by_mesh.values()]
     if not norms:
         return torch.zeros(())
     device = norms[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
     if math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for group in by_mesh.values():  # one mesh at a time: torch's foreach ops refuse a mix of tensor kinds
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
     return total
 
 

@@ -1,5 +1,8 @@
 """`posttune plot OUTPUT_DIR`: the train (and validation) loss curves of a run, as a PNG.
 
+A run that logs a ``reward`` (GRPO) gets a second panel with the reward curve (and the
+validation reward).
+
 matplotlib is an optional dependency (``pip install posttune[plot]``): training never needs it.
 """
 
@@ -12,7 +15,8 @@ from posttune.training.metrics import read_metrics
 
 
 #: the unit a method's normaliser counts (logged under its name) -> how the loss axis reads
-UNITS = {"labelled_tokens": "per token", "pairs": "per pair"}
+UNITS = {"labelled_tokens": "per token", "pairs": "per pair", "completion_tokens": "per completion token",
+         "completions": "per completion"}
 
 
 def loss_unit(record: dict) -> str:
@@ -33,16 +37,21 @@ def plot_losses(output_dir: str | Path, out: str | Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PosttuneError("posttune plot needs matplotlib — pip install 'posttune[plot]'") from None
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    figure, axis = plt.subplots(figsize=(7, 4), dpi=100)
-    axis.plot(*zip(*train), label="train", linewidth=1.2)
-    if val:
-        axis.plot(*zip(*val), "o-", label="validation", markersize=4)
-    axis.set_xlabel("step")
-    axis.set_ylabel(f"loss ({loss_unit(records[0])})")
-    axis.set_title(output_dir.name)
-    axis.grid(alpha=0.3)
-    axis.legend()
+    panels = [("loss", f"loss ({loss_unit(records[0])})")]
+    if any("reward" in r for r in records):
+        panels.append(("reward", "mean reward"))
+    figure, axes = plt.subplots(len(panels), 1, figsize=(7, 4 * len(panels)), dpi=100, sharex=True, squeeze=False)
+    for axis, (key, label) in zip(axes[:, 0], panels):
+        curve = [(r["step"], r[key]) for r in records if key in r]
+        val = [(r["step"], r[f"val_{key}"]) for r in records if f"val_{key}" in r]
+        axis.plot(*zip(*curve), label="train", linewidth=1.2)
+        if val:
+            axis.plot(*zip(*val), "o-", label="validation", markersize=4)
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    axes[0, 0].set_title(output_dir.name)
+    axes[-1, 0].set_xlabel("step")
     path = Path(out) if out is not None else output_dir / "loss.png"
     figure.tight_layout()
     figure.savefig(path)

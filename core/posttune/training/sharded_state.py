@@ -33,8 +33,10 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return (path / SHARDED).is_dir()
 
 
-def save(session: Session, target: Path, write_rest: Any, replaceable: tuple[str, ...]) -> None:
-    """Every rank: model + optimizer shards into ``target/sharded``; rank 0 then ``write_rest(tmp)``."""
+def save(session: Session, target: Path, write_rest: Any, replaceable: tuple[str, ...],
+         write_each_rank: Any = None) -> None:
+    """Every rank: model + optimizer shards into ``target/sharded`` and ``write_each_rank(tmp)``;
+    rank 0 then ``write_rest(tmp)``."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -46,6 +48,8 @@ def save(session: Session, target: Path, write_rest: Any, replaceable: tuple[str
             dist.broadcast_object_list(shared, src=0)
         model_state, optim_state = get_state_dict(session.model, session.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=Path(shared[0]) / SHARDED)
+        if write_each_rank is not None:
+            write_each_rank(Path(shared[0]))
         if distributed.active():
             dist.barrier()  # every rank's shards are on disk before rank 0 renames the directory
         if tmp is not None:

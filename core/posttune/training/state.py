@@ -5,7 +5,8 @@
         optimizer.pt       optimizer state dict
         scheduler.pt       LR scheduler state dict
         rng.pt             torch and Python RNG states
-        method.pt          the method's own state, when it keeps one (``Method.state_dict``)
+        method-00000.pt    the method's own state, when it keeps one (``Method.state_dict``): one
+                           file per rank (rollouts waiting to be trained on are a rank's own)
         trainer_state.json step, epoch, data position
 
 A sharded model (FSDP2, TP: DTensor parameters) writes ``sharded/`` (model and optimizer
@@ -36,7 +37,7 @@ from posttune.training import distributed
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
-METHOD_FILE = "method.pt"
+METHOD_FILE = "method-{rank:05d}.pt"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -53,11 +54,13 @@ def save_checkpoint(session: Session) -> Path:
 
     method = session.plan.method.descriptor
 
+    def write_method_state(tmp: Path) -> None:  # every rank, its own file
+        if method.state_dict is not None:
+            torch.save(method.state_dict(session), tmp / METHOD_FILE.format(rank=distributed.rank()))
+
     def write_trainer_state(tmp: Path) -> None:
         torch.save(session.scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
-        if method.state_dict is not None:
-            torch.save(method.state_dict(session), tmp / METHOD_FILE)
         data = session.train_data.state_dict() if hasattr(session.train_data, "state_dict") else None
         (tmp / STATE_FILE).write_text(json.dumps({"step": session.step, "epoch": session.epoch, "data": data},
                                                  indent=2))
@@ -65,12 +68,14 @@ def save_checkpoint(session: Session) -> Path:
     if distributed.is_sharded(session.model):
         from posttune.training import sharded_state
 
-        sharded_state.save(session, target, write_trainer_state, replaceable=(STATE_FILE,))
+        sharded_state.save(session, target, write_trainer_state, replaceable=(STATE_FILE,),
+                           write_each_rank=write_method_state)
     elif distributed.is_main():
         with atomic_dir(target, replaceable=(STATE_FILE,)) as tmp:
             save_model_or_adapter(session, tmp / "model")
             torch.save(session.optimizer.state_dict(), tmp / "optimizer.pt")
             write_trainer_state(tmp)
+            write_method_state(tmp)
     if distributed.is_main():
         prune(checkpoint_root(session), session.config.checkpoint.keep_last)
     return target
@@ -160,10 +165,14 @@ def load_trainer_state(session: Session, path: Path) -> None:
         session.train_data.load_state_dict(meta["data"])
     method = session.plan.method.descriptor
     if method.load_state_dict is not None:
-        if not (path / METHOD_FILE).is_file():
-            raise PosttuneError(f"checkpoint.resume: {path} has no {METHOD_FILE}, which method '{method.name}' "
-                                "keeps its state in; it was written by another method or version")
-        method.load_state_dict(session, torch.load(path / METHOD_FILE, weights_only=True))
+        mine = path / METHOD_FILE.format(rank=distributed.rank())
+        if not mine.is_file():
+            saved = len(list(path.glob(METHOD_FILE.replace("{rank:05d}", "*"))))
+            why = (f"it was saved by {saved} process(es) and this run has {distributed.world_size()}: resume "
+                   "with the same number of processes" if saved else "it was written by another method or version")
+            raise PosttuneError(f"checkpoint.resume: {path} has no {mine.name}, where method '{method.name}' keeps "
+                                f"this rank's state; {why}")
+        method.load_state_dict(session, torch.load(mine, weights_only=True))
     session.step = meta["step"]
     session.epoch = meta["epoch"]
     set_rng_state(torch.load(path / "rng.pt", weights_only=True))

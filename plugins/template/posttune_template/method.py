@@ -29,7 +29,8 @@ def data(session: Any, dataset: Any, split: str) -> Any:
 
     make = SampleMaker(dataset_format(session, split), session.tokenizer,
                        max_seq_len=session.config.data.max_seq_len, column_map=dataset.column_map,
-                       skip_bad_rows=session.config.data.skip_bad_rows, where=f"data.{split}")
+                       skip_bad_rows=session.config.data.skip_bad_rows, where=f"data.{split}",
+                       system_prompt=dataset.system_prompt)
     return build_loader(session, dataset, split, make=make,
                         collate=partial(padded_batch, pad_id=pad_id(session.tokenizer)))
 

@@ -33,7 +33,8 @@ def data(session: Any, dataset: Any, split: str) -> Any:
     config = session.config.data
     make = PairMaker(dataset_format(session, split), session.tokenizer, max_seq_len=config.max_seq_len,
                      max_prompt_len=config.max_prompt_len, column_map=dataset.column_map,
-                     skip_bad_rows=config.skip_bad_rows, where=f"data.{split}")
+                     skip_bad_rows=config.skip_bad_rows, where=f"data.{split}",
+                     system_prompt=dataset.system_prompt)
     collate = partial(pair_batch, pad_id=pad_id(session.tokenizer))
     return build_loader(session, dataset, split, make=make, collate=collate)
 

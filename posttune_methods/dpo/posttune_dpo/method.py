@@ -29,7 +29,7 @@ def data(session: Any, dataset: Any, split: str) -> Any:
     config = session.config.data
     make = PairMaker(dataset_format(session, split), session.tokenizer, max_seq_len=config.max_seq_len,
                      max_prompt_len=config.max_prompt_len, skip_bad_rows=config.skip_bad_rows,
-                     column_map=dataset.column_map, where=f"data.{split}")
+                     column_map=dataset.column_map, where=f"data.{split}", system_prompt=dataset.system_prompt)
     pad = pad_id(session.tokenizer)
 
     def collate(rows: list) -> dict[str, Any]:
@@ -99,7 +99,7 @@ def precompute(session: Any, loader: Any, average: bool) -> tuple[torch.Tensor, 
     can look up any pair whatever the epoch's shuffle hands it. Keyed by dataset row, the table
     means the same after a resume from any data position.
     """
-    from posttune.plugin import BatchLoader, to_device, world_size
+    from posttune.plugin import BatchLoader, step_context, to_device, world_size
 
     in_order = BatchLoader(num_items=loader.num_items, get_item=loader.get_item, collate=loader.collate,
                            batch_size=loader.batch_size, shuffle=False, rank=loader.rank,
@@ -108,8 +108,9 @@ def precompute(session: Any, loader: Any, average: bool) -> tuple[torch.Tensor, 
     model = session.models[REFERENCE]
     for batch in in_order:
         batch = to_device(batch, session.device)
-        chosen, rejected = sequence_logps(token_logps(session, batch, model=model), batch["labels"],
-                                          average=average).chunk(2)
+        with step_context(session, batch):  # loss parallel, TP's sequence padding: as in training
+            logps = token_logps(session, batch, model=model)
+        chosen, rejected = sequence_logps(logps, batch["labels"], average=average).chunk(2)
         keep = batch["rows"] >= 0
         rows.append(batch["rows"][keep].cpu())
         values.append(torch.stack([chosen, rejected], dim=1)[keep].float().cpu())

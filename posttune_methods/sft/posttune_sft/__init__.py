@@ -44,7 +44,8 @@ def sft_loader(dataset: Any, *, data: Any, fmt: Any, tokenizer: Any, batch_size:
     from posttune.plugin import SampleMaker, make_loader, pad_id, packed_batch, padded_batch
 
     make = SampleMaker(fmt, tokenizer, max_seq_len=data.max_seq_len, train_on_input=train_on_input,
-                       skip_bad_rows=data.skip_bad_rows, column_map=dataset.column_map, where=where)
+                       skip_bad_rows=data.skip_bad_rows, column_map=dataset.column_map, where=where,
+                       system_prompt=dataset.system_prompt)
     pad = pad_id(tokenizer)
     collate = (partial(packed_batch, pad_id=pad, max_seq_len=data.max_seq_len) if data.packing
                else partial(padded_batch, pad_id=pad))

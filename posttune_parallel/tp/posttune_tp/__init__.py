@@ -8,6 +8,7 @@ not import torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from posttune import hookimpl
@@ -18,6 +19,16 @@ POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
 ORDER = 10  # before activation checkpointing (50) and FSDP2 (100); loss_parallel (5) sets up the head first
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    """`parallel.options.tp`."""
+
+    #: split the norms and the residual stream over the sequence between blocks (Megatron-LM's layout:
+    #: less activation memory). Off, they are replicated, which one-token decoding steps need (generation:
+    #: GRPO, on-policy distillation): a single new token cannot be split over the TP ranks.
+    sequence_parallel: bool = True
 
 
 def apply(session: Any, target: Any) -> None:
@@ -54,6 +65,7 @@ PLAN = ParallelPlan(
     mesh_dim="tp",
     order=ORDER,
     validate=validate,
+    config=TPOptions,
     description="tensor parallelism: the family's TP plan (colwise/rowwise/sequence parallel) over tp",
 )
 

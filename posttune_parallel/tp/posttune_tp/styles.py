@@ -51,6 +51,8 @@ def apply_tp(session: Any, target: Any) -> None:
     mesh = session.mesh["tp"]
     model = target.model
     plan = dict(target.family.tp_plan)
+    if not session.plan.parallel_options["tp"].sequence_parallel:
+        plan = {pattern: style for pattern, style in plan.items() if style != "sequence_parallel"}
     styles = resolve(model, plan, session.tp_style_overrides, target.family.name)
     sequence_parallel = "sequence_parallel" in styles.values()
     ties = tie_groups(model)
