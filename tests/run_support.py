@@ -31,6 +31,11 @@ def preference_rows(count: int, seed: int = 0) -> list[dict]:
             for word in words(count, seed, (3, 7))]
 
 
+def prompt_rows(count: int, seed: int = 0) -> list[dict]:
+    """Reverse-a-string prompts with their answer (for exact_answer), 3-6 letters."""
+    return [{"prompt": f"Reverse: {word}", "answer": word[::-1]} for word in words(count, seed, (3, 6))]
+
+
 def tiny_run_config(tmp_path: Path, rows: list[dict], *, fmt: str, base_method: dict, batch_size: int,
                     **sections: Any) -> dict:
     """A tiny random-init Llama run over ``rows`` (written to a file); sections merged over the defaults
@@ -59,6 +64,14 @@ def sft_config(tmp_path: Path, *, rows: int = 16, **sections: Any) -> dict:
 def dpo_config(tmp_path: Path, *, rows: int = 16, **sections: Any) -> dict:
     return tiny_run_config(tmp_path, preference_rows(rows), fmt="preference", base_method={"name": "dpo", "beta": 0.5},
                            batch_size=4, **sections)
+
+
+def grpo_config(tmp_path: Path, *, rows: int = 8, **sections: Any) -> dict:
+    """GRPO on a random tiny Llama: 4 completions of up to 6 tokens per prompt, exact_answer reward."""
+    method = {"name": "grpo", "group_size": 4, "max_new_tokens": 6, "rewards": [{"name": "exact_answer"}]}
+    config = tiny_run_config(tmp_path, prompt_rows(rows), fmt="prompt", base_method=method, batch_size=2, **sections)
+    config["train"].setdefault("max_steps", 3)
+    return config
 
 
 def compose_run(config: dict) -> Any:

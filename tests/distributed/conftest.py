@@ -24,14 +24,17 @@ STEPS = 4
 TIMEOUT = 300  # seconds per launch; a hang fails the test instead of the suite
 
 
-def rows(count: int, seed: int = 0, *, preference: bool = False) -> list[dict]:
-    """Reverse-a-string rows: SFT chats, or preference pairs (chosen the reversal, rejected a copy)."""
+def rows(count: int, seed: int = 0, *, kind: str = "sft") -> list[dict]:
+    """Reverse-a-string rows: SFT chats, preference pairs (chosen the reversal, rejected a copy), or
+    prompts with their answer."""
     rng = random.Random(seed)
     out = []
     for _ in range(count):
         word = "".join(rng.choice(string.ascii_uppercase) for _ in range(rng.randint(3, 9)))
-        if preference:
+        if kind == "preference":
             out.append({"prompt": f"Reverse: {word}", "chosen": word[::-1], "rejected": word})
+        elif kind == "prompt":
+            out.append({"prompt": f"Reverse: {word}", "answer": word[::-1]})
         else:
             out.append({"messages": [{"role": "user", "content": f"Reverse: {word}"},
                                      {"role": "assistant", "content": word[::-1]}]})
@@ -40,17 +43,17 @@ def rows(count: int, seed: int = 0, *, preference: bool = False) -> list[dict]:
 
 def write_config(directory: Path, *, batch_size: int, parallel: dict | None = None, adapter: dict | None = None,
                  checkpoint: dict | None = None, steps: int = STEPS, method: dict | None = None) -> Path:
-    """A tiny Llama run: SFT by default; a ``method`` named dpo trains on preference pairs."""
+    """A tiny Llama run: SFT by default; a ``method`` named dpo trains on preference pairs, grpo on prompts."""
     directory.mkdir(parents=True, exist_ok=True)
     method = method or {"name": "sft"}
-    preference = method["name"] == "dpo"
+    kind = {"dpo": "preference", "grpo": "prompt"}.get(method["name"], "sft")
     data = directory / "train.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows(ROWS, preference=preference)))
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows(ROWS, kind=kind)))
     config = {
         "model": {"family": "llama", "size": "tiny", "build_overrides": {"vocab_size": 384}},
         "tokenizer": {"path": TOKENIZER},
         "method": method,
-        "data": {"train": {"path": str(data), "format": "preference" if preference else "chat"}, "max_seq_len": 48},
+        "data": {"train": {"path": str(data), "format": {"sft": "chat"}.get(kind, kind)}, "max_seq_len": 48},
         "train": {"max_steps": steps, "batch_size": batch_size, "lr": 1e-3, "seed": 0},
         "checkpoint": {"output_dir": str(directory / "out"), **(checkpoint or {})},
         "parallel": parallel or {},

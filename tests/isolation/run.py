@@ -12,6 +12,9 @@ and the `pip install posttune-gemma` hint.
 
 Scenario 3, in another brand-new venv: `core`, `posttune_models/llama` and `posttune_methods/dpo`
 (no posttune-sft) -> a shortened `posttune train dpo-tiny-reverse` runs end to end.
+
+Scenario 4, in another brand-new venv: `core`, `posttune_models/qwen` and `posttune_methods/grpo`
+(no Ray) -> the GRPO example's warm start and a shortened `posttune train grpo-tiny-reverse`.
 """
 
 import subprocess
@@ -28,6 +31,8 @@ STEPS = [
     (["posttune_models/llama"], ["posttune", "posttune-template", "posttune-llama"]),
 ]
 QWEN_ALONE = [(["core", "posttune_models/qwen"], ["posttune", "posttune-qwen"])]
+GRPO_WITH_QWEN = [(["core", "posttune_models/qwen", "posttune_methods/grpo"],
+                   ["posttune", "posttune-qwen", "posttune-grpo"])]
 DPO_WITHOUT_SFT = [(["core", "posttune_models/llama", "posttune_methods/dpo"],
                     ["posttune", "posttune-llama", "posttune-dpo"])]
 GEMMA2_CONFIG = """\
@@ -95,11 +100,29 @@ def check_dpo_without_sft(env: Path, tmp: Path) -> list[str]:
     return []
 
 
+def check_grpo_with_qwen(env: Path, tmp: Path) -> list[str]:
+    """The GRPO CPU example, shortened, with nothing but core, posttune-qwen and posttune-grpo."""
+    python, posttune = str(env / "bin" / "python"), str(env / "bin" / "posttune")
+    start = tmp / "start"
+    prepare = subprocess.run([python, "-m", "posttune_grpo.example", "prepare", "--steps", "20", "--out", str(start)],
+                             cwd=tmp, capture_output=True, text=True)
+    if prepare.returncode != 0:
+        return [f"python -m posttune_grpo.example prepare -> {prepare.returncode}: {prepare.stderr[-2000:]}"]
+    train = subprocess.run([posttune, "train", "grpo-tiny-reverse", f"model.path={start}", "train.max_steps=4",
+                            "train.eval_every=2", f"checkpoint.output_dir={tmp}/grpo"], cwd=tmp,
+                           capture_output=True, text=True)
+    print(train.stdout[-800:], end="")
+    if train.returncode != 0 or not (tmp / "grpo" / "model" / "config.json").is_file():
+        return [f"posttune train grpo-tiny-reverse -> {train.returncode}: {train.stderr[-2000:]}"]
+    return []
+
+
 #: (what it shows, the install steps, the checks run in that venv afterwards)
 SCENARIOS = [
     ("distributions one by one", STEPS, None),
     ("core and posttune-qwen alone", QWEN_ALONE, check_qwen_alone),
     ("core, posttune-llama and posttune-dpo (no posttune-sft)", DPO_WITHOUT_SFT, check_dpo_without_sft),
+    ("core, posttune-qwen and posttune-grpo", GRPO_WITH_QWEN, check_grpo_with_qwen),
 ]
 
 

@@ -1,0 +1,176 @@
+"""posttune-grpo: GRPO -- online RL with verifiable rewards, in sync mode or async on Ray.
+
+    method:
+      name: grpo
+      group_size: 8                  # completions per prompt
+      max_new_tokens: 256
+      temperature: 1.0
+      rewards: [{name: math_answer}, {name: format, weight: 0.5}]
+      scale_rewards: group           # group | batch | none (Dr. GRPO)
+      loss_aggregation: token        # token (DAPO) | sequence (GRPO) | constant (Dr. GRPO)
+      num_iterations: 1              # optimisation passes per generation batch
+      epsilon: 0.2                   # clip range; epsilon_high > epsilon is DAPO's clip-higher
+      beta: 0.0                      # KL to the reference (k3); 0 builds no reference model
+
+Every knob, with the paper it comes from, is in docs/grpo.md. Written against the public
+plugin surface only (``posttune.plugin``); importing this package imports neither torch nor the
+reward libraries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from posttune.plugin import ConfigError, Method, ModelRole, configs_in, hookimpl
+from posttune_grpo.rewards import REWARDS, RewardSpec
+
+POSTTUNE_PLUGIN_API = 2
+__version__ = "0.1.0"
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class AsyncOptions:
+    """`method.async_options`: generation in Ray actors (``mode: async``, pip install 'posttune-grpo[ray]')."""
+
+    actors: int = 1  # generation actors, each holding its own copy of the policy
+    sync_every: int = 1  # optimizer steps between weight pushes to the actors
+    max_staleness: int = 2  # rollouts from a policy more than this many versions old are dropped
+    queue_size: int = 2  # generation batches in flight (being generated or ready) ahead of the learner
+    ray_address: str | None = None  # an existing Ray cluster; default: a local one (ray.init())
+    threads_per_actor: int = 1  # torch threads in each actor
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    group_size: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math_answer")])
+    reward_errors: Literal["raise", "zero"] = "raise"  # a reward returning None or raising: stop, or score 0
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    loss_aggregation: Literal["token", "sequence", "constant"] = "token"
+    num_iterations: int = 1
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # default: epsilon (symmetric clipping)
+    beta: float = 0.0
+    filter_equal_rewards: bool = False  # leave out groups whose rewards are all equal (they teach nothing)
+    micro_batch_size: int | None = None  # completions per forward/backward; default: the rank's whole batch
+    mode: Literal["sync", "async"] = "sync"
+    async_options: AsyncOptions = field(default_factory=AsyncOptions)
+
+
+def roles(config: GRPOConfig) -> tuple[ModelRole, ...]:
+    """A reference only for the KL term; with LoRA it is the policy with its adapters disabled."""
+    return (ModelRole("reference", adapters_off=True),) if config.beta > 0 else ()
+
+
+def validate(config: Any, method: GRPOConfig) -> None:
+    from posttune_grpo.rewards import resolve_rewards
+
+    positive = {"group_size": method.group_size, "max_new_tokens": method.max_new_tokens,
+                "num_iterations": method.num_iterations}
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"method.{name}", f"expected a positive integer, got {value}")
+    if method.group_size < 2:
+        raise ConfigError("method.group_size", "GRPO compares completions within a group: at least 2")
+    for name in ("temperature", "epsilon"):
+        value = getattr(method, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"method.{name}", f"expected a positive number, got {value}")
+    if method.epsilon_high is not None and not method.epsilon_high >= method.epsilon:
+        raise ConfigError("method.epsilon_high", f"must be at least epsilon ({method.epsilon}), got "
+                                                 f"{method.epsilon_high}")
+    if not (math.isfinite(method.beta) and method.beta >= 0):
+        raise ConfigError("method.beta", f"expected a number >= 0, got {method.beta}")
+    if method.top_k is not None and method.top_k < 1:
+        raise ConfigError("method.top_k", f"expected a positive integer, got {method.top_k}")
+    if method.top_p is not None and not 0 < method.top_p <= 1:
+        raise ConfigError("method.top_p", f"expected a value in (0, 1], got {method.top_p}")
+    if method.min_p is not None and not 0 <= method.min_p < 1:
+        raise ConfigError("method.min_p", f"expected a value in [0, 1), got {method.min_p}")
+    rows = config.train.batch_size * method.group_size
+    micro = method.micro_batch_size or rows
+    if micro < 1 or rows % micro:
+        raise ConfigError("method.micro_batch_size", f"must divide train.batch_size x group_size = {rows} "
+                                                     f"completions per rank, got {micro}")
+    passes = method.num_iterations * (rows // micro)
+    if passes % config.train.grad_accum_steps:
+        raise ConfigError("train.grad_accum_steps", f"must divide the {passes} micro-batches of each generation "
+                                                    f"batch (num_iterations x completions / micro_batch_size), got "
+                                                    f"{config.train.grad_accum_steps}")
+    if config.data.packing:
+        raise ConfigError("data.packing", "grpo trains on its own completions, one per row; set packing to false")
+    for plan in ("loss_parallel", "cp"):
+        if plan in config.parallel.plans:
+            raise ConfigError("parallel.plans", f"grpo generates completions, which '{plan}' cannot run yet; "
+                                                "drop it (tp alone works, with sequence_parallel: false)")
+    if "tp" in config.parallel.plans and config.parallel.options.get("tp", {}).get("sequence_parallel", True):
+        raise ConfigError("parallel.options.tp.sequence_parallel", "grpo generates one token at a time, which "
+                                                                   "sequence parallelism cannot split over the TP "
+                                                                   "ranks; set it to false")
+    resolve_rewards(method.rewards)
+    if method.mode == "async":
+        from posttune_grpo.async_ray import validate_async
+
+        validate_async(config, method)
+
+
+def _method(name: str) -> Any:
+    def call(*args: Any) -> Any:
+        from posttune_grpo import method as module
+
+        return getattr(module, name)(*args)
+
+    call.__name__ = name
+    return call
+
+
+def _batches(session: Any) -> Any:
+    if session.method_config.mode == "async":
+        from posttune_grpo.async_ray import batches
+
+        return batches(session)
+    from posttune_grpo.method import batches
+
+    return batches(session)
+
+
+@hookimpl
+def posttune_register_methods(register):
+    register(Method(
+        name="grpo",
+        config=GRPOConfig,
+        dataset_kind="prompt",
+        data=_method("data"),
+        loss=_method("loss"),
+        batches=_batches,
+        roles=roles,
+        setup=_method("setup"),
+        evaluate=_method("evaluate"),
+        on_step_end=_method("on_step_end"),
+        state_dict=_method("state_dict"),
+        load_state_dict=_method("load_state_dict"),
+        validate=validate,
+        description="GRPO: group-normalised policy gradient on generated completions (sync or async on Ray)",
+    ))
+
+
+@hookimpl
+def posttune_register_reward_functions(register):
+    for reward in REWARDS:
+        register(reward)
+
+
+@hookimpl
+def posttune_register_configs(register):
+    for config in configs_in(CONFIGS):
+        register(config)

@@ -1,0 +1,90 @@
+"""`python -m posttune_grpo.example prepare|make-data` (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import string
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SEED = 2468
+ROWS = {"prompts_train.jsonl": 2000, "prompts_validation.jsonl": 64, "warmup_chats.jsonl": 2000}
+LENGTHS = (3, 6)
+#: the model GRPO starts from: the demo's shape, as a Qwen2 model with the bundled tokenizer
+MODEL = {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 256, "num_layers": 4, "num_heads": 8,
+         "num_kv_heads": 4, "head_dim": 16, "max_position_embeddings": 256, "tie_word_embeddings": True}
+
+
+def make_data() -> None:
+    """The bundled tokenizer and data: prompts with answers (GRPO) and chats (the warm start)."""
+    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+
+    save_tiny_tokenizer(HERE / "tokenizer", template="chatml")
+    rng, seen = random.Random(SEED), set()
+    for name, count in ROWS.items():
+        lines = []
+        while len(lines) < count:
+            word = "".join(rng.choice(string.ascii_uppercase) for _ in range(rng.randint(*LENGTHS)))
+            if word in seen:
+                continue
+            seen.add(word)
+            if name.startswith("prompts"):
+                row = {"prompt": f"Reverse: {word}", "answer": word[::-1]}
+            else:
+                row = {"messages": [{"role": "user", "content": f"Reverse: {word}"},
+                                    {"role": "assistant", "content": word[::-1]}]}
+            lines.append(json.dumps(row))
+        (HERE / name).write_text("\n".join(lines) + "\n")
+
+
+def prepare(out: Path, steps: int, seed: int = 0) -> Path:
+    """A few hundred supervised steps on the warm-up chats, saved as an HF checkpoint at ``out``."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    import torch
+
+    from posttune.plugin import (DatasetConfig, SampleMaker, build_model, load_tokenizer, lookup, make_loader,
+                                 pad_id, padded_batch, save_model, token_cross_entropy)
+
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(HERE / "tokenizer")
+    model = build_model("qwen2", "tiny", **MODEL).train()
+    make = SampleMaker(lookup("dataset_format", "chat"), tokenizer, max_seq_len=64, where="warmup")
+    loader = make_loader(DatasetConfig(str(HERE / "warmup_chats.jsonl")), make=make, max_seq_len=64, batch_size=32,
+                         seed=seed, collate=partial(padded_batch, pad_id=pad_id(tokenizer)), where="warmup")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
+    session, done = SimpleNamespace(model=model, loss_kernel=None), 0
+    while done < steps:
+        for batch in loader:
+            loss, tokens = token_cross_entropy(session, batch)
+            (loss / tokens).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step(), scheduler.step(), optimizer.zero_grad(set_to_none=True)
+            done += 1
+            if done % 50 == 0 or done == steps:
+                print(f"warm-up step {done}/{steps}: loss {float(loss.detach() / tokens):.3f}", flush=True)
+            if done == steps:
+                break
+    return save_model(model.eval(), out, tokenizer=tokenizer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m posttune_grpo.example", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    ready = commands.add_parser("prepare", help="train the warm start GRPO begins from")
+    ready.add_argument("--out", default="outputs/grpo-tiny-start/model", help="where to save it (an HF checkpoint)")
+    ready.add_argument("--steps", type=int, default=450, help="supervised steps (few on purpose)")
+    commands.add_parser("make-data", help="regenerate the bundled tokenizer and data files")
+    args = parser.parse_args()
+    if args.command == "make-data":
+        make_data()
+    else:
+        print(f"saved the warm start to {prepare(Path(args.out), args.steps)}")
+
+
+if __name__ == "__main__":
+    main()

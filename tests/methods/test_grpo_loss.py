@@ -1,0 +1,142 @@
+"""The GRPO objective against a direct implementation of each formula, written token by token.
+
+On fixed completions, rewards and log-probabilities: advantages (group, batch, none), the clipped
+surrogate with and without clipping active, with and without the k3 KL, and each aggregation
+(token, sequence, constant) -- losses and gradients equal within 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttune_grpo.loss import STD_EPS, aggregate, group_advantages, policy_loss
+
+TOL = 1e-6
+G = 4
+LENGTHS = [3, 5, 2, 4, 6, 1, 4, 3]  # completion tokens of 8 completions (2 groups of 4)
+REWARDS = [1.0, 0.0, 0.5, 1.0, 0.0, 0.0, 0.0, 0.0]  # the second group: all equal
+
+
+def direct_advantages(rewards: list[float], scale: str) -> list[float]:
+    out = []
+    everything = rewards
+    mean_all = sum(everything) / len(everything)
+    std_all = math.sqrt(sum((r - mean_all) ** 2 for r in everything) / (len(everything) - 1))
+    for start in range(0, len(rewards), G):
+        group = rewards[start:start + G]
+        mean = sum(group) / G
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (G - 1))
+        for r in group:
+            if scale == "group":
+                out.append((r - mean) / (std + STD_EPS))
+            elif scale == "batch":
+                out.append((r - mean) / (std_all + STD_EPS))
+            else:
+                out.append(r - mean)
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_normalise_within_each_group(scale):
+    rewards = torch.tensor(REWARDS)
+    batch_std = rewards.std() if scale == "batch" else None
+    advantages, equal = group_advantages(rewards, G, scale, batch_std)
+    assert advantages.tolist() == pytest.approx(direct_advantages(REWARDS, scale), abs=TOL)
+    assert equal.tolist() == [False] * 4 + [True] * 4
+
+
+def fixed_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    length = max(LENGTHS) + 2
+    mask = torch.zeros(len(LENGTHS), length)
+    for row, n in enumerate(LENGTHS):
+        mask[row, 1:1 + n] = 1.0  # the completion's targets start after the prompt
+    logps = -torch.rand(len(LENGTHS), length, generator=generator) * 3
+    return {
+        "logps": logps,
+        "old": logps + torch.randn(logps.shape, generator=generator) * 0.4,  # ratios well beyond 1 +- 0.2
+        "ref": logps + torch.randn(logps.shape, generator=generator) * 0.3,
+        "mask": mask,
+        "advantages": group_advantages(torch.tensor(REWARDS), G, "group")[0],
+    }
+
+
+def direct_loss(logps, old, ref, mask, advantages, *, epsilon, epsilon_high, beta, how, max_new_tokens, weights):
+    """Token by token, as the papers write it (a Python loop, no shared code with posttune_grpo)."""
+    total, normaliser = 0.0, 0.0
+    for i in range(logps.shape[0]):
+        per_sequence = 0.0
+        tokens = 0
+        for t in range(logps.shape[1]):
+            if mask[i, t] == 0:
+                continue
+            ratio = torch.exp(logps[i, t] - (logps[i, t].detach() if old is None else old[i, t]))
+            surrogate = ratio * advantages[i]
+            clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantages[i]
+            term = -torch.minimum(surrogate, clipped)
+            if ref is not None and beta:
+                term = term + beta * (torch.exp(ref[i, t] - logps[i, t]) - (ref[i, t] - logps[i, t]) - 1)
+            per_sequence = per_sequence + term
+            tokens += 1
+        if weights[i] == 0:
+            continue
+        if how == "token":
+            total, normaliser = total + per_sequence, normaliser + tokens
+        elif how == "sequence":
+            total, normaliser = total + per_sequence / tokens, normaliser + 1
+        else:
+            total, normaliser = total + per_sequence / max_new_tokens, normaliser + 1
+    return total / normaliser
+
+
+@pytest.mark.parametrize("how", ["token", "sequence", "constant"])
+@pytest.mark.parametrize("kl", [False, True], ids=["no_kl", "kl"])
+@pytest.mark.parametrize("clipping", [False, True], ids=["first_pass", "clipped"])
+def test_loss_and_gradient_equal_the_direct_formula(how, kl, clipping):
+    inputs = fixed_inputs()
+    weights = torch.tensor([1.0] * 7 + [0.0])  # the last completion is left out (e.g. a placeholder)
+    settings = dict(epsilon=0.2, epsilon_high=0.28, beta=0.04 if kl else 0.0)
+    old = inputs["old"] if clipping else None
+    ref = inputs["ref"] if kl else None
+
+    ours_logps = inputs["logps"].clone().requires_grad_()
+    result = policy_loss(ours_logps, old, inputs["advantages"], inputs["mask"], ref_logps=ref, **settings)
+    loss_sum, normaliser = aggregate(result.per_token, inputs["mask"], how, 8, weights)
+    (loss_sum / normaliser).backward()
+
+    theirs_logps = inputs["logps"].clone().requires_grad_()
+    expected = direct_loss(theirs_logps, old, ref, inputs["mask"], inputs["advantages"], how=how,
+                           max_new_tokens=8, weights=weights, **settings)
+    expected.backward()
+    torch.testing.assert_close(loss_sum / normaliser, expected.detach(), atol=TOL, rtol=0)
+    torch.testing.assert_close(ours_logps.grad, theirs_logps.grad, atol=TOL, rtol=0)
+    if clipping:
+        assert 0 < float(result.clipped.sum()) < float(inputs["mask"].sum())  # clipping was really active
+    assert (result.kl is not None) == kl
+
+
+def test_one_pass_without_kl_is_reinforce_with_group_normalised_advantages():
+    """num_iterations 1, beta 0: the gradient of each token's log-prob is -A_i / normaliser."""
+    inputs = fixed_inputs()
+    weights = torch.ones(len(LENGTHS))
+    logps = inputs["logps"].clone().requires_grad_()
+    result = policy_loss(logps, None, inputs["advantages"], inputs["mask"], epsilon=0.2)
+    loss_sum, normaliser = aggregate(result.per_token, inputs["mask"], "token", 8, weights)
+    (loss_sum / normaliser).backward()
+    reinforce = -(inputs["advantages"].unsqueeze(1) * inputs["mask"]) / inputs["mask"].sum()
+    torch.testing.assert_close(logps.grad, reinforce, atol=TOL, rtol=0)
+    assert float(result.clipped.sum()) == 0.0
+
+
+def test_clipping_keeps_the_gradient_only_where_the_ratio_is_inside_its_range():
+    logps = torch.zeros(1, 4, requires_grad=True)
+    old = torch.tensor([[0.0, -0.5, 0.5, -0.5]])  # ratios 1, e^0.5, e^-0.5, e^0.5
+    mask = torch.ones(1, 4)
+    result = policy_loss(logps, old, torch.tensor([1.0]), mask, epsilon=0.2)
+    result.per_token.sum().backward()
+    # positive advantage: a ratio above 1.2 is clipped (no gradient); one below 0.8 is not (min keeps it)
+    assert result.clipped.tolist() == [[0.0, 1.0, 0.0, 1.0]]
+    assert logps.grad[0, 1] == 0 and logps.grad[0, 3] == 0 and logps.grad[0, 0] != 0 and logps.grad[0, 2] != 0

@@ -1,0 +1,213 @@
+"""GRPO end to end on a tiny Llama: a run's metrics, REINFORCE equivalence on a real model, the
+reference for KL, exact resume, and what is refused before launch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from run_support import compose_run, grpo_config
+
+import posttune_grpo
+from posttune.plugin import RewardFunction, hookimpl
+
+VOWELS = set("AEIOU")
+
+
+def vowel_share(prompts, completions, **_):
+    """A reward a random model already earns unevenly: the share of capital vowels it writes."""
+    return [sum(ch in VOWELS for ch in text) / max(len(text), 1) for text in completions]
+
+
+def refuse(prompts, completions, **_):
+    return [None for _ in completions]
+
+
+class TestRewards:
+    POSTTUNE_PLUGIN_API = 2
+
+    @hookimpl
+    def posttune_register_reward_functions(self, register):
+        register(RewardFunction("vowel_share", vowel_share, "share of vowels (test)"))
+        register(RewardFunction("refuse", refuse, "never scores (test)"))
+
+
+@pytest.fixture
+def llama_grpo(register_plugin):
+    import posttune_llama
+    import posttune_sft
+
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
+    register_plugin(TestRewards(), name="test_rewards", distribution="test-rewards", version="1")
+
+
+def vowel_config(tmp_path: Path, **sections) -> dict:
+    method = {"rewards": [{"name": "vowel_share"}], "temperature": 1.0, **sections.pop("method", {})}
+    return grpo_config(tmp_path, method=method, **sections)
+
+
+def write(tmp_path: Path, config: dict, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def records(config: dict) -> list[dict]:
+    return [json.loads(line) for line in (Path(config["checkpoint"]["output_dir"]) / "metrics.jsonl")
+            .read_text().splitlines()]
+
+
+def test_a_run_generates_scores_and_logs_what_grpo_users_watch(llama_grpo, posttune_cli, tmp_path):
+    config = vowel_config(tmp_path, train={"max_steps": 4, "eval_every": 2})
+    config["data"]["validation"] = dict(config["data"]["train"])
+    result = posttune_cli("train", str(write(tmp_path, config)))
+    assert result.exit_code == 0, result.stderr
+    steps = records(config)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for key in ("reward", "reward_std", "reward/vowel_share", "completion_length", "completion_length_max",
+                "truncated", "clip_fraction", "generation_tokens_per_s", "generation_s", "training_s",
+                "completion_tokens"):
+        assert key in steps[0], key
+    assert "kl" not in steps[0]  # beta 0: no reference, no KL
+    assert steps[0]["reward_std"] > 0 and steps[0]["grad_norm"] > 0  # unequal rewards: a real gradient
+    assert "val_reward" in steps[1] and "val_reward/vowel_share" in steps[1]
+    assert all(r["completion_length_max"] <= 6 for r in steps)
+
+
+@torch.no_grad()
+def sequence_logps(model, rollouts) -> torch.Tensor:
+    logits = model(rollouts.input_ids).float()
+    mask = rollouts.labels != -100
+    picked = logits.log_softmax(-1).gather(-1, rollouts.labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return picked * mask
+
+
+def test_one_pass_without_kl_is_reinforce_with_group_normalised_advantages(llama_grpo, tmp_path):
+    """The loss's gradient on a real model equals that of -sum_i A_i sum_t logp_it / tokens, computed with
+    a plain forward pass (temperature 1, one micro-batch: the whole generation batch)."""
+    from posttune_grpo.method import batches
+
+    session = compose_run(vowel_config(tmp_path))
+    batch = next(iter(batches(session)))
+    rollouts = session.method_state.pending
+    assert float(rollouts.advantages.abs().sum()) > 0
+    out = session.plan.method.descriptor.loss(session, batch)
+    (out.loss_sum / out.normaliser).backward()
+    ours = {n: p.grad.clone() for n, p in session.model.named_parameters()}
+    session.model.zero_grad(set_to_none=True)
+
+    logits = session.model(rollouts.input_ids).float()
+    mask = (rollouts.labels != -100).float()
+    logps = logits.log_softmax(-1).gather(-1, rollouts.labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    reinforce = -(rollouts.advantages.unsqueeze(1) * logps * mask).sum() / mask.sum()
+    reinforce.backward()
+    for name, param in session.model.named_parameters():
+        torch.testing.assert_close(ours[name], param.grad, atol=1e-6, rtol=0, msg=name)
+
+
+def test_behaviour_log_probs_equal_a_fresh_forward_pass(llama_grpo, tmp_path):
+    from posttune_grpo.method import batches
+
+    session = compose_run(vowel_config(tmp_path))
+    next(iter(batches(session)))
+    rollouts = session.method_state.pending
+    mask = rollouts.labels != -100
+    torch.testing.assert_close(rollouts.behaviour_logps[mask], sequence_logps(session.model, rollouts)[mask],
+                               atol=1e-5, rtol=0)
+
+
+def test_kl_needs_a_reference_which_lora_gets_by_disabling_adapters(llama_grpo, tmp_path):
+    from posttune.plugin import AdaptersOff
+
+    full = compose_run(vowel_config(tmp_path / "full", method={"beta": 0.04}))
+    assert "reference" in full.models and not isinstance(full.models["reference"], AdaptersOff)
+    lora = compose_run(vowel_config(tmp_path / "lora", method={"beta": 0.04}, adapter={"rank": 4, "alpha": 8}))
+    assert isinstance(lora.models["reference"], AdaptersOff)
+    none = compose_run(vowel_config(tmp_path / "none"))
+    assert none.models == {}
+
+
+def test_kl_is_logged_and_zero_before_the_first_update(llama_grpo, posttune_cli, tmp_path):
+    config = vowel_config(tmp_path, method={"beta": 0.04}, train={"max_steps": 3, "lr": 5e-3})
+    assert posttune_cli("train", str(write(tmp_path, config))).exit_code == 0
+    steps = records(config)
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # the policy is its reference at step 1
+    assert steps[-1]["kl"] > 0
+
+
+def test_several_passes_and_micro_batches_make_several_steps_per_generation(llama_grpo, posttune_cli, tmp_path):
+    """2 prompts x 4 completions, micro-batches of 4, 2 passes: 4 micro-batches, 2 per step -> 2 steps each."""
+    config = vowel_config(tmp_path, method={"num_iterations": 2, "micro_batch_size": 4},
+                          train={"max_steps": 4, "grad_accum_steps": 2})
+    result = posttune_cli("train", str(write(tmp_path, config)))
+    assert result.exit_code == 0, result.stderr
+    steps = records(config)
+    assert [r["generation_s"] > 0 for r in steps] == [True, False, True, False]  # one generation per 2 steps
+    assert steps[0]["clip_fraction"] == 0.0  # the first pass: ratio 1
+
+
+def test_a_reward_that_cannot_score_stops_the_run_in_one_line_unless_told_to_count(llama_grpo, posttune_cli,
+                                                                                  tmp_path):
+    config = vowel_config(tmp_path, method={"rewards": [{"name": "vowel_share"}, {"name": "refuse"}]})
+    result = posttune_cli("train", str(write(tmp_path, config)))
+    assert result.exit_code == 2
+    errors = [line for line in result.stderr.splitlines() if "posttune: error:" in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "posttune: error: reward 'refuse' (test-rewards 1) returned None (cannot score) for completion 0 (8 of 8 in "
+        "this batch); set method.reward_errors: zero to score such completions 0 and count them")
+    config["method"]["reward_errors"] = "zero"
+    assert posttune_cli("train", str(write(tmp_path, config, "zero.yaml"))).exit_code == 0
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"method": {"group_size": 1}}, "config: method.group_size: GRPO compares completions within a group: at least 2"),
+    ({"method": {"micro_batch_size": 3}}, "config: method.micro_batch_size: must divide train.batch_size x "
+                                          "group_size = 8 completions per rank, got 3"),
+    ({"train": {"grad_accum_steps": 3}}, "config: train.grad_accum_steps: must divide the 1 micro-batches of each "
+                                         "generation batch (num_iterations x completions / micro_batch_size), got 3"),
+    ({"method": {"epsilon_high": 0.1}}, "config: method.epsilon_high: must be at least epsilon (0.2), got 0.1"),
+    ({"method": {"rewards": [{"name": "math_answr"}]}}, "config: method.rewards[0].name: no reward function "
+                                                       "'math_answr' is installed"),
+    ({"method": {"rewards": []}}, "config: method.rewards: lists no reward"),
+    ({"data": {"train": {"path": "x.jsonl", "format": "chat"}}},
+     "config: data.train.format: 'chat' gives sft rows; method 'grpo' needs prompt rows"),
+])
+def test_impossible_grpo_runs_are_refused_by_validate(llama_grpo, posttune_cli, tmp_path, sections, message):
+    config = vowel_config(tmp_path)
+    for section, values in sections.items():
+        config[section] = {**config[section], **values}
+    result = posttune_cli("validate", str(write(tmp_path, config)))
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"posttune: error: {message}")
+
+
+NAMES = sorted(path.stem for path in posttune_grpo.CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bundled_configs_validate_and_show_their_command(llama_grpo, register_plugin, posttune_cli, name):
+    import posttune_qwen
+
+    register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
+    assert (posttune_grpo.CONFIGS / f"{name}.yaml").read_text().splitlines()[0] == f"# posttune train {name}"
+    result = posttune_cli("validate", name)
+    assert result.exit_code == 0, result.stderr
+
+
+def test_the_bundled_configs_cover_the_cpu_example_and_gsm8k():
+    assert {"grpo-tiny-reverse", "qwen2.5-1.5b-grpo-gsm8k", "qwen3-0.6b-grpo-gsm8k"} <= set(NAMES)
+
+
+def test_lora_grpo_with_kl_trains_the_adapters_and_saves_a_peft_adapter(llama_grpo, posttune_cli, tmp_path):
+    config = vowel_config(tmp_path, method={"beta": 0.04}, adapter={"rank": 4, "alpha": 8},
+                          train={"max_steps": 3, "lr": 5e-3})
+    result = posttune_cli("train", str(write(tmp_path, config)))
+    assert result.exit_code == 0, result.stderr
+    steps = records(config)
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-7) and steps[-1]["kl"] > 0  # the adapters moved it
+    assert (Path(config["checkpoint"]["output_dir"]) / "adapter" / "adapter_config.json").is_file()
