@@ -63,8 +63,10 @@ _LAZY: dict[str, str] = {
     # adapters
     **dict.fromkeys(["LoRALinear", "AdaptersOff", "active_model", "adapters_disabled", "adapted_modules"],
                     "posttune.adapters"),
-    # optimisation
+    # optimisation and heads: the head's effective (weight, bias), LoRA/DoRA folded in, for chunked losses
     "build_scheduler": "posttune.training.optim",
+    "head_weight": "posttune.memory.linear_cross_entropy",
+    "train_briefly": "posttune.training.warm_start",
     # distributed helpers (one process: the same calls, no communication)
     **dict.fromkeys([
         "TOKEN_DIMS", "all_reduce_max", "all_reduce_sum", "data_rank", "flattened", "full_state_dict", "full_value",

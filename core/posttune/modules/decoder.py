@@ -127,11 +127,19 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                padding_mask: torch.Tensor | None = None, logits_to_keep: int | None = None) -> torch.Tensor:
+                padding_mask: torch.Tensor | None = None, logits_to_keep: int | None = None,
+                return_hidden: bool = False) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``; ``logits_to_keep=k``: only the last k positions' (generation's
-        prefill needs one row of ``[batch, prompt, vocab]``, which for a long prompt is most of the memory)."""
+        prefill needs one row of ``[batch, prompt, vocab]``, which for a long prompt is most of the memory).
+
+        ``return_hidden``: the final hidden states instead (``hidden_states``), through ``forward`` so
+        that wrappers hooked on it (FSDP2 gathers the embedding, final norm and head there) run: for
+        losses that apply the head themselves, a chunk of rows at a time.
+        """
         hidden = self.hidden_states(input_ids, positions=positions, document_ids=document_ids, kv_cache=kv_cache,
                                     padding_mask=padding_mask)
+        if return_hidden:
+            return hidden
         if logits_to_keep is not None:
             hidden = hidden[:, -logits_to_keep:]
         return self.logits(hidden)

@@ -131,7 +131,7 @@ def build_roles(session: Session) -> None:
             continue
         target = ModelTarget(name, role.family.descriptor, role.config, trainable=False)
         session.targets[name] = target
-        target.model = build_model(target)
+        target.model = build_model(target).requires_grad_(False)  # frozen before any stage sees it
         for stage in ("build", "quantize", "parallelize"):
             run_stage(session, stage, target)
         load_weights(session, target)

@@ -41,35 +41,15 @@ def make_data() -> None:
 
 def prepare(out: Path, steps: int, seed: int = 0) -> Path:
     """A few hundred supervised steps on the warm-up chats, saved as an HF checkpoint at ``out``."""
-    from functools import partial
-    from types import SimpleNamespace
-
     import torch
 
-    from posttune.plugin import (DatasetConfig, SampleMaker, build_model, load_tokenizer, lookup, make_loader,
-                                 pad_id, padded_batch, save_model, token_cross_entropy)
+    from posttune.plugin import build_model, load_tokenizer, save_model, train_briefly
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(HERE / "tokenizer")
-    model = build_model("qwen2", "tiny", **MODEL).train()
-    make = SampleMaker(lookup("dataset_format", "chat"), tokenizer, max_seq_len=64, where="warmup")
-    loader = make_loader(DatasetConfig(str(HERE / "warmup_chats.jsonl")), make=make, max_seq_len=64, batch_size=32,
-                         seed=seed, collate=partial(padded_batch, pad_id=pad_id(tokenizer)), where="warmup")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
-    session, done = SimpleNamespace(model=model, loss_kernel=None), 0
-    while done < steps:
-        for batch in loader:
-            loss, tokens = token_cross_entropy(session, batch)
-            (loss / tokens).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step(), scheduler.step(), optimizer.zero_grad(set_to_none=True)
-            done += 1
-            if done % 50 == 0 or done == steps:
-                print(f"warm-up step {done}/{steps}: loss {float(loss.detach() / tokens):.3f}", flush=True)
-            if done == steps:
-                break
-    return save_model(model.eval(), out, tokenizer=tokenizer)
+    model = build_model("qwen2", "tiny", **MODEL)
+    train_briefly(model, tokenizer, HERE / "warmup_chats.jsonl", steps=steps, seed=seed)
+    return save_model(model, out, tokenizer=tokenizer)
 
 
 def main() -> None:
