@@ -1,6 +1,7 @@
-"""Run under torchrun with a DPO config: compose the session and report how the reference is held.
+"""Run under torchrun with a config and a role name (default ``reference``): compose the session and
+report how that frozen model role is held.
 
-Rank 0 prints ``RESULT {json}``: whether every reference parameter is a DTensor sharded over the
+Rank 0 prints ``RESULT {json}``: whether every parameter of the role is a DTensor sharded over the
 data-parallel ranks, frozen, and how many of its values this rank holds against the whole model.
 """
 
@@ -16,7 +17,7 @@ from posttune.training.compose import compose
 
 config = validate(load_config(sys.argv[1], []))
 session = compose(resolve_plan(config, get_registry(), world_size=int(os.environ["WORLD_SIZE"])))
-reference = session.models["reference"]
+reference = session.models[sys.argv[2] if len(sys.argv) > 2 else "reference"]
 params = list(reference.parameters())
 report = {
     "all_dtensors": all(distributed.is_dtensor(p) for p in params),

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 DPO = {"name": "dpo", "beta": 0.5}
 LORA = {"rank": 4, "alpha": 8}
-SCRIPT = Path(__file__).with_name("dpo_roles.py")
+SCRIPT = Path(__file__).with_name("role_sharding.py")
 KEYS = ("loss", "grad_norm", "rewards/margin", "rewards/accuracy", "logps/chosen")
 
 
