@@ -21,10 +21,10 @@ other at every parallel region), so discard runs whose load was well above 2.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
+
+from child import emit, run_child
 
 CHILD = r'''
 import hashlib, json, os, sys, time
@@ -81,10 +81,7 @@ IMPLS = ("posttune", "transformers")
 
 def measure(impl: str, mode: str, max_new_tokens: int) -> dict:
     spec = {"impl": impl, "mode": mode, "max_new_tokens": max_new_tokens}
-    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True, check=False)
-    if run.returncode != 0:
-        raise SystemExit(f"benchmark child failed:\n{run.stderr[-3000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, spec)
 
 
 def compare(mode: str, runs: int, max_new_tokens: int) -> dict:
@@ -113,11 +110,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     report = {mode: compare(mode, args.runs, args.max_new_tokens) for mode in args.modes}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
+
+from child import MIB, emit, memory_and_time, run_child
 
 CHILD = r'''
 import json, resource, sys, time
@@ -124,29 +124,12 @@ CASES = {
     ],
 }
 
-MIB = 2**20
-
 
 def measure(spec: dict, steps: int) -> dict:
-    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps({**spec, "steps": steps})],
-                         capture_output=True, text=True, check=False)
-    if run.returncode != 0:
-        raise SystemExit(f"benchmark child failed:\n{run.stderr[-3000:]}")
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    held = subprocess.run([sys.executable, "-c", CHILD, json.dumps({**spec, "steps": 0, "measure": "activations"})],
-                          capture_output=True, text=True, check=False,
-                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
-    if held.returncode != 0:
-        raise SystemExit(f"benchmark child failed:\n{held.stderr[-3000:]}")
-    activations = json.loads(held.stdout.strip().splitlines()[-1])["activations"]
-    return {
-        "activations_mib": round(activations / MIB, 1),
-        "peak_mib": round(result["peak"] / MIB, 1),
-        "setup_peak_mib": round(result["setup_peak"] / MIB, 1),
-        "step_peak_mib": round((result["peak"] - result["setup_peak"]) / MIB, 1),
-        "step_seconds_median": round(statistics.median(result["step_seconds"]), 3),
-        "step_seconds": [round(t, 3) for t in result["step_seconds"]],
-    }
+    result = run_child(CHILD, {**spec, "steps": steps})
+    held = run_child(CHILD, {**spec, "steps": 0, "measure": "activations"},
+                     env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    return {"activations_mib": round(held["activations"] / MIB, 1), **memory_and_time(result)}
 
 
 def compare(off: dict, on: dict) -> dict:
@@ -171,11 +154,7 @@ def main() -> None:
         report[case] = {"runs": runs, "vs_off": {label: compare(off, run) for label, run in runs.items()
                                                  if label != "off"}}
         print(f"{case}: {json.dumps(report[case]['vs_off'])}", file=sys.stderr)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
