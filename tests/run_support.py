@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +85,55 @@ def compose_run(config: dict) -> Any:
     from posttune.training.compose import compose
 
     return compose(resolve_plan(validate(config), get_registry()))
+
+
+#: a tiny teacher's shape (the student of ``kd_config`` is posttune-llama's ``tiny``: hidden 64, 2 layers)
+TEACHER_SHAPE = {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 6,
+                 "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256}
+
+
+def save_hf_teacher(path: Path, *, family: str = "llama", vocab_size: int = 384, seed: int = 0,
+                    **overrides: Any) -> Path:
+    """A random tiny HF checkpoint written by transformers itself (``LlamaForCausalLM``, Qwen2, Qwen3),
+    with enough weight scale that its next-token distributions are far from uniform."""
+    import torch
+    import transformers
+
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+    config_class, model_class = (getattr(transformers, name) for name in classes[family])
+    torch.manual_seed(seed)
+    config = config_class(vocab_size=vocab_size, tie_word_embeddings=False, **{**TEACHER_SHAPE, **overrides})
+    config.initializer_range = 0.2
+    model = model_class(config).eval()
+    model.save_pretrained(path)
+    return path
+
+
+def kd_config(tmp_path: Path, teacher_path: Path, *, rows: int = 16, **sections: Any) -> dict:
+    """Distillation into posttune-llama's random ``tiny`` from the checkpoint at ``teacher_path``."""
+    method = {"name": "kd", "chunk_size": 16, **sections.pop("method", {})}
+    teacher_section = {"path": str(teacher_path), "family": "llama", **sections.pop("teacher", {})}
+    config = tiny_run_config(tmp_path, reversal_rows(rows), fmt="chat", base_method=method, batch_size=2,
+                             **sections)
+    config["teacher"] = teacher_section
+    return config
+
+
+def check_bundled_config(posttune_cli: Any, configs: Path, name: str) -> None:
+    """A method's bundled config starts with the command that runs it and passes ``posttune validate``."""
+    assert (configs / f"{name}.yaml").read_text().splitlines()[0] == f"# posttune train {name}"
+    result = posttune_cli("validate", name)
+    assert result.exit_code == 0, result.stderr
+
+
+def stated_number(config: Path, label: str) -> float:
+    """The ``# label: number`` line an example config states its promise in (a reward rise, a fall)."""
+    return float(re.search(rf"^# {label}: ([0-9.]+)", config.read_text(), re.MULTILINE).group(1))
+
+
+def run_python(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    """``python *args`` in a fresh process; its exit status must be 0."""
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

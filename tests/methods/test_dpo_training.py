@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import posttune_dpo
 import pytest
 import yaml
-
-import posttune_dpo
+from run_support import check_bundled_config
 
 
 def write(tmp_path: Path, config: dict, name: str = "run.yaml") -> Path:
@@ -120,9 +120,7 @@ def test_bundled_configs_validate_and_show_their_command(llama_dpo, register_plu
     import posttune_qwen
 
     register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
-    assert (posttune_dpo.CONFIGS / f"{name}.yaml").read_text().splitlines()[0] == f"# posttune train {name}"
-    result = posttune_cli("validate", name)
-    assert result.exit_code == 0, result.stderr
+    check_bundled_config(posttune_cli, posttune_dpo.CONFIGS, name)
 
 
 def test_the_bundled_configs_cover_lora_full_and_the_cpu_example():

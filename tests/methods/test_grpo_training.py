@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import posttune_grpo
 import pytest
 import torch
 import yaml
-from run_support import compose_run, grpo_config
-
-import posttune_grpo
 from posttune.plugin import RewardFunction, hookimpl
+from run_support import check_bundled_config, compose_run, grpo_config
 
 VOWELS = set("AEIOU")
 
@@ -194,9 +193,7 @@ def test_bundled_configs_validate_and_show_their_command(llama_grpo, register_pl
     import posttune_qwen
 
     register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
-    assert (posttune_grpo.CONFIGS / f"{name}.yaml").read_text().splitlines()[0] == f"# posttune train {name}"
-    result = posttune_cli("validate", name)
-    assert result.exit_code == 0, result.stderr
+    check_bundled_config(posttune_cli, posttune_grpo.CONFIGS, name)
 
 
 def test_the_bundled_configs_cover_the_cpu_example_and_gsm8k():
