@@ -42,8 +42,10 @@ def rows(count: int, seed: int = 0, *, kind: str = "sft") -> list[dict]:
 
 
 def write_config(directory: Path, *, batch_size: int, parallel: dict | None = None, adapter: dict | None = None,
-                 checkpoint: dict | None = None, steps: int = STEPS, method: dict | None = None) -> Path:
-    """A tiny Llama run: SFT by default; a ``method`` named dpo trains on preference pairs, grpo on prompts."""
+                 checkpoint: dict | None = None, steps: int = STEPS, method: dict | None = None,
+                 teacher: dict | None = None) -> Path:
+    """A tiny Llama run: SFT by default; a ``method`` named dpo trains on preference pairs, grpo on prompts
+    (kd on the SFT chats, from the ``teacher`` section)."""
     directory.mkdir(parents=True, exist_ok=True)
     method = method or {"name": "sft"}
     kind = {"dpo": "preference", "grpo": "prompt"}.get(method["name"], "sft")
@@ -60,6 +62,8 @@ def write_config(directory: Path, *, batch_size: int, parallel: dict | None = No
     }
     if adapter is not None:
         config["adapter"] = adapter
+    if teacher is not None:
+        config["teacher"] = teacher
     path = directory / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -10,8 +10,10 @@ exactly `posttune` and `posttune-qwen` are listed, `posttune ls families` shows 
 but no llama or gemma, and a config naming family `gemma2` fails validation with exit status 2
 and the `pip install posttune-gemma` hint.
 
-Scenario 3, in another brand-new venv: `core`, `posttune_models/llama` and `posttune_methods/dpo`
-(no posttune-sft) -> a shortened `posttune train dpo-tiny-reverse` runs end to end.
+Scenario 3, in another brand-new venv: `core`, `posttune_models/llama`, `posttune_methods/dpo` and
+`posttune_methods/kd` (no posttune-sft) -> a shortened `posttune train dpo-tiny-reverse` runs end
+to end, and so do the distillation example's teacher and a shortened `posttune train kd-tiny-reverse`
+(the teacher's data and tokenizer are posttune-llama's package data: a wheel install must ship them).
 
 Scenario 4, in another brand-new venv: `core`, `posttune_models/qwen` and `posttune_methods/grpo`
 (no Ray) -> the GRPO example's warm start and a shortened `posttune train grpo-tiny-reverse`.
@@ -33,8 +35,8 @@ STEPS = [
 QWEN_ALONE = [(["core", "posttune_models/qwen"], ["posttune", "posttune-qwen"])]
 GRPO_WITH_QWEN = [(["core", "posttune_models/qwen", "posttune_methods/grpo"],
                    ["posttune", "posttune-qwen", "posttune-grpo"])]
-DPO_WITHOUT_SFT = [(["core", "posttune_models/llama", "posttune_methods/dpo"],
-                    ["posttune", "posttune-llama", "posttune-dpo"])]
+DPO_AND_KD_WITHOUT_SFT = [(["core", "posttune_models/llama", "posttune_methods/dpo", "posttune_methods/kd"],
+                           ["posttune", "posttune-llama", "posttune-dpo", "posttune-kd"])]
 GEMMA2_CONFIG = """\
 model: {family: gemma2, size: tiny}
 method: {name: sft}
@@ -89,14 +91,26 @@ def check_qwen_alone(env: Path, tmp: Path) -> list[str]:
     return problems
 
 
-def check_dpo_without_sft(env: Path, tmp: Path) -> list[str]:
-    """A shortened `posttune train dpo-tiny-reverse` in a venv without posttune-sft."""
-    train = subprocess.run([str(env / "bin" / "posttune"), "train", "dpo-tiny-reverse", "train.max_steps=20",
+def check_dpo_and_kd_without_sft(env: Path, tmp: Path) -> list[str]:
+    """Shortened `posttune train dpo-tiny-reverse` and the distillation example in a venv without posttune-sft."""
+    python, posttune = str(env / "bin" / "python"), str(env / "bin" / "posttune")
+    train = subprocess.run([posttune, "train", "dpo-tiny-reverse", "train.max_steps=20",
                             "train.eval_every=10", f"checkpoint.output_dir={tmp}/dpo"], cwd=tmp,
                            capture_output=True, text=True)
     print(train.stdout[-800:], end="")
     if train.returncode != 0 or not (tmp / "dpo" / "model" / "config.json").is_file():
         return [f"posttune train dpo-tiny-reverse -> {train.returncode}: {train.stderr[-2000:]}"]
+    teacher = tmp / "teacher"
+    prepare = subprocess.run([python, "-m", "posttune_kd.example", "prepare-teacher", "--steps", "20",
+                              "--out", str(teacher)], cwd=tmp, capture_output=True, text=True)
+    if prepare.returncode != 0:
+        return [f"python -m posttune_kd.example prepare-teacher -> {prepare.returncode}: {prepare.stderr[-2000:]}"]
+    train = subprocess.run([posttune, "train", "kd-tiny-reverse", f"teacher.path={teacher}", "train.max_steps=4",
+                            "train.eval_every=2", "method.on_policy_fraction=0.5", f"checkpoint.output_dir={tmp}/kd"],
+                           cwd=tmp, capture_output=True, text=True)
+    print(train.stdout[-800:], end="")
+    if train.returncode != 0 or not (tmp / "kd" / "model" / "config.json").is_file():
+        return [f"posttune train kd-tiny-reverse -> {train.returncode}: {train.stderr[-2000:]}"]
     return []
 
 
@@ -121,7 +135,8 @@ def check_grpo_with_qwen(env: Path, tmp: Path) -> list[str]:
 SCENARIOS = [
     ("distributions one by one", STEPS, None),
     ("core and posttune-qwen alone", QWEN_ALONE, check_qwen_alone),
-    ("core, posttune-llama and posttune-dpo (no posttune-sft)", DPO_WITHOUT_SFT, check_dpo_without_sft),
+    ("core, posttune-llama, posttune-dpo and posttune-kd (no posttune-sft)", DPO_AND_KD_WITHOUT_SFT,
+     check_dpo_and_kd_without_sft),
     ("core, posttune-qwen and posttune-grpo", GRPO_WITH_QWEN, check_grpo_with_qwen),
 ]
 
