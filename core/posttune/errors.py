@@ -17,7 +17,7 @@ class ConfigError(PosttuneError):
         self.path = path
         self.problem = problem
         where = f"{path}: " if path else ""
-        super().__init__(f"config: {where}{problem}")
+        super().__init__(one_line(f"config: {where}{problem}"))
 
 
 class PluginError(PosttuneError):
@@ -37,3 +37,9 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 def first_line(text: str) -> str:
     """The first non-empty line, stripped: one-line errors quote only that much of a message."""
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def one_line(text: str) -> str:
+    """``text`` with line breaks and other control characters escaped (``\\n``): a key or value the
+    user typed may hold them, and an error is one line on stderr."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)

@@ -13,6 +13,7 @@ from typing import Any
 
 from posttune import first_party
 from posttune.checkpoint.source import family_for, read_hf_config
+from posttune.config.components import check_components
 from posttune.config.requires import check_requires
 from posttune.config.schema import ModelConfig, RunConfig
 from posttune.config.typed import from_dict
@@ -66,11 +67,13 @@ class Plan:
     parallel_options: dict[str, Any] = field(default_factory=dict)  # plan name -> its ``config`` instance
     memory_options: dict[str, Any] = field(default_factory=dict)  # technique name -> its ``config`` instance
     steps: list[Step] = field(default_factory=list)
+    components: list[tuple[str, str]] = field(default_factory=list)  # (field, dotted target) of each _component_
 
 
 def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | None = 1) -> Plan:
     """The whole run, checked: plugins by name, requires/conflicts, mesh dims against the world."""
     check_requires(config.requires)
+    components = check_components(config)  # gated, imported and bound before anything else runs
     family = _family(config.model, registry, "model")
     where = "method.name" if isinstance(config.method, dict) else "method"
     method = _get(registry, "method", config.method_name, where)
@@ -97,6 +100,7 @@ def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | Non
         if item.descriptor.validate is not None:
             item.descriptor.validate(resolved if isinstance(item.descriptor, ParallelPlan) else config)
     plan.steps = _steps(plan)
+    plan.components = components
     return plan
 
 

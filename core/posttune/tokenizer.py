@@ -21,6 +21,7 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 
 from posttune import chat_template as ct
+from posttune import hub
 from posttune.errors import PosttuneError
 from posttune.tokenizer_files import NAMED_TOKENS, read_tokenizer_files, write_tokenizer_files
 
@@ -176,7 +177,7 @@ def _resolve(path_or_id: str | Path) -> Path:
         return path
     if path.exists():
         raise PosttuneError(f"tokenizer: {path} is a file; give the checkpoint folder that holds tokenizer.json")
-    if isinstance(path_or_id, Path) or not _HUB_ID.match(str(path_or_id)):
+    if isinstance(path_or_id, Path) or not _HUB_ID.match(str(path_or_id)) or hub.first_part_exists(str(path_or_id)):
         raise PosttuneError(f"tokenizer: no such folder {str(path_or_id)!r}")
     return _download(str(path_or_id))
 
@@ -185,9 +186,13 @@ def _download(repo_id: str) -> Path:
     """Fetch only the tokenizer files of a hub repository (no weights), through the hub cache."""
     from huggingface_hub import snapshot_download
 
+    cache_only = not hub.offline_requested() and not hub.reachable()  # HF_HUB_OFFLINE: the library reads the cache
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=list(TOKENIZER_FILES)))
+        return Path(snapshot_download(repo_id, allow_patterns=list(TOKENIZER_FILES),
+                                      **({"local_files_only": True} if cache_only else {})))
     except Exception as exc:  # offline, unknown repo, gated: one line naming the id
+        if cache_only:
+            raise hub.unreachable(repo_id, "tokenizer", local="a local checkpoint folder") from None
         raise PosttuneError(f"tokenizer: could not download {repo_id!r} from the Hugging Face hub "
                             f"({type(exc).__name__}); give a local checkpoint folder instead") from None
 

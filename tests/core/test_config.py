@@ -147,7 +147,8 @@ def test_component_instantiates_nested_mappings_and_lists():
     assert isinstance(layers["layers"][0], torch.nn.ReLU) and layers["layers"][1:] == [3, {"plain": True}]
 
 
-def test_component_accepts_a_class_attribute_path():
+def test_component_accepts_a_class_attribute_path(monkeypatch):
+    monkeypatch.setenv("POSTTUNE_TRUST_COMPONENTS", "1")  # collections is outside the default allow-list
     assert instantiate({"_component_": "collections.OrderedDict.fromkeys", "iterable": "ab"}) == {"a": None, "b": None}
 
 
@@ -158,10 +159,10 @@ def test_component_accepts_a_class_attribute_path():
      "config: optimizer._component_: cannot import 'nopackage_xyz.Thing': no module named 'nopackage_xyz'"),
     ({"_component_": "torch.optim.SGD.not here"},
      "config: optimizer._component_: expected a dotted path like 'torch.optim.AdamW', got 'torch.optim.SGD.not here'"),
-    ({"_component_": "math.pi"}, "config: optimizer._component_: 'math.pi' is a float, not callable"),
+    ({"_component_": "torch.float32"}, "config: optimizer._component_: 'torch.float32' is a dtype, not callable"),
     ({"_component_": "torch.optim.SGD", "lrr": 1},
      "config: optimizer: torch.optim.SGD: SGD.__init__() got an unexpected keyword argument 'lrr'"),
-    ({"_component_": "collections.OrderedDict", "x": {"_component_": "nope_mod.f"}},
+    ({"_component_": "torch.nn.ModuleDict", "x": {"_component_": "nope_mod.f"}},
      "config: optimizer.x._component_: cannot import 'nope_mod.f': no module named 'nope_mod'"),
 ])
 def test_component_errors_are_one_line_naming_the_field(node, message):

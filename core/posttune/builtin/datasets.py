@@ -66,7 +66,7 @@ def _message(turn: Any, index: int, field: str, role_key: str, content_key: str,
     if not isinstance(turn, Mapping):
         raise ValueError(f"field '{where}' must be an object with '{role_key}' and '{content_key}'")
     role, content = turn.get(role_key), turn.get(content_key)
-    if role not in roles:
+    if not isinstance(role, str) or role not in roles:  # a list or mapping is no role (and not hashable)
         raise ValueError(f"field '{where}.{role_key}': unknown role {role!r} (expected one of "
                          f"{', '.join(sorted(roles))})")
     if not isinstance(content, str):

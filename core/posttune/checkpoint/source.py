@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from posttune import first_party
+from posttune import first_party, hub
 from posttune.errors import PosttuneError, first_line
 from posttune.registry import Registered, Registry
 
@@ -35,7 +35,7 @@ def is_hub_id(path_or_id: str) -> bool:
     a typo in a local path is reported as a missing directory rather than a hub 404.
     """
     text = str(path_or_id)
-    if Path(text).expanduser().exists() or text.startswith((".", "/", "~")):
+    if Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or hub.first_part_exists(text):
         return False
     return text.count("/") == 1
 
@@ -69,9 +69,12 @@ def local_dir(path_or_id: str | Path) -> Path:
         raise PosttuneError(f"{path_or_id}: no such checkpoint directory")
     from huggingface_hub import snapshot_download
 
+    reach = _reach()
     try:
-        return Path(snapshot_download(str(path_or_id), allow_patterns=list(HUB_PATTERNS)))
+        return Path(snapshot_download(str(path_or_id), allow_patterns=list(HUB_PATTERNS), **reach))
     except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors alike
+        if reach:
+            raise hub.unreachable(str(path_or_id), "checkpoint") from None
         raise PosttuneError(f"{path_or_id}: cannot download from the hub: "
                             f"{type(exc).__name__}: {first_line(str(exc))}") from None
 
@@ -79,11 +82,20 @@ def local_dir(path_or_id: str | Path) -> Path:
 def _hub_config(repo_id: str) -> Path:
     from huggingface_hub import hf_hub_download
 
+    reach = _reach()
     try:
-        return Path(hf_hub_download(repo_id, "config.json"))
+        return Path(hf_hub_download(repo_id, "config.json", **reach))
     except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors alike
+        if reach:
+            raise hub.unreachable(repo_id, "checkpoint") from None
         raise PosttuneError(f"{repo_id}: cannot fetch config.json from the hub: "
                             f"{type(exc).__name__}: {first_line(str(exc))}") from None
+
+
+def _reach() -> dict[str, bool]:
+    """Extra arguments of a huggingface_hub download: the cache only when the hub cannot be reached
+    (docs/config.md, "Hub ids offline"). Empty online, and with HF_HUB_OFFLINE=1, which the library honours."""
+    return {} if hub.offline_requested() or hub.reachable() else {"local_files_only": True}
 
 
 def family_for(hf_config: Mapping[str, Any], registry: Registry, where: str) -> Registered:

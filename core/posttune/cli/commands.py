@@ -144,12 +144,38 @@ def resolve(args: argparse.Namespace, world_size: int | None = 1):
     from posttune.plan import resolve_plan
 
     config = validate(load_config(args.config, args.overrides))
-    return resolve_plan(config, get_registry(), world_size=world_size)
+    plan = resolve_plan(config, get_registry(), world_size=world_size)
+    # validate sees what train would refuse about the output directory (torchrun: rank 0 checks)
+    if getattr(args, "command", None) in ("validate", "train") and os.environ.get("RANK", "0") == "0":
+        from posttune.training.output_dir import check_output_dir
+
+        check_output_dir(config)
+    return plan
+
+
+class _TrustComponents(argparse.Action):
+    """``--trust-components``: set the variable the ``_component_`` gate reads, in this process and so
+    in every process it starts (torchrun's workers re-enter `posttune train` with it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from posttune.config.components import TRUST_ENV
+
+        os.environ[TRUST_ENV] = "1"
+        setattr(namespace, self.dest, True)
 
 
 def _configure_validate(parser: argparse.ArgumentParser) -> None:
     _configure_config(parser)
+    parser.add_argument("--trust-components", action=_TrustComponents, nargs=0, default=False,
+                        help="allow a _component_ outside torch, torchao, posttune and the installed plugins "
+                             "(a config's _component_ runs code; also POSTTUNE_TRUST_COMPONENTS=1)")
     launch.add_torchrun_options(parser)
+
+
+def _print_components(plan) -> None:
+    """Every callable the config will call, so a reader sees what a shared YAML runs."""
+    if plan.components:
+        print("components: " + ", ".join(f"{where} -> {target}" for where, target in plan.components))
 
 
 def _configure_plan(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +188,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     plan = resolve(args, launch.world_size(args))
     print(f"{args.config}: valid ({plan.method.descriptor.name} on {plan.family.descriptor.name}, "
           f"{plan.world_size} process(es))")
+    _print_components(plan)
     return 0
 
 
@@ -171,6 +198,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     what = max(len(step.what) for step in plan.steps)
     for step in plan.steps:
         print(f"{step.stage:<{width}}  {step.what:<{what}}  [{step.provider}]")
+    _print_components(plan)
     if not args.no_estimate:
         from posttune.estimate import estimate
 
@@ -208,6 +236,12 @@ def _configure_download(parser: argparse.ArgumentParser) -> None:
 def _run_download(args: argparse.Namespace) -> int:
     from huggingface_hub import snapshot_download
 
+    from posttune import hub
+
+    if not hub.offline_requested() and not hub.reachable():  # fail in seconds, not after a minute of retries
+        raise PosttuneError(f"download of {args.repo_id} failed: the Hugging Face hub is unreachable (no answer "
+                            f"from {hub.endpoint()} within {hub.PROBE_TIMEOUT:g} s); download on a machine with "
+                            f"network and pass that local directory to model.path / tokenizer.path")
     try:
         path = snapshot_download(args.repo_id, revision=args.revision, local_dir=args.output,
                                  allow_patterns=DOWNLOAD_PATTERNS, ignore_patterns=DOWNLOAD_EXCLUDES)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from posttune.errors import PosttuneError
+from posttune.errors import PosttuneError, one_line
 
 USER_ERROR = 2
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except PosttuneError as exc:
         if debug:
             raise
-        print(f"posttune: error: {exc}", file=sys.stderr)
+        print(f"posttune: error: {one_line(str(exc))}", file=sys.stderr)
         return USER_ERROR
     except KeyboardInterrupt:
         print("posttune: interrupted", file=sys.stderr)

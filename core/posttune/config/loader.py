@@ -32,23 +32,63 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456
 
 def parse_yaml(text: str, source: str = "<string>") -> Any:
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+        _refuse_cycles(data, source)
+        return data
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
+        if isinstance(exc, yaml.reader.ReaderError):  # a control character: binary data, not YAML text
+            line = text[:exc.position].count("\n") + 1
+            code = exc.character if isinstance(exc.character, int) else ord(str(exc.character)[:1] or "\0")
+            raise PosttuneError(f"{source}:{line}: invalid YAML: control character {code:#04x} "
+                                f"(is this a binary file?)") from None
         problem = getattr(exc, "problem", None) or first_line(str(exc))
         raise PosttuneError(f"{source}{where}: invalid YAML: {problem}") from exc
+
+
+#: values a config may expand to through YAML aliases (a "billion laughs" document is tiny on disk)
+MAX_VALUES = 100_000
+
+
+def _refuse_cycles(data: Any, source: str) -> None:
+    """An anchor used inside itself (``&a [*a]``) loads as a list that contains itself, and nested
+    aliases can expand a few lines into billions of values: every walk over the config
+    (validation, ``_component_``, saving it with a checkpoint) would never end. Each shared node
+    is sized once, so this check itself stays linear."""
+    sizes: dict[int, int] = {}
+
+    def size(node: Any, inside: frozenset[int]) -> int:
+        if not isinstance(node, (dict, list)):
+            return 1
+        if id(node) in inside:
+            raise PosttuneError(f"{source}: invalid YAML: an anchor is used inside itself (&a ... *a); "
+                                "a config is a tree")
+        if id(node) not in sizes:
+            children = node.values() if isinstance(node, dict) else node
+            sizes[id(node)] = 1 + sum(size(child, inside | {id(node)}) for child in children)
+            if sizes[id(node)] > MAX_VALUES:
+                raise PosttuneError(f"{source}: invalid YAML: its aliases (*name) expand to more than "
+                                    f"{MAX_VALUES:,} values")
+        return sizes[id(node)]
+
+    size(data, frozenset())
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML file's top-level mapping; empty files give an empty mapping."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise PosttuneError(f"config file not found: {path}") from None
     except OSError as exc:
         raise PosttuneError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise PosttuneError(f"{path}:{line}: not UTF-8 text (a YAML config is text; save it as UTF-8)") from None
     data = parse_yaml(text, str(path))
     if data is None:
         return {}

@@ -10,10 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from posttune.config.ranges import check_ranges
 from posttune.config.typed import from_dict
-from posttune.errors import ConfigError
+from posttune.errors import ConfigError, did_you_mean
 
 Dtype = Literal["fp32", "bf16", "fp16"]
+#: what `train.optimizer` and `train.scheduler` may name (built in `posttune.training.optim`)
+OPTIMIZER_NAMES = ("adamw", "adam", "sgd")
+SCHEDULE_NAMES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class TrainConfig:
     scheduler: str | dict[str, Any] = "constant"  # constant | linear | cosine, or `_component_`
     warmup_steps: int = 0
     max_grad_norm: float | None = 1.0
+    skip_nonfinite: int = 0  # optimizer steps with a NaN/Inf loss or gradient norm to skip before the run stops
     seed: int = 0
     device: str = "auto"
     log_every: int = 1
@@ -94,6 +99,7 @@ class CheckpointConfig:
     keep_last: int | None = 2
     resume: str | None = None  # "latest" or a checkpoint path
     save_merged: bool = False  # with an adapter: also write the merged HF model at the end
+    overwrite: bool = False  # start afresh in an output_dir that holds another run's results
 
 
 @dataclass(frozen=True)
@@ -133,24 +139,24 @@ def validate(raw: dict[str, Any]) -> RunConfig:
         model = getattr(config, section)
         if model is not None and model.path is None and (model.family is None or model.size is None):
             raise ConfigError(section, "set `path` (a checkpoint) or both `family` and `size` (random init)")
-    _positive(config.train, "train", "batch_size", "grad_accum_steps", "epochs", "log_every")
-    if config.train.max_steps is not None:
-        _positive(config.train, "train", "max_steps")
-    if config.data is not None:
-        _positive(config.data, "data", "max_seq_len")
-        if config.data.max_prompt_len is not None:
-            _positive(config.data, "data", "max_prompt_len")
-            if config.data.max_prompt_len >= config.data.max_seq_len:
-                raise ConfigError("data.max_prompt_len", f"must be below data.max_seq_len "
-                                                         f"({config.data.max_seq_len}) to leave room for a response")
+    check_ranges(config)
+    _check_choice(config.train.optimizer, "train.optimizer", OPTIMIZER_NAMES)
+    _check_choice(config.train.scheduler, "train.scheduler", SCHEDULE_NAMES)
+    data = config.data
+    if data is not None and data.max_prompt_len is not None and data.max_prompt_len >= data.max_seq_len:
+        raise ConfigError("data.max_prompt_len", f"must be below data.max_seq_len ({data.max_seq_len}) "
+                                                 "to leave room for a response")
     for dim, degree in config.parallel.dims.items():
         if degree != -1 and degree < 1:
             raise ConfigError(f"parallel.dims.{dim}", f"expected a positive degree or -1, got {degree}")
     return config
 
 
-def _positive(section: Any, prefix: str, *names: str) -> None:
-    for name in names:
-        value = getattr(section, name)
-        if value < 1:
-            raise ConfigError(f"{prefix}.{name}", f"expected a positive integer, got {value}")
+def _check_choice(value: str | dict[str, Any], where: str, names: tuple[str, ...]) -> None:
+    """A built-in name, or a mapping that names a callable (checked with the other components)."""
+    if isinstance(value, dict):
+        if "_component_" not in value:
+            raise ConfigError(where, f"a mapping needs `_component_: dotted.path` (or give a name: {', '.join(names)})")
+    elif value not in names:
+        raise ConfigError(where, f"unknown name '{value}' (known: {', '.join(names)}, or a _component_ mapping)"
+                                 f"{did_you_mean(value, names)}")

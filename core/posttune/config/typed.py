@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -65,7 +66,7 @@ def convert(tp: Any, value: Any, path: str) -> Any:
         return {convert(key_t, k, path): convert(val_t, v, _join(path, str(k))) for k, v in value.items()}
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _finite(float(value), path)
         raise ConfigError(path, f"expected a number, got {_show(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -84,6 +85,17 @@ def convert(tp: Any, value: Any, path: str) -> Any:
     raise TypeError(f"posttune.config: unsupported annotation {tp!r} at {path}")
 
 
+def _finite(value: float, path: str) -> float:
+    """Infinity and NaN are never a setting: `.inf`/`.nan` in YAML is a slip, not a request."""
+    if not math.isfinite(value):
+        raise NonFinite(path, f"expected a finite number, got {value!r}")
+    return value
+
+
+class NonFinite(ConfigError):
+    """A float field given ``.inf`` or ``.nan``: reported as such, not as "expected a number or null"."""
+
+
 def _union(args: tuple[Any, ...], value: Any, path: str) -> Any:
     if value is None and type(None) in args:
         return None
@@ -91,7 +103,7 @@ def _union(args: tuple[Any, ...], value: Any, path: str) -> Any:
         try:
             return convert(option, value, path)
         except ConfigError as exc:
-            if exc.path != path:  # a problem deeper inside names its own field
+            if exc.path != path or isinstance(exc, NonFinite):  # a problem deeper inside names its own field
                 raise
     expected = " or ".join(_describe(a) for a in args)
     raise ConfigError(path, f"expected {expected}, got {_show(value)}")

@@ -15,6 +15,7 @@ from typing import Any
 from posttune.config.schema import DatasetConfig
 from posttune.data.loader import BatchLoader
 from posttune.data.loading import check_columns, load_rows
+from posttune.data.local_files import guarded
 from posttune.data.packing import pack
 from posttune.data.samples import Sample, SampleStore
 from posttune.errors import PosttuneError
@@ -45,17 +46,18 @@ def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[li
     Every rank reads and tokenizes the whole dataset, so shuffling and packing agree across ranks
     without communication; each then keeps its own share of every global batch.
     """
-    rows = load_rows(dataset, where=where)
+    rows = load_rows(dataset, where=where, skip_bad_rows=getattr(make, "skip_bad_rows", False), skipped=make.skipped)
     check_columns(rows, dataset.column_map, where)
     common = dict(collate=collate, batch_size=batch_size, seed=seed, shuffle=shuffle, rank=rank,
                   world_size=world_size, skipped=make.skipped)
     if dataset.streaming:
         def open_stream(start_row: int) -> Iterator[list[Sample]]:
-            groups = make.groups(rows.skip(start_row) if start_row else rows, start=start_row)
+            shard = rows.skip(start_row) if start_row else rows
+            groups = make.groups(guarded(shard, where, start_row), start=start_row)
             return pack((s for group in groups for s in group), max_seq_len) if packing else groups
 
         return BatchLoader(open_stream=open_stream, **common)
-    store = SampleStore.build(rows, make)
+    store = SampleStore.build(guarded(rows, where), make)
     if len(store) == 0:
         raise PosttuneError(f"{where}: no usable samples in {dataset.path!r} ({make.skipped.bad_rows} bad rows "
                             f"skipped, {make.skipped.untrained} with nothing to train on within "
@@ -80,15 +82,15 @@ def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoad
     make = PromptMaker(dataset_format(session, split), session.tokenizer, max_prompt_len=config.data.max_prompt_len,
                        skip_bad_rows=config.data.skip_bad_rows, column_map=dataset.column_map, where=where,
                        system_prompt=dataset.system_prompt)
-    rows = load_rows(dataset, where=where)
+    rows = load_rows(dataset, where=where, skip_bad_rows=make.skip_bad_rows, skipped=make.skipped)
     check_columns(rows, dataset.column_map, where)
     rank, world = data_rank(session.mesh)
     common = dict(collate=prompt_batch, batch_size=config.train.batch_size, seed=config.train.seed,
                   shuffle=split == "train", rank=rank, world_size=world, skipped=make.skipped)
     if dataset.streaming:
-        return BatchLoader(open_stream=lambda start: make.groups(rows.skip(start) if start else rows, start=start),
-                           **common)
-    items = list(make.groups(rows))
+        return BatchLoader(open_stream=lambda start: make.groups(guarded(rows.skip(start) if start else rows, where,
+                                                                         start), start=start), **common)
+    items = list(make.groups(guarded(rows, where)))
     if not items:
         raise PosttuneError(f"{where}: no usable prompts in {dataset.path!r} ({make.skipped.bad_rows} bad rows "
                             f"skipped, {make.skipped.untrained} empty)")

@@ -12,7 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from posttune import hub
 from posttune.config.schema import DatasetConfig
+from posttune.data.local_files import check_files, explain_failure
 from posttune.errors import ConfigError, first_line
 
 #: file extension -> the `datasets` packaged builder that reads it
@@ -21,15 +23,26 @@ BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "c
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-def load_rows(config: DatasetConfig, *, where: str = "data.train") -> Any:
-    """The rows of one dataset: a `datasets.Dataset`, or an `IterableDataset` when streaming."""
+def load_rows(config: DatasetConfig, *, where: str = "data.train", skip_bad_rows: bool = False,
+              skipped: Any = None) -> Any:
+    """The rows of one dataset: a `datasets.Dataset`, or an `IterableDataset` when streaming.
+
+    Local files are checked first (``local_files.check_files``): with ``skip_bad_rows`` the
+    unreadable lines of line-based files are dropped and added to ``skipped.bad_rows``.
+    """
     path = Path(config.path).expanduser()
     if path.exists():
         builder, files = _local_files(path, where)
+        files, dropped = check_files(files, builder, where, skip_bad_rows=skip_bad_rows)
+        if dropped and skipped is not None:
+            skipped.bad_rows += dropped
         split = _local_split(config.split)
-        return _load(where, str(path), builder, data_files=files, split=split, streaming=config.streaming)
-    if path.suffix in BUILDERS or not _HUB_NAME.match(config.path):
+        return _load(where, str(path), builder, data_files=files, split=split, streaming=config.streaming,
+                     explain=lambda: explain_failure(files, builder))
+    if path.suffix in BUILDERS or not _HUB_NAME.match(config.path) or hub.first_part_exists(config.path):
         raise ConfigError(f"{where}.path", f"no such file or directory {config.path!r}")
+    if not hub.offline_requested(datasets=True) and not hub.reachable():  # else retries for half a minute
+        raise hub.unreachable(config.path, f"config: {where}.path", local="a local file or folder", cache_tried=False)
     return _load(where, config.path, config.path, name=config.subset, split=config.split,
                  streaming=config.streaming, hint="; no local file or directory has that name either")
 
@@ -62,21 +75,27 @@ def _local_split(split: str) -> str:
     return "train" + split[split.index("["):] if "[" in split else "train"
 
 
-def _load(where: str, shown: str, path: str, *, hint: str = "", **kwargs: Any) -> Any:
+def _load(where: str, shown: str, path: str, *, hint: str = "", explain: Any = None, **kwargs: Any) -> Any:
     import datasets
 
     quiet = Path(path).exists() or path in ("json", "csv", "parquet", "text")  # local: nothing to watch
     if quiet:
         datasets.disable_progress_bars()
+        verbosity = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its "Failed to load JSON" line: ours says more
     try:
         return datasets.load_dataset(path, **kwargs)
     except Exception as exc:  # unreadable file, offline hub, unknown split: one line naming the dataset
+        found = explain() if explain is not None else None
+        if found is not None:
+            raise ConfigError(f"{where}.path", found) from None
         problem = first_line(str(exc)) or type(exc).__name__
         problem = f"could not load {shown!r} ({type(exc).__name__}: {problem}){hint}"
         raise ConfigError(f"{where}.path", problem) from None
     finally:
         if quiet:
             datasets.enable_progress_bars()
+            datasets.logging.set_verbosity(verbosity)
 
 
 def check_columns(rows: Any, column_map: Mapping[str, str], where: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from posttune.config.components import instantiate
-from posttune.config.schema import TrainConfig
+from posttune.config.schema import SCHEDULE_NAMES, TrainConfig
 from posttune.errors import ConfigError, did_you_mean
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -64,7 +64,7 @@ def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
     return factor
 
 
-SCHEDULES = ("constant", "linear", "cosine")
+SCHEDULES = SCHEDULE_NAMES  # checked by `validate` before any weight loads; refused here too for direct callers
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, total_steps: int) -> Any:

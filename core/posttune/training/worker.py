@@ -10,7 +10,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from posttune.cli.main import main
-from posttune.errors import PosttuneError
+from posttune.errors import PosttuneError, one_line
 
 
 @record
@@ -19,7 +19,7 @@ def run(argv: list[str]) -> int:
         return main(["--debug", "train", *argv])  # --debug: a user error reaches this function
     except PosttuneError as exc:
         get_error_handler().record_exception(exc)
-        print(f"posttune: error: {exc}", file=sys.stderr)
+        print(f"posttune: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
 
 

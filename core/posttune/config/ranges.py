@@ -1,0 +1,87 @@
+"""The allowed range of every numeric field of the run config (docs/config.md, "Ranges").
+
+Types are checked by ``from_dict``; this is the step after it. A value of the right type can
+still break a run in ways that show only after the model loaded, or never: a negative
+``train.max_grad_norm`` turns clipping into gradient ascent, ``checkpoint.keep_last: 0`` deletes
+every checkpoint, a negative ``train.lr`` climbs the loss. ``validate`` refuses them in one line.
+Non-finite numbers (``.inf``, ``.nan``) are refused for every float field by ``from_dict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from posttune.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Range:
+    """``low <= value`` (``low < value`` when ``low_open``), and ``value < high`` when ``high`` is set.
+
+    ``off``: null is allowed and means this (e.g. "no clipping"); None when null is not allowed.
+    """
+
+    low: float
+    low_open: bool = False
+    high: float | None = None
+    off: str | None = None
+
+    def contains(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return above and (self.high is None or value < self.high)
+
+    def describe(self, integer: bool) -> str:
+        if integer and self.high is None and not self.low_open and self.low in (0, 1):
+            return "a positive integer" if self.low == 1 else "an integer >= 0"
+        kind = "an integer" if integer else "a number"
+        low = f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        if self.high is None:
+            return f"{kind} {low}"
+        return f"{kind} {low} and < {_number(self.high)}"
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int) and value > 2**20 and value & (value - 1) == 0:
+        return f"2**{value.bit_length() - 1}"
+    return f"{value:g}"
+
+
+#: dotted field -> its range. Every numeric field of the core schema is here (a test checks it).
+RANGES: dict[str, Range] = {
+    "data.max_seq_len": Range(1),
+    "data.max_prompt_len": Range(1, off="keep the whole prompt"),
+    "train.epochs": Range(1),
+    "train.max_steps": Range(1, off="train.epochs decides"),
+    "train.batch_size": Range(1),
+    "train.grad_accum_steps": Range(1),
+    "train.lr": Range(0, low_open=True),
+    "train.weight_decay": Range(0),
+    "train.warmup_steps": Range(0),
+    "train.max_grad_norm": Range(0, low_open=True, off="no clipping"),
+    "train.skip_nonfinite": Range(0),
+    "train.seed": Range(0, high=2**63),
+    "train.log_every": Range(1),
+    "train.eval_every": Range(1, off="no evaluation during training"),
+    "train.sample_max_new_tokens": Range(1),
+    "adapter.rank": Range(1),
+    "adapter.alpha": Range(0, low_open=True),
+    "adapter.dropout": Range(0, high=1),
+    "checkpoint.save_every": Range(1, off="save at the end only"),
+    "checkpoint.keep_last": Range(1, off="keep every checkpoint"),
+}
+
+
+def check_ranges(config: Any) -> None:
+    """The first field of ``config`` (a ``RunConfig``) outside its range raises ConfigError."""
+    for dotted, allowed in RANGES.items():
+        section_name, name = dotted.split(".")
+        section = getattr(config, section_name)
+        if section is None:  # an optional section left out (data in a bare config, adapter)
+            continue
+        value = getattr(section, name)
+        if value is None:
+            continue  # the type allows null only where `off` says what it means
+        if not allowed.contains(value):
+            off = f", or null ({allowed.off})" if allowed.off else ""
+            raise ConfigError(dotted, f"expected {allowed.describe(isinstance(value, int))}{off}, got {value!r}")
