@@ -57,14 +57,27 @@ def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) 
     """Start ``python -m module module_args`` on every rank through torchrun.
 
     When a rank fails, torchrun stops the others; the first failure is reported in one line.
+    Preempted workers (exit status 143, docs/training.md) make the launcher exit with 143 too;
+    so does a SIGTERM to the launcher itself, which torchrun forwards to the workers.
     """
+    import sys
+
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from posttune.training.preemption import PREEMPTED
 
     try:
         torchrun.main([*torchrun_args(args), "-m", module, *module_args])
+    except SignalException as exc:
+        print(f"posttune: stopped by {exc.sigval.name}: the workers saved a checkpoint at their current step if "
+              "they finished it within TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds", file=sys.stderr)
+        return PREEMPTED
     except ChildFailedError as exc:
         rank, failure = min(exc.failures.items(), key=lambda item: item[1].timestamp)
+        if failure.exitcode == PREEMPTED:  # the workers printed where they saved
+            return PREEMPTED
         message = failure.message if isinstance(failure.message, str) else str(failure.message)
         raise PosttuneError(f"rank {rank} failed (exit code {failure.exitcode}): "
                             f"{message.strip().splitlines()[-1] if message.strip() else 'no message'}") from None

@@ -1,11 +1,17 @@
 """Training: compose the session, run the loop, save the result (docs/architecture.md).
 
-    plan -> compose(plan) -> samples before -> train(session) -> save final -> samples after
+    claim the output directory -> compose(plan) -> samples before -> train(session)
+    -> save final -> samples after
+
+Exit statuses (docs/training.md): 0 done; 2 a user error, a write failure or a NaN/Inf the
+run may not skip (one line on stderr); 143 preempted by SIGTERM after saving a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,19 +20,26 @@ WORKER_MODULE = "posttune.training.worker"
 
 
 def run(plan: Any) -> int:
-    from posttune.training import distributed
+    from posttune.training import distributed, output_dir, preemption
     from posttune.training.compose import compose
     from posttune.training.trainer import train
 
-    session = compose(plan)
-    show = distributed.is_main()
-    before = sample(session)
-    summary = train(session)
-    outputs = save_final(session)
-    after = sample(session)
-    if show:
-        report(session, summary, outputs, before, after)
-    return 0
+    # Rank 0 (known from torchrun's environment: no process group yet) holds the directory.
+    with output_dir.claimed(plan.config, main=int(os.environ.get("RANK", "0")) == 0):
+        session = compose(plan)
+        show = distributed.is_main()
+        before = sample(session)
+        try:
+            summary = train(session)
+        except preemption.Preempted as stopped:
+            if show:
+                print(f"posttune: {stopped}", file=sys.stderr)
+            return preemption.PREEMPTED
+        outputs = save_final(session)
+        after = sample(session)
+        if show:
+            report(session, summary, outputs, before, after)
+        return 0
 
 
 def sample(session: Any) -> list[tuple[str, str]]:
@@ -50,24 +63,28 @@ def sample(session: Any) -> list[tuple[str, str]]:
 
 def save_final(session: Any) -> dict[str, str]:
     """The trained model (or adapter, and the merged model if asked), and the loss plot."""
-    from posttune.training import distributed
+    from posttune.training import distributed, nonfinite
     from posttune.training.state import save_model_or_adapter
+    from posttune.training.write_errors import writing
 
     out = Path(session.config.checkpoint.output_dir)
     outputs: dict[str, str] = {}
+    name = "adapter" if session.config.adapter is not None else "model"
+    nonfinite.check_weights(session, f"the final {name} {out / name}")  # a good model there stays
     # Techniques that trained a stand-in for the exported model put the real one back first
     # (QLoRA dequantises its NF4 base, QAT swaps in its quantised weights).
     for prepare in session.before_final_save:
         prepare(session)
-    name = "adapter" if session.config.adapter is not None else "model"
-    saved = save_model_or_adapter(session, out / name)  # every rank: a sharded model is gathered first
+    with writing(out / name, "model"):
+        saved = save_model_or_adapter(session, out / name)  # every rank: a sharded model is gathered first
     outputs[name] = str(saved) if distributed.is_main() else ""
     if session.config.adapter is not None and session.config.checkpoint.save_merged and distributed.is_main():
         from posttune.adapters import merge_adapters
         from posttune.checkpoint.hf_save import save_hf
 
         merge_adapters(session.model)  # training is over: fold the adapters in, in place
-        outputs["model"] = str(save_hf(session.model, out / "model", tokenizer=session.tokenizer))
+        with writing(out / "model", "model"):
+            outputs["model"] = str(save_hf(session.model, out / "model", tokenizer=session.tokenizer))
     if distributed.is_main():
         outputs["metrics"] = str(out / "metrics.jsonl")
         try:
@@ -88,5 +105,5 @@ def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], befor
               "token after truncation")
     for key, value in outputs.items():
         print(f"{key}: {value}")
-    for (prompt, old), (_, new) in zip(before, after):
+    for (prompt, old), (_, new) in zip(before, after, strict=True):
         print(f"\nprompt: {prompt}\n  before: {old!r}\n  after:  {new!r}")

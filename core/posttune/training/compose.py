@@ -34,6 +34,7 @@ from posttune.session import ModelTarget, Session
 from posttune.training import distributed, state
 from posttune.training.metrics import read_metrics
 from posttune.training.optim import build_optimizer, build_scheduler
+from posttune.training.output_dir import record_run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INIT_STD = 0.02  # random initialisation of Linear and Embedding weights, as HF's LLM configs use
@@ -45,7 +46,9 @@ def compose(plan: Plan) -> Session:
     init_distributed(session)
     seed_everything(plan.config.train.seed)
     session.tokenizer = load_tokenizer(session)
-    session.resume_from = state.find_resume(session)
+    session.resume_from, session.run_id = state.find_resume(session)
+    if distributed.is_main():  # the lineage a later `resume: latest` in this directory follows
+        record_run(Path(plan.config.checkpoint.output_dir), session.run_id, session.resume_from)
     build_policy(session)
     build_roles(session)
     build_data(session)
@@ -59,6 +62,7 @@ def compose(plan: Plan) -> Session:
         method.setup(session)
     if session.resume_from is not None:
         state.load_trainer_state(session, session.resume_from)
+    if plan.config.checkpoint.resume is not None:  # also with no checkpoint yet: every step is redone
         trim_metrics(session)
     return session
 
@@ -269,10 +273,13 @@ def total_steps(session: Session) -> int:
 
 
 def trim_metrics(session: Session) -> None:
-    """Drop metric lines past the resumed step: a killed run may have logged steps it never saved."""
+    """Drop metric lines past the resumed step (and a torn last line): a killed run may have logged
+    steps it never saved. Written whole to a temporary file, then renamed over the old one."""
     path = Path(session.config.checkpoint.output_dir) / "metrics.jsonl"
     if distributed.is_main() and path.is_file():
         import json
 
         kept = [r for r in read_metrics(path.parent) if r.get("step", 0) <= session.step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid() & 0xFFFFFFFF:08x}")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)

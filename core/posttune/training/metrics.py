@@ -38,7 +38,9 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a", encoding="utf-8") as f:
+        from posttune.training.write_errors import writing
+
+        with writing(self.path, "metrics"), self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         if self.bar is not None and "loss" in record:
             self.bar.update(1)
@@ -55,7 +57,20 @@ class MetricsLog:
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    """The step records of ``OUTPUT_DIR/metrics.jsonl``; a torn last line (a run killed while
+    writing it) is dropped, a broken line before it is an error naming the line."""
     path = Path(output_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number == len(lines):
+                break
+            from posttune.errors import PosttuneError
+
+            raise PosttuneError(f"{path}: line {number} is not JSON") from None
+    return records

@@ -7,14 +7,17 @@
         rng.pt             torch and Python RNG states
         method-00000.pt    the method's own state, when it keeps one (``Method.state_dict``): one
                            file per rank (rollouts waiting to be trained on are a rank's own)
-        trainer_state.json step, epoch, data position
+        trainer_state.json step, epoch, data position, the run id of the lineage, skipped steps
+        manifest.json      every other file's size and sha256, written last (``manifest.py``)
 
 A sharded model (FSDP2, TP: DTensor parameters) writes ``sharded/`` (model and optimizer
 through torch.distributed.checkpoint, see ``sharded_state.py``) instead of ``model/`` and
 ``optimizer.pt``; it resumes on any number of ranks, or on one process.
 
 Each checkpoint directory is written atomically (temp dir, fsync, rename), so one killed at
-any instant leaves only complete checkpoints behind; `resume: latest` takes the newest.
+any instant leaves only complete checkpoints behind. Pruning and `resume: latest` consider only
+the checkpoints of this run's lineage (its run id, ``output_dir.py``); `resume: latest` takes
+the newest one that matches its manifest and warns about each damaged one it skips.
 Everything is read back with safetensors or ``torch.load(weights_only=True)``: no unpickling
 of arbitrary objects.
 """
@@ -25,6 +28,7 @@ import json
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +37,10 @@ import torch
 from posttune.checkpoint.atomic import atomic_dir
 from posttune.errors import PosttuneError
 from posttune.session import Session
-from posttune.training import distributed
+from posttune.training import distributed, nonfinite
+from posttune.training.manifest import MANIFEST, damage, write_manifest
+from posttune.training.output_dir import LEFTOVER, new_run_id, recorded_run_id
+from posttune.training.write_errors import writing
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -49,8 +56,18 @@ def save_checkpoint(session: Session) -> Path:
     """Write step ``session.step``'s checkpoint and prune to ``keep_last``; return its path.
 
     Every rank calls it; a sharded model is written by all ranks, anything else by rank 0.
+    Weights that hold NaN or Inf are refused before anything is written.
     """
     target = checkpoint_root(session) / f"step-{session.step:08d}"
+    nonfinite.check_weights(session, f"checkpoint {target}")
+    with writing(target, "checkpoint"):
+        _write_checkpoint(session, target)
+    if distributed.is_main():
+        prune(checkpoint_root(session), session.config.checkpoint.keep_last, session.run_id)
+    return target
+
+
+def _write_checkpoint(session: Session, target: Path) -> None:
 
     method = session.plan.method.descriptor
 
@@ -58,27 +75,26 @@ def save_checkpoint(session: Session) -> Path:
         if method.state_dict is not None:
             torch.save(method.state_dict(session), tmp / METHOD_FILE.format(rank=distributed.rank()))
 
-    def write_trainer_state(tmp: Path) -> None:
+    def write_trainer_state(tmp: Path) -> None:  # rank 0, last: every other file is in place
         torch.save(session.scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         data = session.train_data.state_dict() if hasattr(session.train_data, "state_dict") else None
-        (tmp / STATE_FILE).write_text(json.dumps({"step": session.step, "epoch": session.epoch, "data": data},
-                                                 indent=2))
+        (tmp / STATE_FILE).write_text(json.dumps({"step": session.step, "epoch": session.epoch, "data": data,
+                                                  "run_id": session.run_id,
+                                                  "skipped_nonfinite": session.skipped_nonfinite}, indent=2))
+        write_manifest(tmp)
 
     if distributed.is_sharded(session.model):
         from posttune.training import sharded_state
 
-        sharded_state.save(session, target, write_trainer_state, replaceable=(STATE_FILE,),
+        sharded_state.save(session, target, write_trainer_state, replaceable=(STATE_FILE, MANIFEST),
                            write_each_rank=write_method_state)
     elif distributed.is_main():
-        with atomic_dir(target, replaceable=(STATE_FILE,)) as tmp:
+        with atomic_dir(target, replaceable=(STATE_FILE, MANIFEST)) as tmp:
             save_model_or_adapter(session, tmp / "model")
             torch.save(session.optimizer.state_dict(), tmp / "optimizer.pt")
-            write_trainer_state(tmp)
             write_method_state(tmp)
-    if distributed.is_main():
-        prune(checkpoint_root(session), session.config.checkpoint.keep_last)
-    return target
+            write_trainer_state(tmp)
 
 
 def save_model_or_adapter(session: Session, directory: Path) -> Path:
@@ -127,28 +143,81 @@ def checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def prune(root: Path, keep_last: int | None) -> None:
-    """Keep the newest ``keep_last`` checkpoints; remove temp dirs that a killed save left behind."""
+def run_id_of(checkpoint: Path) -> str | None:
+    """The lineage a checkpoint belongs to: its run id, ``""`` for one written before run ids
+    existed (it belongs to any lineage), None when its trainer state is unreadable."""
+    try:
+        return str(json.loads((checkpoint / STATE_FILE).read_text()).get("run_id") or "")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def lineage(root: Path, run_id: str | None) -> list[Path]:
+    """The checkpoints of lineage ``run_id`` (None: of any), oldest first."""
+    return [p for p in checkpoints(root) if run_id is None or run_id_of(p) in (run_id, "")]
+
+
+def prune(root: Path, keep_last: int | None, run_id: str | None = None) -> None:
+    """Keep the newest ``keep_last`` checkpoints of lineage ``run_id`` (another run's are never
+    touched); remove temp dirs that a killed save left behind."""
     for torn in root.glob(".step-*"):
-        shutil.rmtree(torn, ignore_errors=True)
+        if LEFTOVER.match(torn.name):
+            shutil.rmtree(torn, ignore_errors=True)
     if keep_last is None:
         return
-    for old in checkpoints(root)[:-keep_last] if keep_last > 0 else checkpoints(root):
+    mine = lineage(root, run_id)
+    for old in mine[:-keep_last] if keep_last > 0 else mine:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def find_resume(session: Session) -> Path | None:
-    """The checkpoint `checkpoint.resume` names: `latest` (None if there is none yet) or a path."""
+def find_resume(session: Session) -> tuple[Path | None, str]:
+    """The checkpoint ``checkpoint.resume`` names and the run id of this run's lineage.
+
+    ``latest``: the newest intact checkpoint of the lineage ``run.json`` names (None if there
+    is none yet); a path: that checkpoint, which must be intact. A fresh run starts a new
+    lineage; a resumed one inherits its checkpoint's. Rank 0 decides (it reads and verifies
+    the files) and tells the other ranks.
+    """
+    found: list[Any] = [None, ""]
+    if distributed.is_main():
+        path, run_id = _choose_resume(session)
+        found = [str(path) if path is not None else None, run_id]
+    if distributed.active():
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(found, src=0)
+    return (Path(found[0]) if found[0] is not None else None), found[1]
+
+
+def _choose_resume(session: Session) -> tuple[Path | None, str]:
     resume = session.config.checkpoint.resume
     if resume is None:
-        return None
+        return None, new_run_id()
     if resume == "latest":
-        found = checkpoints(checkpoint_root(session))
-        return found[-1] if found else None
+        recorded = recorded_run_id(Path(session.config.checkpoint.output_dir))
+        for path in reversed(lineage(checkpoint_root(session), recorded)):
+            problem = checkpoint_damage(path)
+            if problem is None:
+                return path, recorded or run_id_of(path) or new_run_id()
+            print(f"posttune: warning: checkpoint.resume: skipping damaged checkpoint {path} ({problem})",
+                  file=sys.stderr)
+        return None, recorded or new_run_id()
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise PosttuneError(f"checkpoint.resume: {path} is not a posttune checkpoint (no {STATE_FILE})")
-    return path
+    problem = checkpoint_damage(path)
+    if problem is not None:
+        raise PosttuneError(f"checkpoint.resume: {path} is damaged ({problem}); name another checkpoint or use "
+                            "checkpoint.resume=latest")
+    return path, run_id_of(path) or new_run_id()
+
+
+def checkpoint_damage(path: Path) -> str | None:
+    """What is wrong with checkpoint ``path`` (against its manifest), or None."""
+    problem = damage(path)
+    if problem is None and run_id_of(path) is None:
+        problem = f"{STATE_FILE} is unreadable"
+    return problem
 
 
 def load_trainer_state(session: Session, path: Path) -> None:
@@ -175,4 +244,5 @@ def load_trainer_state(session: Session, path: Path) -> None:
         method.load_state_dict(session, torch.load(mine, weights_only=True))
     session.step = meta["step"]
     session.epoch = meta["epoch"]
+    session.skipped_nonfinite = int(meta.get("skipped_nonfinite", 0))
     set_rng_state(torch.load(path / "rng.pt", weights_only=True))

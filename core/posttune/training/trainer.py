@@ -6,7 +6,9 @@
     at the accumulation boundary (or the end of an epoch):
         n = all-reduce(sum of normalisers)    # across micro-batches and ranks: tokens, pairs, ...
         grads *= ranks / n                    # the mean over every unit of the whole step
-        clip, optimizer.step(), scheduler.step(), method.on_step_end, log, evaluate, checkpoint
+        clip; a NaN/Inf loss or grad norm stops the run (or is skipped: nonfinite.py)
+        optimizer.step(), scheduler.step(), method.on_step_end, log, evaluate, checkpoint
+    after each step: SIGTERM on any rank -> checkpoint at this step, stop (preemption.py)
 
 Summing first and dividing once by the global normaliser makes batch 4 x accumulation 1 and
 batch 1 x accumulation 4 give the same gradients even when sequences differ in length.
@@ -17,6 +19,7 @@ extend the loop only through the session's typed fields (``step_contexts``,
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 
 from posttune.session import Session
-from posttune.training import distributed, state
+from posttune.training import distributed, nonfinite, preemption, state
 from posttune.training.metrics import MetricsLog, peak_memory_mib
 
 
@@ -84,31 +87,48 @@ def train(session: Session) -> dict[str, Any]:
     session.model.train()
     window = Window()
     run_start, run_tokens = time.perf_counter(), 0.0
-    while session.step < session.total_steps:
-        for batch in batches(session):
-            batch = distributed.to_device(batch, session.device)
-            # Plans' contexts (loss parallel, context parallel, sequence padding) wrap forward and backward.
-            with distributed.step_context(session, batch):
-                out = method.loss(session, batch)
-                for hook in session.before_backward:
-                    hook(session, out)
-                out.loss_sum.backward()
-            window.add(out)
-            if window.micro == config.grad_accum_steps:
-                run_tokens += _optimizer_step(session, window, log)
-                window = Window()
-                if session.step >= session.total_steps:
-                    break
-        else:  # the epoch ran out: a partial accumulation still makes a step
-            if window.micro:
-                run_tokens += _optimizer_step(session, window, log)
-                window = Window()
-            session.epoch += 1
-            if hasattr(session.train_data, "set_epoch"):
-                session.train_data.set_epoch(session.epoch)
-    summary = _summary(session, run_tokens, time.perf_counter() - run_start)
-    log.close()
-    return summary
+    with preemption.watching(), contextlib.closing(log):
+        while session.step < session.total_steps:
+            for batch in batches(session):
+                batch = distributed.to_device(batch, session.device)
+                # Plans' contexts (loss parallel, context parallel, sequence padding) wrap forward and backward.
+                with distributed.step_context(session, batch):
+                    out = method.loss(session, batch)
+                    for hook in session.before_backward:
+                        hook(session, out)
+                    out.loss_sum.backward()
+                window.add(out)
+                if window.micro == config.grad_accum_steps:
+                    run_tokens += _optimizer_step(session, window, log)
+                    _stop_if_asked(session, log)
+                    window = Window()
+                    if session.step >= session.total_steps:
+                        break
+            else:  # the epoch ran out: a partial accumulation still makes a step
+                if window.micro:
+                    run_tokens += _optimizer_step(session, window, log)
+                    _stop_if_asked(session, log)
+                    window = Window()
+                session.epoch += 1
+                if hasattr(session.train_data, "set_epoch"):
+                    session.train_data.set_epoch(session.epoch)
+        return _summary(session, run_tokens, time.perf_counter() - run_start)
+
+
+def _stop_if_asked(session: Session, log: MetricsLog) -> None:
+    """After a step: on SIGTERM (any rank), make sure a checkpoint of this step exists, then stop."""
+    if not preemption.requested(session.device):
+        return
+    path = state.checkpoint_root(session) / f"step-{session.step:08d}"
+    if not _checkpoint_due(session):  # else the step just wrote it
+        path = state.save_checkpoint(session)
+        log.note(f"saved checkpoint {path}")
+    raise preemption.Preempted(session.step, path)
+
+
+def _checkpoint_due(session: Session) -> bool:
+    every = session.config.checkpoint.save_every
+    return bool(every) and session.step % every == 0 and session.step < session.total_steps
 
 
 def batches(session: Session) -> Iterable[Any]:
@@ -129,12 +149,22 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog) -> float:
             param.grad.mul_(scale)
     max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
     clip = session.clip_gradients or (lambda _s, ps, norm: distributed.clip_grad_norm(ps, norm))
-    grad_norm = clip(session, params, max_norm)
+    grad_norm = float(distributed.full_value(clip(session, params, max_norm)))
     lr = float(session.optimizer.param_groups[0]["lr"])  # torchao optimizers keep a tensor LR
-    session.optimizer.step()
-    session.scheduler.step()
+    # Global values (loss reduced over ranks, the global norm): every rank decides the same.
+    bad = nonfinite.step_problem(reduced["loss"], grad_norm)
+    if bad is not None:
+        nonfinite.skip_or_stop(session, session.step + 1, bad, reduced["loss"] if bad == "loss" else grad_norm)
+    else:
+        session.optimizer.step()
+    session.scheduler.step()  # also when skipped: the schedule stays in step with the step count
     session.optimizer.zero_grad(set_to_none=True)
     session.step += 1
+    if bad is not None:
+        log.write({"step": session.step, "epoch": session.epoch, "lr": lr, "skipped_nonfinite": bad})
+        log.note(f"step {session.step}: skipped (the {bad} is not finite)")
+        _save_when_due(session, log)
+        return 0.0
     elapsed = time.perf_counter() - window.started
     normaliser, tokens = reduced.pop("normaliser"), reduced.pop("tokens")
     record = {
@@ -142,7 +172,7 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog) -> float:
         "epoch": session.epoch,
         "loss": reduced.pop("loss"),
         "lr": lr,
-        "grad_norm": float(distributed.full_value(grad_norm)),
+        "grad_norm": grad_norm,
         "tokens": int(tokens),
         window.unit: int(normaliser),
         "tokens_per_s": tokens / max(elapsed, 1e-9),
@@ -155,11 +185,14 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog) -> float:
     if config.eval_every and session.step % config.eval_every == 0 and session.validation_data is not None:
         record.update(_prefixed(evaluate(session)))
     log.write(record)
-    every = session.config.checkpoint.save_every
-    if every and session.step % every == 0 and session.step < session.total_steps:
+    _save_when_due(session, log)
+    return tokens
+
+
+def _save_when_due(session: Session, log: MetricsLog) -> None:
+    if _checkpoint_due(session):
         path = state.save_checkpoint(session)
         log.note(f"saved checkpoint {path}")
-    return tokens
 
 
 def evaluate(session: Session) -> dict[str, float]:
@@ -199,6 +232,8 @@ def _summary(session: Session, tokens: float, seconds: float) -> dict[str, Any]:
         "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
         "peak_memory_mib": round(peak_memory_mib(session.device), 1),
     }
+    if session.skipped_nonfinite or session.config.train.skip_nonfinite:
+        summary["skipped_nonfinite"] = session.skipped_nonfinite
     if session.validation_data is not None:
         summary.update(_prefixed(evaluate(session)))
     return summary

@@ -1,0 +1,75 @@
+"""Preemption: SIGTERM finishes the current step, saves a checkpoint there and exits with 143.
+
+SLURM and Kubernetes send SIGTERM some time before they kill a job. The handler only sets a
+flag; the trainer looks at it after each optimizer step, so the step in flight completes and
+the checkpoint holds a consistent state. Under torchrun every rank must stop at the same step
+(a checkpoint is collective), so the flag is all-reduced each step: one integer. A second
+SIGTERM exits at once; one that arrives within ``DUPLICATE_S`` of the first is taken for the
+same request delivered twice (SLURM signals every process of a step and torchrun forwards
+its own signal to the workers too). docs/training.md, "Preemption".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: the exit status of a preempted run: 128 + SIGTERM, what a shell reports for a job ended by it
+PREEMPTED = 128 + signal.SIGTERM
+DUPLICATE_S = 2.0
+
+_requested_at: float | None = None
+
+
+class Preempted(Exception):  # noqa: N818 - not an error: the run stopped as asked
+    """The run stopped on SIGTERM after writing ``checkpoint`` at ``step``."""
+
+    def __init__(self, step: int, checkpoint: Path):
+        self.step, self.checkpoint = step, checkpoint
+        super().__init__(f"preempted by SIGTERM: saved checkpoint {checkpoint} at step {step}; resume with "
+                         "checkpoint.resume=latest")
+
+
+@contextlib.contextmanager
+def watching() -> Iterator[None]:
+    """Catch SIGTERM for the duration of the loop (main thread only; elsewhere nothing changes)."""
+    global _requested_at
+    _requested_at = None
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: leave signals to whoever owns them
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _requested_at = None
+
+
+def _on_sigterm(signum: int, _frame: Any) -> None:
+    global _requested_at
+    now = time.monotonic()
+    if _requested_at is None:
+        _requested_at = now
+    elif now - _requested_at > DUPLICATE_S:  # asked twice: stop now, without the checkpoint
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def requested(device: Any = None) -> bool:
+    """Whether any rank was asked to stop; collective under torch.distributed (every rank calls it)."""
+    from posttune.training import distributed
+
+    asked = _requested_at is not None
+    if not distributed.active():
+        return asked
+    import torch
+
+    flag = torch.tensor([1.0 if asked else 0.0], device=device)
+    return bool(distributed.all_reduce_max(flag).item())

@@ -1,0 +1,128 @@
+"""Resume survives damage, and a failed write is one line that leaves what was there intact:
+a checkpoint that no longer matches its manifest is skipped by `resume: latest` (refused when
+named), a torn last metrics line is dropped, and a disk-full or permission error while saving
+names the path, exits 2 and leaves the previous checkpoint and final model byte-identical."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+from fault_support import error_line, train, tree_digest
+from kill_support import losses, run
+from posttune.training import manifest, state
+from run_support import reversal_rows, tiny_run_config
+
+pytestmark = pytest.mark.slow
+
+
+def write(tmp_path, name: str, **checkpoint) -> tuple:
+    """24 rows, batch 4: 6 steps an epoch, 2 epochs; a checkpoint every 2 steps, 3 kept."""
+    config = tiny_run_config(tmp_path, reversal_rows(24), fmt="chat", base_method={"name": "sft"}, batch_size=4,
+                             train={"epochs": 2, "lr": 3e-3}, checkpoint={"save_every": 2, "keep_last": 3,
+                                                                          **checkpoint})
+    config["checkpoint"]["output_dir"] = str(tmp_path / name)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, tmp_path / name
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory) -> list:
+    tmp_path = tmp_path_factory.mktemp("straight")
+    path, out = write(tmp_path, "straight")
+    assert train(str(path)).returncode == 0
+    return losses(out)
+
+
+def killed_at_step_7(tmp_path) -> tuple:
+    path, out = write(tmp_path, "killed")
+    assert run(str(path), killer=("step", 7)).returncode == -9  # checkpoints 2, 4, 6
+    return path, out
+
+
+def test_resume_latest_skips_a_damaged_checkpoint_and_matches_the_uninterrupted_run(tmp_path, expected):
+    path, out = killed_at_step_7(tmp_path)
+    newest = out / "checkpoints" / "step-00000006"
+    size = (newest / "optimizer.pt").stat().st_size
+    with open(newest / "optimizer.pt", "r+b") as f:
+        f.truncate(size // 2)
+    named = train(str(path), f"checkpoint.resume={newest}")
+    assert named.returncode == 2
+    assert error_line(named) == (f"posttune: error: checkpoint.resume: {newest} is damaged (optimizer.pt has "
+                                 f"{size // 2} bytes, expected {size}); name another checkpoint or use "
+                                 "checkpoint.resume=latest")
+    resumed = train(str(path), "checkpoint.resume=latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [line for line in resumed.stderr.splitlines() if "warning" in line] == [
+        f"posttune: warning: checkpoint.resume: skipping damaged checkpoint {newest} (optimizer.pt has {size // 2} "
+        f"bytes, expected {size})"]
+    assert losses(out) == expected
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, expected):
+    path, out = killed_at_step_7(tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "epoch": 1, "lo')  # killed in the middle of a line
+    resumed = train(str(path), "checkpoint.resume=latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses(out) == expected
+
+
+def test_resume_latest_without_a_checkpoint_redoes_every_logged_step(tmp_path, expected):
+    path, out = write(tmp_path, "early", save_every=None)
+    assert run(str(path), killer=("step", 3)).returncode == -9  # logged 3 steps, saved none
+    resumed = train(str(path), "checkpoint.resume=latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses(out) == expected
+
+
+def test_a_manifest_catches_damage_and_an_older_checkpoint_without_one_is_accepted(tmp_path):
+    checkpoint = tmp_path / "step-00000002"
+    (checkpoint / "model").mkdir(parents=True)
+    (checkpoint / "model" / "model.safetensors").write_bytes(b"w" * 64)
+    (checkpoint / state.STATE_FILE).write_text(json.dumps({"step": 2, "epoch": 0, "run_id": "abc"}))
+    manifest.write_manifest(checkpoint)
+    assert state.checkpoint_damage(checkpoint) is None
+    (checkpoint / "model" / "model.safetensors").write_bytes(b"x" * 64)
+    assert state.checkpoint_damage(checkpoint) == "model/model.safetensors does not match its checksum"
+    (checkpoint / manifest.MANIFEST).unlink()  # as written before manifests existed: accepted unverified
+    assert state.checkpoint_damage(checkpoint) is None
+    (checkpoint / state.STATE_FILE).write_text("{")
+    assert state.checkpoint_damage(checkpoint) == "trainer_state.json is unreadable"
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> tuple:
+    """A finished 4-step run: model/ and the step-2 checkpoint."""
+    tmp_path = tmp_path_factory.mktemp("finished")
+    path, out = write(tmp_path, "run")
+    assert train(str(path), "train.max_steps=4").returncode == 0
+    return path, out
+
+
+@pytest.mark.parametrize(("fault", "what", "reason"), [
+    ("enospc", "checkpoint {out}/checkpoints/step-00000004 (optimizer.pt)",
+     "No space left on device; the previous checkpoints are intact"),
+    ("eacces", "checkpoint {out}/checkpoints/step-00000004 (optimizer.pt)",
+     "Permission denied; the previous checkpoints are intact"),
+    ("final_enospc", "model {out}/model (model.safetensors)",
+     "No space left on device; a previous final model there is intact"),
+])
+def test_a_failed_write_is_one_line_and_leaves_the_previous_results_intact(finished, tmp_path, fault, what, reason):
+    source, finished_out = finished
+    out = tmp_path / "run"
+    shutil.copytree(finished_out, out)
+    config = yaml.safe_load(source.read_text())
+    config["checkpoint"]["output_dir"] = str(out)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    before = tree_digest(out / "model"), tree_digest(out / "checkpoints" / "step-00000002")
+    result = train(str(path), "checkpoint.resume=latest", "train.max_steps=6", "checkpoint.save_every=null"
+                   if fault == "final_enospc" else "checkpoint.save_every=2", fault=(fault, 1))
+    assert result.returncode == 2
+    assert error_line(result) == f"posttune: error: cannot write {what.format(out=out)}: {reason}"
+    assert (tree_digest(out / "model"), tree_digest(out / "checkpoints" / "step-00000002")) == before
+    assert not [p for p in [*out.iterdir(), *(out / "checkpoints").iterdir()] if ".tmp-" in p.name]

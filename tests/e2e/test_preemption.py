@@ -1,0 +1,69 @@
+"""Preemption: SIGTERM finishes the step in flight, writes a checkpoint at it (even without
+`save_every`) and exits with 143; `resume: latest` then logs the uninterrupted run's losses, bit
+for bit (CPU fp32). A second SIGTERM exits at once."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from fault_support import error_line, train
+from kill_support import losses
+
+pytestmark = pytest.mark.slow
+
+PREEMPTED = 143
+
+
+def write(tmp_path, make_config, name: str, **train_section) -> tuple:
+    """24 rows, batch 4: 6 steps an epoch; no periodic checkpoints."""
+    config = make_config(tmp_path, train={"epochs": 2, "lr": 3e-3, "device": "cpu", **train_section})
+    config["checkpoint"]["output_dir"] = str(tmp_path / name)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, tmp_path / name
+
+
+def saved(out) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith("."))
+
+
+def test_sigterm_saves_the_current_step_and_resume_matches_the_uninterrupted_run(tmp_path, make_config):
+    straight, straight_out = write(tmp_path, make_config, "straight")
+    assert train(str(straight)).returncode == 0
+    path, out = write(tmp_path, make_config, "preempted")
+    stopped = train(str(path), fault=("term", 5))  # mid-epoch 0
+    assert stopped.returncode == PREEMPTED
+    assert error_line(stopped) == (f"posttune: preempted by SIGTERM: saved checkpoint {out}/checkpoints/step-00000005 "
+                                   "at step 5; resume with checkpoint.resume=latest")
+    assert saved(out) == ["step-00000005"] and not (out / "model").exists()
+    resumed = train(str(path), "checkpoint.resume=latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses(out) == losses(straight_out)
+    assert [step for step, _ in losses(out)] == list(range(1, 13))
+
+
+def test_an_external_sigterm_stops_at_a_step_boundary(tmp_path, make_config):
+    path, out = write(tmp_path, make_config, "run", epochs=100)  # 600 steps: far more than the test waits
+    proc = subprocess.Popen([sys.executable, "-m", "posttune.cli.main", "train", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED, stderr[-3000:]
+    last = losses(out)[-1][0]
+    assert 3 <= last < 600 and saved(out) == [f"step-{last:08d}"]  # the checkpoint is the last logged step
+
+
+def test_a_second_sigterm_exits_at_once(tmp_path, make_config):
+    path, out = write(tmp_path, make_config, "run")
+    result = train(str(path), fault=("term2", 3))  # the second one arrives while the checkpoint is due
+    assert result.returncode == -signal.SIGTERM
+    assert not (out / "checkpoints").exists() or saved(out) == []
