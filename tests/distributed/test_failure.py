@@ -1,14 +1,16 @@
-"""A rank that raises ends the whole torchrun job with that rank's error; nothing hangs."""
+"""A rank that raises ends the whole torchrun job with that rank's error; a rank killed outright
+ends it too, within a bound; nothing hangs, and `resume: latest` continues the same losses."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
-
-from conftest import env, write_config
+from conftest import env, metrics, train, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -50,3 +52,73 @@ def test_posttune_train_reports_the_failing_rank_in_one_line(tmp_path):
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("posttune: error: ") and "config.json" in last, result.stderr[-2000:]
+
+
+#: Rank 1 dies by SIGKILL right after optimizer step 3 (a lost node, the OOM killer): no Python
+#: error handler runs, so only torchrun's agent and the other rank's collectives notice.
+KILLED_RANK_WORKER = textwrap.dedent("""
+    import os, signal, sys
+    import posttune.training.trainer as trainer
+    from posttune.training import worker
+
+    step = trainer._optimizer_step
+
+    def step_then_die(session, window, log):
+        tokens = step(session, window, log)
+        if os.environ["RANK"] == "1" and session.step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return tokens
+
+    trainer._optimizer_step = step_then_die
+    sys.exit(worker.run(sys.argv[1:]))
+""")
+KILL_BOUND_S = 120  # torchrun's agent stops the surviving rank; a hang would run to the timeout
+
+
+def test_a_rank_killed_by_sigkill_ends_the_job_and_resume_continues_the_losses(runs, tmp_path):
+    straight = runs("fsdp2_saving", nproc=2, batch_size=4, parallel={"plans": ["fsdp2"]},
+                    checkpoint={"save_every": 2})
+    config = write_config(tmp_path / "killed", batch_size=4, parallel={"plans": ["fsdp2"]},
+                          checkpoint={"save_every": 2})
+    script = tmp_path / "killed_rank_worker.py"
+    script.write_text(KILLED_RANK_WORKER)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(script), str(config)]
+    started = time.monotonic()
+    killed = subprocess.run(command, capture_output=True, text=True, timeout=KILL_BOUND_S + 60, env=env())
+    elapsed = time.monotonic() - started
+    assert killed.returncode != 0
+    assert elapsed < KILL_BOUND_S, f"the job took {elapsed:.0f} s to end after rank 1 died"
+    out = tmp_path / "killed" / "out"
+    assert [p.name for p in sorted((out / "checkpoints").glob("step-*"))] == ["step-00000002"]
+
+    train(config, "checkpoint.resume=latest", nproc=2)
+    assert [(r["step"], r["loss"]) for r in metrics(out)] == [(r["step"], r["loss"]) for r in metrics(straight)]
+
+
+def test_sigterm_to_posttune_train_under_torchrun_saves_on_every_rank_and_resumes(tmp_path):
+    """What SLURM does on preemption: SIGTERM to the launcher; torchrun forwards it to the workers,
+    which agree on a step, write one checkpoint there and exit; the launcher exits with 143."""
+    steps = 24
+    straight = write_config(tmp_path / "straight", batch_size=4, parallel={"plans": ["fsdp2"]}, steps=steps)
+    train(straight, nproc=2)
+    config = write_config(tmp_path / "preempted", batch_size=4, parallel={"plans": ["fsdp2"]}, steps=steps)
+    out = tmp_path / "preempted" / "out"
+    command = [sys.executable, "-m", "posttune.cli.main", "train", str(config), "--nproc-per-node", "2",
+               "--standalone"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=KILL_BOUND_S)
+    assert proc.returncode == 143, stderr[-3000:]
+    logged = metrics(out)
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert saved == [f"step-{logged[-1]['step']:08d}"] and logged[-1]["step"] < steps, (saved, stderr[-2000:])
+
+    train(config, "checkpoint.resume=latest", nproc=2)
+    expected = metrics(tmp_path / "straight" / "out")
+    assert [(r["step"], r["loss"]) for r in metrics(out)] == [(r["step"], r["loss"]) for r in expected]
