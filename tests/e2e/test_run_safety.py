@@ -8,6 +8,9 @@ import errno
 import json
 import os
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import yaml
@@ -125,3 +128,30 @@ def test_the_output_dir_checks_are_torch_free():
     code = ("import sys, posttune.training.output_dir as o; o.check_output_dir; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_two_concurrent_runs_on_one_directory(write_config, tmp_path):
+    """Two real `posttune train` processes: the second refuses in one line naming the first's pid;
+    the first finishes, and its metrics are its own, each step once."""
+    steps = 500  # long enough that the first run outlives the second's start-up on a loaded machine
+    path = write_config(train={"max_steps": steps, "device": "cpu"})
+    out = tmp_path / "out"
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, "-m", "posttune.cli.main", "train", str(path)], env=environment,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while first.poll() is None and time.monotonic() < deadline:
+        if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 1:
+            break
+        time.sleep(0.05)
+    assert first.poll() is None, "the first run ended before the second could start"
+    second = subprocess.run([sys.executable, "-m", "posttune.cli.main", "train", str(path)], env=environment,
+                            capture_output=True, text=True, timeout=120)
+    assert first.poll() is None, "the first run ended while the second ran: the overlap was not tested"
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert f"is in use by another run (host {socket.gethostname()}, pid {first.pid})" in second.stderr
+    _, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr[-3000:]
+    steps_logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps_logged == list(range(1, steps + 1))
