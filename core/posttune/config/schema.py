@@ -53,6 +53,8 @@ class DataConfig:
     max_prompt_len: int | None = None  # preference/prompt data: keep the prompt's last N tokens
     packing: bool = False
     skip_bad_rows: bool = False
+    group_by_length: bool = False  # map-style, unpacked: batch rows of similar length (less padding)
+    pad_to_multiple_of: int | None = None  # round each batch's padded length up to a multiple
 
 
 @dataclass(frozen=True)
@@ -146,10 +148,22 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     if data is not None and data.max_prompt_len is not None and data.max_prompt_len >= data.max_seq_len:
         raise ConfigError("data.max_prompt_len", f"must be below data.max_seq_len ({data.max_seq_len}) "
                                                  "to leave room for a response")
+    if data is not None:
+        _check_grouping(data)
     for dim, degree in config.parallel.dims.items():
         if degree != -1 and degree < 1:
             raise ConfigError(f"parallel.dims.{dim}", f"expected a positive degree or -1, got {degree}")
     return config
+
+
+def _check_grouping(data: DataConfig) -> None:
+    """Grouping reorders a map-style epoch of unpacked rows; anything else would ignore it silently."""
+    if data.group_by_length and data.packing:
+        raise ConfigError("data.group_by_length", "packed rows are already full and need no grouping; "
+                                                  "set packing or group_by_length, not both")
+    if data.group_by_length and data.train.streaming:
+        raise ConfigError("data.group_by_length", "needs a map-style dataset (the whole epoch to sort), "
+                                                  "but data.train is streaming; set streaming: false or drop it")
 
 
 def _check_choice(value: str | dict[str, Any], where: str, names: tuple[str, ...]) -> None:

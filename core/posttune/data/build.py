@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from posttune.config.schema import DatasetConfig
 from posttune.data.loader import BatchLoader
 from posttune.data.loading import check_columns, load_rows
@@ -27,7 +29,7 @@ def build_loader(session: Any, dataset: DatasetConfig, split: str, *, make: Any,
 
     ``make(row, index)`` returns ``(ids, labels)``, a list of them (a group), or None, and keeps
     ``make.skipped`` (``SampleMaker`` does all of that). Sharded by the data-parallel coordinate:
-    the TP/CP ranks of one group read the same batches.
+    the TP/CP ranks of one group read the same batches. ``data.group_by_length`` applies here.
     """
     from posttune.training.distributed import data_rank
 
@@ -35,13 +37,18 @@ def build_loader(session: Any, dataset: DatasetConfig, split: str, *, make: Any,
     train = session.config.train
     return make_loader(dataset, make=make, collate=collate, max_seq_len=session.config.data.max_seq_len,
                        batch_size=train.batch_size, seed=train.seed, shuffle=split == "train", rank=rank,
-                       world_size=world, packing=packing, where=f"data.{split}")
+                       world_size=world, packing=packing, where=f"data.{split}",
+                       group_by_length=session.config.data.group_by_length)
 
 
 def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[list[Sample]]], dict[str, Any]],
                 max_seq_len: int, batch_size: int, seed: int = 0, shuffle: bool = True, rank: int = 0,
-                world_size: int = 1, packing: bool = False, where: str = "data.train") -> BatchLoader:
+                world_size: int = 1, packing: bool = False, where: str = "data.train",
+                group_by_length: bool = False) -> BatchLoader:
     """``build_loader`` without a session: every setting given (tests and tools use it).
+
+    ``group_by_length`` (map-style, unpacked, shuffled only; `validate` refuses the rest) batches
+    rows of similar length, measured once from the tokenized store.
 
     Every rank reads and tokenizes the whole dataset, so shuffling and packing agree across ranks
     without communication; each then keeps its own share of every global batch.
@@ -65,7 +72,8 @@ def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[li
     if packing:
         packed = list(pack(range(len(store)), max_seq_len, length=store.length))
         return BatchLoader(num_items=len(packed), get_item=lambda i: [store[j] for j in packed[i]], **common)
-    return BatchLoader(num_items=len(store), get_item=store.group, **common)
+    lengths = store.group_lengths() if group_by_length and shuffle else None
+    return BatchLoader(num_items=len(store), get_item=store.group, lengths=lengths, **common)
 
 
 def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoader:
@@ -73,7 +81,7 @@ def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoad
 
     The prompts of a map-style dataset are kept as tokenized (they are short; rewards need each
     row's other fields too); a streaming one is read in order. Shuffling, sharding and resume are
-    ``BatchLoader``'s, as for every other loader.
+    ``BatchLoader``'s, as for every other loader; ``data.group_by_length`` groups prompts by length.
     """
     from posttune.data.prompts import PromptMaker, prompt_batch
     from posttune.training.distributed import data_rank
@@ -94,7 +102,9 @@ def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoad
     if not items:
         raise PosttuneError(f"{where}: no usable prompts in {dataset.path!r} ({make.skipped.bad_rows} bad rows "
                             f"skipped, {make.skipped.untrained} empty)")
-    return BatchLoader(num_items=len(items), get_item=items.__getitem__, **common)
+    lengths = (torch.tensor([max(len(sample) for sample in item) for item in items])
+               if config.data.group_by_length and split == "train" else None)  # similar prompts generate together
+    return BatchLoader(num_items=len(items), get_item=items.__getitem__, lengths=lengths, **common)
 
 
 def dataset_format(session: Any, split: str) -> Any:

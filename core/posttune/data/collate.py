@@ -13,6 +13,10 @@ Batch dict keys:
 forward pass scores both: rows ``i`` and ``b + i`` are pair i; ``rows`` LongTensor [b] holds each
 pair's dataset row (-1 for a placeholder), the key under which a method keeps per-pair data.
 
+``pad_to_multiple_of`` (``data.pad_to_multiple_of``) rounds the padded width up to a multiple:
+the extra columns are padding like any other (no target), so losses do not change, while
+kernels and compiled graphs see fewer distinct shapes.
+
 A rank whose share of the last global batch is empty gets a placeholder batch of one padding
 row with no targets: every rank then runs the same number of steps, and the trainer's token-count
 normalisation gives that rank zero weight.
@@ -27,28 +31,33 @@ import torch
 from posttune.data.samples import IGNORE_INDEX, Sample
 
 
-def padded_batch(rows: list[list[Sample]], *, pad_id: int) -> dict[str, Any]:
+def padded_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int | None = None) -> dict[str, Any]:
     """One sample per row, right-padded to the longest (a single padding token for an empty share)."""
     samples = [sample for row in rows for sample in row]
-    input_ids, labels = _pad(samples, pad_id, rows=max(len(samples), 1))
+    input_ids, labels = _pad(samples, pad_id, rows=max(len(samples), 1), multiple=pad_to_multiple_of)
     return {"input_ids": input_ids, "labels": labels, "num_tokens": _count(samples)}
 
 
-def pair_batch(rows: list[list[Sample]], *, pad_id: int) -> dict[str, Any]:
+def pair_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int | None = None) -> dict[str, Any]:
     """Preference pairs ``[chosen, rejected]``: chosen rows first, then rejected, right-padded.
 
     An empty share becomes one placeholder pair without targets (``rows`` -1).
     """
     chosen, rejected = [row[0] for row in rows], [row[1] for row in rows]
     count = max(len(rows), 1)
-    input_ids, labels = _pad(chosen + [None] * (count - len(rows)) + rejected, pad_id, rows=2 * count)
+    input_ids, labels = _pad(chosen + [None] * (count - len(rows)) + rejected, pad_id, rows=2 * count,
+                             multiple=pad_to_multiple_of)
     pair_rows = torch.tensor([row[0].row for row in rows] or [-1], dtype=torch.long)
     return {"input_ids": input_ids, "labels": labels, "rows": pair_rows, "num_tokens": _count(chosen + rejected)}
 
 
-def _pad(samples: list[Sample | None], pad_id: int, *, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` x longest ids and labels, right-padded; a None sample (or a missing one) is all padding."""
+def _pad(samples: list[Sample | None], pad_id: int, *, rows: int,
+         multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` x longest ids and labels (rounded up to ``multiple``), right-padded; a None sample
+    (or a missing one) is all padding."""
     length = max((len(s) for s in samples if s is not None), default=1)
+    if multiple is not None:
+        length = -(-length // multiple) * multiple
     input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     for index, sample in enumerate(samples):

@@ -8,7 +8,8 @@ and every rank yields the same number of micro-batches (an empty share of the la
 becomes a placeholder batch without targets, see `collate.py`).
 
 Order: a map-style dataset is shuffled per epoch by a `torch.Generator` seeded from
-(seed, epoch), the same on every rank; a streaming dataset is read in order.
+(seed, epoch), the same on every rank; a streaming dataset is read in order. Given item
+``lengths``, a shuffled order is length-grouped (`grouping.py`) from the same generator.
 
 Resume: ``position`` counts the global batches consumed in ``epoch``. A map-style loader
 recomputes the epoch's permutation and skips them; a streaming loader restarts the dataset at
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from posttune.data.grouping import grouped_order
 from posttune.data.samples import Sample, SkipCounts
 from posttune.errors import PosttuneError
 
@@ -42,7 +44,8 @@ class BatchLoader:
     def __init__(self, *, collate: Callable[[list[Item]], Batch], batch_size: int, seed: int = 0,
                  shuffle: bool = True, rank: int = 0, world_size: int = 1, num_items: int | None = None,
                  get_item: Callable[[int], Item] | None = None,
-                 open_stream: Callable[[int], Iterator[Item]] | None = None, skipped: SkipCounts | None = None):
+                 open_stream: Callable[[int], Iterator[Item]] | None = None, skipped: SkipCounts | None = None,
+                 lengths: torch.Tensor | None = None):
         if (open_stream is None) == (get_item is None or num_items is None):
             raise ValueError("give either num_items and get_item (map-style) or open_stream (streaming)")
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
@@ -52,7 +55,15 @@ class BatchLoader:
         self.rank, self.world_size = rank, world_size
         self.num_items, self.get_item, self.open_stream = num_items, get_item, open_stream
         self.skipped = skipped if skipped is not None else SkipCounts()
+        if lengths is not None and (open_stream is not None or len(lengths) != num_items):
+            raise ValueError("lengths: one per item, for a map-style loader only")
+        self.lengths = lengths  # per item, for length-grouped batches (data.group_by_length)
         self.epoch, self.position, self.rows = 0, 0, 0
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the epoch order is length-grouped (only a shuffled order is)."""
+        return self.shuffle and self.lengths is not None
 
     @property
     def streaming(self) -> bool:
@@ -87,6 +98,8 @@ class BatchLoader:
             return list(range(self.num_items))
         epoch = self.epoch if epoch is None else epoch
         generator = torch.Generator().manual_seed(_mix(self.seed, epoch))
+        if self.grouped:
+            return grouped_order(self.lengths, self.global_batch_size, generator)
         return torch.randperm(self.num_items, generator=generator).tolist()
 
     def _map_shares(self) -> Iterator[list[Item]]:
@@ -118,9 +131,11 @@ class BatchLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` was saved; refuses a state that would not mean the same batches."""
         for key, mine in self._identity().items():
-            if state.get(key) != mine:
-                raise PosttuneError(f"cannot resume the data position: the checkpoint has {key}={state.get(key)}, "
-                                    f"this run has {mine} (the dataset, batch size x ranks or seed changed)")
+            saved = state.get(key, _ABSENT.get(key))
+            if saved != mine:
+                raise PosttuneError(f"cannot resume the data position: the checkpoint has {key}={saved}, "
+                                    f"this run has {mine} (the dataset, batch size x ranks, seed or "
+                                    "group_by_length changed)")
         self.epoch, self.position, self.rows = int(state["epoch"]), int(state["position"]), int(state["rows"])
         for key, value in state.get("skipped", {}).items():
             setattr(self.skipped, key, int(value))
@@ -128,7 +143,11 @@ class BatchLoader:
     def _identity(self) -> dict[str, Any]:
         """What must not change between saving and resuming for a position to mean the same batches."""
         return {"streaming": self.streaming, "num_items": self.num_items, "global_batch_size": self.global_batch_size,
-                "seed": self.seed if self.shuffle else None}
+                "seed": self.seed if self.shuffle else None, "group_by_length": self.grouped}
+
+
+#: identity keys newer than some checkpoints, and what their absence means
+_ABSENT = {"group_by_length": False}
 
 
 def _mix(seed: int, epoch: int) -> int:

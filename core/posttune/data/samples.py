@@ -195,6 +195,12 @@ class SampleStore:
         first = int(self.groups[index])
         return int(self.offsets[first + 1] - self.offsets[first])
 
+    def group_lengths(self) -> torch.Tensor:
+        """Each kept row's longest sample, from the offsets (no re-tokenizing): how wide the row pads."""
+        sample_lengths = self.offsets[1:] - self.offsets[:-1]
+        owner = torch.repeat_interleave(torch.arange(len(self)), self.groups[1:] - self.groups[:-1])
+        return torch.zeros(len(self), dtype=torch.int64).scatter_reduce(0, owner, sample_lengths, "amax")
+
     def sample(self, position: int, row: int) -> Sample:
         start, end = int(self.offsets[position]), int(self.offsets[position + 1])
         return Sample(self.ids[start:end].long(), self.labels[start:end].long(), row)

@@ -33,7 +33,7 @@ def data(session: Any, dataset: Any, split: str) -> Any:
     pad = pad_id(session.tokenizer)
 
     def collate(rows: list) -> dict[str, Any]:
-        batch = pair_batch(rows, pad_id=pad)
+        batch = pair_batch(rows, pad_id=pad, pad_to_multiple_of=config.pad_to_multiple_of)
         batch["split"] = split  # which precomputed reference table holds these pairs
         return batch
 

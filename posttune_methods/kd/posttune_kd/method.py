@@ -36,11 +36,12 @@ def data(session: Any, dataset: Any, split: str) -> Any:
                        train_on_input=session.method_config.train_on_input, skip_bad_rows=config.skip_bad_rows,
                        column_map=dataset.column_map, where=f"data.{split}", system_prompt=dataset.system_prompt)
     collate = partial(batch_with_rows, pad=pad_id(session.tokenizer), max_seq_len=config.max_seq_len,
-                      packing=config.packing)
+                      packing=config.packing, pad_to_multiple_of=config.pad_to_multiple_of)
     return build_loader(session, dataset, split, make=make, collate=collate, packing=config.packing)
 
 
-def batch_with_rows(items: list, *, pad: int, max_seq_len: int, packing: bool) -> dict[str, Any]:
+def batch_with_rows(items: list, *, pad: int, max_seq_len: int, packing: bool,
+                    pad_to_multiple_of: int | None = None) -> dict[str, Any]:
     """The SFT collate, plus each row's dataset index (-1 for a packed row or a placeholder)."""
     from posttune.plugin import packed_batch, padded_batch
 
@@ -48,7 +49,7 @@ def batch_with_rows(items: list, *, pad: int, max_seq_len: int, packing: bool) -
         batch = packed_batch(items, pad_id=pad, max_seq_len=max_seq_len)
         batch["rows"] = torch.full((batch["input_ids"].shape[0],), -1, dtype=torch.long)
         return batch
-    batch = padded_batch(items, pad_id=pad)
+    batch = padded_batch(items, pad_id=pad, pad_to_multiple_of=pad_to_multiple_of)
     rows = [sample.row for item in items for sample in item]
     batch["rows"] = torch.tensor(rows or [-1], dtype=torch.long)
     return batch

@@ -48,10 +48,10 @@ def sft_loader(dataset: Any, *, data: Any, fmt: Any, tokenizer: Any, batch_size:
                        system_prompt=dataset.system_prompt)
     pad = pad_id(tokenizer)
     collate = (partial(packed_batch, pad_id=pad, max_seq_len=data.max_seq_len) if data.packing
-               else partial(padded_batch, pad_id=pad))
+               else partial(padded_batch, pad_id=pad, pad_to_multiple_of=data.pad_to_multiple_of))
     return make_loader(dataset, make=make, collate=collate, max_seq_len=data.max_seq_len, batch_size=batch_size,
                        seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, packing=data.packing,
-                       where=where)
+                       where=where, group_by_length=data.group_by_length)
 
 
 def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
