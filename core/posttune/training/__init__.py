@@ -39,6 +39,7 @@ def run(plan: Any) -> int:
         after = sample(session)
         if show:
             report(session, summary, outputs, before, after)
+        distributed.shutdown()
         return 0
 
 

@@ -26,6 +26,18 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def shutdown() -> None:
+    """End a finished distributed run: wait for every rank, then tear the process group down.
+
+    A rank that leaves the interpreter with a live gloo group can abort in C++ at exit
+    ("terminate called without an active exception", seen once on one rank of a finished TP run
+    while rank 0 was still writing); every rank leaving together after the group is gone cannot.
+    """
+    if active():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def world_size() -> int:
     return dist.get_world_size() if active() else 1
 
