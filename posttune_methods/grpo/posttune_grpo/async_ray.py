@@ -125,7 +125,7 @@ def start_pool(session: Any) -> ActorPool:
 
 def batches(session: Any) -> Any:
     """One epoch: prompts handed to the actors, rollouts trained on as they become ready."""
-    from posttune_grpo.method import _train_on
+    from posttune_grpo.method import _train_on, count_rollouts
 
     state = session.method_state
     if state.pool is None:
@@ -152,12 +152,7 @@ def batches(session: Any) -> Any:
             state.dropped_stale += 1
             continue
         state.versions_trained.append(oldest)
-        real = (rollouts.rows >= 0).long()
-        state.generation_seconds += rollouts.seconds
-        state.generated_tokens += int((rollouts.lengths * real).sum())
-        state.longest = max(state.longest, int((rollouts.lengths * real).max()))
-        for name, count in rollouts.reward_failures.items():
-            state.reward_failures[name] = state.reward_failures.get(name, 0) + count
+        count_rollouts(state, rollouts)
         # the ratio is against the policy that sampled: the actor's log-probs of its own tokens
         rollouts.old_logps = rollouts.behaviour_logps
         state.pending, state.cursor = rollouts, 0

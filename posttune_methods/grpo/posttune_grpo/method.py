@@ -133,13 +133,18 @@ def make_rollouts(session: Any, prompts: dict[str, Any]) -> Rollouts:
     _score_with_models(session, rollouts)
     session.model.train()
     rollouts.seconds = time.perf_counter() - started
+    count_rollouts(state, rollouts)
+    return rollouts
+
+
+def count_rollouts(state: GRPOState, rollouts: Rollouts) -> None:
+    """Add a batch of rollouts to the generation figures the next step record reports (sync and async)."""
     real = (rollouts.rows >= 0).long()
     state.generation_seconds += rollouts.seconds
     state.generated_tokens += int((rollouts.lengths * real).sum())
     state.longest = max(state.longest, int((rollouts.lengths * real).max()))
     for name, count in rollouts.reward_failures.items():
         state.reward_failures[name] = state.reward_failures.get(name, 0) + count
-    return rollouts
 
 
 def rollout_spec(session: Any) -> dict[str, Any]:
