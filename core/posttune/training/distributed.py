@@ -122,24 +122,45 @@ def is_dtensor(tensor: Any) -> bool:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` for plain and DTensor gradients, even on different meshes.
-
-    Each mesh's gradients get their norm from torch (a DTensor norm needs its ranks' parts
-    reduced: ``full_tensor``), the norms are combined, and every gradient is scaled once.
-    """
-    by_mesh: dict[Any, list[torch.nn.Parameter]] = {}
+def _by_mesh(params: Iterable[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """Parameters with gradients, grouped by their gradients' mesh (None for plain tensors):
+    torch's foreach ops refuse a mix of tensor kinds."""
+    groups: dict[Any, list[torch.nn.Parameter]] = {}
     for param in params:
         if param.grad is not None:
-            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    return list(groups.values())
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the gradients, a plain tensor, without a host sync.
+
+    Each mesh's gradients get their norm from torch (a DTensor norm needs its ranks' parts
+    reduced: ``full_tensor``), and the norms are combined.
+    """
     norms = [full_value(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)).float()
-             for group in by_mesh.values()]
+             for group in _by_mesh(params)]
     if not norms:
         return torch.zeros(())
     device = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+
+
+def scale_gradients(params: Iterable[torch.nn.Parameter], factor: float) -> None:
+    """Multiply every gradient by ``factor`` (one foreach call per mesh)."""
+    if factor == 1.0:
+        return
+    for group in _by_mesh(params):
+        torch._foreach_mul_([p.grad for p in group], factor)
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for plain and DTensor gradients, even on different meshes: the global
+    norm (``grad_norm``), then every gradient scaled once."""
+    params = list(params)
+    total = grad_norm(params)
     if math.isfinite(max_norm):
-        for group in by_mesh.values():  # one mesh at a time: torch's foreach ops refuse a mix of tensor kinds
+        for group in _by_mesh(params):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
     return total
 

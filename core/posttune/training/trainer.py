@@ -20,6 +20,7 @@ extend the loop only through the session's typed fields (``step_contexts``,
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -56,26 +57,33 @@ class Window:
         self.normaliser = self.normaliser + torch.as_tensor(out.normaliser, dtype=torch.float32)
         self.tokens = self.tokens + torch.as_tensor(out.tokens, dtype=torch.float32)
         self.unit = out.unit
-        for key, value in out.metrics.items():
+        for key, value in out.metrics.items():  # kept as tensors: no host sync per micro-batch
             total, count = value if isinstance(value, tuple) else (value, 1.0)
             sums = self.metrics.setdefault(key, [0.0, 0.0])
-            sums[0] += _number(total)
-            sums[1] += _number(count)
+            sums[0] = sums[0] + _detached(total)
+            sums[1] = sums[1] + _detached(count)
 
-    def reduce(self, session: Session) -> dict[str, Any]:
-        """Sum over the ranks that hold different data: loss per unit, units, tokens, metric means."""
+    def reduce(self, session: Session, *extra: torch.Tensor) -> dict[str, Any]:
+        """Sum over the ranks that hold different data: loss per unit, units, tokens, metric means.
+
+        The step's one host sync: ``extra`` scalars (already global, e.g. the gradient norm) ride
+        along to the host in the same transfer, returned as ``extra`` in order.
+        """
         keys = sorted(self.metrics)
-        values = [torch.as_tensor(v, dtype=torch.float32) for v in (self.loss_sum, self.normaliser, self.tokens)]
-        values += [torch.tensor(self.metrics[k], dtype=torch.float32) for k in keys]
-        flat = torch.cat([v.reshape(-1).to(session.device) for v in values])
-        flat = distributed.sum_over_token_ranks(flat, session.mesh).tolist()
-        loss_sum, normaliser, tokens = flat[:3]
-        means = {k: flat[3 + 2 * i] / max(flat[4 + 2 * i], 1e-12) for i, k in enumerate(keys)}
-        return {"loss": loss_sum / max(normaliser, 1.0), "normaliser": normaliser, "tokens": tokens, **means}
+        values = [self.loss_sum, self.normaliser, self.tokens] + [v for k in keys for v in self.metrics[k]]
+        flat = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(session.device) for v in values])
+        flat = distributed.sum_over_token_ranks(flat, session.mesh)
+        if extra:
+            flat = torch.cat([flat, torch.stack([e.float().reshape(()).to(flat.device) for e in extra])])
+        host = flat.tolist()
+        loss_sum, normaliser, tokens = host[:3]
+        means = {k: host[3 + 2 * i] / max(host[4 + 2 * i], 1e-12) for i, k in enumerate(keys)}
+        return {"loss": loss_sum / max(normaliser, 1.0), "normaliser": normaliser, "tokens": tokens, **means,
+                "extra": host[len(values):]}
 
 
-def _number(value: Any) -> float:
-    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+def _detached(value: Any) -> torch.Tensor | float:
+    return distributed.full_value(value.detach()).float() if isinstance(value, torch.Tensor) else float(value)
 
 
 def train(session: Session) -> dict[str, Any]:
@@ -141,15 +149,23 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog) -> float:
     """Normalise, clip and apply the accumulated gradients; log; evaluate and save when due."""
     config = session.config.train
     params = [p for p in session.model.parameters() if p.requires_grad]
-    reduced = window.reduce(session)
-    # FSDP2 averages gradients over the ranks that hold different data; ``group_size`` undoes that mean.
-    scale = distributed.token_group(session.mesh)[1] / max(reduced["normaliser"], 1.0)
-    for param in params:
-        if param.grad is not None:
-            param.grad.mul_(scale)
     max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
-    clip = session.clip_gradients or (lambda _s, ps, norm: distributed.clip_grad_norm(ps, norm))
-    grad_norm = float(distributed.full_value(clip(session, params, max_norm)))
+    # FSDP2 averages gradients over the ranks that hold different data; ``group_size`` undoes that mean.
+    group_size = distributed.token_group(session.mesh)[1]
+    if session.clip_gradients is None:
+        # The norm of the gradients as accumulated (a global tensor) goes to the host with the
+        # metrics in one sync; the normalising scale and the clip then make one multiply.
+        raw_norm = distributed.grad_norm(params)
+        reduced = window.reduce(session, raw_norm)
+        scale = group_size / max(reduced["normaliser"], 1.0)
+        grad_norm = reduced.pop("extra")[0] * scale
+        clip = min(1.0, max_norm / (grad_norm + 1e-6)) if math.isfinite(grad_norm) else 1.0
+        distributed.scale_gradients(params, scale * clip)
+    else:  # a technique owns the gradients (optimizer in backward: already applied and freed)
+        reduced = window.reduce(session)
+        reduced.pop("extra")
+        distributed.scale_gradients(params, group_size / max(reduced["normaliser"], 1.0))
+        grad_norm = float(distributed.full_value(session.clip_gradients(session, params, max_norm)))
     lr = float(session.optimizer.param_groups[0]["lr"])  # torchao optimizers keep a tensor LR
     # Global values (loss reduced over ranks, the global norm): every rank decides the same.
     bad = nonfinite.step_problem(reduced["loss"], grad_norm)
@@ -216,7 +232,7 @@ def validation_loss(session: Session) -> dict[str, float]:
         with distributed.step_context(session, batch):
             window.add(method.loss(session, batch))
     reduced = window.reduce(session)
-    reduced.pop("normaliser"), reduced.pop("tokens")
+    reduced.pop("normaliser"), reduced.pop("tokens"), reduced.pop("extra")
     return reduced
 
 
