@@ -21,7 +21,8 @@ run's, bitwise, without re-tokenizing what was consumed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +31,7 @@ from posttune.data.samples import Sample, SkipCounts
 from posttune.errors import PosttuneError
 
 Item = list[Sample]
+T = TypeVar("T")
 Batch = dict[str, torch.Tensor]
 
 
@@ -45,7 +47,7 @@ class BatchLoader:
                  shuffle: bool = True, rank: int = 0, world_size: int = 1, num_items: int | None = None,
                  get_item: Callable[[int], Item] | None = None,
                  open_stream: Callable[[int], Iterator[Item]] | None = None, skipped: SkipCounts | None = None,
-                 lengths: torch.Tensor | None = None):
+                 lengths: torch.Tensor | None = None, prefetch: bool = True):
         if (open_stream is None) == (get_item is None or num_items is None):
             raise ValueError("give either num_items and get_item (map-style) or open_stream (streaming)")
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
@@ -58,6 +60,7 @@ class BatchLoader:
         if lengths is not None and (open_stream is not None or len(lengths) != num_items):
             raise ValueError("lengths: one per item, for a map-style loader only")
         self.lengths = lengths  # per item, for length-grouped batches (data.group_by_length)
+        self.prefetch = prefetch  # collate the next batch on a background thread (``prefetched``)
         self.epoch, self.position, self.rows = 0, 0, 0
 
     @property
@@ -86,9 +89,13 @@ class BatchLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         shares = self._stream_shares() if self.streaming else self._map_shares()
-        for share in shares:
-            self.position += 1  # before yielding: a checkpoint taken now must not replay this batch
-            yield self.collate(share)
+        collated = ((self.collate(share), rows) for share, rows in shares)
+        for batch, rows in prefetched(collated) if self.prefetch else collated:
+            # before yielding: a checkpoint taken now must not replay this batch (nor skip the
+            # one prefetched behind it, whose position is counted only when it is handed out)
+            self.position += 1
+            self.rows = rows
+            yield batch
         self.set_epoch(self.epoch + 1)
 
     def order(self, epoch: int | None = None) -> list[int]:
@@ -102,26 +109,24 @@ class BatchLoader:
             return grouped_order(self.lengths, self.global_batch_size, generator)
         return torch.randperm(self.num_items, generator=generator).tolist()
 
-    def _map_shares(self) -> Iterator[list[Item]]:
+    def _map_shares(self) -> Iterator[tuple[list[Item], int]]:
+        """(this rank's share of each remaining global batch, rows: 0 for a map-style loader)."""
         assert self.get_item is not None
         order, size = self.order(), self.global_batch_size
         for start in range(self.position * size, len(order), size):
-            yield [self.get_item(i) for i in order[start:start + size][self.rank::self.world_size]]
+            yield [self.get_item(i) for i in order[start:start + size][self.rank::self.world_size]], 0
 
-    def _stream_shares(self) -> Iterator[list[Item]]:
+    def _stream_shares(self) -> Iterator[tuple[list[Item], int]]:
+        """(this rank's share, the first dataset row after the global batch) for each global batch."""
         assert self.open_stream is not None
         group: list[Item] = []
         for item in self.open_stream(self.rows):
             group.append(item)
             if len(group) == self.global_batch_size:
-                yield self._share(group)
+                yield group[self.rank::self.world_size], group[-1][-1].row + 1
                 group = []
         if group:
-            yield self._share(group)
-
-    def _share(self, group: list[Item]) -> list[Item]:
-        self.rows = group[-1][-1].row + 1
-        return group[self.rank::self.world_size]
+            yield group[self.rank::self.world_size], group[-1][-1].row + 1
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands: plain ints, for the resumable checkpoint."""
@@ -148,6 +153,27 @@ class BatchLoader:
 
 #: identity keys newer than some checkpoints, and what their absence means
 _ABSENT = {"group_by_length": False}
+
+
+_END = object()
+
+
+def prefetched(items: Iterator[T]) -> Iterator[T]:
+    """``items`` in order, the next one produced on a worker thread while the caller uses this one.
+
+    Reading, tokenizing and collating the next batch overlap the training step's compute (torch
+    releases the GIL in its kernels). Only one item is ever ahead, and ``items`` is advanced by
+    the worker alone, so order and side effects are those of a plain loop; an exception in the
+    worker is raised here, at the item it concerns. Leaving early waits for the item in flight.
+    """
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttune-prefetch") as worker:
+        ahead = worker.submit(next, items, _END)
+        while True:
+            item = ahead.result()
+            if item is _END:
+                return
+            ahead = worker.submit(next, items, _END)
+            yield item
 
 
 def _mix(seed: int, epoch: int) -> int:
