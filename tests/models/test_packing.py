@@ -37,7 +37,7 @@ def loader(tmp_path, monkeypatch):
 
     def make(packing: bool, batch_size: int):
         dataset = DatasetConfig(path=str(path), format="alpaca")
-        data = DataConfig(train=dataset, max_seq_len=200, packing=packing)
+        data = DataConfig(train=dataset, max_seq_len=200, packing=packing, padding_free=False)
         return build_sft_loader(dataset, data=data, fmt=fmt, tokenizer=tokenizer, batch_size=batch_size,
                                 shuffle=False, train_on_input=True)
 
@@ -79,3 +79,49 @@ def test_padding_gives_each_sample_its_loss_alone(tiny_llama, loader):
     for index, (loss_sum, count) in enumerate(singles):
         row = F.cross_entropy(logits[index], padded["labels"][index], ignore_index=IGNORE_INDEX, reduction="sum")
         assert abs(row.item() / count - loss_sum.item() / count) <= TOLERANCE
+
+
+# --- every family's packed rows, forward and gradients (the per-document attention path) -----------
+
+def _family_models():
+    """name -> a builder of the native model: GQA Llama, Qwen with biased q/k/v and with sliding
+    windows, Gemma 2 (soft-capped attention, a window of 8 that binds inside long documents), Gemma 3."""
+    import gemma_tiny
+    import posttune_llama
+    import qwen_tiny
+    from posttune.testing.tiny import native_from_hf, tiny_hf_model, tiny_llama_config
+
+    llama = {c.family: c for c in posttune_llama.CONVERTERS}["llama"]
+    return {
+        "llama_gqa": lambda: native_from_hf(tiny_hf_model(tiny_llama_config()), posttune_llama.LLAMA, llama),
+        "qwen2_bias": lambda: qwen_tiny.native_from_hf(tiny_hf_model(qwen_tiny.CONFIGS["qwen2_gqa"]())),
+        "qwen3_attention_bias": lambda: qwen_tiny.native_from_hf(
+            tiny_hf_model(qwen_tiny.CONFIGS["qwen3_attention_bias"]())),
+        "qwen2_sliding_window": lambda: qwen_tiny.native_from_hf(
+            tiny_hf_model(qwen_tiny.CONFIGS["qwen2_sliding_window"]())),
+        "gemma2_softcap_window": lambda: gemma_tiny.native_from_hf(
+            tiny_hf_model(gemma_tiny.CONFIGS["gemma2_softcap_window"]())),
+        "gemma3_local_global": lambda: gemma_tiny.native_from_hf(
+            tiny_hf_model(gemma_tiny.CONFIGS["gemma3_local_global_rope"]())),
+    }
+
+
+FAMILY_LENGTHS = ((5, 12, 7), (20, 4))  # rows of 24; the 12- and 20-token documents outrun an 8-token window
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "qwen3_attention_bias", "qwen2_sliding_window",
+                                  "gemma2_softcap_window", "gemma3_local_global"])
+def test_every_family_trains_packed_rows_as_its_documents_alone(name):
+    model = _family_models()[name]().train()
+    ids = torch.randint(1, 384, (2, 24), generator=torch.Generator().manual_seed(0))
+    documents = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(row)]) for row in FAMILY_LENGTHS])
+    packed = model(ids, document_ids=documents)
+    packed.logsumexp(-1).sum().backward()
+    packed_grads = {key: p.grad.clone() for key, p in model.named_parameters()}
+    model.zero_grad()
+    alone = torch.cat([torch.cat([model(doc[None]) for doc in row.split(lengths)], dim=1)
+                       for row, lengths in zip(ids, FAMILY_LENGTHS)])
+    alone.logsumexp(-1).sum().backward()
+    torch.testing.assert_close(packed, alone, rtol=0, atol=TOLERANCE)
+    for key, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[key], p.grad, rtol=0, atol=TOLERANCE, msg=key)

@@ -12,9 +12,21 @@ flex attention has no backward on CPU, so a soft-capped layer runs ``explicit_at
 the textbook computation (scores, mask, fp32 softmax, weighted sum), exact and differentiable
 everywhere, at the cost of materialising the [q, kv] score matrix. Layers without a cap keep
 SDPA's fused kernels.
+
+Packed rows (``document_ids``) take the per-document path: the decoder finds each row's
+documents once per forward (``document_spans``, one host sync) and hands every layer that
+``DocumentSpans`` in place of a mask. Each document then attends alone, with the fused causal
+kernel, so the work is ``sum(len_i^2)`` rather than ``seq^2`` and no [b, 1, s, s] mask is
+built: a packed row costs no more per token than a padded one. On CUDA, half-precision layers
+without a soft-cap run all documents in one varlen flash call instead (``varlen_attn``). The
+boolean mask stays for what needs it: KV caches, left padding, and document ids that do not
+form contiguous runs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +76,100 @@ def attention_mask(q_len: int, kv_len: int, *, device: torch.device | str = "cpu
     return allowed
 
 
+Dense = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentSpans:
+    """The documents of a packed batch, found once per forward and passed to every layer as its mask.
+
+    ``lengths[r]`` are the lengths of row r's documents in order (runs of one document id; a
+    row's tail padding is a document too, as in ``attention_mask``), summing to the row length.
+    ``cu_seqlens`` (int32, on the batch's device, CUDA only) are the same boundaries over the
+    flattened rows, what a varlen kernel takes; ``max_length`` the longest document.
+    """
+
+    lengths: tuple[tuple[int, ...], ...]
+    cu_seqlens: torch.Tensor | None = None
+    max_length: int = 0
+
+    @torch.compiler.disable
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: Dense, *, window: int | None,
+               softcap: float | None, scale: float | None) -> torch.Tensor:
+        """q [b, heads, s, d], k/v [b, kv_heads, s, d] -> [b, heads, s, d], each document alone.
+
+        Kept out of ``torch.compile`` graphs (a compiled layer graph-breaks here): the Python
+        loop over documents would otherwise be traced, and recompiled, for every batch layout.
+        """
+        if self.cu_seqlens is not None and softcap is None and _flash_can_run(q):
+            return self.varlen(q, k, v, window=window, scale=scale)
+        return self.per_document(q, k, v, dense, window=window)
+
+    def per_document(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: Dense, *,
+                     window: int | None) -> torch.Tensor:
+        """One ``dense`` call per document on views of the row (split/cat keep the backward cheap:
+        no zero-filled full-size gradient per slice), causal unless a window binds."""
+        rows = []
+        for q_row, k_row, v_row, lengths in zip(q.unbind(0), k.unbind(0), v.unbind(0), self.lengths):
+            parts = [dense(q_doc[None], k_doc[None], v_doc[None], _window_mask(q_doc.shape[1], window, q.device))[0]
+                     for q_doc, k_doc, v_doc in zip(q_row.split(lengths, 1), k_row.split(lengths, 1),
+                                                     v_row.split(lengths, 1))]
+            rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        return torch.stack(rows)
+
+    def varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None,
+               scale: float | None) -> torch.Tensor:
+        """All documents in one varlen flash-attention call (CUDA, half precision)."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        batch, heads, seq, head_dim = q.shape
+
+        def tokens(t: torch.Tensor) -> torch.Tensor:  # [b, h, s, d] -> [b * s, h, d]
+            return t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim)
+
+        left = -1 if window is None else window - 1  # a window of w keeps q - k < w
+        out = varlen_attn(tokens(q), tokens(k), tokens(v), self.cu_seqlens, self.cu_seqlens, self.max_length,
+                          self.max_length, scale=scale, window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1])
+        return out.view(batch, seq, heads, head_dim).transpose(1, 2)
+
+
+def _flash_can_run(q: torch.Tensor) -> bool:
+    """What the varlen flash kernel takes: CUDA, half precision, head_dim a multiple of 8 up to 256."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256)
+
+
+def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """None (causal, the fused path) unless a sliding window is shorter than the document."""
+    if window is None or length <= window:
+        return None
+    return attention_mask(length, length, device=device, sliding_window=window)
+
+
+@torch.compiler.disable
+def document_spans(document_ids: torch.Tensor) -> DocumentSpans | None:
+    """The ``DocumentSpans`` of ``document_ids`` [b, s], or None when some row uses an id in two
+    separate runs (only the mask is exact then). One device-to-host copy per forward."""
+    ids = document_ids.detach().cpu()
+    seq = ids.shape[1]
+    starts = ids[:, 1:] != ids[:, :-1]
+    rows, cuts = torch.nonzero(starts, as_tuple=True)
+    boundaries: list[list[int]] = [[0] for _ in range(ids.shape[0])]
+    for row, cut in zip(rows.tolist(), (cuts + 1).tolist()):
+        boundaries[row].append(cut)
+    lengths = []
+    for row_ids, bounds in zip(ids, boundaries):
+        if len(bounds) != torch.unique(row_ids).numel():
+            return None
+        bounds.append(seq)
+        lengths.append(tuple(end - start for start, end in zip(bounds, bounds[1:])))
+    if document_ids.device.type != "cuda":
+        return DocumentSpans(tuple(lengths))
+    flat = [length for row in lengths for length in row]
+    offsets = torch.tensor([0, *flat], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return DocumentSpans(tuple(lengths), offsets.to(document_ids.device, non_blocking=True), max(flat))
+
+
 class Attention(nn.Module):
     """Causal GQA: ``num_heads`` query heads share ``num_kv_heads`` key/value heads."""
 
@@ -86,8 +192,8 @@ class Attention(nn.Module):
         self.q_norm: nn.Module = nn.Identity()
         self.k_norm: nn.Module = nn.Identity()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | DocumentSpans | FlexMask | None, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self._heads(self.q_proj(x))
         k = self._heads(self.k_proj(x))
@@ -98,12 +204,22 @@ class Attention(nn.Module):
             k, v = cache.update(k, v)
         if isinstance(mask, FlexMask):  # hook: flex attention (modules/flex_attention.py), e.g. context parallel
             out = mask.attend(q, k, v, scale=self.scale)
-        elif self.softcap is not None:
-            out = explicit_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+        elif isinstance(mask, DocumentSpans):
+            out = mask.attend(q, k, v, self.dense, window=self.sliding_window, softcap=self.softcap, scale=self.scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
-                                                 scale=self.scale, enable_gqa=q.shape[1] != k.shape[1])
+            out = self.dense(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention over whole rows with a boolean mask (None = causal): SDPA, or the explicit
+        computation for a soft-capped layer."""
+        if self.softcap is not None:
+            return explicit_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+        # a plain bool: ``mask is None and seq > 1`` would be a symbolic bool under compile's dynamic
+        # shapes and split the graph here
+        causal = True if mask is None and q.shape[2] > 1 else False  # noqa: SIM210
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
     def _heads(self, projected: torch.Tensor) -> torch.Tensor:
         """[batch, seq, heads*head_dim] -> [batch, heads, seq, head_dim]."""

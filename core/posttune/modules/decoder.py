@@ -38,7 +38,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from posttune.modules.attention import Attention, attention_mask
+from posttune.modules.attention import Attention, DocumentSpans, attention_mask, document_spans
 from posttune.modules.kv_cache import KVCache, LayerCache
 from posttune.modules.rope import RotaryEmbedding
 from posttune.modules.softcap import soft_cap
@@ -60,7 +60,7 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.mlp_post_norm = mlp_post_norm if mlp_post_norm is not None else nn.Identity()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | DocumentSpans | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn_post_norm(self.attn(self.attn_norm(x), cos, sin, mask, cache))
         return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
@@ -109,13 +109,17 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, device=x.device).to(x.dtype)  # fp32, then x's dtype
-        masks: dict[int | None, torch.Tensor | None] = {}  # one mask per distinct sliding window
+        # Packed rows: each document attends alone (modules/attention.py), found once for all layers.
+        spans = (document_spans(document_ids) if document_ids is not None and kv_cache is None
+                 and padding_mask is None else None)
+        masks: dict[int | None, torch.Tensor | DocumentSpans | None] = {}  # one mask per distinct sliding window
         rotations: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # (cos, sin) per RoPE in use
         for index, layer in enumerate(self.layers):
             window = layer.attn.sliding_window
             if window not in masks:
-                masks[window] = attention_mask(seq, start + seq, device=input_ids.device, document_ids=document_ids,
-                                               sliding_window=window, padding_mask=padding_mask)
+                masks[window] = spans if spans is not None else attention_mask(
+                    seq, start + seq, device=input_ids.device, document_ids=document_ids, sliding_window=window,
+                    padding_mask=padding_mask)
             local = window is not None and self.local_rope is not None
             if local not in rotations:
                 rotations[local] = (self.local_rope if local else self.rope)(positions)

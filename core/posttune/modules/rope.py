@@ -176,6 +176,8 @@ class RotaryEmbedding(nn.Module):
                 inv_freq = self._frequencies(seq_len)[0].to(positions.device)
         angles = positions[..., None].float() * inv_freq.float()
         angles = torch.cat((angles, angles), dim=-1)
+        if self.attention_factor == 1.0:  # plain RoPE: no extra pass over cos and sin
+            return angles.cos(), angles.sin()
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
     def extra_repr(self) -> str:
