@@ -48,7 +48,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys([
         "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptMaker", "PromptRow", "PromptSample",
         "Sample", "SampleMaker", "SampleStore", "SkipCounts", "as_messages", "build_loader", "check_columns",
-        "dataset_format", "load_rows", "make_loader", "pack", "pad_id", "packed_batch", "padded_batch",
+        "dataset_format", "load_rows", "make_loader", "pack", "pad_id", "packed_batch", "padded_batch", "flat_batch",
         "pair_batch", "preference_pair", "prompt_batch", "prompt_loader", "prompt_row", "rename", "shift_labels",
     ], "posttune.data"),
     # losses that honour the loss-stage technique (chunked) and final-logit soft-caps

@@ -61,7 +61,7 @@ def write(path: Path, rows: list[dict]) -> Path:
 def loader_for(path, tokenizer, formats, *, fmt="alpaca", batch_size=4, seed=0, shuffle=True, rank=0,
                world_size=1, train_on_input=False, streaming=False, column_map=None, **data):
     dataset = DatasetConfig(path=str(path), format=fmt, streaming=streaming, column_map=column_map or {})
-    config = DataConfig(train=dataset, **{"max_seq_len": 128, **data})
+    config = DataConfig(train=dataset, **{"max_seq_len": 128, "padding_free": False, **data})
     return build_sft_loader(dataset, data=config, fmt=formats[fmt], tokenizer=tokenizer, batch_size=batch_size,
                             seed=seed, shuffle=shuffle, train_on_input=train_on_input, rank=rank,
                             world_size=world_size)

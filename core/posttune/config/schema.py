@@ -55,6 +55,9 @@ class DataConfig:
     skip_bad_rows: bool = False
     group_by_length: bool = False  # map-style, unpacked: batch rows of similar length (less padding)
     pad_to_multiple_of: int | None = None  # round each batch's padded length up to a multiple
+    # a batch's samples end to end in one row, no padding computed (same loss); null: wherever the
+    # method supports it (sft), true: required, false: padded rows
+    padding_free: bool | None = None
 
 
 @dataclass(frozen=True)

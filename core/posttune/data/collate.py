@@ -13,6 +13,9 @@ Batch dict keys:
 forward pass scores both: rows ``i`` and ``b + i`` are pair i; ``rows`` LongTensor [b] holds each
 pair's dataset row (-1 for a placeholder), the key under which a method keeps per-pair data.
 
+``flat_batch`` (``data.padding_free``) puts the samples of a padded batch end to end in one row
+with ``document_ids``: the padded batch's loss and gradients without any padding computed.
+
 ``pad_to_multiple_of`` (``data.pad_to_multiple_of``) rounds the padded width up to a multiple:
 the extra columns are padding like any other (no target), so losses do not change, while
 kernels and compiled graphs see fewer distinct shapes.
@@ -83,6 +86,29 @@ def packed_batch(rows: list[list[Sample]], *, pad_id: int, max_seq_len: int) -> 
         document_ids[index, start:] = len(row)
     return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids,
             "num_tokens": _count([sample for row in rows for sample in row])}
+
+
+def flat_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int | None = None) -> dict[str, Any]:
+    """Padding-free: the batch's samples end to end in ONE row, each its own document.
+
+    The same samples, targets and loss as ``padded_batch`` (a document attends only to itself and
+    its positions restart at 0), without computing a single padding token: a padded batch of
+    alpaca-length rows is a third padding. The row is as long as the samples together (rounded up
+    to ``pad_to_multiple_of``, the tail one more document without targets).
+    """
+    samples = [sample for row in rows for sample in row]
+    total = sum(len(sample) for sample in samples) or 1
+    width = -(-total // pad_to_multiple_of) * pad_to_multiple_of if pad_to_multiple_of else total
+    input_ids = torch.full((1, width), pad_id, dtype=torch.long)
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    document_ids = torch.zeros_like(input_ids)
+    start = 0
+    for document, sample in enumerate(samples):
+        end = start + len(sample)
+        input_ids[0, start:end], labels[0, start:end], document_ids[0, start:end] = sample.ids, sample.labels, document
+        start = end
+    document_ids[0, start:] = len(samples)
+    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids, "num_tokens": _count(samples)}
 
 
 def _count(samples: list[Sample]) -> torch.Tensor:

@@ -57,6 +57,9 @@ def validate(config: Any, method: DPOConfig) -> None:
     if config.data.packing:
         raise ConfigError("data.packing", "dpo scores each chosen and rejected response as its own row; "
                                           "set packing to false")
+    if config.data.padding_free:
+        raise ConfigError("data.padding_free", "dpo scores each chosen and rejected response as its own padded "
+                                               "row; set padding_free to null or false")
     streaming = [split for split in ("train", "validation")
                  if getattr(config.data, split) is not None and getattr(config.data, split).streaming]
     if method.precompute_reference and streaming:

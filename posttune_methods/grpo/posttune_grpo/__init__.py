@@ -109,6 +109,9 @@ def validate(config: Any, method: GRPOConfig) -> None:
                                                     f"{config.train.grad_accum_steps}")
     if config.data.packing:
         raise ConfigError("data.packing", "grpo trains on its own completions, one per row; set packing to false")
+    if config.data.padding_free:
+        raise ConfigError("data.padding_free", "grpo trains on its own completions, one padded row each; set "
+                                               "padding_free to null or false")
     for plan in ("loss_parallel", "cp"):
         if plan in config.parallel.plans:
             raise ConfigError("parallel.plans", f"grpo generates completions, which '{plan}' cannot run yet; "

@@ -58,6 +58,9 @@ def validate(config: Any, method: KDConfig) -> None:
         raise ConfigError("method.chunk_size", f"expected a positive integer or null, got {method.chunk_size}")
     if method.max_new_tokens < 1:
         raise ConfigError("method.max_new_tokens", f"expected a positive integer, got {method.max_new_tokens}")
+    if config.data.padding_free:
+        raise ConfigError("data.padding_free", "kd keeps one padded row per sample (or packs with data.packing); "
+                                               "set padding_free to null or false")
     if method.on_policy_fraction > 0 and config.data.packing:
         raise ConfigError("data.packing", "on-policy distillation samples one completion per prompt; set packing "
                                           "to false or on_policy_fraction to 0")

@@ -41,14 +41,17 @@ def sft_loader(dataset: Any, *, data: Any, fmt: Any, tokenizer: Any, batch_size:
                where: str = "data.train") -> Any:
     """SFT's loader from explicit settings (``data`` is the run's `data:` section): what ``data``
     builds for a run, callable without one (tests, tools)."""
-    from posttune.plugin import SampleMaker, make_loader, pad_id, packed_batch, padded_batch
+    from posttune.plugin import SampleMaker, flat_batch, make_loader, pad_id, packed_batch, padded_batch
 
     make = SampleMaker(fmt, tokenizer, max_seq_len=data.max_seq_len, train_on_input=train_on_input,
                        skip_bad_rows=data.skip_bad_rows, column_map=dataset.column_map, where=where,
                        system_prompt=dataset.system_prompt)
     pad = pad_id(tokenizer)
-    collate = (partial(packed_batch, pad_id=pad, max_seq_len=data.max_seq_len) if data.packing
-               else partial(padded_batch, pad_id=pad, pad_to_multiple_of=data.pad_to_multiple_of))
+    if data.packing:
+        collate = partial(packed_batch, pad_id=pad, max_seq_len=data.max_seq_len)
+    else:  # padding-free unless switched off: the padded batch's loss without computing its padding
+        collate = partial(padded_batch if data.padding_free is False else flat_batch, pad_id=pad,
+                          pad_to_multiple_of=data.pad_to_multiple_of)
     return make_loader(dataset, make=make, collate=collate, max_seq_len=data.max_seq_len, batch_size=batch_size,
                        seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, packing=data.packing,
                        where=where, group_by_length=data.group_by_length)
