@@ -7,10 +7,12 @@
     offloading.py             activation_offloading: saved activations to pinned host memory (CUDA)
     optimizer_in_backward.py  optimizer_in_backward: step and free each gradient as it is produced
     linear_cross_entropy.py   chunked_cross_entropy: the loss without [batch, seq, vocab] logits
+    compile.py                compile: torch.compile each decoder layer's training forward and the loss
 
 Importing this module does not import torch (``posttune plugins`` stays fast): each ``apply``
 imports its technique when a run composes. Orders within ``parallelize`` interleave with
-parallel plans (TP 10, FSDP2 100): layers are wrapped before FSDP2 shards them.
+parallel plans (TP 10, FSDP2 100): layers are wrapped (checkpointing 50, offloading 60) and
+compiled (70) before FSDP2 shards them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ POSTTUNE_PLUGIN_API = PLUGIN_API
 
 CHECKPOINTING_ORDER = 50  # after TP (10), before FSDP2 (100)
 OFFLOADING_ORDER = 60  # wraps the checkpointed layers, still before FSDP2
+COMPILE_ORDER = 70  # compiles the (checkpointed) layers before FSDP2 shards them
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,18 @@ class CheckpointingConfig:
 @dataclass(frozen=True)
 class ChunkedCrossEntropyConfig:
     chunk_size: int = 1024  # labelled tokens projected to the vocabulary at a time
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    # False: static shapes, one graph per padded length (bound them with data.pad_to_multiple_of or
+    # data.packing); True: lengths symbolic from the first compile; None: static where the data
+    # buckets lengths (packing, pad_to_multiple_of), symbolic otherwise (``compile_is_dynamic``)
+    dynamic: bool | None = None
+    backend: str = "inductor"  # any torch.compile backend ("aot_eager" checks tracing without codegen)
+    mode: str | None = None  # inductor mode: default, reduce-overhead (CUDA graphs), max-autotune, ...
+    fullgraph: bool = False  # true: a graph break inside a layer is an error instead of a split graph
+    loss: bool = True  # also compile the plain cross-entropy (a loss-stage kernel replaces it)
 
 
 def _checkpointing(session: Any, target: Any) -> None:
@@ -60,6 +76,15 @@ def _chunked_cross_entropy(session: Any, target: Any) -> None:
     from posttune.memory.linear_cross_entropy import apply
 
     apply(session, target)
+
+
+def _compile(session: Any, target: Any) -> None:
+    from dataclasses import replace
+
+    from posttune.memory.compile import apply
+
+    options = session.plan.memory_options["compile"]
+    apply(session, target, replace(options, dynamic=compile_is_dynamic(session.config, options.dynamic)))
 
 
 def validate_checkpointing(config: Any) -> None:
@@ -87,6 +112,73 @@ def validate_chunked_cross_entropy(config: Any) -> None:
     size = config.memory_options.get("chunked_cross_entropy", {}).get("chunk_size", 1)
     if isinstance(size, int) and size < 1:
         raise ConfigError("memory_options.chunked_cross_entropy.chunk_size", f"expected a positive integer, got {size}")
+
+
+def validate_compile(config: Any) -> None:
+    """Refuse settings torch.compile would reject at the first step, and unbounded recompilation."""
+    options = config.memory_options.get("compile", {})
+    mode, backend = options.get("mode"), options.get("backend", "inductor")
+    if mode not in COMPILE_MODES:
+        raise ConfigError("memory_options.compile.mode", f"expected one of {', '.join(map(str, COMPILE_MODES[1:]))} "
+                                                         f"or null, got {mode!r}")
+    if mode is not None and backend != "inductor":
+        raise ConfigError("memory_options.compile.mode", f"modes are inductor's; backend is '{backend}'")
+    if mode == "reduce-overhead":
+        require_cuda(config, "compile", "mode reduce-overhead records CUDA graphs")
+    check_compile_backend(backend)
+    dynamic, packing = compile_is_dynamic(config, options.get("dynamic")), config.data.packing
+    if dynamic is False and not packing and config.data.pad_to_multiple_of is None:
+        raise ConfigError("data.pad_to_multiple_of", "compile with static shapes (memory_options.compile.dynamic: "
+                                                     "false) compiles once per padded length; set it (e.g. 64) to "
+                                                     "bound recompilation, or use data.packing or dynamic: true")
+    check_compile_graph_breaks(config, options, dynamic, packing)
+
+
+def compile_is_dynamic(config: Any, dynamic: bool | None) -> bool:
+    """``memory_options.compile.dynamic`` as set, or by default: static shapes when the data comes
+    in few lengths (packed rows, or padded to a multiple), symbolic lengths otherwise (a padded or
+    padding-free batch can have any length up to batch_size x max_seq_len)."""
+    if dynamic is not None:
+        return bool(dynamic)
+    return not (config.data.packing or config.data.pad_to_multiple_of)
+
+
+def check_compile_graph_breaks(config: Any, options: dict, dynamic: Any, packing: bool) -> None:
+    """Refuse what would break each layer's graph where that silently undoes compile or fails.
+
+    A checkpointed layer cannot be split: on any graph break torch.compile runs the whole
+    checkpointed layer eagerly. Rows made of documents (packing, SFT's padding-free batches)
+    break at the per-document attention (kept out of graphs on purpose); symbolic lengths break
+    at SDPA's ``is_causal`` (docs/performance.md).
+    """
+    if packing and options.get("fullgraph", False):
+        raise ConfigError("memory_options.compile.fullgraph", "must be false with data.packing: packed attention "
+                                                              "runs each document outside the compiled graph")
+    if "activation_checkpointing" not in config.memory:
+        return
+    if packing:
+        raise ConfigError("data.packing", "compile with activation_checkpointing would run every layer eagerly: "
+                                          "packed attention breaks the graph inside the checkpointed layer; use "
+                                          "data.pad_to_multiple_of instead of packing, or drop one of the two")
+    if getattr(config.data, "padding_free", False) is not False:  # SFT's default (null): rows joined as documents
+        raise ConfigError("data.padding_free", "must be false with compile and activation_checkpointing: rows "
+                                               "joined as documents break the graph inside the checkpointed layer, "
+                                               "which then runs eagerly")
+    if dynamic is not False:
+        raise ConfigError("memory_options.compile.dynamic", "must be false with activation_checkpointing: symbolic "
+                                                            "lengths break the graph inside the checkpointed layer, "
+                                                            "which then runs eagerly; bucket lengths with "
+                                                            "data.pad_to_multiple_of")
+
+
+def check_compile_backend(backend: Any) -> None:
+    """A misspelt backend would otherwise fail only at the first training step, after loading."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError("memory_options.compile.backend", f"unknown torch.compile backend {backend!r} "
+                                                            f"(known: {', '.join(sorted(known))})")
 
 
 def require_cuda(config: Any, technique: str, why: str) -> None:
@@ -129,6 +221,14 @@ TECHNIQUES = (
         saves="the [batch, seq, vocab] logits and their gradient: only one chunk of labelled tokens at a time",
         validate=validate_chunked_cross_entropy, config=ChunkedCrossEntropyConfig,
         description="linear cross-entropy: drop ignored tokens, project to the vocabulary chunk by chunk",
+    ),
+    MemoryTechnique(
+        name="compile", stage="parallelize", apply=_compile, order=COMPILE_ORDER,
+        conflicts=("activation_offloading",),
+        saves="mostly time (fused kernels); the compiled loss need not keep a float32 copy of the logits",
+        validate=validate_compile, config=CompileConfig,
+        description="torch.compile each decoder layer's training forward (after checkpointing, before fsdp2) "
+                    "and the plain cross-entropy",
     ),
 )
 
