@@ -57,9 +57,10 @@ def test_one_process_runs_the_same_config_with_plans_inactive(registry):
     ({"memory": ["offload"]}, 1, "config: memory: 'offload' requires 'ckpt'; add it to memory"),
     ({"memory": ["opt_bwd"], "train": {"grad_accum_steps": 4}}, 1,
      "config: train.grad_accum_steps: opt_bwd cannot accumulate gradients; set it to 1"),
+    # the core's built-ins, then the fakes
     ({"memory": ["chunked"]}, 1, "config: memory[0]: no memory technique 'chunked' is installed "
                                  "(installed: activation_checkpointing, activation_offloading, chunked_cross_entropy, "
-                                 "ckpt, offload, opt_bwd, optimizer_in_backward)"),  # core built-ins, then the fakes
+                                 "ckpt, compile, offload, opt_bwd, optimizer_in_backward)"),
     ({"parallel": {"plans": ["fsdp2"]}}, 2, "config: parallel.plans[0]: no parallel plan 'fsdp2' is installed "
                                             "(installed: fsdp, lossp, tensor) — pip install posttune-fsdp2"),
     ({"method": "sft"}, 1, "config: method: no method 'sft' is installed (installed: fdpo, fsft) "
@@ -72,7 +73,8 @@ def test_one_process_runs_the_same_config_with_plans_inactive(registry):
      "config: data.train.format: no dataset format 'alpacca' is installed (installed: alpaca, chat, preference, "
      "prompt, text) "
      "(did you mean 'alpaca'?)"),
-    ({"model": {"family": "fam", "size": "huge"}}, 1, "config: model.size: family 'fam' has no size 'huge' (sizes: tiny)"),
+    ({"model": {"family": "fam", "size": "huge"}}, 1,
+     "config: model.size: family 'fam' has no size 'huge' (sizes: tiny)"),
     ({"model": {"family": "qwen3", "size": "0.6b"}}, 1,
      "config: model.family: no model family 'qwen3' is installed (installed: fam) — pip install posttune-qwen"),
     ({"requires": ["posttune-fake-not-installed"]}, 1,
