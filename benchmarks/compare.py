@@ -1,0 +1,188 @@
+"""posttune against Hugging Face (transformers Trainer, + PEFT, + TRL) on the same CPU workload.
+
+    python benchmarks/compare.py                          # every mode, 3 runs per side
+    python benchmarks/compare.py --mode full lora --runs 5 --out result.json
+    python benchmarks/compare.py --quick --mode full --runs 1      # a smoke check (tiny model)
+
+Modes: ``full`` (full SFT), ``lora`` (LoRA r8 on q/v/o, alpha 16, no dropout), ``dpo`` (sigmoid,
+beta 0.1, the reference a frozen copy on both sides), and posttune only: ``packing`` (padded vs
+packed rows, same data) and ``compile`` (without vs with ``memory: [compile]``; refused in one
+line when no installed plugin registers that technique).
+
+Every run is a fresh child process (``child.run_child``); the sides alternate (posttune, HF,
+posttune, HF, ...). Per run: non-padding tokens per second over the timed steps (the first
+``--warmup-steps`` excluded) and the child's peak RSS (``ru_maxrss``); per mode: the medians
+and the ratio posttune/HF (packing: packed/padded; compile: compiled/uncompiled).
+
+The workload, built once into a temporary directory (no downloads):
+- a Llama of ~28.5M parameters (hidden 512, 8 layers, 8 heads, 8 KV heads, intermediate 1376,
+  vocabulary 3072, untied), random init (seed 0) saved by transformers' ``save_pretrained``
+  and loaded by both sides (posttune: ``model: {family: llama, path: DIR}``), fp32;
+- a byte-level BPE (3072 ids, Llama 3's special tokens and a Llama-3-style chat template)
+  trained with ``tokenizers`` on seeded pseudo-word text;
+- steps x batch alpaca rows (one epoch exactly) of about 18-305 tokens once rendered, and as many
+  preference pairs (prompt/chosen/rejected messages) for DPO.
+Both sides: batch 4, max_seq_len 512, AdamW (fused) lr 1e-4, betas (0.9, 0.999), eps 1e-8,
+weight decay 0, constant schedule, no warm-up, max grad norm 1.0, loss on the response only,
+batches padded to their longest row, the same batch order (the report checks the per-step token
+counts are equal), torch threads = --threads, no workers, no gradient checkpointing, no compile
+(except the compile mode), no evaluation, no checkpoint or final save, no progress bars.
+The HF side's details are in ``compare_support/hf_side.py``, posttune's in
+``compare_support/posttune_side.py``.
+
+--quick: a 2-layer hidden-64 model, 6 steps (2 warm-up), for checking that everything runs.
+Timings on a shared or loaded machine mean little: run the real comparison on an idle one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from child import emit, run_child
+
+HERE = Path(__file__).resolve().parent
+
+CHILD = r'''
+import json, sys
+spec = json.loads(sys.argv[1])
+sys.path.insert(0, spec["bench_dir"])
+task = spec["task"]
+if task == "prepare":
+    from pathlib import Path
+    from compare_support import hf_side, workload
+    work = Path(spec["work"])
+    shape = workload.QUICK_SHAPE if spec["quick"] else workload.SHAPE
+    workload.build_tokenizer(work / "model")
+    parameters = workload.save_checkpoint(work / "model", shape)
+    lengths = workload.write_rows(work / "model", work, rows=spec["rows"])
+    checked = hf_side.check_tokenization(work, spec["max_seq_len"])
+    from posttune.plugins import get_registry
+    techniques = get_registry().names("memory_technique")
+    result = {"shape": shape, "parameters": parameters, "lengths": lengths, "rows_checked": checked,
+              "memory_techniques": techniques}
+elif task == "posttune":
+    from compare_support import posttune_side
+    result = posttune_side.run(spec)
+else:
+    from compare_support import hf_side
+    result = hf_side.run(spec)
+print(json.dumps(result))
+'''
+
+#: mode -> (the side measured first, the side measured second), each (name, spec additions)
+MODES = {
+    "full": (("posttune", {"task": "posttune"}), ("hf", {"task": "hf"})),
+    "lora": (("posttune", {"task": "posttune"}), ("hf", {"task": "hf"})),
+    "dpo": (("posttune", {"task": "posttune"}), ("hf", {"task": "hf"})),
+    "packing": (("posttune-padded", {"task": "posttune", "padding_free": False}),
+                ("posttune-packed", {"task": "posttune", "packing": True})),
+    "compile": (("posttune", {"task": "posttune"}), ("posttune-compile", {"task": "posttune", "compile": True})),
+}
+RATIO = {"full": "posttune/hf", "lora": "posttune/hf", "dpo": "posttune/hf", "packing": "packed/padded",
+         "compile": "compiled/uncompiled"}
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", nargs="+", default=list(MODES), choices=list(MODES), help="modes to run")
+    parser.add_argument("--runs", type=int, default=3, help="runs per side and mode")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (default 30; --quick 6)")
+    parser.add_argument("--warmup-steps", type=int, help="first steps left out of tokens/s (default 5; --quick 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and few steps: a smoke check")
+    parser.add_argument("--out", help="also write the JSON report here")
+    parser.add_argument("--keep", help="build the workload and run outputs in this directory and keep it")
+    args = parser.parse_args()
+    args.steps = args.steps or (6 if args.quick else 30)
+    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (2 if args.quick else 5)
+    if args.steps <= args.warmup_steps:
+        parser.error(f"--steps ({args.steps}) must be more than --warmup-steps ({args.warmup_steps})")
+    return args
+
+
+def child_env(threads: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"}
+
+
+def summarise_mode(mode: str, runs: list[dict]) -> dict:
+    first, second = (name for name, _ in MODES[mode])
+    by_side = {side: [r for r in runs if r["side"] == side] for side in (first, second)}
+    summary: dict = {"ratio": RATIO[mode]}
+    for side, results in by_side.items():
+        summary[side] = {"runs": len(results),
+                         "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in results),
+                         "peak_rss_mib_median": statistics.median(r["peak_rss_mib"] for r in results)}
+    a, b = (by_side[second], by_side[first]) if mode in ("packing", "compile") else (by_side[first], by_side[second])
+    num, den = (summary[a[0]["side"]], summary[b[0]["side"]])
+    summary["tokens_per_s_ratio"] = round(num["tokens_per_s_median"] / den["tokens_per_s_median"], 3)
+    summary["peak_rss_ratio"] = round(num["peak_rss_mib_median"] / den["peak_rss_mib_median"], 3)
+    if mode in ("full", "lora", "dpo"):  # the two sides must have trained on the same batches
+        mine, theirs = by_side[first][0], by_side[second][0]
+        summary["same_batches"] = mine["step_tokens"] == theirs["step_tokens"]
+        summary["first_step_loss"] = {first: round(mine["losses"][0], 5), second: round(theirs["losses"][0], 5)}
+        summary["max_step_loss_difference"] = round(max(abs(x - y) for x, y in zip(mine["losses"], theirs["losses"],
+                                                                                  strict=False)), 6)
+        summary["trainable_parameters"] = {first: mine["trainable_parameters"],
+                                           second: theirs["trainable_parameters"]}
+    return summary
+
+
+def main() -> int:
+    args = parse()
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="posttune-compare-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = child_env(args.threads)
+    base = {"bench_dir": str(HERE), "work": str(work), "steps": args.steps, "warmup_steps": args.warmup_steps,
+            "threads": args.threads, "batch_size": 4, "lr": 1e-4, "max_grad_norm": 1.0, "seed": 0,
+            "max_seq_len": 512}
+    try:
+        prepared = run_child(CHILD, {**base, "task": "prepare", "quick": args.quick,
+                                     "rows": args.steps * base["batch_size"]}, env=env)
+        if "compile" in args.mode and "compile" not in prepared["memory_techniques"]:
+            print("compare.py: mode 'compile' needs posttune's 'compile' memory technique, and no installed plugin "
+                  f"registers it (memory techniques: {', '.join(prepared['memory_techniques'])}); run without "
+                  "--mode compile, or install the plugin that adds it", file=sys.stderr)
+            return 2
+        shape = prepared["shape"]
+        print(f"workload: Llama {shape}, {prepared['parameters']:,} parameters, fp32; "
+              f"{args.steps * base['batch_size']} rows, tokens per row {prepared['lengths']['sft_tokens']}; "
+              f"{args.steps} steps ({args.warmup_steps} warm-up), batch 4, {args.threads} thread(s)", file=sys.stderr)
+        runs = []
+        for mode in args.mode:
+            for index in range(args.runs):
+                for side, extra in MODES[mode]:
+                    out = work / "runs" / f"{mode}-{side}-{index}"
+                    spec = {**base, "mode": "dpo" if mode == "dpo" else ("lora" if mode == "lora" else "full"),
+                            **extra, "out": str(out)}
+                    result = run_child(CHILD, spec, env=env)
+                    shutil.rmtree(out, ignore_errors=True)
+                    runs.append({"mode": mode, "side": side, "run": index, **result})
+                    print(f"{mode} run {index} {side}: {result['tokens_per_s']:.1f} tokens/s, peak RSS "
+                          f"{result['peak_rss_mib']:.1f} MiB, {result['steps']} steps", file=sys.stderr)
+        report = {
+            "workload": {"model": {"architecture": "LlamaForCausalLM", **shape, "tie_word_embeddings": False,
+                                   "parameters": prepared["parameters"], "dtype": "fp32"},
+                         "rows": args.steps * base["batch_size"], "lengths": prepared["lengths"],
+                         "sft_rows_checked_against_posttune": prepared["rows_checked"]},
+            "settings": {**{k: v for k, v in base.items() if k not in ("bench_dir", "work")}, "quick": args.quick,
+                         "runs": args.runs},
+            "summary": {mode: summarise_mode(mode, [r for r in runs if r["mode"] == mode]) for mode in args.mode},
+            "runs": runs,
+        }
+        emit(report, args.out)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
