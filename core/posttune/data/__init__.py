@@ -29,6 +29,6 @@ from posttune.data.samples import IGNORE_INDEX, Sample, SampleMaker, SampleStore
 __all__ = [
     "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptMaker", "PromptRow", "PromptSample",
     "Sample", "SampleMaker", "SampleStore", "SkipCounts", "as_messages", "build_loader", "check_columns",
-    "dataset_format", "load_rows", "make_loader", "pack", "pad_id", "packed_batch", "padded_batch", "flat_batch", "pair_batch",
-    "preference_pair", "prompt_batch", "prompt_loader", "prompt_row", "rename", "shift_labels",
+    "dataset_format", "flat_batch", "load_rows", "make_loader", "pack", "pad_id", "packed_batch", "padded_batch",
+    "pair_batch", "preference_pair", "prompt_batch", "prompt_loader", "prompt_row", "rename", "shift_labels",
 ]

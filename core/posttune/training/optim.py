@@ -34,7 +34,8 @@ def param_groups(params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]],
+                    train: TrainConfig) -> torch.optim.Optimizer:
     groups = param_groups(named_params, train.weight_decay)
     if not groups:
         raise ConfigError("train", "the model has no trainable parameters")
