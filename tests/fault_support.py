@@ -26,7 +26,7 @@ FAULTS = textwrap.dedent("""
         if session.step + 1 == at or (mode == "inf_grad_twice" and session.step + 1 == at + 1):
             if mode == "nan_loss":
                 reduce = window.reduce
-                window.reduce = lambda s: {**reduce(s), "loss": float("nan")}
+                window.reduce = lambda s, *extra: {**reduce(s, *extra), "loss": float("nan")}
             elif mode.startswith("inf_grad"):
                 for param in session.model.parameters():
                     if param.grad is not None:
