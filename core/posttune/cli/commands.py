@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from posttune.cli import generate, launch
+from posttune.cli import config_keys, generate, launch
 from posttune.descriptors import Command
 from posttune.errors import PosttuneError, did_you_mean, first_line
 from posttune.plugins import PLUGIN_API, get_plugins, get_registry, hookimpl
@@ -219,6 +219,16 @@ def _run_train(args: argparse.Namespace) -> int:
     return training.run(plan)
 
 
+# ---- posttune config keys / show (posttune/cli/config_keys.py) ---------------------------------
+
+def _configure_config_command(parser: argparse.ArgumentParser) -> None:
+    config_keys.configure(parser, show_arguments=_configure_validate)
+
+
+def _run_config_command(args: argparse.Namespace) -> int:
+    return config_keys.run(args, resolve=lambda args: resolve(args, launch.world_size(args)))
+
+
 # ---- posttune download -----------------------------------------------------------------------
 
 #: What `download` fetches: weights, config and tokenizer files; not original/*.pth duplicates.
@@ -272,6 +282,8 @@ def posttune_register_commands(cli):
     cli(Command("ls", "list installed families, methods, plans, memory techniques, datasets, configs",
                 _configure_ls, _run_ls))
     cli(Command("cp", "copy a bundled config to edit", _configure_cp, _run_cp))
+    cli(Command("config", "list every config key with its default (keys), or print a resolved config (show)",
+                _configure_config_command, _run_config_command))
     cli(Command("validate", "check a config against the installed plugins", _configure_validate, _run_validate))
     cli(Command("plan", "print the resolved plan in composition order, with a memory estimate",
                 _configure_plan, _run_plan))

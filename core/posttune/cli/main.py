@@ -7,6 +7,7 @@ shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from posttune.errors import PosttuneError, one_line
@@ -48,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("posttune: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `posttune config keys | head`: the reader left; nothing is wrong
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 0
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ class ChunkedCrossEntropyConfig:
 
 @dataclass(frozen=True)
 class CompileConfig:
-    # False: static shapes, one graph per padded length (bound them with data.pad_to_multiple_of or
-    # data.packing); True: lengths symbolic from the first compile; None: static where the data
+    # false: static shapes, one graph per padded length (bound them with data.pad_to_multiple_of or
+    # data.packing); true: lengths symbolic from the first compile; null: static where the data
     # buckets lengths (packing, pad_to_multiple_of), symbolic otherwise (``compile_is_dynamic``)
     dynamic: bool | None = None
     backend: str = "inductor"  # any torch.compile backend ("aot_eager" checks tracing without codegen)

@@ -30,7 +30,7 @@ CONFIGS = Path(__file__).parent / "configs"
 
 @dataclass(frozen=True)
 class DPOConfig:
-    loss_type: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    loss_type: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"  # DPO's logistic loss, IPO's squared loss, or SimPO
     beta: float = 0.1  # strength of the implicit KL to the reference (SimPO: the reward scale, ~2)
     label_smoothing: float = 0.0  # cDPO: probability that a pair's preference label is flipped
     simpo_gamma: float = 0.5  # SimPO: target margin between the chosen and rejected rewards

@@ -47,24 +47,24 @@ class AsyncOptions:
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    group_size: int = 8
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math_answer")])
+    group_size: int = 8  # completions sampled per prompt, compared within their group (at least 2)
+    max_new_tokens: int = 256  # the longest completion
+    temperature: float = 1.0  # sampling temperature (> 0); the loss's log-probs are taken at it too
+    top_k: int | None = None  # sample among the k most likely tokens only
+    top_p: float | None = None  # nucleus sampling: the most likely tokens reaching probability p, in (0, 1]
+    min_p: float | None = None  # drop tokens less likely than min_p times the most likely one, in [0, 1)
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math_answer")])  # summed, weighted
     reward_errors: Literal["raise", "zero"] = "raise"  # a reward returning None or raising: stop, or score 0
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    loss_aggregation: Literal["token", "sequence", "constant"] = "token"
-    num_iterations: int = 1
-    epsilon: float = 0.2
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage / the group's or batch's std, or not
+    loss_aggregation: Literal["token", "sequence", "constant"] = "token"  # mean per token, per completion, or constant
+    num_iterations: int = 1  # optimisation passes over each generation batch
+    epsilon: float = 0.2  # clip range: a token's ratio is clipped to [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = None  # default: epsilon (symmetric clipping)
-    beta: float = 0.0
+    beta: float = 0.0  # weight of the per-token KL to the reference model; 0 builds no reference
     filter_equal_rewards: bool = False  # leave out groups whose rewards are all equal (they teach nothing)
     micro_batch_size: int | None = None  # completions per forward/backward; default: the rank's whole batch
-    mode: Literal["sync", "async"] = "sync"
-    async_options: AsyncOptions = field(default_factory=AsyncOptions)
+    mode: Literal["sync", "async"] = "sync"  # generate in the training processes, or in Ray actors (async_options)
+    async_options: AsyncOptions = field(default_factory=AsyncOptions)  # mode async: the Ray actors (docs/grpo.md)
 
 
 def roles(config: GRPOConfig) -> tuple[ModelRole, ...]:

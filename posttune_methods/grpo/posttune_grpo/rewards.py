@@ -146,7 +146,7 @@ THINK_ANSWER = r"<think>.*?</think>\s*<answer>.*?</answer>"
 class FormatOptions:
     """``pattern``: a regular expression the whole completion must match (dot matches newlines)."""
 
-    pattern: str = THINK_ANSWER
+    pattern: str = THINK_ANSWER  # a regular expression the whole completion must match (dot matches newlines)
 
     def __post_init__(self) -> None:
         try:
@@ -172,9 +172,9 @@ class LengthOptions:
     """DAPO's soft overlong punishment: no penalty up to ``max_length - buffer`` tokens, then
     falling linearly to ``-penalty`` at ``max_length``, and ``-penalty`` beyond."""
 
-    max_length: int = 1024
-    buffer: int = 256
-    penalty: float = 1.0
+    max_length: int = 1024  # completion tokens from which the penalty is the whole -penalty
+    buffer: int = 256  # tokens before max_length over which the penalty grows linearly from 0
+    penalty: float = 1.0  # the largest penalty (the reward is -penalty beyond max_length)
 
     def __post_init__(self) -> None:
         for name in ("max_length", "buffer"):
@@ -239,9 +239,9 @@ _CONTINUE = "set method.reward_errors: zero to score such completions 0 and coun
 class RewardSpec:
     """One entry of ``method.rewards``: a registered reward's name, its weight and its options."""
 
-    name: str
-    weight: float = 1.0
-    options: dict = field(default_factory=dict)
+    name: str  # a registered reward function (`posttune ls rewards`)
+    weight: float = 1.0  # its weight in the summed reward
+    options: dict = field(default_factory=dict)  # its settings, checked against its options dataclass
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ CONFIGS = Path(__file__).parent / "configs"
 
 @dataclass(frozen=True)
 class KDConfig:
-    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"  # KL(teacher || student), its reverse, or JSD
     temperature: float = 1.0  # divides both models' logits before the divergence
     beta: float = 0.5  # jsd: the mixture's teacher weight (0: forward KL, 1: reverse KL)
     kd_ratio: float = 0.5  # the divergence's weight; 1 - kd_ratio weighs the cross-entropy to the labels
