@@ -96,7 +96,7 @@ def test_a_manifest_catches_damage_and_an_older_checkpoint_without_one_is_accept
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> tuple:
-    """A finished 4-step run: model/ and the step-2 checkpoint."""
+    """A finished 4-step run: model/ and the step-2 and step-4 (final) checkpoints."""
     tmp_path = tmp_path_factory.mktemp("finished")
     path, out = write(tmp_path, "run")
     assert train(str(path), "train.max_steps=4").returncode == 0
@@ -104,9 +104,9 @@ def finished(tmp_path_factory) -> tuple:
 
 
 @pytest.mark.parametrize(("fault", "what", "reason"), [
-    ("enospc", "checkpoint {out}/checkpoints/step-00000004 (optimizer.pt)",
+    ("enospc", "checkpoint {out}/checkpoints/step-00000006 (optimizer.pt)",
      "No space left on device; the previous checkpoints are intact"),
-    ("eacces", "checkpoint {out}/checkpoints/step-00000004 (optimizer.pt)",
+    ("eacces", "checkpoint {out}/checkpoints/step-00000006 (optimizer.pt)",
      "Permission denied; the previous checkpoints are intact"),
     ("final_enospc", "model {out}/model (model.safetensors)",
      "No space left on device; a previous final model there is intact"),
@@ -119,10 +119,10 @@ def test_a_failed_write_is_one_line_and_leaves_the_previous_results_intact(finis
     config["checkpoint"]["output_dir"] = str(out)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    before = tree_digest(out / "model"), tree_digest(out / "checkpoints" / "step-00000002")
+    before = tree_digest(out / "model"), tree_digest(out / "checkpoints" / "step-00000004")
     result = train(str(path), "checkpoint.resume=latest", "train.max_steps=6", "checkpoint.save_every=null"
                    if fault == "final_enospc" else "checkpoint.save_every=2", fault=(fault, 1))
     assert result.returncode == 2
     assert error_line(result) == f"posttune: error: cannot write {what.format(out=out)}: {reason}"
-    assert (tree_digest(out / "model"), tree_digest(out / "checkpoints" / "step-00000002")) == before
+    assert (tree_digest(out / "model"), tree_digest(out / "checkpoints" / "step-00000004")) == before
     assert not [p for p in [*out.iterdir(), *(out / "checkpoints").iterdir()] if ".tmp-" in p.name]

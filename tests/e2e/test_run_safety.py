@@ -58,7 +58,9 @@ def test_a_new_run_refuses_another_runs_results_unless_resumed_or_overwritten(ll
     assert result.exit_code == 0, result.stderr
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert json.loads((out / "run.json").read_text())["run_id"] != first_run
-    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())  # the old ones went
+    # the old checkpoints went; the one left is this run's final step
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"]
+    assert state.run_id_of(out / "checkpoints" / "step-00000002") != first_run
     assert (out / "model" / "model.safetensors").read_bytes() != model  # replaced by this run's model
 
 

@@ -52,11 +52,12 @@ def test_full_fine_tuning_writes_metrics_and_an_hf_checkpoint(llama_sft, posttun
     assert {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_memory_mib"} <= set(records[0])
     assert sum(1 for r in records if "val_loss" in r) == 4
     assert records[-1]["loss"] < records[0]["loss"]
-    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000008"]  # saves at 4 and 8, keeps 1
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000012"]  # saves 4, 8 and the last; keeps 1
     hf = transformers.AutoModelForCausalLM.from_pretrained(out / "model").eval()
     assert hf.config.vocab_size == 384
     assert (out / "model" / "tokenizer.json").is_file()
-    assert "before:" in result.stdout and "after:" in result.stdout and '"steps": 12' in result.stdout
+    assert "before:" in result.stdout and "after:" in result.stdout
+    assert json.loads((out / "summary.json").read_text())["final_step"] == 12
     generated = posttune_cli("generate", "--model", str(out / "model"), "--prompt", "Reverse: ABC", "--chat")
     assert generated.exit_code == 0, generated.stderr
 

@@ -87,6 +87,17 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
     return Path(out_dir)
 
 
+def saved_settings(adapter_dir: str | Path) -> dict[str, Any]:
+    """Rank, alpha and kind of a saved adapter, from its ``adapter_config.json`` (checked as a load would)."""
+    return _settings(_read_config(Path(adapter_dir)))
+
+
+def _settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {"rank": int(config["r"]), "alpha": float(config.get("lora_alpha", 8)),
+            "dropout_p": float(config.get("lora_dropout") or 0.0),
+            "kind": "dora" if config.get("use_dora") else "lora"}
+
+
 def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     """Load a PEFT LoRA/DoRA adapter into ``model``; returns the adapted module names.
 
@@ -102,9 +113,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     if not targets:
         raise PosttuneError(f"{directory}: target_modules {config.get('target_modules')!r} match no linear "
                             f"layer of this model")
-    settings = {"rank": int(config["r"]), "alpha": float(config.get("lora_alpha", 8)),
-                "dropout_p": float(config.get("lora_dropout") or 0.0),
-                "kind": "dora" if config.get("use_dora") else "lora"}
+    settings = _settings(config)
     layers = adapted_modules(model)
     if not layers:
         apply_adapters(model, targets=targets, rank=settings["rank"], alpha=settings["alpha"],

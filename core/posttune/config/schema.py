@@ -25,8 +25,8 @@ class ModelConfig:
     path: str | None = None  # HF checkpoint directory or hub id
     family: str | None = None  # else read from config.json `architectures`
     size: str | None = None  # a named size of the family, randomly initialised (no path)
-    dtype: Dtype = "fp32"
-    build_overrides: dict[str, Any] = field(default_factory=dict)  # override builder kwargs
+    dtype: Dtype = "fp32"  # dtype of the weights (and of the computation)
+    build_overrides: dict[str, Any] = field(default_factory=dict)  # builder kwargs over config.json's or the size's
 
 
 @dataclass(frozen=True)
@@ -37,22 +37,22 @@ class TokenizerConfig:
 @dataclass(frozen=True)
 class DatasetConfig:
     path: str  # a local json/jsonl/parquet/csv file or directory, or a hub dataset name
-    format: str = "chat"
-    split: str = "train"
+    format: str = "chat"  # how a row reads: alpaca, chat, text, preference, prompt (`posttune ls datasets`)
+    split: str = "train"  # the dataset split to read
     subset: str | None = None  # hub dataset configuration name
-    streaming: bool = False
+    streaming: bool = False  # read rows as they are consumed, not loaded whole (needs train.max_steps)
     column_map: dict[str, str] = field(default_factory=dict)  # format field -> dataset column
     system_prompt: str | None = None  # a system turn put before each chat that has none
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    train: DatasetConfig
-    validation: DatasetConfig | None = None
+    train: DatasetConfig  # the training dataset
+    validation: DatasetConfig | None = None  # a dataset for the validation loss (see train.eval_every)
     max_seq_len: int = 2048  # tokens per sample (prompt and response together)
     max_prompt_len: int | None = None  # preference/prompt data: keep the prompt's last N tokens
-    packing: bool = False
-    skip_bad_rows: bool = False
+    packing: bool = False  # concatenate samples into rows of max_seq_len tokens (docs/training.md)
+    skip_bad_rows: bool = False  # skip and count rows that cannot be read or rendered, instead of stopping
     group_by_length: bool = False  # map-style, unpacked: batch rows of similar length (less padding)
     pad_to_multiple_of: int | None = None  # round each batch's padded length up to a multiple
     # a batch's samples end to end in one row, no padding computed (same loss); null: wherever the
@@ -62,46 +62,47 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: int = 1
-    max_steps: int | None = None
-    batch_size: int = 1
-    grad_accum_steps: int = 1
-    lr: float = 2e-5
-    weight_decay: float = 0.0
+    epochs: int = 1  # passes over the training data (when max_steps is null)
+    max_steps: int | None = None  # optimizer steps to run, over epochs (required with streaming data)
+    batch_size: int = 1  # rows (samples, pairs, prompts) per micro-batch on each data-parallel rank
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    lr: float = 2e-5  # peak learning rate, reached after warmup_steps
+    weight_decay: float = 0.0  # the optimizer's weight decay
     optimizer: str | dict[str, Any] = "adamw"  # a name, or a mapping with `_component_`
     scheduler: str | dict[str, Any] = "constant"  # constant | linear | cosine, or `_component_`
-    warmup_steps: int = 0
-    max_grad_norm: float | None = 1.0
+    warmup_steps: int = 0  # optimizer steps of linear warmup to lr
+    max_grad_norm: float | None = 1.0  # clip the gradients' total norm to this
     skip_nonfinite: int = 0  # optimizer steps with a NaN/Inf loss or gradient norm to skip before the run stops
-    seed: int = 0
-    device: str = "auto"
-    log_every: int = 1
-    eval_every: int | None = None
+    seed: int = 0  # seeds the data order, a random init and sampling
+    device: str = "auto"  # auto (CUDA if available, else CPU), or a torch device: cpu, cuda, cuda:1
+    log_every: int = 1  # write a metrics record every N optimizer steps (and the last)
+    eval_every: int | None = None  # validation loss every N optimizer steps (needs data.validation)
     sample_prompts: list[str] = field(default_factory=list)  # greedy completions shown before and after
-    sample_max_new_tokens: int = 32
+    sample_max_new_tokens: int = 32  # tokens generated for each of sample_prompts
 
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    kind: Literal["lora", "dora"] = "lora"
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    kind: Literal["lora", "dora"] = "lora"  # LoRA, or DoRA (LoRA on a weight's direction, plus its magnitude)
+    rank: int = 8  # rank of the low-rank update
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input
     targets: list[str] | None = None  # module-name patterns; default: the family's
+    init_from: str | None = None  # a saved PEFT adapter dir to start from (same rank/alpha/kind/targets)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    plans: list[str] = field(default_factory=list)
+    plans: list[str] = field(default_factory=list)  # parallel plans by name (`posttune ls plans`), e.g. [fsdp2, tp]
     dims: dict[str, int] = field(default_factory=dict)  # mesh dimension -> degree; -1: the rest
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # plan name -> its settings
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    output_dir: str = "outputs/run"
-    save_every: int | None = None
-    keep_last: int | None = 2
+    output_dir: str = "outputs/run"  # checkpoints, the final model or adapter, metrics.jsonl
+    save_every: int | None = None  # a resumable checkpoint every N optimizer steps (and at the end)
+    keep_last: int | None = 2  # checkpoints kept; older ones are deleted
     resume: str | None = None  # "latest" or a checkpoint path
     save_merged: bool = False  # with an adapter: also write the merged HF model at the end
     overwrite: bool = False  # start afresh in an output_dir that holds another run's results
@@ -109,22 +110,22 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: ModelConfig
+    model: ModelConfig  # the policy: the model that trains
     method: str | dict[str, Any]  # a name, or a mapping with `name` and the method's settings
-    description: str = ""
+    description: str = ""  # one line, shown by `posttune ls configs` for a bundled config
     requires: list[str] = field(default_factory=list)  # PEP 508: ["posttune-qwen>=0.1"]
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    data: DataConfig | None = None
-    train: TrainConfig = field(default_factory=TrainConfig)
-    adapter: AdapterConfig | None = None
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # the tokenizer (default: the model's)
+    data: DataConfig | None = None  # the datasets (required to train)
+    train: TrainConfig = field(default_factory=TrainConfig)  # the optimisation loop
+    adapter: AdapterConfig | None = None  # LoRA/DoRA adapters; null: full fine-tuning
     #: the frozen `reference` model role (DPO, GRPO's KL): default, the policy's own source
     reference: ModelConfig | None = None
     #: the frozen `teacher` model role (distillation): required by methods that ask for it
     teacher: ModelConfig | None = None
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    memory: list[str] = field(default_factory=list)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # models split over processes (docs/parallel.md)
+    memory: list[str] = field(default_factory=list)  # memory techniques by name (`posttune ls memory`, docs/memory.md)
     memory_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # technique name -> its settings
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # output directory, checkpoints, resume
 
     @property
     def method_name(self) -> str:

@@ -1,7 +1,7 @@
 """Training: compose the session, run the loop, save the result (docs/architecture.md).
 
-    claim the output directory -> compose(plan) -> samples before -> train(session)
-    -> save final -> samples after
+    claim the output directory -> compose(plan) -> config.yaml, banner -> samples before
+    -> train(session) -> save final -> samples after -> summary (and summary.json)
 
 Exit statuses (docs/training.md): 0 done; 2 a user error, a write failure or a NaN/Inf the
 run may not skip (one line on stderr); 143 preempted by SIGTERM after saving a checkpoint.
@@ -9,7 +9,6 @@ run may not skip (one line on stderr); 143 preempted by SIGTERM after saving a c
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,14 +19,19 @@ WORKER_MODULE = "posttune.training.worker"
 
 
 def run(plan: Any) -> int:
-    from posttune.training import distributed, output_dir, preemption
+    from posttune.training import distributed, output_dir, preemption, run_report
     from posttune.training.compose import compose
     from posttune.training.trainer import train
 
     # Rank 0 (known from torchrun's environment: no process group yet) holds the directory.
-    with output_dir.claimed(plan.config, main=int(os.environ.get("RANK", "0")) == 0):
+    main = int(os.environ.get("RANK", "0")) == 0
+    with output_dir.claimed(plan.config, main=main):
+        if main:
+            print(run_report.preparing(plan), flush=True)
         session = compose(plan)
         show = distributed.is_main()
+        if show:
+            start(session)
         before = sample(session)
         try:
             summary = train(session)
@@ -41,6 +45,17 @@ def run(plan: Any) -> int:
             report(session, summary, outputs, before, after)
         distributed.shutdown()
         return 0
+
+
+def start(session: Any) -> None:
+    """Main rank, before the progress bar: save the resolved config (naming what a resume changed)
+    and print the banner, so the user sees what trains before the first step."""
+    from posttune.training import run_report as report
+
+    changed = report.save_config(session.plan, Path(session.config.checkpoint.output_dir))
+    for line in report.banner(session) + ([changed] if changed else []):
+        print(line)
+    sys.stdout.flush()
 
 
 def sample(session: Any) -> list[tuple[str, str]]:
@@ -98,8 +113,12 @@ def save_final(session: Any) -> dict[str, str]:
 
 
 def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], before: list, after: list) -> None:
+    """The summary as aligned lines (the same values go to OUTPUT/summary.json), then the outputs."""
+    from posttune.training.run_report import save_summary, summary_lines
+
+    outputs = {**outputs, "summary": str(save_summary(Path(session.config.checkpoint.output_dir), summary))}
     print("\n== summary ==")
-    print(json.dumps(summary, indent=2))
+    print("\n".join(summary_lines(summary)))
     skipped = getattr(session.train_data, "skipped", None)
     if skipped is not None and skipped.total:
         print(f"data: skipped {skipped.bad_rows} bad row(s) and {skipped.untrained} sample(s) with no trained "

@@ -27,7 +27,7 @@ from torch import nn
 
 from posttune.checkpoint import materialize as mat
 from posttune.checkpoint.origin import ModelOrigin, attach
-from posttune.errors import ConfigError
+from posttune.errors import ConfigError, PosttuneError
 from posttune.plan import Plan, applies_to_frozen
 from posttune.registry import Registered
 from posttune.session import ModelTarget, Session
@@ -218,7 +218,35 @@ def load_weights(session: Session, target: ModelTarget) -> None:
         init_adapters(model)
         if resumes_hf:
             load_peft_adapter(model, resume_from / "model")
+        elif config.adapter.init_from is not None:
+            init_from_adapter(model, config.adapter)
     model.train()
+
+
+def init_from_adapter(model: nn.Module, adapter: Any) -> None:
+    """``adapter.init_from``: start from a finished run's adapter instead of a fresh one.
+
+    The adapters were injected from ``adapter:`` already, so the saved ones must be the same shape:
+    rank, alpha and kind are compared with ``adapter_config.json`` first (the usual mistake, named
+    in one line); the targets and every tensor are checked as they are copied in.
+    """
+    from posttune.adapters.peft_format import saved_settings
+
+    path = Path(adapter.init_from).expanduser()
+    try:
+        saved = saved_settings(path)
+    except PosttuneError as exc:
+        raise ConfigError("adapter.init_from", str(exc)) from None
+    mine = {"rank": adapter.rank, "alpha": float(adapter.alpha), "kind": adapter.kind}
+    differ = [f"{key} {saved[key]} (saved) vs {mine[key]} (adapter.{key})" for key in mine if saved[key] != mine[key]]
+    if differ:
+        raise ConfigError("adapter.init_from", f"{path} does not match this run's adapter: {'; '.join(differ)}")
+    from posttune.adapters import load_peft_adapter
+
+    try:
+        load_peft_adapter(model, path)
+    except PosttuneError as exc:
+        raise ConfigError("adapter.init_from", str(exc)) from None
 
 
 @torch.no_grad()

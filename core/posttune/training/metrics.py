@@ -1,11 +1,13 @@
-"""What a run reports: one JSON line per step in OUTPUT_DIR/metrics.jsonl, a progress bar, a summary."""
+"""What a run reports: one JSON line per logged step in OUTPUT_DIR/metrics.jsonl, and a progress bar."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,27 @@ def peak_memory_mib(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
-class MetricsLog:
-    """Appends step records to ``metrics.jsonl`` (rank 0 only) and keeps a tqdm bar in step."""
+#: the bar's postfix, in this order
+POSTFIX = ("loss", "val_loss", "lr", "tok_s")
 
-    def __init__(self, output_dir: Path, *, total_steps: int, initial_step: int, enabled: bool):
+
+class MetricsLog:
+    """Appends step records to ``metrics.jsonl`` (rank 0 only) and keeps a tqdm bar in step.
+
+    The bar ticks every step; a record is written (and shown on the bar) only when ``due``:
+    every ``log_every`` steps, on the last step, and on any step that evaluated or was skipped,
+    so a sparse log never hides an evaluation or a fault. ``last_eval`` keeps the latest
+    evaluation (step, results) so the end of the run can reuse it instead of evaluating twice.
+    """
+
+    def __init__(self, output_dir: Path, *, total_steps: int, initial_step: int, enabled: bool,
+                 log_every: int = 1):
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
         self.start = time.perf_counter()
+        self.total_steps, self.log_every = total_steps, max(1, log_every)
+        self.last_eval: tuple[int, dict[str, float]] | None = None
+        self.postfix: dict[str, str] = {}
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm
@@ -35,17 +51,48 @@ class MetricsLog:
             self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True,
                             file=sys.stderr)
 
+    def due(self, record: dict[str, Any]) -> bool:
+        """Whether step ``record`` is written: a multiple of log_every, the last step, an eval or a skip."""
+        step = int(record["step"])
+        return (step % self.log_every == 0 or step >= self.total_steps or "skipped_nonfinite" in record
+                or any(key.startswith("val_") for key in record))
+
     def write(self, record: dict[str, Any]) -> None:
+        """Tick the bar for the step just finished; write and show the record when it is due."""
         if not self.enabled:
             return
-        from posttune.training.write_errors import writing
+        due = self.due(record)
+        if due:
+            from posttune.training.write_errors import writing
 
-        with writing(self.path, "metrics"), self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.bar is not None and "loss" in record:
+            with writing(self.path, "metrics"), self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.bar is not None:
+            if due and "loss" in record:  # the postfix first: the refresh of update() shows this step
+                self.postfix.update(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}")
+            self.bar.set_postfix({key: self.postfix[key] for key in POSTFIX if key in self.postfix}, refresh=False)
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                 tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+
+    def evaluated(self, step: int, results: dict[str, float]) -> None:
+        """Keep an evaluation for the summary, print it as one line and keep its loss on the bar."""
+        self.last_eval = (step, dict(results))
+        if not self.enabled:
+            return
+        self.note(f"step {step}: " + ", ".join(f"{key} {value:.4f}" for key, value in results.items()))
+        if "val_loss" in results:
+            self.postfix["val_loss"] = f"{results['val_loss']:.4f}"
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Say on the bar that the run evaluates, so a long evaluation does not look like a hang."""
+        if self.bar is not None:
+            self.bar.set_description("eval", refresh=True)
+        try:
+            yield
+        finally:
+            if self.bar is not None:
+                self.bar.set_description("train", refresh=False)
 
     def note(self, text: str) -> None:
         if self.enabled:

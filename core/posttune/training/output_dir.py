@@ -37,7 +37,7 @@ METRICS = "metrics.jsonl"
 #: what a finished or interrupted run leaves that a new run must not silently replace
 RESULTS = ("checkpoints", "model", "adapter", METRICS)
 #: what ``checkpoint.overwrite: true`` clears at the start (model/ and adapter/ stay until replaced)
-CLEARED = ("checkpoints", METRICS, "loss.png")
+CLEARED = ("checkpoints", METRICS, "loss.png", "summary.json")
 #: temporary directories of atomic_dir: ``.NAME.tmp-XXXXXXXX`` and ``.NAME.old-XXXXXXXX``
 LEFTOVER = re.compile(r"^\..+\.(tmp|old)-[0-9a-f]{8}$")
 

@@ -91,7 +91,8 @@ def train(session: Session) -> dict[str, Any]:
     method = session.plan.method.descriptor
     config = session.config.train
     log = MetricsLog(Path(session.config.checkpoint.output_dir), total_steps=session.total_steps,
-                     initial_step=session.step, enabled=distributed.is_main())
+                     initial_step=session.step, enabled=distributed.is_main(), log_every=config.log_every)
+    first_step = session.step
     session.model.train()
     window = Window()
     run_start, run_tokens = time.perf_counter(), 0.0
@@ -120,7 +121,8 @@ def train(session: Session) -> dict[str, Any]:
                 session.epoch += 1
                 if hasattr(session.train_data, "set_epoch"):
                     session.train_data.set_epoch(session.epoch)
-        return _summary(session, run_tokens, time.perf_counter() - run_start)
+        return _summary(session, log, steps_run=session.step - first_step, tokens=run_tokens,
+                        seconds=time.perf_counter() - run_start)
 
 
 def _stop_if_asked(session: Session, log: MetricsLog) -> None:
@@ -135,8 +137,10 @@ def _stop_if_asked(session: Session, log: MetricsLog) -> None:
 
 
 def _checkpoint_due(session: Session) -> bool:
+    """Every ``save_every`` steps, and the final step too: a finished run stays resumable, so raising
+    ``train.max_steps`` with ``resume: latest`` extends it (docs/training.md, "Extending a finished run")."""
     every = session.config.checkpoint.save_every
-    return bool(every) and session.step % every == 0 and session.step < session.total_steps
+    return bool(every) and (session.step % every == 0 or session.step >= session.total_steps)
 
 
 def batches(session: Session) -> Iterable[Any]:
@@ -199,7 +203,10 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog) -> float:
     if method.on_step_end is not None:
         method.on_step_end(session, record)
     if config.eval_every and session.step % config.eval_every == 0 and session.validation_data is not None:
-        record.update(_prefixed(evaluate(session)))
+        with log.evaluating():
+            results = _prefixed(evaluate(session))
+        log.evaluated(session.step, results)
+        record.update(results)
     log.write(record)
     _save_when_due(session, log)
     return tokens
@@ -240,9 +247,13 @@ def _prefixed(results: Mapping[str, float]) -> dict[str, float]:
     return {f"val_{key}": float(value) for key, value in results.items()}
 
 
-def _summary(session: Session, tokens: float, seconds: float) -> dict[str, Any]:
+def _summary(session: Session, log: MetricsLog, *, steps_run: int, tokens: float, seconds: float) -> dict[str, Any]:
+    """What this invocation did (``steps_run``, tokens, time: a resumed run counts only its own)
+    and where the run stands (``final_step``); the validation results at the final step, reused
+    when that step already evaluated."""
     summary = {
-        "steps": session.step,
+        "steps_run": steps_run,
+        "final_step": session.step,
         "tokens": int(tokens),
         "seconds": round(seconds, 2),
         "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
@@ -251,5 +262,10 @@ def _summary(session: Session, tokens: float, seconds: float) -> dict[str, Any]:
     if session.skipped_nonfinite or session.config.train.skip_nonfinite:
         summary["skipped_nonfinite"] = session.skipped_nonfinite
     if session.validation_data is not None:
-        summary.update(_prefixed(evaluate(session)))
+        if log.last_eval is not None and log.last_eval[0] == session.step:
+            results = log.last_eval[1]
+        else:
+            with log.evaluating():
+                results = _prefixed(evaluate(session))
+        summary.update(results)
     return summary

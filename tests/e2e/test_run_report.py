@@ -1,0 +1,90 @@
+"""What a run tells its user: the banner, OUTPUT/config.yaml (reloadable, diffed on resume),
+one line per evaluation with no second one at the end, `log_every`, and the summary."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from posttune.config import load_config, validate
+from posttune.plan import resolve_plan
+from posttune.plugins import get_registry
+from posttune.training import trainer
+from posttune.training.metrics import read_metrics
+from posttune.training.run_report import config_changes, resolved_config
+
+
+def test_the_saved_config_reloads_to_the_same_resolved_config(llama_sft, posttune_cli, write_config, tmp_path):
+    path = write_config(train={"max_steps": 2}, adapter={"rank": 4, "alpha": 8})
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    saved = tmp_path / "out" / "config.yaml"
+    plan = resolve_plan(validate(load_config(path)), get_registry())
+    reloaded = resolve_plan(validate(load_config(saved)), get_registry())
+    assert resolved_config(reloaded) == resolved_config(plan) == yaml.safe_load(saved.read_text())
+    assert resolved_config(plan)["method"]["name"] == "sft" and len(resolved_config(plan)["method"]) > 1
+    banner = result.stdout.split("== summary ==")[0]
+    assert "model: llama size tiny (random init), method sft, lora rank 4 alpha 8" in banner
+    assert "parameters: " in banner and " trainable (" in banner
+    assert "data: 24 samples, 6 batches an epoch, " in banner
+    assert "steps: 2 (0.333 epoch(s) of 6 steps); effective batch 4 = 4 x 1 accumulation x 1" in banner
+    assert f"output: {tmp_path / 'out'} (config.yaml, metrics.jsonl)" in banner
+
+
+def test_a_resume_names_what_changed_in_the_config(llama_sft, posttune_cli, write_config, tmp_path):
+    path = write_config(train={"max_steps": 2}, checkpoint={"save_every": 2})
+    assert posttune_cli("train", str(path)).exit_code == 0
+    result = posttune_cli("train", str(path), "checkpoint.resume=latest", "train.lr=0.002")
+    assert result.exit_code == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("config changed")]
+    assert lines == ["config changed since the checkpoint: train.lr 0.001 -> 0.002 (the optimizer resumes with "
+                     "the checkpoint's learning rate)"]
+    assert f"resumed from step 2 ({tmp_path / 'out' / 'checkpoints' / 'step-00000002'})" in result.stdout
+    assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["train"]["lr"] == 0.002  # overwritten
+
+
+def test_config_changes_are_dotted_keys():
+    old = {"train": {"lr": 0.001, "max_steps": 4}, "checkpoint": {"resume": None}, "memory": []}
+    new = {"train": {"lr": 0.002, "max_steps": 4}, "checkpoint": {"resume": "latest"}, "memory": ["compile"]}
+    assert config_changes(old, new) == ['memory [] -> ["compile"]', "train.lr 0.001 -> 0.002"]
+
+
+def test_log_every_evaluations_and_no_second_evaluation_at_the_end(llama_sft, posttune_cli, write_config, tmp_path,
+                                                                   monkeypatch):
+    calls = []
+    evaluate = trainer.evaluate
+    monkeypatch.setattr(trainer, "evaluate", lambda session: calls.append(session.step) or evaluate(session))
+    path = write_config(train={"max_steps": 6, "log_every": 2, "eval_every": 3})
+    result = posttune_cli("train", str(path), f"data.validation.path={tmp_path / 'train.jsonl'}",
+                          "data.validation.format=chat")
+    assert result.exit_code == 0, result.stderr
+    records = read_metrics(tmp_path / "out")
+    assert [r["step"] for r in records] == [2, 3, 4, 6]  # every 2nd step, the evaluation at 3, the last
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+    assert calls == [3, 6]  # the end of the run reuses step 6's evaluation
+    evaluations = [line for line in result.stdout.splitlines() if ": val_loss " in line]
+    assert evaluations == [f"step {r['step']}: val_loss {r['val_loss']:.4f}" for r in records if "val_loss" in r]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["val_loss"] == records[-1]["val_loss"]
+    assert f"  val_loss         {summary['val_loss']:,.6g}" in result.stdout
+
+
+def test_log_every_keeps_the_last_step(llama_sft, posttune_cli, write_config, tmp_path):
+    path = write_config(train={"max_steps": 5, "log_every": 2})
+    assert posttune_cli("train", str(path)).exit_code == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [2, 4, 5]
+
+
+def test_the_summary_counts_this_invocations_steps(llama_sft, posttune_cli, write_config, tmp_path):
+    path = write_config(train={"max_steps": 2}, checkpoint={"save_every": 1})
+    first = posttune_cli("train", str(path))
+    assert first.exit_code == 0, first.stderr
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps_run"] == 2
+    resumed = posttune_cli("train", str(path), "checkpoint.resume=latest", "train.max_steps=5")
+    assert resumed.exit_code == 0, resumed.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["steps_run"], summary["final_step"]) == (3, 5)
+    assert summary["tokens"] == sum(r["tokens"] for r in read_metrics(tmp_path / "out")[2:])
+    shown = resumed.stdout.split("== summary ==")[1].splitlines()
+    assert "  steps_run        3" in shown and "  final_step       5" in shown
