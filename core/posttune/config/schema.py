@@ -146,6 +146,7 @@ def validate(raw: dict[str, Any]) -> RunConfig:
         if model is not None and model.path is None and (model.family is None or model.size is None):
             raise ConfigError(section, "set `path` (a checkpoint) or both `family` and `size` (random init)")
     check_ranges(config)
+    _check_low_bit_optimizer(config.train.optimizer)
     _check_choice(config.train.optimizer, "train.optimizer", OPTIMIZER_NAMES)
     _check_choice(config.train.scheduler, "train.scheduler", SCHEDULE_NAMES)
     data = config.data
@@ -168,6 +169,18 @@ def _check_grouping(data: DataConfig) -> None:
     if data.group_by_length and data.train.streaming:
         raise ConfigError("data.group_by_length", "needs a map-style dataset (the whole epoch to sort), "
                                                   "but data.train is streaming; set streaming: false or drop it")
+
+
+def _check_low_bit_optimizer(value: str | dict[str, Any]) -> None:
+    """``adamw8bit`` and the like: low-bit AdamW is a memory technique over ``adamw``, say so."""
+    if not isinstance(value, str):
+        return
+    plain = value.lower().replace("_", "").replace("-", "")
+    for bits in ("8bit", "4bit"):
+        if plain.startswith("adamw") and plain.endswith(bits):
+            raise ConfigError("train.optimizer", f"unknown name '{value}': low-bit AdamW is the memory technique "
+                                                 f"'adamw_{bits}' (posttune-torchao); set train.optimizer: adamw "
+                                                 f"and memory: [adamw_{bits}]")
 
 
 def _check_choice(value: str | dict[str, Any], where: str, names: tuple[str, ...]) -> None:
