@@ -86,3 +86,36 @@ def test_min_p_one_samples_the_greedy_completion(checkpoint, posttune_cli):
     sampled = posttune_cli(*args, "--temperature", "1.0", "--min-p", "1.0", "--seed", "1")
     assert sampled.exit_code == 0, sampled.stderr
     assert sampled.stdout == greedy.stdout
+
+
+def test_adapter_alone_finds_its_base_model(checkpoint, posttune_cli, tmp_path_factory):
+    """`--adapter DIR` without `--model` loads the base its adapter_config.json names: the same text
+    as `--model BASE --adapter DIR` (and not the base model's own)."""
+    import peft
+
+    path, _ = checkpoint
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    lora = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    adapter = tmp_path_factory.mktemp("adapter")
+    peft.get_peft_model(base, lora).save_pretrained(adapter)
+    flags = ["--prompt", "The quick brown fox", "--max-new-tokens", "12", "--show-ids"]
+    alone = posttune_cli("generate", "--adapter", str(adapter), *flags)
+    both = posttune_cli("generate", "--model", str(path), "--adapter", str(adapter), *flags)
+    plain = posttune_cli("generate", "--model", str(path), *flags)
+    assert alone.exit_code == both.exit_code == plain.exit_code == 0, alone.stderr + both.stderr
+    assert alone.stdout == both.stdout and alone.stdout != plain.stdout
+
+
+def test_bf16_and_bfloat16_are_one_dtype(checkpoint, posttune_cli):
+    path, _ = checkpoint
+    outputs = [posttune_cli("generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "4",
+                            "--dtype", dtype, "--show-ids") for dtype in ("bf16", "bfloat16")]
+    assert outputs[0].exit_code == 0, outputs[0].stderr
+    assert outputs[0].stdout == outputs[1].stdout
+
+
+def test_generate_without_model_or_adapter_is_one_line(checkpoint, posttune_cli):
+    result = posttune_cli("generate", "--prompt", "hi")
+    assert result.exit_code == 2 and result.stderr.strip().count("\n") == 0
+    assert "--model" in result.stderr

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttune.config.dtypes import torch_name
 from posttune.errors import PosttuneError
 
 FALLBACK_DTYPE = torch.float32
@@ -34,7 +35,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, hf_config: Mapping[str, Any] 
         return FALLBACK_DTYPE
     if isinstance(dtype, torch.dtype):
         return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    found = getattr(torch, torch_name(str(dtype)).removeprefix("torch."), None)  # bf16 == bfloat16
     if not isinstance(found, torch.dtype) or not found.is_floating_point:
         raise PosttuneError(f"dtype: expected a floating-point torch dtype such as 'bfloat16', got {dtype!r}")
     return found

@@ -13,19 +13,20 @@ from posttune.descriptors import Command
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF checkpoint directory or hub id")
+    parser.add_argument("--model", help="HF checkpoint directory or hub id (default with --adapter: the base model "
+                                         "its adapter_config.json names)")
     parser.add_argument("--prompt", required=True, action="append",
                         help="the text to complete; repeat it to complete several prompts in one batch")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     parser.add_argument("--adapter", help="a PEFT adapter directory to apply on top of the model")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--min-p", type=float, default=None, help="keep tokens with p >= MIN_P x the top p")
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
-    parser.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
+    parser.add_argument("--dtype", default=None, help="bf16, bfloat16, fp16, fp32 ... (default: the checkpoint's own)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1 ...")
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
 
 
@@ -36,12 +37,13 @@ def run(args: argparse.Namespace) -> int:
     from posttune.errors import first_line
     from posttune.generation import generate_batch
 
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    base = args.model or adapter_base(args.adapter)
+    model = load_model(base, dtype=args.dtype, device=device_of(args.device))
     if args.adapter:
         from posttune.adapters import load_peft_adapter
 
         load_peft_adapter(model, args.adapter)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(base)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
                if args.chat else tokenizer.encode(prompt) for prompt in args.prompt]
     with torch.no_grad():
@@ -55,6 +57,35 @@ def run(args: argparse.Namespace) -> int:
         if args.show_ids:
             print(" ".join(map(str, new)))
     return 0
+
+
+def adapter_base(adapter: str | None) -> str:
+    """The base model an adapter directory names (``base_model_name_or_path``), for ``--adapter`` alone."""
+    import json
+    from pathlib import Path
+
+    from posttune.errors import PosttuneError
+
+    if not adapter:
+        raise PosttuneError("generate: give --model, or --adapter with an adapter_config.json naming its base model")
+    config = Path(adapter) / "adapter_config.json"
+    try:
+        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError) as exc:
+        raise PosttuneError(f"generate: --adapter {adapter}: cannot read {config.name} ({exc})") from None
+    if not base:
+        raise PosttuneError(f"generate: --adapter {adapter}: {config.name} names no base_model_name_or_path; "
+                            "give --model")
+    return str(base)
+
+
+def device_of(name: str | None) -> str:
+    """``auto``: CUDA when a GPU is there, else the CPU (as `train.device: auto` does)."""
+    if name in (None, "auto"):
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 COMMAND = Command("generate", "complete prompts with a checkpoint (KV cache; greedy unless --temperature)",

@@ -9,6 +9,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
+from posttune.config.dtypes import TORCH_NAMES, short_name
 from posttune.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
@@ -48,6 +49,8 @@ def convert(tp: Any, value: Any, path: str) -> Any:
     if origin is Literal:
         if value in args:
             return value
+        if set(args) <= set(TORCH_NAMES) and short_name(value) in args:  # a dtype: bfloat16 == bf16
+            return short_name(value)
         choices = ", ".join(repr(a) for a in args)
         hint = did_you_mean(str(value), [str(a) for a in args])
         raise ConfigError(path, f"expected one of {choices}, got {_show(value)}{hint}")

@@ -1,0 +1,26 @@
+"""One dtype vocabulary: configs and commands take the short names and torch's alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttune.checkpoint.materialize import resolve_dtype
+from posttune.config.schema import Dtype
+from posttune.config.typed import convert
+from posttune.errors import ConfigError
+
+
+@pytest.mark.parametrize(("spelling", "short", "dtype"), [
+    ("bf16", "bf16", torch.bfloat16), ("bfloat16", "bf16", torch.bfloat16), ("torch.bfloat16", "bf16", torch.bfloat16),
+    ("fp32", "fp32", torch.float32), ("float32", "fp32", torch.float32),
+    ("fp16", "fp16", torch.float16), ("float16", "fp16", torch.float16), ("half", "fp16", torch.float16),
+])
+def test_every_spelling_means_one_dtype_in_configs_and_commands(spelling, short, dtype):
+    assert convert(Dtype, spelling, "model.dtype") == short  # a config stores the short name
+    assert resolve_dtype(spelling) is dtype  # what generate --dtype and load_model(dtype=) build in
+
+
+def test_an_unknown_dtype_is_still_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"model\.dtype: expected one of 'fp32', 'bf16', 'fp16', got 'bf17'"):
+        convert(Dtype, "bf17", "model.dtype")
