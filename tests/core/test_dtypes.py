@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from posttune.checkpoint.materialize import resolve_dtype
 from posttune.config.schema import Dtype
 from posttune.config.typed import convert
