@@ -289,3 +289,4 @@ class Command:
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    examples: tuple[str, ...] = ()  # command lines shown under "examples:" in `posttune NAME --help`

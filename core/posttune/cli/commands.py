@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from posttune.cli import config_keys, generate, launch
 from posttune.descriptors import Command
@@ -279,20 +281,41 @@ def _run_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+#: two command lines per command, shown under "examples:" in its --help
+EXAMPLES = {
+    "plugins": ("posttune plugins", "posttune plugins --json"),
+    "ls": ("posttune ls", "posttune ls memory --json"),
+    "cp": ("posttune cp llama-demo-reverse my-run.yaml", "posttune cp llama3.2-1b-lora configs/ --force"),
+    "config": ("posttune config keys train", "posttune config show llama-demo-reverse train.lr=1e-3"),
+    "validate": ("posttune validate my-run.yaml", "posttune validate llama-demo-reverse train.max_steps=10"),
+    "plan": ("posttune plan my-run.yaml", "posttune plan --nproc-per-node 8 llama3.2-1b-lora parallel.plans=[fsdp2]"),
+    "train": ("posttune train llama-demo-reverse", "posttune train --nproc-per-node 2 my-run.yaml train.lr=1e-4"),
+    "plot": ("posttune plot runs/demo", "posttune plot runs/demo --out loss.png"),
+    "download": ("posttune download Qwen/Qwen2.5-0.5B-Instruct",
+                 "posttune download meta-llama/Llama-3.2-1B --output models/llama-1b  # gated: HF_TOKEN"),
+    "generate": ('posttune generate --model runs/demo/model --chat --prompt "Reverse: KERNEL"',
+                 'posttune generate --adapter runs/lora/adapter --prompt "Hello" --max-new-tokens 32'),
+}
+
+
+def _command(name: str, help: str, configure: Any, run: Any) -> Command:
+    return Command(name, help, configure, run, examples=EXAMPLES.get(name, ()))
+
+
 @hookimpl
 def posttune_register_commands(cli):
-    cli(Command("plugins", "list installed plugins and what they register", _configure_plugins, _run_plugins))
-    cli(Command("ls", "list installed families, methods, plans, memory techniques, datasets, configs",
+    cli(_command("plugins", "list installed plugins and what they register", _configure_plugins, _run_plugins))
+    cli(_command("ls", "list installed families, methods, plans, memory techniques, datasets, configs",
                 _configure_ls, _run_ls))
-    cli(Command("cp", "copy a bundled config to edit", _configure_cp, _run_cp))
-    cli(Command("config", "list every config key with its default (keys), or print a resolved config (show)",
+    cli(_command("cp", "copy a bundled config to edit", _configure_cp, _run_cp))
+    cli(_command("config", "list every config key with its default (keys), or print a resolved config (show)",
                 _configure_config_command, _run_config_command))
-    cli(Command("validate", "check a config against the installed plugins", _configure_validate, _run_validate))
-    cli(Command("plan", "print the resolved plan in composition order, with a memory estimate",
+    cli(_command("validate", "check a config against the installed plugins", _configure_validate, _run_validate))
+    cli(_command("plan", "print the resolved plan in composition order, with a memory estimate",
                 _configure_plan, _run_plan))
-    cli(Command("train", "train from a config (torchrun options launch many processes)",
+    cli(_command("train", "train from a config (torchrun options launch many processes)",
                 _configure_validate, _run_train))
-    cli(generate.COMMAND)
-    cli(Command("plot", "plot a run's train and validation loss to a PNG", _configure_plot, _run_plot))
-    cli(Command("download", "download a checkpoint's weights, config and tokenizer", _configure_download,
+    cli(dataclasses.replace(generate.COMMAND, examples=EXAMPLES["generate"]))
+    cli(_command("plot", "plot a run's train and validation loss to a PNG", _configure_plot, _run_plot))
+    cli(_command("download", "download a checkpoint's weights, config and tokenizer", _configure_download,
                 _run_download))

@@ -23,7 +23,8 @@ TORCHRUN_OPTIONS: dict[str, dict] = {
 def add_torchrun_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("distributed launch (passed to torchrun)")
     for flag, settings in TORCHRUN_OPTIONS.items():
-        group.add_argument(flag, flag.replace("-", "_").replace("__", "--"), default=None, **settings)
+        spellings = dict.fromkeys([flag, flag.replace("-", "_").replace("__", "--")])  # --nnodes: once
+        group.add_argument(*spellings, default=None, **settings)
     group.add_argument("--standalone", action="store_true", help="single-node rendezvous (torchrun)")
 
 

@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for item in get_registry().items("command"):
         command = item.descriptor
-        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        epilog = "examples:\n" + "\n".join(f"  {line}" for line in command.examples) if command.examples else None
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help, epilog=epilog,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
         command.configure(sub)
         sub.set_defaults(_run=command.run)
     return parser

@@ -1,0 +1,35 @@
+"""Every subcommand's --help teaches: a description and two examples that parse as written."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from posttune.cli.main import build_parser
+from posttune.plugins import get_registry
+
+COMMANDS = ["plugins", "ls", "cp", "config", "validate", "plan", "train", "generate", "plot", "download"]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_each_command_shows_two_examples_that_parse(name, capsys):
+    command = get_registry().get("command", name)
+    assert command.help and len(command.examples) == 2
+    parser = build_parser()
+    for example in command.examples:
+        words = shlex.split(example, comments=True)
+        assert words[:2] == ["posttune", name]
+        args = parser.parse_args(words[1:])  # SystemExit here would mean the example does not parse
+        assert args.command == name
+    with pytest.raises(SystemExit):
+        parser.parse_args([name, "--help"])
+    shown = capsys.readouterr().out
+    assert "examples:" in shown and all(example in shown for example in command.examples)
+
+
+def test_torchrun_flags_appear_once_each(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    shown = capsys.readouterr().out
+    assert shown.count("--nnodes M or MIN:MAX") == 2  # the usage line and the option's own line
+    assert "distributed launch (passed to torchrun)" in shown
