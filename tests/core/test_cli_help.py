@@ -33,3 +33,15 @@ def test_torchrun_flags_appear_once_each(capsys):
     shown = capsys.readouterr().out
     assert shown.count("--nnodes M or MIN:MAX") == 2  # the usage line and the option's own line
     assert "distributed launch (passed to torchrun)" in shown
+
+
+@pytest.mark.parametrize("args", [["--help"], ["ls"], ["validate", "llama-demo-reverse", "checkpoint.overwrite=true"]])
+def test_answering_commands_do_not_import_torch(args):
+    """What keeps `--help`, `ls` and `validate` under a second (benchmarks/cli_start.py times them)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom posttune.cli.main import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
+            "    pass\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]

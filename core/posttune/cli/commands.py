@@ -145,7 +145,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = 1):
     from posttune.config import load_config, validate
     from posttune.plan import resolve_plan
 
-    from posttune.data.first_row import check_first_rows
+    from posttune.config.first_row import check_first_rows
 
     config = validate(load_config(args.config, args.overrides))
     plan = resolve_plan(config, get_registry(), world_size=world_size)

@@ -1,0 +1,49 @@
+"""How long the CLI takes to answer: `posttune --help`, `ls`, `validate` (and `generate` on a model).
+
+    python benchmarks/cli_start.py                       # --help, ls, validate of the bundled demo
+    python benchmarks/cli_start.py --model runs/demo/model --runs 5
+
+Each command runs ``--runs`` times in a fresh process (imports included, as a user types it);
+prints JSON with every wall time and the median per command. Run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+DEMO = "llama-demo-reverse"
+
+
+def timed(args: list[str]) -> float:
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "posttune.cli.main", *args], capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"posttune {' '.join(args)} failed:\n{done.stderr[-2000:]}")
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model", help="a trained demo model folder, to time `generate` too")
+    args = parser.parse_args()
+    commands = {"--help": ["--help"], "ls": ["ls"], "validate": ["validate", DEMO, "checkpoint.overwrite=true"]}
+    if args.model:
+        commands["generate"] = ["generate", "--model", args.model, "--chat", "--prompt", "Reverse: KERNEL",
+                                "--max-new-tokens", "16"]
+    seconds: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(args.runs):  # interleaved, so a busy moment touches every command alike
+        for name, command in commands.items():
+            seconds[name].append(round(timed(command), 3))
+    print(json.dumps({name: {"median_s": round(statistics.median(times), 3), "seconds": times}
+                      for name, times in seconds.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
