@@ -45,3 +45,10 @@ def test_answering_commands_do_not_import_torch(args):
             "    pass\nprint('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
     assert done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]
+
+
+def test_train_without_arguments_asks_for_the_config_only(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith("the following arguments are required: config")  # overrides are optional

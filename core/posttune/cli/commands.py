@@ -136,7 +136,7 @@ def _run_cp(args: argparse.Namespace) -> int:
 
 def _configure_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a YAML file or a bundled config name")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+    parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="overrides: a.b.c=value sets, ~a.b deletes")
 
 
