@@ -7,6 +7,7 @@ distribution is picked up as soon as its ``pyproject.toml`` exists: nothing here
 from __future__ import annotations
 
 import fnmatch
+import glob
 import os
 import re
 from dataclasses import dataclass
@@ -184,7 +185,9 @@ def package_data_problems(dist: Distribution) -> list[str]:
     for package, patterns in package_data.items():
         bases = [where / name for name in top] if package in ("", "*") else [where / package.replace(".", "/")]
         for pattern in patterns:
-            matched = {f for base in bases for f in base.glob(pattern) if f.is_file()}
+            # glob.glob as setuptools does: `*` skips dot-files (`.gitignore.j2` needs its own pattern)
+            matched = {Path(f) for base in bases for f in glob.glob(str(base / pattern), recursive=True)
+                       if Path(f).is_file()}
             if not matched:
                 problems.append(f"tool.setuptools.package-data {package!r}: {pattern!r} matches no file")
             covered |= matched

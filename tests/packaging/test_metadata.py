@@ -112,12 +112,14 @@ def test_data_files_missing_from_package_data_are_reported(tmp_path):
         [project]
         name = "posttune-x"
         [tool.setuptools.package-data]
-        posttune_x = ["configs/*.yaml", "gone/*.json"]
-        """, {"posttune_x/__init__.py": "", "posttune_x/configs/a.yaml": "a: 1\n",
+        posttune_x = ["configs/*", "gone/*.json"]
+        """, {"posttune_x/__init__.py": "", "posttune_x/configs/a.yaml": "a: 1\n", "posttune_x/configs/.b.j2": "",
               "posttune_x/example/train.jsonl": "{}\n", "posttune_x/example/__init__.py": ""})
     problems = package_data_problems(dist)
     assert problems == [
         "tool.setuptools.package-data 'posttune_x': 'gone/*.json' matches no file",
+        f"{tmp_path}/posttune_x/configs/.b.j2 is not package data: the wheel would not ship it "
+        "(add it to tool.setuptools.package-data)",
         f"{tmp_path}/posttune_x/example/train.jsonl is not package data: the wheel would not ship it "
         "(add it to tool.setuptools.package-data)",
     ]
