@@ -1,0 +1,150 @@
+"""`posttune eval`: score a checkpoint or an adapter on lm-evaluation-harness tasks.
+
+    posttune eval --model runs/sft/model --tasks hellaswag,arc_easy --limit 200
+    posttune eval --adapter runs/lora/adapter --tasks my_task --include-path tasks/ --output eval.json
+
+Every argument is checked, and every task name looked up, before a weight is loaded: a typo
+costs seconds, not a model load. Importing this module imports neither torch nor lm_eval
+(`posttune --help` stays fast); `run` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from posttune.plugin import PosttuneError, did_you_mean
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF checkpoint directory or hub id (default with --adapter: the base model "
+                                         "its adapter_config.json names)")
+    parser.add_argument("--adapter", help="a PEFT LoRA/DoRA adapter directory to apply on top of the model")
+    parser.add_argument("--tasks", required=True,
+                        help="comma-separated lm-eval task, group or tag names (glob patterns allowed: mmlu_*)")
+    parser.add_argument("--include-path", help="a directory of extra task YAMLs (local tasks)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="requests per forward pass (default 8); scores do not depend on it")
+    parser.add_argument("--limit", type=float, default=None,
+                        help="documents per task: N, or a fraction < 1 (default: all)")
+    parser.add_argument("--num-fewshot", type=int, default=None,
+                        help="few-shot examples per prompt (default: each task's own)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, "
+                                                          "cuda:1 ... (default auto)")
+    parser.add_argument("--dtype", default=None, help="bf16, fp16, fp32 ... (default: the checkpoint's own)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="context length in tokens (default: config.json's max_position_embeddings)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed for few-shot sampling, document order and sampled generation "
+                             "(default: lm-eval's seeds, 0 and 1234)")
+    parser.add_argument("--output", "-o", help="write the results as JSON to this file (default: print only)")
+    parser.add_argument("--log-samples", action="store_true",
+                        help="include each document's prompt, responses and scores in --output")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    base = args.model or adapter_base(args.adapter)
+    import logging
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import make_table
+
+    from posttune_lmeval.model import PosttuneLM
+
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    manager = TaskManager(include_path=args.include_path)
+    tasks = task_names(args.tasks, manager)
+    lm = PosttuneLM(*load(base, args.adapter, args.dtype, args.device), batch_size=args.batch_size,
+                    max_length=args.max_length, seed=0 if args.seed is None else args.seed)
+    seeds = {} if args.seed is None else {name: args.seed for name in (
+        "random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")}
+    limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
+    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_fewshot,
+                              limit=limit, log_samples=args.log_samples, **seeds)
+    print(make_table(results))
+    if results.get("groups"):
+        print(make_table(results, "groups"))
+    if args.output:
+        write_json(results, Path(args.output), samples=args.log_samples)
+        print(f"results written to {args.output}")
+    return 0
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """One line per mistake, before anything heavy is imported or loaded."""
+    if not args.model and not args.adapter:
+        raise PosttuneError("eval: give --model, or --adapter with an adapter_config.json naming its base model")
+    if not [name for name in args.tasks.split(",") if name.strip()]:
+        raise PosttuneError("eval: --tasks: name at least one task (e.g. --tasks hellaswag,arc_easy)")
+    if args.batch_size < 1:
+        raise PosttuneError(f"eval: --batch-size must be >= 1, got {args.batch_size}")
+    if args.limit is not None and (args.limit <= 0 or args.limit >= 1 and args.limit != int(args.limit)):
+        raise PosttuneError(f"eval: --limit must be a whole number of documents or a fraction in (0, 1), "
+                            f"got {args.limit:g}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise PosttuneError(f"eval: --num-fewshot must be >= 0, got {args.num_fewshot}")
+    if args.max_length is not None and args.max_length < 2:
+        raise PosttuneError(f"eval: --max-length must be >= 2, got {args.max_length}")
+    if args.device.split(":")[0] not in DEVICES:
+        raise PosttuneError(f"eval: --device must be one of auto, cpu, cuda, cuda:N; got {args.device!r}")
+    if args.include_path and not Path(args.include_path).is_dir():
+        raise PosttuneError(f"eval: --include-path {args.include_path}: no such directory")
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise PosttuneError(f"eval: --output {args.output}: directory {Path(args.output).parent} does not exist")
+    if args.adapter and not Path(args.adapter).is_dir():
+        raise PosttuneError(f"eval: --adapter {args.adapter}: no such directory")
+
+
+def adapter_base(adapter: str) -> str:
+    """The base model an adapter directory names (``base_model_name_or_path``), for ``--adapter`` alone."""
+    config = Path(adapter) / "adapter_config.json"
+    try:
+        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError) as exc:
+        raise PosttuneError(f"eval: --adapter {adapter}: cannot read {config.name} ({exc})") from None
+    if not base:
+        raise PosttuneError(f"eval: --adapter {adapter}: {config.name} names no base_model_name_or_path; give --model")
+    return str(base)
+
+
+def task_names(spec: str, manager: Any) -> list[str]:
+    """``a,b,mmlu_*`` -> the task, group and tag names lm-eval knows; an unknown one is a one-line error."""
+    known = set(manager.all_tasks)
+    names = []
+    for name in (part.strip() for part in spec.split(",")):
+        matched = [name] if name in known else manager.match_tasks([name]) if name else []
+        if not matched:
+            hint = did_you_mean(name, known) or " (see `lm-eval ls tasks`; local YAMLs: --include-path)"
+            raise PosttuneError(f"eval: --tasks: no task '{name}'{hint}")
+        names += [m for m in matched if m not in names]
+    return names
+
+
+def load(base: str, adapter: str | None, dtype: str | None, device: str) -> tuple[Any, Any]:
+    """(model, tokenizer): the base checkpoint, with the adapter's LoRA/DoRA layers when one is given."""
+    import torch
+
+    from posttune.plugin import load_model, load_peft_adapter, load_tokenizer
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise PosttuneError(f"eval: --device {device}: no CUDA device is available")
+    model = load_model(base, dtype=dtype, device=device)
+    if adapter:
+        load_peft_adapter(model, adapter)
+    return model.eval(), load_tokenizer(base)
+
+
+def write_json(results: dict, path: Path, *, samples: bool) -> None:
+    from lm_eval.utils import handle_non_serializable
+
+    kept = {key: value for key, value in results.items() if samples or key != "samples"}
+    path.write_text(json.dumps(kept, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n",
+                    encoding="utf-8")
