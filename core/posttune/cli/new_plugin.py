@@ -1,0 +1,64 @@
+"""`posttune new plugin NAME --kind KIND`: start a third-party plugin from a working example.
+
+It writes ``posttune-NAME/`` (a distribution: pyproject.toml with the ``posttune`` entry point,
+README, the package with the hook implementation, a bundled config where the kind trains, and
+tests written with ``posttune.testing`` that pass as generated). The templates live in
+``posttune.scaffold``; this module is the command around them. No torch is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from posttune.descriptors import Command
+from posttune.errors import PosttuneError
+
+EXAMPLES = ("posttune new plugin my-method --kind method",
+            "posttune new plugin my-model --kind family -o plugins/")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from posttune.scaffold import KINDS
+
+    parser.add_argument("what", choices=["plugin"], help="what to create (a plugin distribution)")
+    parser.add_argument("name", help="the plugin's name: registered under it, distribution posttune-NAME, "
+                                     "package posttune_NAME")
+    kinds = "; ".join(f"{kind.name}: {kind.about}" for kind in KINDS.values())
+    parser.add_argument("--kind", choices=list(KINDS), default="method",
+                        help=f"what the plugin registers (default: %(default)s). {kinds}")
+    parser.add_argument("-o", "--output", default=".", metavar="DIR",
+                        help="the folder to write posttune-NAME/ into (default: the current directory)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from posttune.scaffold import KINDS, plugin_names, scaffold
+
+    kind = KINDS[args.kind]
+    names = plugin_names(args.name)
+    _refuse_a_taken_name(kind.registry_kind, names.name)
+    root, files = scaffold(args.kind, args.name, Path(args.output))
+    print(f"wrote {root}/ ({args.kind} '{names.name}', distribution {names.distribution}):")
+    for file in files:
+        print(f"  {file}")
+    print("next:")
+    print(f"  pip install -e '{root}[test]'   # add -c constraints.txt if you pin torch")
+    print(f"  posttune plugins                 # lists {names.distribution}")
+    print(f"  pytest {root / 'tests'}")
+    return 0
+
+
+def _refuse_a_taken_name(registry_kind: str, name: str) -> None:
+    """Two distributions registering one name are both kept out of the registry: refuse it now."""
+    from posttune.plugins import get_registry
+
+    registry = get_registry()
+    found = registry.entries[registry_kind].get(name)
+    if found is not None:
+        label = registry_kind.replace("_", " ")
+        raise PosttuneError(f"{label} '{name}' is already registered by {found.provenance}; two plugins "
+                            f"registering one name are both refused at run time (choose another name)")
+
+
+COMMAND = Command("new", "start a plugin distribution from a working example (family, method, reward, ...)",
+                  configure, run, examples=EXAMPLES)
