@@ -1,0 +1,359 @@
+"""Every command README.md and docs/ show is run here (or is in NOT_RUN with the reason), and the
+output they quote is compared with what the command prints today.
+
+How a documented command is checked depends on what it is:
+- a synopsis (`posttune train CONFIG [k=v ...]`, a bare `posttune plan`): the subcommand exists and
+  every `--flag` it names is in that subcommand's `--help`;
+- an install line (`pip install ...`, `tox`): every local path is a distribution, every extra and
+  every `posttune-*` name exists (CI itself runs the README's `tox`, and the isolation env installs);
+- anything else is run, in SCENARIOS below, in a scratch directory, in order, with the installed
+  plugins. A run that would take minutes or need the hub gets arguments appended (SHORT/LOCAL: fewer
+  steps, a tiny local model) - never different ones. A `$ command` block's quoted output must match
+  (a `...` line skips lines; `...` inside a line matches anything; runs of spaces are one space).
+- every `posttune: error:` line the docs quote is produced by the command in ERRORS (or by the test
+  named in ELSEWHERE) and compared with it.
+A new command in the docs fails `test_every_documented_command_is_checked` until it is added here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from doc_blocks import ROOT, Shown, block_commands, quoted_errors, span_commands, transcripts
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+       "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+       "COLUMNS": "200"}
+
+#: a tiny local Llama in place of a hub checkpoint and hub data: appended after the config
+LOCAL = ("model.path=null model.size=tiny model.dtype=fp32 tokenizer.path=package:posttune_llama/demo/tokenizer "
+         "model.build_overrides.vocab_size=384 data.train.path=package:posttune_llama/demo/reverse_train.jsonl "
+         "data.train.format=chat data.max_seq_len=64 data.packing=false train.batch_size=2 train.grad_accum_steps=1 "
+         "checkpoint.save_merged=false")
+SHORT = "train.max_steps=2 train.eval_every=null"
+#: a scenario step that only prepares what a documented command needs (not itself documented)
+SETUP = ": set-up &&"
+DEMO_DATA = "$(python -c 'import os, posttune_llama; print(os.path.dirname(posttune_llama.__file__))')/demo"
+
+#: scenario -> the documented commands it runs, in order, each with what is appended (or inserted
+#: after the config for `posttune train/plan/validate`, so the documented overrides still win)
+SCENARIOS: dict[str, list[tuple[str, str]]] = {
+    "listing": [
+        ("posttune plugins", ""), ("posttune --version", ""), ("posttune ls", ""), ("posttune ls configs", ""),
+        ("posttune ls families", ""), ("posttune ls methods", ""), ("posttune ls plans", ""),
+        ("posttune ls memory", ""), ("posttune ls datasets", ""), ("posttune ls rewards", ""),
+        ("posttune ls --json methods", ""), ("posttune config keys", ""),
+    ],
+    "training quick start (docs/training.md)": [
+        ("posttune cp llama3.2-1b-lora my.yaml", ""),
+        ("posttune plan my.yaml", ""),
+        ("posttune train my.yaml train.lr=1e-4", f"{LOCAL} {SHORT}"),
+        ("posttune train my.yaml train.lr=1e-4 --trust-components", f"{LOCAL} {SHORT} checkpoint.overwrite=true"),
+        ("posttune train my.yaml", f"{LOCAL} {SHORT} checkpoint.overwrite=true"),
+        ("posttune train my.yaml train.max_steps=4 checkpoint.save_every=2",
+         f"{LOCAL} train.eval_every=null checkpoint.overwrite=true"),
+        ("posttune train my.yaml train.max_steps=6 checkpoint.save_every=2 checkpoint.resume=latest",
+         f"{LOCAL} train.eval_every=null"),
+    ],
+    "config.md overrides": [
+        (f"{SETUP} posttune cp llama3.2-1b-lora my-run.yaml && cp {DEMO_DATA}/reverse_train.jsonl other.jsonl", ""),
+        ("posttune train my-run.yaml train.lr=1e-4 train.optimizer._component_=torch.optim.SGD "
+         "memory=[activation_checkpointing] ~adapter data.train.path=other.jsonl", f"{LOCAL} {SHORT}"),
+    ],
+    "README demo": [
+        ("posttune train llama-demo-reverse", SHORT),
+        ('posttune generate --model outputs/llama-demo-reverse/model --chat --prompt "Reverse: KERNEL"', ""),
+        ("python -m posttune_llama.demo.check outputs/llama-demo-reverse/model", ""),
+    ],
+    "DPO (README, docs/dpo.md)": [
+        ("posttune plan dpo-tiny-reverse", ""),
+        ("posttune plan dpo-tiny-reverse adapter.kind=lora", ""),
+        ("posttune train dpo-tiny-reverse", SHORT),
+        ("posttune plot outputs/dpo-tiny-reverse", ""),
+    ],
+    "GRPO (README, docs/grpo.md)": [
+        ("python -m posttune_grpo.example prepare", "--steps 20"),
+        ("posttune train grpo-tiny-reverse", SHORT),
+        ("posttune plot outputs/grpo-tiny-reverse", ""),
+        ("posttune train grpo-tiny-reverse method.mode=async", f"{SHORT} checkpoint.overwrite=true"),
+    ],
+    "KD (README, docs/kd.md)": [
+        ("python -m posttune_kd.example prepare-teacher", "--steps 20"),
+        ("posttune plan kd-tiny-reverse", ""),
+        ("posttune train kd-tiny-reverse", SHORT),
+    ],
+    "the qwen3 GSM8K recipe's overrides (docs/grpo.md)": [
+        # a 0.6B hub model on GPUs: validated with the documented overrides, not trained
+        ("posttune train qwen3-0.6b-grpo-gsm8k method.micro_batch_size=8 train.grad_accum_steps=8 "
+         "'memory=[chunked_cross_entropy, activation_checkpointing]'", "VALIDATE"),
+    ],
+}
+SLOW = {"GRPO (README, docs/grpo.md)", "KD (README, docs/kd.md)"}
+
+#: documented commands not run here, and why (each still has to be in the docs: no stale entries)
+NOT_RUN: dict[str, str] = {
+    "posttune train my.yaml --nproc-per-node 8 --standalone": "8 processes; tests/distributed runs the launcher",
+    "posttune train my.yaml train.lr=1e-4 --nproc-per-node 8": "8 processes; tests/distributed runs the launcher",
+    "posttune train my.yaml --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 "
+    "--rdzv-id my-run": "two machines",
+    "python -m posttune_grpo.example make-data": "rewrites the package's bundled files in place",
+}
+#: documented commands another test runs: command -> (test file, a string that file must hold)
+ELSEWHERE: dict[str, tuple[str, str]] = {
+    "posttune train rank.yaml": ("plugins/template/tests/test_template.py", "toy_rank"),
+    "posttune validate rank.yaml method.scale=-1": ("plugins/template/tests/test_template.py", "method.scale=-1"),
+}
+
+#: quoted error line (its start) -> the command that prints it, run in a scratch directory
+#: holding data/train.jsonl (a bad byte on line 12) and data/train.json (one object)
+ERRORS: dict[str, str] = {
+    "posttune: error: config: train.lr: expected a number, got 'f": "posttune validate llama-demo-reverse train.lr=fast",
+    "posttune: error: config: train.lrr: unknown key (did you mean ": "posttune validate llama-demo-reverse train.lrr=1",
+    "posttune: error: config: method: no method 'sftt' is installed": "posttune validate llama-demo-reverse method=sftt",
+    "posttune: error: config: train.max_grad_norm: expected a number":
+        "posttune validate llama-demo-reverse train.max_grad_norm=-1",
+    "posttune: error: config: checkpoint.keep_last: expected a posit":
+        "posttune validate llama-demo-reverse checkpoint.keep_last=0",
+    "posttune: error: config: teacher: method 'dpo' uses no teacher ":
+        "posttune validate dpo-tiny-reverse teacher.path=somewhere",
+    "posttune: error: config: reference: set `path` (a checkpoint) o": "posttune validate dpo-tiny-reverse reference.dtype=fp32",
+    "posttune: error: config: data.train.path: data/train.jsonl: lin":
+        f"posttune train llama-demo-reverse data.train.path=data/train.jsonl data.train.format=alpaca {SHORT}",
+    "posttune: error: config: data.train.path: data/train.json: hold":
+        f"posttune train llama-demo-reverse data.train.path=data/train.json data.train.format=alpaca {SHORT}",
+    "posttune: error: config: train.optimizer: torch.optim.AdamW: go":
+        "posttune validate llama-demo-reverse train.optimizer._component_=torch.optim.AdamW "
+        "'train.optimizer.betass=[0.9,0.99]'",
+    "posttune: error: config: train.optimizer._component_: refusing ":
+        "posttune validate llama-demo-reverse train.optimizer._component_=os.system",
+    "posttune: error: checkpoint: 'Qwen/Qwen2.5-0.5B' is a Hugging F":
+        "HF_HUB_OFFLINE=0 HF_ENDPOINT=http://127.0.0.1:9 posttune train llama-demo-reverse model.path=Qwen/Qwen2.5-0.5B",
+}
+ERRORS_ELSEWHERE: dict[str, tuple[str, str]] = {
+    "posttune: error: reward 'math_answer' (posttune-grpo 0.1.0) retu":
+        ("tests/methods/test_grpo_training.py", "returned None (cannot score) for completion 0"),
+    "posttune: error: config: teacher: the teacher's vocabulary has ":
+        ("tests/methods/test_kd_training.py", "the teacher's vocabulary has 400 tokens and the student's 384"),
+}
+#: lines of a quoted output that come from a plugin the same page writes as an example, not installed here
+EXAMPLE_PLUGIN_LINES = ("posttune-keyword 0.1.0",)
+
+PLACEHOLDER = re.compile(r"\b[A-Z][A-Z_]*\b|\[|\.\.\.|\b[a-z]+/[a-z]+/")
+INSTALL = ("pip install", "python3 -m venv", "python -m venv", ". .venv/bin/activate", "tox")
+
+
+def _synopsis(text: str) -> bool:
+    words = text.split()
+    no_config = words[0] == "posttune" and len(words) > 2 and words[2].startswith("--")  # `posttune train --nproc-per-node 2`
+    return bool(PLACEHOLDER.search(text)) or no_config or (words[0] == "posttune" and len(words) <= 2
+                                                           and text not in ("posttune ls", "posttune plugins"))
+
+
+def _kind(text: str) -> str:
+    if text.startswith(INSTALL):
+        return "install"
+    return "synopsis" if _synopsis(text) else "run"
+
+
+def _documented() -> list[Shown]:
+    shown = [Shown(re.split(r"\s{2,}", c.text)[0], c.file, c.line) for c in block_commands()]
+    return shown + [s for s in span_commands() if s.text != "posttune"]
+
+
+RUN_HERE = {command for steps in SCENARIOS.values() for command, _ in steps if not command.startswith(SETUP)}
+
+
+def test_every_documented_command_is_checked():
+    unchecked = sorted({f"{s.where}: {s.text}" for s in _documented() if _kind(s.text) == "run"
+                        and s.text not in RUN_HERE | set(NOT_RUN) | set(ELSEWHERE)})
+    assert not unchecked, "documented commands no test runs (add them to SCENARIOS or NOT_RUN):\n" + "\n".join(unchecked)
+    keys = set(ERRORS) | set(ERRORS_ELSEWHERE)
+    unproduced = [f"{e.where}: {e.text}" for e in quoted_errors() if not any(e.text.startswith(k) for k in keys)]
+    assert not unproduced, "quoted errors no command in ERRORS produces:\n" + "\n".join(unproduced)
+
+
+def test_no_stale_entries():
+    documented = {s.text for s in _documented()}
+    stale = (RUN_HERE | set(NOT_RUN) | set(ELSEWHERE)) - documented
+    stale |= {k for k in set(ERRORS) | set(ERRORS_ELSEWHERE) if not any(e.text.startswith(k) for e in quoted_errors())}
+    assert not stale, f"no longer in the docs: {sorted(stale)}"
+    for command, (path, marker) in {**ELSEWHERE, **ERRORS_ELSEWHERE}.items():
+        assert marker in (ROOT / path).read_text(encoding="utf-8"), f"{path} no longer checks {command!r}"
+
+
+# ---- synopses and install lines ----------------------------------------------------------------
+
+@functools.cache
+def _help(subcommand: str) -> str:
+    args = [str(BIN / "posttune"), *subcommand.split(), "--help"]
+    result = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=120)
+    assert result.returncode == 0, f"posttune {subcommand} --help: {result.stderr}"
+    return result.stdout
+
+
+SYNOPSES = sorted({s.text: s for s in _documented() if _kind(s.text) == "synopsis"}.values(), key=lambda s: s.text)
+
+
+@pytest.mark.parametrize("shown", SYNOPSES, ids=lambda s: s.text[:60])
+def test_a_synopsis_names_a_real_subcommand_and_real_options(shown):
+    words = shown.text.split()
+    if words[0] != "posttune" or len(words) == 1 or words[1].startswith("--") and words[1] != "--help":
+        flags = [w for w in words if w.startswith("--")]
+        top = _help("")
+        assert all(f.strip("[]") in top for f in flags), f"{shown.where}: {flags} not all in `posttune --help`"
+        return
+    subcommands = words[1].split("/")  # `posttune train/plan/validate`
+    if words[1] == "config" and len(words) > 2:
+        subcommands = [f"config {words[2]}"]
+    if words[1] == "NAME":
+        subcommands = ["train"]
+    for subcommand in subcommands:
+        text = _help(subcommand)
+        for flag in re.findall(r"--[a-z][a-z-]*", shown.text):
+            assert flag in text, f"{shown.where}: `posttune {subcommand}` has no {flag}"
+        if subcommand == "ls":
+            for kind in re.findall(r"\[([a-z|]+)\]", shown.text)[:1]:
+                for name in kind.split("|"):
+                    assert name in text, f"{shown.where}: `posttune ls` does not know {name!r}"
+
+
+def _distributions() -> dict[str, Path]:
+    found = {}
+    for pyproject in ROOT.glob("*/**/pyproject.toml"):
+        if ".venv" in pyproject.parts or ".tox" in pyproject.parts:
+            continue
+        found[tomllib.loads(pyproject.read_text())["project"]["name"]] = pyproject.parent
+    return found
+
+
+INSTALLS = sorted({s.text: s for s in _documented() if s.text.startswith("pip install")}.values(), key=lambda s: s.text)
+
+
+@pytest.mark.parametrize("shown", INSTALLS, ids=lambda s: s.text[:60])
+def test_an_install_line_names_real_distributions_and_extras(shown):
+    distributions = _distributions()
+    words = shlex.split(shown.text)[2:]
+    for word in words:
+        if word.startswith("-") or word == "constraints.txt" or word in {"tox"}:
+            continue
+        name, _, extras = word.partition("[")
+        if name.startswith("./"):
+            path = ROOT / name
+            assert (path / "pyproject.toml").is_file(), f"{shown.where}: {name} is not a distribution"
+            project = tomllib.loads((path / "pyproject.toml").read_text())["project"]
+        else:
+            assert name in distributions, f"{shown.where}: no distribution {name!r} in this repository"
+            project = tomllib.loads((distributions[name] / "pyproject.toml").read_text())["project"]
+        for extra in filter(None, extras.rstrip("]").split(",")):
+            assert extra in project.get("optional-dependencies", {}), f"{shown.where}: {name} has no extra [{extra}]"
+    if "./" in shown.text:
+        assert "-c constraints.txt" in shown.text, f"{shown.where}: a source install must pin torch with -c constraints.txt"
+
+
+# ---- scenarios ---------------------------------------------------------------------------------
+
+def _with_extra(command: str, extra: str) -> str:
+    if not extra:
+        return command
+    words = shlex.split(command)
+    if words[:2] in (["posttune", "train"], ["posttune", "plan"], ["posttune", "validate"]):
+        return shlex.join(words[:3] + shlex.split(extra) + words[3:])
+    return f"{command} {extra}"
+
+
+def _run(command: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=900)
+    if check:
+        assert result.returncode == 0, f"`{command}` -> {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def _pattern(line: str) -> re.Pattern:
+    line = " ".join(line.split())
+    return re.compile(".*".join(re.escape(part) for part in line.split("...")) + r"\Z")
+
+
+def assert_output_matches(quoted: tuple[str, ...], printed: str, where: str) -> None:
+    """``quoted`` (a `$ command` block's output) against ``printed``: groups between `...` lines are runs
+    of consecutive lines, in order; `...` inside a line matches anything; spaces are normalised."""
+    lines = [" ".join(line.split()) for line in printed.splitlines()]
+    groups: list[list[str]] = [[]]
+    for line in quoted:
+        if line.strip() == "...":
+            groups.append([])
+        elif not any(marker in line for marker in EXAMPLE_PLUGIN_LINES):
+            groups[-1].append(line)
+    start = 0
+    for group in filter(None, groups):
+        patterns = [_pattern(line) for line in group]
+        for i in range(start, len(lines) - len(patterns) + 1):
+            if all(p.match(lines[i + k]) for k, p in enumerate(patterns)):
+                start = i + len(patterns)
+                break
+        else:
+            raise AssertionError(f"{where}: the docs quote\n  " + "\n  ".join(group) + "\nbut the command printed\n  "
+                                 + "\n  ".join(lines[start:]))
+
+
+TRANSCRIPTS = {t.text: [] for t in transcripts()}
+for _t in transcripts():
+    TRANSCRIPTS[_t.text].append(_t)
+
+
+def test_every_quoted_output_belongs_to_a_scenario():
+    assert set(TRANSCRIPTS) <= RUN_HERE, f"quoted outputs of commands no scenario runs: {set(TRANSCRIPTS) - RUN_HERE}"
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in SCENARIOS])
+def test_documented_commands_run(name, tmp_path):
+    for command, extra in SCENARIOS[name]:
+        if extra == "VALIDATE":
+            words = shlex.split(command)
+            result = _run(shlex.join(["posttune", "validate", *words[2:]]), tmp_path)
+            assert "valid" in result.stdout
+            continue
+        result = _run(_with_extra(command, extra), tmp_path)
+        for shown in TRANSCRIPTS.get(command, []):
+            assert_output_matches(shown.output, result.stdout, shown.where)
+        _check_outcome(command, result, tmp_path)
+
+
+def _check_outcome(command: str, result: subprocess.CompletedProcess, cwd: Path) -> None:
+    """What each run must leave or print beyond exit status 0 (the docs' claims about it)."""
+    if command == "posttune ls --json methods":
+        assert {"sft", "dpo"} <= set(json.loads(result.stdout)["methods"])
+    elif command.startswith("posttune cp "):
+        assert (cwd / command.split()[-1]).is_file()
+    elif command == "posttune train my.yaml train.max_steps=6 checkpoint.save_every=2 checkpoint.resume=latest":
+        steps = [json.loads(line)["step"] for line in (cwd / "outputs/llama3.2-1b-lora/metrics.jsonl").open()]
+        assert steps[-2:] == [5, 6], steps  # the extended run logs steps 5 and 6
+    elif command == "posttune train llama-demo-reverse":
+        assert (cwd / "outputs/llama-demo-reverse/model/config.json").is_file()
+    elif command.startswith("posttune generate"):
+        assert result.stdout.strip(), "generate printed nothing"  # the trained answer: tests/e2e/test_demo.py
+    elif command.startswith("posttune plot"):
+        assert (cwd / command.split()[-1] / "loss.png").is_file()
+
+
+@pytest.mark.parametrize("start", sorted(ERRORS))
+def test_a_quoted_error_is_what_the_command_prints(start, tmp_path):
+    (tmp_path / "data").mkdir()
+    good = json.dumps({"instruction": "a", "input": "", "output": "b"})
+    (tmp_path / "data/train.jsonl").write_bytes(((good + "\n") * 11).encode() + b'{"instruction": "\xff"}\n')
+    (tmp_path / "data/train.json").write_text(json.dumps({"data": [json.loads(good)]}))
+    result = _run(ERRORS[start], tmp_path, check=False)
+    assert result.returncode == 2, f"{ERRORS[start]} -> {result.returncode}: {result.stderr[-1000:]}"
+    printed = result.stderr.strip().splitlines()[-1].replace("http://127.0.0.1:9", "https://huggingface.co")
+    quoted = next(e for e in quoted_errors() if e.text.startswith(start))
+    assert _pattern(quoted.text).match(" ".join(printed.split())), f"{quoted.where}: quoted\n{quoted.text}\nprinted\n{printed}"
