@@ -1,5 +1,7 @@
 """The `wheels` tox env: every distribution builds, and posttune trains from the wheels alone.
 
+0. The metadata checks of ``test_metadata.py`` (fields, license, pins, package data), and
+   classifiers known to PyPI (``trove-classifiers``).
 1. ``python -m build`` each distribution found in the tree (an sdist, then the wheel built from
    that sdist, so the sdist is proven complete) into one temporary folder.
 2. Each artefact is checked: ``twine check --strict`` (the README renders as PyPI's long
@@ -12,7 +14,7 @@
    (``python -m posttune_grpo.example prepare``), then a shortened
    ``posttune train grpo-tiny-reverse``, whose data and tokenizer are package data.
 
-    python tests/packaging/wheels.py [--keep DIR]   # needs build and twine (the tox env has them)
+    python tests/packaging/wheels.py [--keep DIR]   # needs build, twine, trove-classifiers (the tox env)
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from pyprojects import LICENSE, ROOT, Distribution, core_version, distributions
+from pyprojects import (
+    LICENSE,
+    ROOT,
+    Distribution,
+    core_version,
+    distributions,
+    metadata_problems,
+    unknown_classifiers,
+)
 
 CONSTRAINTS = ROOT / "constraints.txt"
 INSTALLED = ["posttune", "posttune-qwen", "posttune-grpo"]
@@ -44,6 +54,16 @@ TRAIN = ["train.max_steps=2", "train.eval_every=2", "train.log_every=1"]
 
 def step(message: str) -> None:
     print(f"== {message}", flush=True)
+
+
+def metadata(dists: list[Distribution]) -> list[str]:
+    """test_metadata.py's checks, and classifiers PyPI knows, before spending minutes on builds."""
+    import trove_classifiers
+
+    version, names = core_version(dists), {dist.name for dist in dists}
+    return [f"{dist.label}/pyproject.toml: {problem}" for dist in dists
+            for problem in metadata_problems(dist, version, names)
+            + [f"unknown classifier {c!r}" for c in unknown_classifiers(dist, set(trove_classifiers.classifiers))]]
 
 
 def build(dist: Distribution, outdir: Path) -> tuple[Distribution, subprocess.CompletedProcess]:
@@ -251,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         work = tmp / "work"
         work.mkdir()
-        stages = [("build", lambda: build_all(dists, outdir)),
+        stages = [("metadata", lambda: metadata(dists)),
+                  ("build", lambda: build_all(dists, outdir)),
                   ("check the wheels and sdists", lambda: artefact_problems(dists, outdir)),
                   ("install from the wheels", lambda: install(outdir, tmp / "venv", ours, work)),
                   ("train from the installed wheels", lambda: train(tmp / "venv", work))]
