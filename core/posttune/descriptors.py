@@ -290,3 +290,50 @@ class Command:
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
     examples: tuple[str, ...] = ()  # command lines shown under "examples:" in `posttune NAME --help`
+
+@dataclass(frozen=True)
+class TrackerRun:
+    """What a metric logger's ``start`` is told about the run (on the main rank, before step one).
+
+    ``run_id`` is posttune's lineage id: a resumed run keeps it, so a tracker that can continue a
+    run (a W&B run id, an MLflow tag) continues the same one; ``resumed_step`` is the step a
+    resumed run continues after (None for a fresh run): records past it were never saved, and a
+    tracker that can drop them (TensorBoard's ``purge_step``) should.
+    """
+
+    name: str  # a default run name: the output directory's name
+    output_dir: Path
+    config: Mapping[str, Any]  # the resolved run config, as OUTPUT/config.yaml holds it
+    options: Any  # the validated `logging_options.<name>` (an instance of ``MetricLogger.config``), or None
+    run_id: str
+    resumed_step: int | None
+    total_steps: int
+
+
+@dataclass(frozen=True)
+class MetricLogger:
+    """An experiment tracker (W&B, TensorBoard, MLflow, ...) fed what the run writes to OUTPUT.
+
+    Called on the main rank only, in this order:
+
+    - ``start(run: TrackerRun) -> handle``: open the tracker's run (log hyper-parameters from
+      ``run.config`` where the tracker supports them). Raising stops the run before step one
+      with one line naming the tracker.
+    - ``log(handle, record)``: each record written to ``metrics.jsonl``, the same dict (``step``,
+      ``loss``, ``lr``, ..., ``val_*`` on evaluation steps; a skipped step's ``skipped_nonfinite``
+      is text). ``scalar_metrics(record)`` keeps the numbers.
+    - ``finish(handle, summary, artefacts)``: ``summary`` is what ``summary.json`` holds, or None
+      when the run stopped early (preempted, or an error); ``artefacts`` names the files the run
+      wrote (``model`` or ``adapter`` directories, ``plot``, ``metrics``, ``summary``, ``config``).
+
+    A failure in ``log`` or ``finish`` is reported once as a warning and that tracker is
+    dropped: the training run is worth more than its dashboard.
+    """
+
+    name: str
+    start: Callable[[TrackerRun], Any]
+    log: Callable[[Any, Mapping[str, Any]], None]
+    finish: Callable[[Any, Mapping[str, Any] | None, Mapping[str, Path]], None]
+    config: type | None = None  # dataclass validated from `logging_options.<name>`; given as ``TrackerRun.options``
+    description: str = ""
+

@@ -41,6 +41,12 @@ NAMES: dict[str, dict[str, str]] = {
         "adamw_8bit": "posttune-torchao",
         "adamw_4bit": "posttune-torchao",
     },
+    "metric_logger": {
+        "wandb": "posttune-wandb",
+        "tensorboard": "posttune-tensorboard",
+        "mlflow": "posttune-mlflow",
+        "trackio": "posttune-trackio",
+    },
 }
 
 #: Hugging Face `architectures` entries -> distribution whose family reads them

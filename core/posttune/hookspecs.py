@@ -54,6 +54,11 @@ def posttune_register_reward_functions(register: Register) -> None:
 
 
 @hookspec
+def posttune_register_metric_loggers(register: Register) -> None:
+    """Register experiment trackers fed the run's metrics: ``register(MetricLogger(...))``."""
+
+
+@hookspec
 def posttune_register_configs(register: Register) -> None:
     """Register bundled YAML recipes: ``register(BundledConfig(...))``."""
 

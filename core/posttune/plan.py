@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttune import first_party
+from posttune import first_party, tracking
 from posttune.checkpoint.source import family_for, read_hf_config
 from posttune.config.components import check_components
 from posttune.config.requires import check_requires
@@ -66,6 +66,8 @@ class Plan:
     mesh: dict[str, int] = field(default_factory=dict)
     parallel_options: dict[str, Any] = field(default_factory=dict)  # plan name -> its ``config`` instance
     memory_options: dict[str, Any] = field(default_factory=dict)  # technique name -> its ``config`` instance
+    logging: list[Registered] = field(default_factory=list)  # experiment trackers (MetricLogger), in order
+    logging_options: dict[str, Any] = field(default_factory=dict)  # tracker name -> its ``config`` instance
     steps: list[Step] = field(default_factory=list)
     components: list[tuple[str, str]] = field(default_factory=list)  # (field, dotted target) of each _component_
 
@@ -88,6 +90,7 @@ def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | Non
     _check_pairs(plan, registry)
     plan.parallel_options = _parallel_options(config, plan.parallel)
     plan.memory_options = _memory_options(config, plan.memory)
+    plan.logging, plan.logging_options = tracking.resolve(config, registry)
     plan.mesh = _mesh(config, plan.parallel, world_size)
     if plan.world_size == 1:
         plan.parallel = []  # one process: the same config runs with the plans inactive

@@ -31,16 +31,19 @@ from posttune.descriptors import (
     LossOutput,
     MemoryTechnique,
     Method,
+    MetricLogger,
     ModelFamily,
     ModelRole,
     ParallelPlan,
     RewardFunction,
+    TrackerRun,
 )
 from posttune.errors import ConfigError, PosttuneError, did_you_mean, first_line
 from posttune.memory import require_cuda
 from posttune.plan import model_kwargs
 from posttune.plugins import PLUGIN_API, hookimpl
 from posttune.session import LossKernel, ModelTarget, Session
+from posttune.tracking import flat_config, scalar_metrics
 
 #: name -> the core module it lives in, imported when the name is first used (these need torch)
 _LAZY: dict[str, str] = {
@@ -78,16 +81,17 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "DECODER_LINEAR_LAYERS", "DECODER_TP_PLAN", "PLUGIN_API", "ROLES", "STAGES", "BundledConfig",
     "CheckpointConverter", "Command", "ConfigError", "DatasetConfig", "DatasetFormat", "LossKernel", "LossOutput",
-    "MemoryTechnique", "Method", "ModelFamily", "ModelRole", "ModelTarget", "ParallelPlan", "PosttuneError",
-    "RewardFunction", "RunConfig", "Session", "configs_in", "did_you_mean", "first_line", "from_dict", "hookimpl",
-    "lookup", "model_kwargs", "provenance", "registered", "require_cuda", *sorted(_LAZY),
+    "MemoryTechnique", "Method", "MetricLogger", "ModelFamily", "ModelRole", "ModelTarget", "ParallelPlan",
+    "PosttuneError", "RewardFunction", "RunConfig", "Session", "TrackerRun", "configs_in", "did_you_mean",
+    "first_line", "flat_config", "from_dict", "hookimpl", "lookup", "model_kwargs", "provenance", "registered",
+    "require_cuda", "scalar_metrics", *sorted(_LAZY),
 ]
 
 
 def lookup(kind: str, name: str) -> Any:
     """The descriptor an installed plugin registered as ``name`` (kinds: ``model_family``, ``method``,
-    ``parallel_plan``, ``memory_technique``, ``dataset_format``, ``reward_function``, ``config``,
-    ``command``, ``checkpoint_converter``); an unknown name raises a one-line PosttuneError."""
+    ``parallel_plan``, ``memory_technique``, ``dataset_format``, ``reward_function``, ``metric_logger``,
+    ``config``, ``command``, ``checkpoint_converter``); an unknown name raises a one-line PosttuneError."""
     from posttune.plugins import get_registry
 
     return get_registry().get(kind, name)

@@ -31,7 +31,8 @@ from posttune.testing import run_cli
 ROOT = Path(__file__).resolve().parents[2]
 #: how `config keys` titles each kind's config dataclass (docs/config.md, "Reference")
 TITLES = {"method": "method ({})", "parallel_plan": "parallel.options.{}",
-          "memory_technique": "memory_options.{}", "reward_function": "rewards ({})"}
+          "memory_technique": "memory_options.{}", "reward_function": "rewards ({})",
+          "metric_logger": "logging_options.{}"}
 FIRST_PARTY = {"posttune", *(dist for names in first_party.NAMES.values() for dist in names.values())}
 
 

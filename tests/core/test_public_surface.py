@@ -13,7 +13,7 @@ import pytest
 import posttune.plugin as surface
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUGIN_FOLDERS = ("posttune_models", "posttune_methods", "posttune_parallel", "plugins")
+PLUGIN_FOLDERS = ("posttune_models", "posttune_methods", "posttune_parallel", "posttune_trackers", "plugins")
 #: what a plugin may import from the core: the surface, the model building blocks, test helpers,
 #: and the package root (``hookimpl``, ``__version__``)
 ALLOWED = ("posttune", "posttune.plugin", "posttune.modules", "posttune.testing")

@@ -2,7 +2,7 @@
 
 The listing is generated from the dataclasses themselves (the run schema in
 ``posttune.config.schema`` and the ``config`` dataclass of every installed method, parallel
-plan, memory technique and reward function), so it cannot drift from what ``validate``
+plan, memory technique, reward function and metric logger), so it cannot drift from what ``validate``
 accepts. A field's meaning is the ``metadata={"help": ...}`` of the field if it has one, else
 the comment on its line (``x: int = 1  # meaning``), else the comment lines directly above it.
 docs/config.md's "Reference" section is this listing as Markdown; regenerate it with
@@ -40,6 +40,7 @@ PLUGIN_KINDS = {
     "parallel_plan": ("parallel", "parallel.options.{name}"),
     "memory_technique": ("memory_options", "memory_options.{name}"),
     "reward_function": ("rewards", "rewards ({name})"),
+    "metric_logger": ("logging_options", "logging_options.{name}"),
 }
 #: what a group of plugin keys is, shown above it
 PLUGIN_NOTES = {
@@ -48,6 +49,7 @@ PLUGIN_NOTES = {
     "memory_technique": "settings of memory technique '{name}' (when it is in `memory`)",
     "reward_function": "options of reward '{name}': `options:` of its entry in a method's `rewards` "
                        "(grpo: `method.rewards: [{{name: {name}, options: {{...}}}}]`)",
+    "metric_logger": "settings of tracker '{name}' (when it is in `logging`; docs/trackers.md)",
 }
 #: keys that exist in YAML but are no dataclass field: `method` is a name or a mapping
 EXTRA_KEYS = {"method": ("method.name", "str", "required",
@@ -392,6 +394,7 @@ def resolved_config(plan: Any) -> dict[str, Any]:
     data["method"] = {"name": plan.method.descriptor.name, **plain(plan.method_config)}
     data["parallel"]["options"] = plain(plan.parallel_options)
     data["memory_options"] = plain(plan.memory_options)
+    data["logging_options"] = plain(plan.logging_options)
     return data
 
 

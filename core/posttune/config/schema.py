@@ -126,6 +126,9 @@ class RunConfig:
     memory: list[str] = field(default_factory=list)  # memory techniques by name (`posttune ls memory`, docs/memory.md)
     memory_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # technique name -> its settings
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # output directory, checkpoints, resume
+    #: experiment trackers fed every metrics record (`posttune ls loggers`, docs/trackers.md), e.g. [wandb, tensorboard]
+    logging: list[str] = field(default_factory=list)
+    logging_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # tracker name -> its settings
 
     @property
     def method_name(self) -> str:
@@ -155,6 +158,7 @@ def validate(raw: dict[str, Any]) -> RunConfig:
                                                  "to leave room for a response")
     if data is not None:
         _check_grouping(data)
+    _check_unique(config.logging, "logging")
     for dim, degree in config.parallel.dims.items():
         if degree != -1 and degree < 1:
             raise ConfigError(f"parallel.dims.{dim}", f"expected a positive degree or -1, got {degree}")
@@ -191,3 +195,11 @@ def _check_choice(value: str | dict[str, Any], where: str, names: tuple[str, ...
     elif value not in names:
         raise ConfigError(where, f"unknown name '{value}' (known: {', '.join(names)}, or a _component_ mapping)"
                                  f"{did_you_mean(value, names)}")
+
+
+def _check_unique(names: list[str], where: str) -> None:
+    """A name listed twice would start two of the same tracker: refuse it rather than guess."""
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            raise ConfigError(f"{where}[{index}]", f"'{name}' is listed twice")
+

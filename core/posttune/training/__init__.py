@@ -1,7 +1,8 @@
 """Training: compose the session, run the loop, save the result (docs/architecture.md).
 
-    claim the output directory -> compose(plan) -> config.yaml, banner -> samples before
-    -> train(session) -> save final -> samples after -> summary (and summary.json)
+    claim the output directory -> compose(plan) -> config.yaml, banner -> start trackers
+    -> samples before -> train(session) -> save final -> samples after -> summary (and
+    summary.json) -> finish trackers
 
 Exit statuses (docs/training.md): 0 done; 2 a user error, a write failure or a NaN/Inf the
 run may not skip (one line on stderr); 143 preempted by SIGTERM after saving a checkpoint.
@@ -19,6 +20,7 @@ WORKER_MODULE = "posttune.training.worker"
 
 
 def run(plan: Any) -> int:
+    from posttune import tracking
     from posttune.training import distributed, output_dir, preemption, run_report
     from posttune.training.compose import compose
     from posttune.training.trainer import train
@@ -32,17 +34,21 @@ def run(plan: Any) -> int:
         show = distributed.is_main()
         if show:
             start(session)
-        before = sample(session)
-        try:
-            summary = train(session)
-        except preemption.Preempted as stopped:
+        # Trackers run on the main rank only; one that fails to start stops the run here, in one line.
+        trackers = start_trackers(session) if show else tracking.Trackers()
+        with tracking.running(trackers):  # leaving early (preempted, an error) finishes them as stopped
+            before = sample(session)
+            try:
+                summary = train(session)
+            except preemption.Preempted as stopped:
+                if show:
+                    print(f"posttune: {stopped}", file=sys.stderr)
+                return preemption.PREEMPTED
+            outputs = save_final(session)
+            after = sample(session)
             if show:
-                print(f"posttune: {stopped}", file=sys.stderr)
-            return preemption.PREEMPTED
-        outputs = save_final(session)
-        after = sample(session)
-        if show:
-            report(session, summary, outputs, before, after)
+                outputs = report(session, summary, outputs, before, after)
+                trackers.finish(summary, artefacts(session, outputs))
         distributed.shutdown()
         return 0
 
@@ -56,6 +62,29 @@ def start(session: Any) -> None:
     for line in report.banner(session) + ([changed] if changed else []):
         print(line)
     sys.stdout.flush()
+
+
+def start_trackers(session: Any) -> Any:
+    """Start the run's experiment trackers (`logging:`), told the resolved config (as config.yaml
+    holds it), the output directory, and the lineage and step a resume continues."""
+    from posttune import tracking
+    from posttune.descriptors import TrackerRun
+    from posttune.training.run_report import resolved_config
+
+    out = Path(session.config.checkpoint.output_dir)
+    run = TrackerRun(name=out.resolve().name, output_dir=out, config=resolved_config(session.plan), options=None,
+                     run_id=session.run_id, resumed_step=session.step if session.resume_from is not None else None,
+                     total_steps=session.total_steps)
+    return tracking.start(session.plan.logging, session.plan.logging_options, run)
+
+
+def artefacts(session: Any, outputs: dict[str, str]) -> dict[str, Path]:
+    """The files a finished run wrote, by name, for the trackers: the outputs that exist, and config.yaml."""
+    from posttune.training.run_report import CONFIG_FILE
+
+    found = {key: Path(value) for key, value in outputs.items() if value and Path(value).exists()}
+    config = Path(session.config.checkpoint.output_dir) / CONFIG_FILE
+    return {**found, "config": config} if config.is_file() else found
 
 
 def sample(session: Any) -> list[tuple[str, str]]:
@@ -112,8 +141,10 @@ def save_final(session: Any) -> dict[str, str]:
     return outputs
 
 
-def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], before: list, after: list) -> None:
-    """The summary as aligned lines (the same values go to OUTPUT/summary.json), then the outputs."""
+def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], before: list,
+           after: list) -> dict[str, str]:
+    """The summary as aligned lines (the same values go to OUTPUT/summary.json), then the outputs;
+    returns the outputs with summary.json among them."""
     from posttune.training.run_report import save_summary, summary_lines
 
     outputs = {**outputs, "summary": str(save_summary(Path(session.config.checkpoint.output_dir), summary))}
@@ -127,3 +158,4 @@ def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], befor
         print(f"{key}: {value}")
     for (prompt, old), (_, new) in zip(before, after, strict=True):
         print(f"\nprompt: {prompt}\n  before: {old!r}\n  after:  {new!r}")
+    return outputs

@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from posttune import tracking
+from posttune.tracking import Trackers
+
 
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory so far: CUDA's allocator peak on GPU, the process's max RSS on CPU."""
@@ -33,11 +36,14 @@ class MetricsLog:
     every ``log_every`` steps, on the last step, and on any step that evaluated or was skipped,
     so a sparse log never hides an evaluation or a fault. ``last_eval`` keeps the latest
     evaluation (step, results) so the end of the run can reuse it instead of evaluating twice.
+    Each written record also goes to the run's experiment trackers (``trackers``, default: those
+    of the run in progress, ``posttune.tracking``), the same dict as the line.
     """
 
     def __init__(self, output_dir: Path, *, total_steps: int, initial_step: int, enabled: bool,
-                 log_every: int = 1):
+                 log_every: int = 1, trackers: Trackers | None = None):
         self.enabled = enabled
+        self.trackers = (trackers if trackers is not None else tracking.active()) if enabled else None
         self.path = output_dir / "metrics.jsonl"
         self.start = time.perf_counter()
         self.total_steps, self.log_every = total_steps, max(1, log_every)
@@ -67,6 +73,8 @@ class MetricsLog:
 
             with writing(self.path, "metrics"), self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+            if self.trackers is not None:
+                self.trackers.log(record)
         if self.bar is not None:
             if due and "loss" in record:  # the postfix first: the refresh of update() shows this step
                 self.postfix.update(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",

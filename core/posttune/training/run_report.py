@@ -148,6 +148,8 @@ def banner(session: Any) -> list[str]:
         f"output: {config.checkpoint.output_dir} (config.yaml, metrics.jsonl); device {session.device}, "
         f"world size {distributed.world_size()}",
     ]
+    if plan.logging:
+        lines.append("trackers: " + ", ".join(item.descriptor.name for item in plan.logging) + " (docs/trackers.md)")
     if adapter is not None and adapter.init_from is not None and session.resume_from is None:
         lines.append(f"adapter: initialised from {adapter.init_from}")
     if session.resume_from is not None:
