@@ -55,8 +55,28 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def build(build_fn: Callable[..., nn.Module], kwargs: Mapping[str, Any], dtype: torch.dtype,
           device: torch.device | str) -> nn.Module:
     """``build_fn(**kwargs)`` with its tensors created on ``device`` in ``dtype``."""
-    with torch.device(device), default_dtype(dtype):
+    skip = no_random_init() if torch.device(device).type == "meta" else contextlib.nullcontext()
+    with torch.device(device), default_dtype(dtype), skip:
         return build_fn(**kwargs)
+
+
+_RANDOM_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                 "xavier_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def no_random_init() -> Iterator[None]:
+    """``torch.nn.init``'s random fills as no-ops. On the meta device they compute nothing, yet a meta
+    ``normal_`` imports torch._dynamo (1-2 s, through a lazily compiled reference op): every
+    `posttune generate` paid that for a model that is loaded, not initialised."""
+    saved = {name: getattr(torch.nn.init, name) for name in _RANDOM_INITS if hasattr(torch.nn.init, name)}
+    for name in saved:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 def tie_groups(model: nn.Module) -> list[list[str]]:

@@ -79,6 +79,12 @@ def attention_mask(q_len: int, kv_len: int, *, device: torch.device | str = "cpu
 Dense = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
+# torch.compiler.disable, applied on the first call: as a decorator at import it imports torch._dynamo
+# (1-2 s) into every process, `posttune generate` included, that never compiles. torch's own lazy form
+# is private (torch._disable_dynamo), so it is looked up, not relied on: without it, the public one.
+_outside_compile = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+
+
 @dataclass(frozen=True, eq=False)
 class DocumentSpans:
     """The documents of a packed batch, found once per forward and passed to every layer as its mask.
@@ -93,7 +99,7 @@ class DocumentSpans:
     cu_seqlens: torch.Tensor | None = None
     max_length: int = 0
 
-    @torch.compiler.disable
+    @_outside_compile
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: Dense, *, window: int | None,
                softcap: float | None, scale: float | None) -> torch.Tensor:
         """q [b, heads, s, d], k/v [b, kv_heads, s, d] -> [b, heads, s, d], each document alone.
@@ -146,7 +152,7 @@ def _window_mask(length: int, window: int | None, device: torch.device) -> torch
     return attention_mask(length, length, device=device, sliding_window=window)
 
 
-@torch.compiler.disable
+@_outside_compile
 def document_spans(document_ids: torch.Tensor) -> DocumentSpans | None:
     """The ``DocumentSpans`` of ``document_ids`` [b, s], or None when some row uses an id in two
     separate runs (only the mask is exact then). One device-to-host copy per forward."""
