@@ -41,10 +41,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {root}/ ({args.kind} '{names.name}', distribution {names.distribution}):")
     for file in files:
         print(f"  {file}")
+    steps = [(f"pip install -e '{root}[test]'", "add -c constraints.txt if you pin torch"),
+             ("posttune plugins", f"lists {names.distribution} and what it registers"),
+             (f"pytest {root / 'tests'}", "its tests pass as written"),
+             (f"cat {root / 'README.md'}", "what it is and how to make it yours")]
+    width = max(len(command) for command, _ in steps)
     print("next:")
-    print(f"  pip install -e '{root}[test]'   # add -c constraints.txt if you pin torch")
-    print(f"  posttune plugins                 # lists {names.distribution}")
-    print(f"  pytest {root / 'tests'}")
+    for command, why in steps:
+        print(f"  {command:<{width}}  # {why}")
     return 0
 
 

@@ -40,17 +40,18 @@ class ScaffoldKind:
     registry_kind: str  # the registry key a clash is checked against
     about: str  # one line for --help and the README
     data: tuple[str, ...] = ()  # example data files, each made by DATA_MAKERS
+    tokenizer: bool = False  # ships templates/tokenizer/ (its bundled config builds a model from scratch)
 
 
 KINDS: dict[str, ScaffoldKind] = {kind.name: kind for kind in (
     ScaffoldKind("family", "model_family", "a model family (a small decoder from posttune.modules) and its HF "
-                 "checkpoint converter", ("train.jsonl", "validation.jsonl")),
+                 "checkpoint converter", ("train.jsonl", "validation.jsonl"), tokenizer=True),
     ScaffoldKind("method", "method", "a training method (token cross-entropy with label smoothing and z-loss) "
-                 "that builds its own loader", ("train.jsonl", "validation.jsonl")),
+                 "that builds its own loader", ("train.jsonl", "validation.jsonl"), tokenizer=True),
     ScaffoldKind("reward", "reward_function", "a reward function for GRPO (partial credit per matching "
                  "character), with options", ("prompts_train.jsonl", "prompts_validation.jsonl")),
     ScaffoldKind("dataset", "dataset_format", "a dataset format (question/answer rows with an optional "
-                 "context) for SFT-style methods", ("qa_train.jsonl",)),
+                 "context) for SFT-style methods", ("qa_train.jsonl",), tokenizer=True),
     ScaffoldKind("command", "command", "a `posttune` subcommand (a summary of a run's metrics.jsonl)"),
 )}
 
@@ -110,7 +111,7 @@ def _render_all(kind: ScaffoldKind, names: Names) -> dict[Path, bytes]:
                  "posttune_requirement": posttune_requirement()}
     files: dict[Path, bytes] = {}
     folders = [(TEMPLATES / "common", Path()), (TEMPLATES / kind.name, Path())]
-    if kind.data:  # a bundled config that trains needs a tokenizer; this one ships inside the package
+    if kind.tokenizer:  # a config that builds a model from scratch needs a tokenizer; this one ships inside
         folders.append((TEMPLATES / "tokenizer", Path(names.package) / "tokenizer"))
     for folder, into in folders:
         for source in sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts):

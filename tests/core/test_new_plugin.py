@@ -1,0 +1,156 @@
+"""`posttune new plugin NAME --kind KIND`: the distribution it writes installs, registers and passes its own tests.
+
+Two paths. The fast one, for every kind: the generated folder is made importable and "installed"
+for importlib.metadata by a ``.dist-info`` with its ``posttune`` entry point on ``PYTHONPATH`` (no
+pip, so the dev venv stays as it is), then its own tests run in a fresh interpreter and
+``posttune ls`` finds the plugin through the entry point. The slow one, for ``--kind method``:
+``pip install`` of the core, posttune-llama and the generated distribution into a brand-new venv,
+where ``posttune ls`` lists it and its tests pass with nothing else installed.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from posttune.scaffold import KINDS, TEMPLATES, plugin_names
+from posttune.testing import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+#: kind -> what `posttune ls` lists it under
+LISTED = {"family": "families", "method": "methods", "reward": "rewards", "dataset": "datasets",
+          "command": None}
+
+
+def generate(kind: str, name: str, out: Path) -> Path:
+    result = run_cli("new", "plugin", name, "--kind", kind, "-o", str(out))
+    assert result.exit_code == 0, result.stderr
+    return out / f"posttune-{name}"
+
+
+def fake_install(root: Path, site: Path) -> dict[str, str]:
+    """An environment in which ``root``'s package imports and its entry point is installed."""
+    names = plugin_names(root.name[len("posttune-"):])
+    info = site / f"{names.package}-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {names.distribution}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[posttune]\n{names.name} = {names.package}\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(root)]), "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_generated_plugin_is_found_and_passes_its_own_tests(kind, tmp_path):
+    name = f"demo-{kind}"
+    root = generate(kind, name, tmp_path)
+    env = fake_install(root, tmp_path / "site")
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=root,
+                           env=env, capture_output=True, text=True, timeout=300)
+    summary = tests.stdout.strip().splitlines()[-1]
+    assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
+    # every first-party plugin is installed here, so the tests that need one run too
+    assert " passed" in summary and "skipped" not in summary, summary
+    plugins = subprocess.run([sys.executable, "-m", "posttune.cli.main", "plugins"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert f"posttune-{name} 0.1.0  (demo_{kind})" in plugins.stdout, plugins.stdout + plugins.stderr
+    if LISTED[kind]:
+        listed = subprocess.run([sys.executable, "-m", "posttune.cli.main", "ls", LISTED[kind]], env=env,
+                                capture_output=True, text=True, timeout=120)
+        rows = [line.split()[:3] for line in listed.stdout.splitlines()]
+        assert [f"demo_{kind}", f"posttune-{name}", "0.1.0"] in rows, listed.stdout + listed.stderr
+
+
+def test_it_writes_a_distribution_and_says_what_to_do_next(tmp_path):
+    result = run_cli("new", "plugin", "my-loss", "--kind", "method", "-o", str(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    root = tmp_path / "posttune-my-loss"
+    written = sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.is_file())
+    assert written == [".gitignore", "README.md", "posttune_my_loss/__init__.py",
+                       "posttune_my_loss/configs/my-loss-llama-tiny.yaml", "posttune_my_loss/data/train.jsonl",
+                       "posttune_my_loss/data/validation.jsonl", "posttune_my_loss/method.py",
+                       "posttune_my_loss/tokenizer/tokenizer.json", "posttune_my_loss/tokenizer/tokenizer_config.json",
+                       "pyproject.toml", "tests/conftest.py", "tests/test_my_loss.py"]
+    pyproject = (root / "pyproject.toml").read_text()
+    assert 'name = "posttune-my-loss"' in pyproject
+    assert '[project.entry-points.posttune]\nmy_loss = "posttune_my_loss"' in pyproject
+    assert 'posttune>=0.1,<0.2' in pyproject
+    assert f"wrote {root}/ (method 'my_loss', distribution posttune-my-loss):" in result.stdout
+    assert f"  pytest {root / 'tests'}  " in result.stdout
+
+
+def test_the_shipped_tokenizer_is_the_tiny_chatml_tokenizer(tmp_path):
+    """The template's tokenizer files are what posttune.testing builds (rebuild them if this fails)."""
+    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+
+    fresh = save_tiny_tokenizer(tmp_path / "tok", template="chatml")
+    files = sorted(path.name for path in (TEMPLATES / "tokenizer").iterdir())
+    assert files == ["tokenizer.json", "tokenizer_config.json"]
+    match, mismatch, errors = filecmp.cmpfiles(TEMPLATES / "tokenizer", fresh, files, shallow=False)
+    assert (mismatch, errors) == ([], [])
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("9lives", "expected lowercase letters, digits, '-' or '_', starting with a letter"),
+    ("MyPlugin", "expected lowercase letters, digits, '-' or '_', starting with a letter"),
+    ("my.plugin", "expected lowercase letters, digits, '-' or '_', starting with a letter"),
+    ("class", "expected lowercase letters"),  # a keyword cannot name a package
+    ("posttune-foo", "give it without the 'posttune-' prefix (the distribution becomes posttune-foo)"),
+])
+def test_a_name_that_cannot_name_a_package_is_refused_in_one_line(name, problem, tmp_path):
+    result = run_cli("new", "plugin", name, "-o", str(tmp_path))
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"posttune: error: plugin name '{name}': ") and problem in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_folder_is_never_overwritten(tmp_path):
+    (tmp_path / "posttune-demo").mkdir()
+    (tmp_path / "posttune-demo" / "mine.txt").write_text("keep")
+    result = run_cli("new", "plugin", "demo", "-o", str(tmp_path))
+    assert result.exit_code == 2
+    assert result.stderr == (f"posttune: error: {tmp_path / 'posttune-demo'} exists; remove it or choose another "
+                             f"name or -o DIR (nothing was written)\n")
+    assert [p.name for p in (tmp_path / "posttune-demo").iterdir()] == ["mine.txt"]
+
+
+def test_a_name_another_plugin_registers_is_refused(posttune_cli, tmp_path):
+    result = posttune_cli("new", "plugin", "chat", "--kind", "dataset", "-o", str(tmp_path))  # a built-in format
+    assert result.exit_code == 2
+    assert result.stderr.startswith("posttune: error: dataset format 'chat' is already registered by posttune ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_output_folder_is_an_error(tmp_path):
+    result = run_cli("new", "plugin", "demo", "-o", str(tmp_path / "nowhere"))
+    assert (result.exit_code, result.stderr) == (2, f"posttune: error: {tmp_path / 'nowhere'}: no such directory\n")
+
+
+@pytest.mark.slow
+def test_pip_install_into_a_fresh_venv_then_its_tests_pass(tmp_path):
+    """What a plugin author does: generate, pip install next to posttune, run the plugin's tests."""
+    root = generate("method", "demo", tmp_path)
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
+                              str(ROOT / "core"), str(ROOT / "posttune_models" / "llama"), f"{root}[test]"],
+                             env=env, capture_output=True, text=True, timeout=900)
+    assert install.returncode == 0, install.stderr[-3000:]
+    listed = subprocess.run([str(env_dir / "bin" / "posttune"), "ls", "methods"], env=env, capture_output=True,
+                            text=True, cwd=tmp_path, timeout=120)
+    assert listed.stdout.split() == ["demo", "posttune-demo", "0.1.0", "token", "cross-entropy", "with", "label",
+                                     "smoothing", "and", "z-loss", "(posttune-demo)"], listed.stdout + listed.stderr
+    tests = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=600)
+    summary = tests.stdout.strip().splitlines()[-1]
+    assert tests.returncode == 0 and "skipped" not in summary, tests.stdout[-4000:] + tests.stderr[-2000:]
