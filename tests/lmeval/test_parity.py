@@ -9,7 +9,6 @@ log-likelihoods equal to float32 noise, and generated texts equal character for 
 from __future__ import annotations
 
 import pytest
-
 from lmeval_tasks import hflm_results, posttune_results
 
 TASKS = ["tiny_mc", "tiny_gen", "tiny_ppl"]

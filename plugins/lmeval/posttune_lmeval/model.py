@@ -35,9 +35,8 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from posttune.plugin import PosttuneError, derive_seed, generate_batch
 from tqdm import tqdm
-
-from posttune.plugin import derive_seed, generate_batch
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +182,8 @@ class PosttuneLM(TemplateLM):
             max_new = int(options["max_gen_toks"])
             room = self.max_length - max_new
             if room <= 0:
-                raise ValueError(f"max_gen_toks {max_new} leaves no room for a prompt within max_length "
-                                 f"{self.max_length}")
+                raise PosttuneError(f"eval: max_gen_toks {max_new} leaves no room for a prompt within the "
+                                    f"context of {self.max_length} tokens (see --max-length)")
             prompts = {i: self.tok_encode(requests[i].args[0])[-room:] for i in indices}
             order = sorted(indices, key=lambda i: (-len(prompts[i]), requests[i].args[0]))
             for start in range(0, len(order), self.batch_size):
