@@ -7,7 +7,7 @@ model, method or plan up by anything but its registered name.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -104,6 +104,23 @@ class CheckpointConverter:
     @property
     def name(self) -> str:
         return f"{self.family}:{self.format}"
+
+
+@dataclass(frozen=True)
+class QuantizedFormat:
+    """Reads checkpoints whose config.json says ``quantization_config: {quant_method: NAME}``.
+
+    Quantized weights are tensor subclasses of a quantization library (torchao's ``Int8Tensor``)
+    stored as several plain tensors plus metadata; only that library can rebuild them, so the
+    core asks the plugin registered under the ``quant_method``. ``read(files)`` yields
+    ``(hf_key, tensor)`` for every weight in the checkpoint's safetensors ``files``, quantized
+    ones rebuilt; the core maps names with the family's converter, checks them as for any
+    checkpoint, and places the tensors in the model as they are (no float copy is made).
+    """
+
+    name: str  # the quant_method this reads, e.g. "torchao"
+    read: Callable[[Sequence[Path]], Iterable[tuple[str, torch.Tensor]]]
+    description: str = ""
 
 
 @dataclass(frozen=True)
@@ -290,6 +307,7 @@ class Command:
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
     examples: tuple[str, ...] = ()  # command lines shown under "examples:" in `posttune NAME --help`
+
 
 @dataclass(frozen=True)
 class TrackerRun:

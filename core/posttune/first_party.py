@@ -34,6 +34,9 @@ NAMES: dict[str, dict[str, str]] = {
         "format": "posttune-grpo",
         "length": "posttune-grpo",
     },
+    "quantized_format": {
+        "torchao": "posttune-torchao",
+    },
     "memory_technique": {
         "qlora_nf4": "posttune-torchao",
         "qat": "posttune-torchao",

@@ -29,6 +29,11 @@ def posttune_register_checkpoint_converters(register: Register) -> None:
 
 
 @hookspec
+def posttune_register_quantized_formats(register: Register) -> None:
+    """Register readers of quantized checkpoints, by ``quant_method``: ``register(QuantizedFormat(...))``."""
+
+
+@hookspec
 def posttune_register_methods(register: Register) -> None:
     """Register training methods: ``register(Method(...))``."""
 

@@ -35,6 +35,7 @@ from posttune.descriptors import (
     ModelFamily,
     ModelRole,
     ParallelPlan,
+    QuantizedFormat,
     RewardFunction,
     TrackerRun,
 )
@@ -64,8 +65,8 @@ _LAZY: dict[str, str] = {
     "LayeredKeyMap": "posttune.checkpoint.keymap",
     "tie_groups": "posttune.checkpoint.materialize",
     # adapters
-    **dict.fromkeys(["LoRALinear", "AdaptersOff", "active_model", "adapters_disabled", "adapted_modules"],
-                    "posttune.adapters"),
+    **dict.fromkeys(["LoRALinear", "AdaptersOff", "active_model", "adapters_disabled", "adapted_modules",
+                     "load_peft_adapter", "merge_adapters"], "posttune.adapters"),
     # optimisation and heads: the head's effective (weight, bias), LoRA/DoRA folded in, for chunked losses
     "build_scheduler": "posttune.training.optim",
     "head_weight": "posttune.memory.linear_cross_entropy",
@@ -82,16 +83,17 @@ __all__ = [
     "DECODER_LINEAR_LAYERS", "DECODER_TP_PLAN", "PLUGIN_API", "ROLES", "STAGES", "BundledConfig",
     "CheckpointConverter", "Command", "ConfigError", "DatasetConfig", "DatasetFormat", "LossKernel", "LossOutput",
     "MemoryTechnique", "Method", "MetricLogger", "ModelFamily", "ModelRole", "ModelTarget", "ParallelPlan",
-    "PosttuneError", "RewardFunction", "RunConfig", "Session", "TrackerRun", "configs_in", "did_you_mean",
-    "first_line", "flat_config", "from_dict", "hookimpl", "lookup", "model_kwargs", "provenance", "registered",
-    "require_cuda", "scalar_metrics", *sorted(_LAZY),
+    "PosttuneError", "QuantizedFormat", "RewardFunction", "RunConfig", "Session", "TrackerRun", "configs_in",
+    "did_you_mean", "first_line", "flat_config", "from_dict", "hookimpl", "lookup", "model_kwargs", "provenance",
+    "registered", "require_cuda", "scalar_metrics", *sorted(_LAZY),
 ]
 
 
 def lookup(kind: str, name: str) -> Any:
     """The descriptor an installed plugin registered as ``name`` (kinds: ``model_family``, ``method``,
     ``parallel_plan``, ``memory_technique``, ``dataset_format``, ``reward_function``, ``metric_logger``,
-    ``config``, ``command``, ``checkpoint_converter``); an unknown name raises a one-line PosttuneError."""
+    ``config``, ``command``, ``checkpoint_converter``, ``quantized_format``); an unknown name raises a
+    one-line PosttuneError."""
     from posttune.plugins import get_registry
 
     return get_registry().get(kind, name)

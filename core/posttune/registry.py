@@ -30,6 +30,8 @@ KINDS: dict[str, Kind] = {
         Kind("model_family", "posttune_register_model_families", d.ModelFamily, "model family", "families"),
         Kind("checkpoint_converter", "posttune_register_checkpoint_converters", d.CheckpointConverter,
              "checkpoint converter", "converters"),
+        Kind("quantized_format", "posttune_register_quantized_formats", d.QuantizedFormat,
+             "quantized checkpoint format", "quantized"),
         Kind("method", "posttune_register_methods", d.Method, "method", "methods"),
         Kind("parallel_plan", "posttune_register_parallel_plans", d.ParallelPlan, "parallel plan", "plans"),
         Kind("memory_technique", "posttune_register_memory_techniques", d.MemoryTechnique,

@@ -11,6 +11,11 @@ The order is chosen so that every mistake is reported before memory is spent:
 ``load_into`` runs the same checks and streaming for a model the trainer already built,
 adapted and sharded.
 
+A quantized checkpoint (config.json ``quantization_config.quant_method``, as transformers
+writes it) is read by the plugin registered for that method (``QuantizedFormat``) and its
+tensors assigned to the meta model as they are (``_load_quantized``); it is for inference, so
+``load_into`` refuses it.
+
 Peak memory is the model itself when the converter only renames tensors (they are read
 straight into the parameters' storage), else the model plus the largest single tensor (and
 its converted copy).
@@ -33,7 +38,7 @@ from posttune.checkpoint.materialize import copy_into
 from posttune.checkpoint import source
 from posttune.checkpoint.origin import ModelOrigin, attach
 from posttune.checkpoint.safetensors_io import Entry, fits, iter_tensors, read_header
-from posttune.descriptors import CheckpointConverter, ModelFamily
+from posttune.descriptors import CheckpointConverter, ModelFamily, QuantizedFormat
 from posttune.errors import PosttuneError
 
 FORMAT = "hf"
@@ -50,11 +55,16 @@ def load_hf(path_or_id: str | Path, *, dtype: torch.dtype | str | None = None,
     kwargs = ckpt.family.from_hf_config(ckpt.hf_config)
     dtype = mat.resolve_dtype(dtype, ckpt.hf_config)
     model = mat.build(ckpt.family.build, kwargs, dtype, "meta")
-    loader = _Loader(model, ckpt.converter, ckpt.hf_config, ckpt.where)
-    loader.precheck(ckpt.fetch())
-    mat.materialize(model, device or "cpu")
-    loader.load(ckpt.headers)
-    mat.init_buffers(model)
+    if ckpt.quantized is not None:  # a plugin rebuilds the quantized tensors (checkpoint/quantized.py)
+        ckpt.fetch()
+        _load_quantized(model, ckpt.quantized, list(ckpt.headers), ckpt.converter, ckpt.hf_config, dtype,
+                       device or "cpu", ckpt.where)
+    else:
+        loader = _Loader(model, ckpt.converter, ckpt.hf_config, ckpt.where)
+        loader.precheck(ckpt.fetch())
+        mat.materialize(model, device or "cpu")
+        loader.load(ckpt.headers)
+        mat.init_buffers(model)
     attach(model, ModelOrigin(ckpt.family.name, kwargs, ckpt.hf_config, _generation_config(ckpt.directory),
                               ckpt.where))
     return model.eval()
@@ -69,6 +79,9 @@ def load_into(model: nn.Module, path_or_id: str | Path, *, family: str | None = 
     Non-persistent buffers are the caller's (``posttune.modules.init_buffers``).
     """
     ckpt = _open(path_or_id, family)
+    if ckpt.quantized is not None:
+        raise PosttuneError(f"{ckpt.where}: a '{ckpt.quantized.name}'-quantized checkpoint is for inference "
+                            f"(load_model, posttune generate); train from the float checkpoint it was exported from")
     loader = _Loader(model, ckpt.converter, ckpt.hf_config, ckpt.where)
     loader.precheck(ckpt.fetch())
     loader.load(ckpt.headers)
@@ -84,6 +97,7 @@ class _Checkpoint:
     hf_config: dict[str, Any]
     family: ModelFamily
     converter: CheckpointConverter
+    quantized: QuantizedFormat | None = None  # the reader of config.json's quant_method, if it names one
     directory: Path | None = None
     headers: dict[Path, list[Entry]] | None = None
 
@@ -104,7 +118,9 @@ def _open(path_or_id: str | Path, family: str | None) -> _Checkpoint:
     fam: ModelFamily = (registry.get("model_family", family) if family is not None
                         else source.family_for(hf_config, registry, where).descriptor)
     converter = registry.get("checkpoint_converter", f"{fam.name}:{FORMAT}")
-    return _Checkpoint(path_or_id, where, hf_config, fam, converter)
+    method = source.quant_method(hf_config, where)
+    quantized = registry.get("quantized_format", method) if method is not None else None
+    return _Checkpoint(path_or_id, where, hf_config, fam, converter, quantized)
 
 
 def shard_files(directory: Path, where: str) -> list[Path]:
@@ -233,6 +249,76 @@ class _Loader:
             return self.converter.from_native(key, torch.empty_like(target, device="meta"), self.hf_config)[0]
         except Exception:  # noqa: BLE001 - only a nicer message is at stake
             return key
+
+
+def _load_quantized(model: nn.Module, reader: QuantizedFormat, files: list[Path], converter: CheckpointConverter,
+                   hf_config: Mapping[str, Any], dtype: torch.dtype, device: torch.device | str,
+                   where: str) -> None:
+    """Fill a meta-device ``model`` with the tensors ``reader`` rebuilds from ``files``.
+
+    Quantized weights are tensor subclasses of a quantization library (torchao's ``Int8Tensor``),
+    stored as several plain tensors plus metadata that only that library can rebuild: the plugin
+    registered under config.json's ``quant_method`` reads them (``QuantizedFormat``); names,
+    shapes and completeness are checked here as for a float checkpoint. The model stays on the
+    meta device and each tensor is *assigned* to its slot as a frozen parameter, never copied
+    into float storage, so loading an int8 export needs about its own size in memory. Plain
+    tensors (norms, embeddings, the output head) take ``dtype``; quantized ones keep what they hold.
+    """
+    targets = checkpoint_targets(model)
+    groups = mat.tie_groups(model)
+    canonical = {name: group[0] for group in groups for name in group}
+    filled: set[str] = set()
+    for hf_key, tensor in reader.read(files):
+        native = converter.to_native(hf_key, tensor, hf_config)
+        if native is None:
+            continue
+        key, value = native
+        key = canonical.get(key, key)
+        if key not in targets:
+            raise PosttuneError(f"{where}: unexpected tensor {_label(hf_key, key)} in the checkpoint: the model "
+                                f"has no such weight")
+        if tuple(value.shape) != tuple(targets[key].shape):
+            raise PosttuneError(f"{where}: tensor {_label(hf_key, key)} has shape {list(value.shape)}; the model "
+                                f"expects {list(targets[key].shape)}")
+        _assign(model, key, _placed(value, dtype, device))
+        filled.add(key)
+    missing = sorted(set(canonical.get(name, name) for name in targets) - filled)
+    if missing:
+        labels = [_label(converter.from_native(key, targets[key], hf_config)[0], key) for key in missing]
+        raise PosttuneError(f"{where}: missing tensor {_names(labels)}: the checkpoint does not provide "
+                            f"{'it' if len(missing) == 1 else 'them'}")
+    for first, *rest in groups:  # tied weights share the one tensor assigned to the first name
+        shared = model.get_parameter(first)
+        for name in rest:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)
+    _materialize_buffers(model, device)
+
+
+def _placed(value: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """On ``device``; a plain floating tensor in ``dtype``, a quantized one as it was stored."""
+    value = value.to(device)
+    if type(value) is torch.Tensor and value.is_floating_point():
+        value = value.to(dtype)
+    return value
+
+
+def _assign(model: nn.Module, key: str, value: torch.Tensor) -> None:
+    owner, _, attr = key.rpartition(".")
+    module = model.get_submodule(owner)
+    if attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[attr] = value
+
+
+def _materialize_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Storage for the non-persistent buffers (RoPE tables) no checkpoint holds; then recompute them."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+    mat.init_buffers(model)
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -115,3 +115,15 @@ def family_for(hf_config: Mapping[str, Any], registry: Registry, where: str) -> 
                  if a in first_party.ARCHITECTURES), "")
     raise PosttuneError(f"{where}: no installed model family reads architecture {wanted} "
                         f"(installed: {'; '.join(readers) or 'none'}){hint}")
+
+
+def quant_method(hf_config: Mapping[str, Any], where: str) -> str | None:
+    """The ``quantization_config.quant_method`` config.json names (as transformers writes it), or None
+    for a float checkpoint; it picks the plugin that reads the weights (``QuantizedFormat``)."""
+    settings = hf_config.get("quantization_config")
+    if settings is None:
+        return None
+    method = settings.get("quant_method") if isinstance(settings, Mapping) else None
+    if not isinstance(method, str) or not method:
+        raise PosttuneError(f"{where}: config.json quantization_config names no quant_method")
+    return method

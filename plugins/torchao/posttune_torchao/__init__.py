@@ -5,6 +5,8 @@
     memory: [qat]         memory_options: {qat: {scheme: 8da4w, group_size: 32}}
     memory: [fp8]                             # float8 matmuls (CUDA, compute capability >= 8.9)
 
+    posttune quantize --model runs/sft/model -o runs/sft/int8   # an int8/int4 export (docs/quantize.md)
+
 Stages, and why (docs/architecture.md, docs/memory.md):
 
 - ``qat`` at ``quantize``: linear layers are swapped for fake-quantised ones while the model is
@@ -16,6 +18,10 @@ Stages, and why (docs/architecture.md, docs/memory.md):
 - ``adamw_8bit`` / ``adamw_4bit`` at ``optimizer``: they replace the AdamW the core built (same
   param groups, LR and weight decay) and rebuild the LR schedule around it.
 
+After training, the ``quantize`` command (quantize.py) writes a torchao weight-only export in
+the format transformers loads, and the ``torchao`` quantized format (checkpoint.py) lets
+``load_model`` / ``posttune generate`` read it back.
+
 Importing this module imports neither torch nor torchao (``posttune plugins`` stays fast).
 """
 
@@ -25,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from posttune import hookimpl
-from posttune.plugin import ConfigError, MemoryTechnique, require_cuda
+from posttune.plugin import ConfigError, MemoryTechnique, QuantizedFormat, require_cuda
+from posttune_torchao import quantize
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
@@ -116,3 +123,26 @@ TECHNIQUES = (
 def posttune_register_memory_techniques(register):
     for technique in TECHNIQUES:
         register(technique)
+
+
+def _read_checkpoint(files):
+    """``posttune_torchao.checkpoint.read``, imported (with torchao) when a checkpoint is loaded."""
+    from posttune_torchao.checkpoint import read
+
+    return read(files)
+
+
+QUANTIZED_FORMAT = QuantizedFormat(
+    name="torchao", read=_read_checkpoint,
+    description="torchao weight-only checkpoints (transformers' TorchAoConfig format; posttune quantize)",
+)
+
+
+@hookimpl
+def posttune_register_quantized_formats(register):
+    register(QUANTIZED_FORMAT)
+
+
+@hookimpl
+def posttune_register_commands(cli):
+    cli(quantize.COMMAND)
