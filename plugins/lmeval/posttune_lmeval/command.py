@@ -129,7 +129,6 @@ def task_names(spec: str, manager: Any) -> list[str]:
 def load(base: str, adapter: str | None, dtype: str | None, device: str) -> tuple[Any, Any]:
     """(model, tokenizer): the base checkpoint, with the adapter's LoRA/DoRA layers when one is given."""
     import torch
-
     from posttune.plugin import load_model, load_peft_adapter, load_tokenizer
 
     if device == "auto":

@@ -109,6 +109,9 @@ class PosttuneLM(TemplateLM):
         for index, (_, context, continuation) in enumerate(requests):
             if not context or not continuation:
                 raise ValueError("loglikelihood needs a non-empty context and continuation")
+            if len(continuation) > self.max_length:
+                raise PosttuneError(f"eval: a continuation of {len(continuation)} tokens does not fit the context "
+                                    f"of {self.max_length} tokens (see --max-length)")
             row = (context + continuation)[-(self.max_length + 1):][:-1]
             rows[tuple(row)].append(index)
         order = sorted(rows, key=lambda row: (-len(row), row))
@@ -191,7 +194,6 @@ class PosttuneLM(TemplateLM):
                 texts = self._complete([prompts[i] for i in batch], batch, until, max_new, options)
                 for i, text in zip(batch, texts, strict=True):
                     results[i] = postprocess_generated_text(text, until, None)
-                    self.cache_hook.add_partial("generate_until", requests[i].args, results[i])
                 bar.update(len(batch))
         bar.close()
         return results
