@@ -26,11 +26,15 @@ TENSOR_NAMES = "tensor_names"
 
 
 def flatten(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(plain tensors, header metadata) for a state dict holding torchao subclasses."""
+    """(plain tensors on the CPU, header metadata) for a state dict holding torchao subclasses.
+
+    Flattened where the tensors are: a layout built for a GPU kernel (int4 tile-packed) need not
+    support moving to the CPU as a whole, but its plain parts always do.
+    """
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
     tensors, metadata = flatten_tensor_state_dict(dict(state))
-    return {key: value.contiguous() for key, value in tensors.items()}, {**metadata, "format": "pt"}
+    return {key: value.contiguous().cpu() for key, value in tensors.items()}, {**metadata, "format": "pt"}
 
 
 def read(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -165,7 +165,7 @@ def _converter(hf_config: dict[str, Any], where: Path) -> Any:
 
 
 def quantized_state(model: Any, config: Any, converter: Any, hf_config: dict[str, Any]) -> dict[str, Any]:
-    """HF name -> tensor (torchao subclasses for the quantized weights), each tied tensor once, on the CPU."""
+    """HF name -> tensor (torchao subclasses for the quantized weights), each tied tensor once."""
     from torch import nn
     from torchao.quantization import quantize_
 
@@ -194,7 +194,7 @@ def quantized_state(model: Any, config: Any, converter: Any, hf_config: dict[str
         if id(tensor) in seen:
             continue  # a tied weight: transformers re-ties it from config.json's tie_word_embeddings
         seen.add(id(tensor))
-        state[hf_name(key, tensor)] = tensor.detach().to("cpu")
+        state[hf_name(key, tensor)] = tensor.detach()
     return state
 
 
