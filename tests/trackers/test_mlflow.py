@@ -1,0 +1,66 @@
+"""posttune-mlflow: what a run logs, read back with MLflow's own client from the local store in OUTPUT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import posttune_mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+from tracking_support import metrics, series, tracked_config
+
+
+@pytest.fixture
+def mlflow_plugin(register_plugin, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default: a store in the output directory
+    register_plugin(posttune_mlflow, distribution="posttune-mlflow", version="0.1.0")
+
+
+def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def only_run(client: MlflowClient) -> object:
+    experiment = client.get_experiment_by_name("reversal")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    return runs[0]
+
+
+@pytest.mark.slow
+def test_the_local_store_holds_every_metric_params_and_files_of_the_run(mlflow_plugin, train, tmp_path):
+    options = {"mlflow": {"experiment": "reversal", "tags": {"team": "posttune"}}}
+    out = train(tracked_config(tmp_path, ["mlflow"], options))
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    run = only_run(client)
+    records = metrics(out)
+    for key in ("loss", "lr", "grad_norm", "labelled_tokens", "val_loss"):
+        assert history(client, run.info.run_id, key) == series(records, key), key
+    assert [step for step, _ in history(client, run.info.run_id, "loss")] == [1, 2, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert history(client, run.info.run_id, "summary/val_loss") == [(3, summary["val_loss"])]
+    params = run.data.params
+    assert (params["train.lr"], params["method.name"], params["train.max_steps"]) == ("0.001", "sft", "3")
+    assert params["logging"] == '["mlflow"]' and params["adapter"] == "null"
+    assert run.data.tags["posttune.run_id"] == json.loads((out / "run.json").read_text())["run_id"]
+    assert (run.data.tags["team"], run.info.run_name, run.info.status) == ("posttune", "out", "FINISHED")
+    artifacts = {item.path for item in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "summary.json", "metrics.jsonl"} <= artifacts
+    stored = Path(client.download_artifacts(run.info.run_id, "summary.json", str(tmp_path / "downloaded")))
+    assert json.loads(stored.read_text()) == summary
+    assert (out / "mlartifacts").is_dir()  # artifacts stay in the output directory too
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_same_mlflow_run(mlflow_plugin, train, tmp_path):
+    options = {"mlflow": {"experiment": "reversal"}}
+    path = tracked_config(tmp_path, ["mlflow"], options, steps=2, checkpoint={"save_every": 2})
+    out = train(path)
+    train(path, "train.max_steps=3", "checkpoint.resume=latest")
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    run = only_run(client)  # one MLflow run for the whole lineage
+    assert history(client, run.info.run_id, "loss") == series(metrics(out), "loss")
+    assert [step for step, _ in history(client, run.info.run_id, "loss")] == [1, 2, 3]
+    assert run.data.params["train.max_steps"] == "2"  # MLflow parameters keep their first value
+    assert run.info.status == "FINISHED"
