@@ -14,7 +14,7 @@
    (``python -m posttune_grpo.example prepare``), then a shortened
    ``posttune train grpo-tiny-reverse``, whose data and tokenizer are package data.
 
-    python tests/packaging/wheels.py [--keep DIR]   # needs build, twine, trove-classifiers (the tox env)
+    tox -e wheels [-- --keep DIR]   # DIR (empty or new) keeps the checked wheels and sdists
 """
 
 from __future__ import annotations
@@ -188,7 +188,10 @@ def clean_env(venv_dir: Path) -> dict[str, str]:
 
 
 def run(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    start = time.monotonic()
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    print(f"   ({time.monotonic() - start:.0f} s, exit {done.returncode})", flush=True)
+    return done
 
 
 def install(outdir: Path, venv_dir: Path, ours: set[str], work: Path) -> list[str]:
@@ -257,14 +260,14 @@ def train(venv_dir: Path, work: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keep", type=Path, help="build the wheels and sdists into this folder and keep them")
+    parser.add_argument("--keep", type=Path, help="keep the wheels and sdists in this folder (empty or new)")
     args = parser.parse_args(argv)
     dists = distributions()
     ours = {dist.name for dist in dists}
     step(f"{len(dists)} distributions, version {core_version(dists)}: {', '.join(d.label for d in dists)}")
     with tempfile.TemporaryDirectory(prefix="posttune-wheels-") as tmp:
         tmp = Path(tmp)
-        outdir = args.keep or tmp / "dist"
+        outdir = args.keep.resolve() if args.keep else tmp / "dist"
         outdir.mkdir(parents=True, exist_ok=True)
         if any(outdir.iterdir()):
             print(f"FAIL: {outdir} is not empty", file=sys.stderr)
