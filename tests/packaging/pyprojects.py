@@ -119,6 +119,17 @@ def pin_problems(dist: Distribution, version: Version, names: set[str]) -> list[
     return problems
 
 
+def repository_path(url: str) -> str | None:
+    """The repository path a `.../blob/main/PATH` or `.../tree/main/PATH` URL names, else None."""
+    match = re.match(rf"{re.escape(REPOSITORY)}/(?:blob|tree)/main/([^#?]+)", url)
+    return match.group(1).rstrip("/") if match else None
+
+
+def missing_targets(urls: list[str]) -> list[str]:
+    """URLs into this repository's main branch whose file or folder does not exist here."""
+    return [url for url in urls if (path := repository_path(url)) is not None and not (ROOT / path).exists()]
+
+
 def readme_problems(dist: Distribution) -> list[str]:
     """The long description exists, has a content type PyPI renders, and links nothing relative."""
     readme = dist.project.get("readme")
@@ -143,6 +154,8 @@ def readme_problems(dist: Distribution) -> list[str]:
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
         if not target.startswith(("https://", "http://", "#", "mailto:")):
             problems.append(f"{path}: relative link {target!r} is broken on PyPI (use {REPOSITORY}/blob/main/...)")
+    problems += [f"{path}: link {url} names a path that does not exist in the repository"
+                 for url in missing_targets(re.findall(r"\]\(([^)\s]+)\)", text))]
     return problems
 
 
@@ -237,6 +250,8 @@ def metadata_problems(dist: Distribution, version: Version, names: set[str]) -> 
     for key in URL_KEYS:
         if not str(urls.get(key, "")).startswith(REPOSITORY):
             problems.append(f"project.urls.{key} is missing or not under {REPOSITORY}")
+    problems += [f"project.urls: {url} names a path that does not exist in the repository"
+                 for url in missing_targets([str(url) for url in urls.values()])]
     problems += readme_problems(dist)
     problems += license_problems(dist)
     problems += pin_problems(dist, version, names)

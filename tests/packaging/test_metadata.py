@@ -105,6 +105,10 @@ def test_missing_fields_and_licence_are_reported(tmp_path):
     dist = made_up(tmp_path, '[project]\nreadme = "README.md"\n')
     assert readme_problems(dist) == ["README.md: relative link '../../docs/plugins.md' is broken on PyPI "
                                      "(use https://github.com/posttune/posttune/blob/main/...)"]
+    (tmp_path / "README.md").write_text("# x\n\n[a](https://github.com/posttune/posttune/blob/main/docs/no.md)\n"
+                                        "[b](https://github.com/posttune/posttune/tree/main/core)\n")
+    assert readme_problems(dist) == ["README.md: link https://github.com/posttune/posttune/blob/main/docs/no.md "
+                                     "names a path that does not exist in the repository"]
 
 
 def test_data_files_missing_from_package_data_are_reported(tmp_path):
