@@ -5,6 +5,7 @@ checked the moment it exists. The building itself (wheels and sdists, installed 
 alone, a training run from there) is the `wheels` tox env: tests/packaging/wheels.py.
 """
 
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -57,6 +58,12 @@ def test_build_artefacts_are_ignored():
     # egg-info, build/ and dist/ appear next to every pyproject.toml after a build: never committed.
     ignore = (ROOT / ".gitignore").read_text().split()
     assert {"*.egg-info/", "build/", "dist/"} <= set(ignore)
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    outputs = ("build/", "dist/", *(f"{d.label}/{folder}/" for d in DISTRIBUTIONS for folder in ("build", "dist")))
+    committed = [path for path in tracked.splitlines() if ".egg-info/" in path or path.startswith(outputs)]
+    assert committed == []
 
 
 # The checks themselves, on made-up distributions: each problem they exist for is reported.
