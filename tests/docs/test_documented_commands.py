@@ -53,7 +53,8 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("posttune plugins", ""), ("posttune --version", ""), ("posttune ls", ""), ("posttune ls configs", ""),
         ("posttune ls families", ""), ("posttune ls methods", ""), ("posttune ls plans", ""),
         ("posttune ls memory", ""), ("posttune ls datasets", ""), ("posttune ls rewards", ""),
-        ("posttune ls --json methods", ""), ("posttune config keys", ""),
+        ("posttune ls --json methods", ""), ("posttune config keys", ""), ("posttune ls loggers", ""),
+        ("posttune config keys logging_options", ""),
     ],
     "training quick start (docs/training.md)": [
         ("posttune cp llama3.2-1b-lora my.yaml", ""),
@@ -145,6 +146,10 @@ ERRORS_ELSEWHERE: dict[str, tuple[str, str]] = {
         ("tests/methods/test_grpo_training.py", "returned None (cannot score) for completion 0"),
     "posttune: error: config: teacher: the teacher's vocabulary has ":
         ("tests/methods/test_kd_training.py", "the teacher's vocabulary has 400 tokens and the student's 384"),
+    "posttune: error: config: logging[1]: no metric logger 'wandbb' is installed (installed: tensorboard) ":
+        ("tests/trackers/test_tensorboard.py", "no metric logger 'wandbb' is installed (installed: "),
+    "posttune: error: logging: tracker 'wandb' (posttune-wandb 0.1.0) failed to start: ":
+        ("tests/trackers/test_wandb.py", "failed to start: UsageError: No API key "),
 }
 #: lines of a quoted output that come from a plugin the same page writes as an example, not installed here
 EXAMPLE_PLUGIN_LINES = ("posttune-keyword 0.1.0",)

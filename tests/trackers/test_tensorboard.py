@@ -78,3 +78,11 @@ def test_a_fresh_run_in_a_reused_directory_hides_the_old_events(tensorboard, tra
     train(path, "checkpoint.overwrite=true", "train.lr=0.01", "train.max_steps=2")
     assert scalars(events(out / "tensorboard"), "loss") == as_float32(series(metrics(out), "loss"))
     assert [step for step, _ in scalars(events(out / "tensorboard"), "loss")] == [1, 2]
+
+
+def test_a_misspelt_tracker_is_refused_before_launch_with_its_install_line(tensorboard, llama_sft, posttune_cli,
+                                                                          tmp_path):
+    result = posttune_cli("validate", str(tracked_config(tmp_path, ["tensorboard", "wandbb"])))
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == ("posttune: error: config: logging[1]: no metric logger 'wandbb' is installed (installed: "
+                             "tensorboard) (did you mean 'wandb'?) — pip install posttune-wandb\n")

@@ -81,3 +81,15 @@ def test_a_resumed_run_continues_the_same_wandb_run(wandb_plugin, train, tmp_pat
     assert ids == {json.loads((out / "run.json").read_text())["run_id"]}  # one W&B run, synced as one
     assert history(first, "loss") + history(second, "loss") == series(metrics(out), "loss")
     assert [step for step, _ in history(second, "loss")] == [3]
+
+
+def test_online_mode_without_a_login_stops_the_run_in_one_line(wandb_plugin, llama_sft, posttune_cli, monkeypatch,
+                                                               tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no stored login either
+    result = posttune_cli("train", str(tracked_config(tmp_path, ["wandb"], {"wandb": {"project": "reversal"}})))
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[-1] == (
+        "posttune: error: logging: tracker 'wandb' (posttune-wandb 0.1.0) failed to start: UsageError: No API key "
+        "configured. Use `wandb login` to log in.")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
