@@ -18,7 +18,6 @@ import venv
 from pathlib import Path
 
 import pytest
-
 from posttune.scaffold import KINDS, TEMPLATES, plugin_names
 from posttune.testing import run_cli
 

@@ -1,16 +1,17 @@
 """`posttune new plugin`: write a ready-to-install third-party plugin distribution.
 
 The templates live next to this module (``templates/<kind>/`` plus ``templates/common/``) and
-are package data, so the command works from a wheel. Kinds with a bundled config also get
-``templates/tokenizer/``: a tiny byte-level BPE tokenizer with a ChatML template (384 ids, made
-by ``posttune.testing.tiny_tokenizer.save_tiny_tokenizer(template="chatml")``; a test keeps the
-copy identical), so the config trains with no download. A file ending in ``.j2`` is rendered with
-jinja2 (``StrictUndefined``: a misspelt variable fails here, not in the user's plugin); any other
-file is copied byte for byte (the tokenizer). In paths, ``__package__``, ``__name__`` and
-``__dashed__`` become the package name, the plugin name and its dashed spelling, and a
-``dot-`` prefix becomes ``.``.
-Template files carry ``.j2`` so that neither pytest nor a linter mistakes them for the core's own
-modules. The example data (string reversal) is generated here, deterministically.
+are package data, so the command works from a wheel. Kinds whose bundled config builds a
+model from scratch also get ``templates/tokenizer/``: a tiny byte-level BPE tokenizer with a
+ChatML template (384 ids, made by ``posttune.testing.tiny_tokenizer.save_tiny_tokenizer(
+template="chatml")``; a test keeps the copy identical), so the config trains with no download.
+
+A file ending in ``.j2`` is rendered with jinja2 (``StrictUndefined``: a misspelt variable fails
+here, not in the user's plugin); any other file is copied byte for byte (the tokenizer). In
+paths, ``__package__``, ``__name__`` and ``__dashed__`` become the package name, the plugin name
+and its dashed spelling, and a ``dot-`` prefix becomes ``.``. Template files carry ``.j2`` so
+that neither pytest nor a linter mistakes them for the core's own modules. The example data
+(string reversal) is generated here, deterministically.
 
 Importing this module does not import torch: ``posttune --help`` stays fast.
 """
