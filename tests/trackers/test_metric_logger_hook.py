@@ -118,6 +118,15 @@ def test_a_tracker_that_fails_later_is_dropped_with_one_warning_and_the_run_fini
     assert len(metrics(tmp_path / "out")) == 3  # the run itself went on
 
 
+def test_a_run_that_stops_with_an_error_closes_its_trackers_without_a_summary(recorder, llama_sft, posttune_cli,
+                                                                              tmp_path):
+    path = tracked_config(tmp_path, ["recorder"], train={"lr": 1e30})  # the loss overflows
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 2 and "posttune: error: train: step 2: the " in result.stderr
+    assert [kind for kind, _ in recorder.calls] == ["start", "log", "finish"]
+    assert recorder.calls[-1][1] == (None, {})
+
+
 @pytest.mark.parametrize("logging, options, message", [
     (["recordr"], None, "config: logging[0]: no metric logger 'recordr' is installed (installed: recorder) "
                         "(did you mean 'recorder'?)"),

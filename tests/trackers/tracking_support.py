@@ -16,7 +16,8 @@ STEPS, EVAL_EVERY = 3, 2
 def tracked_config(directory: Path, logging: list[str], options: dict[str, Any] | None = None, *,
                    steps: int = STEPS, **sections: Any) -> Path:
     """A tiny Llama SFT run over 8 rows, validated on them too, logging to ``logging``; its YAML path."""
-    config = sft_config(directory, rows=8, train={"max_steps": steps, "eval_every": EVAL_EVERY}, **sections)
+    train = {"max_steps": steps, "eval_every": EVAL_EVERY, **sections.pop("train", {})}
+    config = sft_config(directory, rows=8, train=train, **sections)
     config["data"]["validation"] = dict(config["data"]["train"])
     config["logging"] = logging
     if options:
