@@ -93,3 +93,10 @@ def test_online_mode_without_a_login_stops_the_run_in_one_line(wandb_plugin, lla
         "posttune: error: logging: tracker 'wandb' (posttune-wandb 0.1.0) failed to start: UsageError: No API key "
         "configured. Use `wandb login` to log in.")
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_disabled_mode_trains_and_writes_nothing_of_wandb(wandb_plugin, llama_sft, posttune_cli, tmp_path):
+    result = posttune_cli("train", str(tracked_config(tmp_path, ["wandb"], {"wandb": {"mode": "disabled"}})))
+    assert result.exit_code == 0, result.stderr
+    assert "warning" not in result.stderr
+    assert not (tmp_path / "out" / "wandb").exists() and len(metrics(tmp_path / "out")) == 3

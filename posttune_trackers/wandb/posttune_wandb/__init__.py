@@ -81,11 +81,12 @@ def finish(opened: Opened, summary: Mapping[str, Any] | None, artefacts: Mapping
         # Under summary/: W&B's summary also keeps each history key's last value (``tokens`` of the last
         # step), and at finish that would overwrite the run's own totals of the same name.
         wb.summary.update({f"summary/{key}": value for key, value in summary.items()})
+        files = Path(wb.dir)  # absent when W&B is disabled (mode or WANDB_MODE): nothing to keep then
         for key in RUN_FILES:  # files in the run's directory are kept with the run (uploaded at finish)
-            if key in artefacts:
-                shutil.copy2(artefacts[key], Path(wb.dir) / artefacts[key].name)
+            if key in artefacts and files.is_dir():
+                shutil.copy2(artefacts[key], files / artefacts[key].name)
         model = artefacts.get("adapter") or artefacts.get("model")
-        if opened.options.log_model and model is not None:
+        if opened.options.log_model and model is not None and files.is_dir():
             import wandb
 
             artifact = wandb.Artifact(f"{wb.id}-{model.name}", type="model")
