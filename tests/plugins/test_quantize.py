@@ -268,3 +268,19 @@ def test_quantized_checkpoints_are_checked_like_any_other(exports, register_plug
     with pytest.raises(PosttuneError, match="no quantized checkpoint format 'torchao' is installed .*"
                                             "pip install posttune-torchao"):
         posttune.load_model(exports / "int8_weight_only")
+
+
+def test_a_model_with_tied_embeddings_is_exported_once_and_retied(exports, plugins, tmp_path):
+    """The demo's shape: `tie_word_embeddings` (the head is the embedding). The export stores it once,
+    as transformers' own save does, and both loaders tie it again."""
+    save_tiny_hf_checkpoint(tmp_path / "hf", tiny_llama_config(vocab_size=384, pad_token_id=3, tie_word_embeddings=True))
+    posttune.save_model(posttune.load_model(tmp_path / "hf"), tmp_path / "float",
+                        tokenizer=posttune.load_tokenizer(exports / "float"))
+    done = run_cli("quantize", "--model", str(tmp_path / "float"), "-o", str(tmp_path / "int8"), "--device", "cpu")
+    assert done.exit_code == 0, done.stderr
+    assert "lm_head.weight" not in load_file(tmp_path / "int8" / "model.safetensors")
+    theirs = hf_model(tmp_path / "int8")
+    assert theirs.lm_head.weight.data_ptr() == theirs.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([token_ids(tmp_path / "int8", PROMPTS[0])])
+    with torch.no_grad():
+        torch.testing.assert_close(posttune.load_model(tmp_path / "int8")(ids), theirs(ids).logits, atol=1e-5, rtol=0)

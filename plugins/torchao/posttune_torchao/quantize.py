@@ -190,7 +190,7 @@ def quantized_state(model: Any, config: Any, converter: Any, hf_config: dict[str
         raise PosttuneError("quantize: the model has no linear layer to quantize")
     quantize_(model, config, filter_fn=lambda module, name: name in chosen)
     state, seen = {}, set()
-    for key, tensor in model.state_dict().items():
+    for key, tensor in model.state_dict(keep_vars=True).items():  # keep_vars: tied weights are one object
         if id(tensor) in seen:
             continue  # a tied weight: transformers re-ties it from config.json's tie_word_embeddings
         seen.add(id(tensor))
