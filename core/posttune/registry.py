@@ -125,7 +125,7 @@ class Registry:
         label = KINDS[kind].label
         holders = self.duplicates.get((kind, name))
         if holders:
-            both = " and ".join(str(p) for p in holders)
+            both = " and ".join(sorted(str(p) for p in holders))  # sorted: discovery order varies
             return PluginError(
                 f"{label} '{name}' is registered by both {both}; uninstall one, or pick one "
                 f"with POSTTUNE_DISABLE_PLUGINS"

@@ -8,7 +8,7 @@ import pytest
 from posttune.cli.main import build_parser
 from posttune.plugins import get_registry
 
-COMMANDS = ["plugins", "ls", "cp", "config", "validate", "plan", "train", "generate", "plot", "download"]
+COMMANDS = ["plugins", "ls", "cp", "config", "validate", "plan", "train", "generate", "plot", "download", "new"]
 
 
 @pytest.mark.parametrize("name", COMMANDS)

@@ -87,9 +87,9 @@ def _commands_and_transcripts(path: Path) -> tuple[list[Shown], list[Shown]]:
             while i < len(lines) and lines[i][1].strip() and not lines[i][1].strip().startswith("$ "):
                 output.append(lines[i][1])
                 i += 1
-            transcripts.append(Shown(body, path.name, number, tuple(output)))
+            transcripts.append(Shown(body, str(path.relative_to(ROOT)), number, tuple(output)))
         for part in body.split(" && "):
-            commands.append(Shown(part.strip(), path.name, number))
+            commands.append(Shown(part.strip(), str(path.relative_to(ROOT)), number))
     return commands, transcripts
 
 
@@ -112,11 +112,11 @@ def span_commands() -> list[Shown]:
             if number in in_code:
                 continue
             for match in SPAN.finditer(line):
-                found.append(Shown(match.group(1).replace("\\|", "|").strip(), path.name, number))
+                found.append(Shown(match.group(1).replace("\\|", "|").strip(), str(path.relative_to(ROOT)), number))
     return found
 
 
 def quoted_errors() -> list[Shown]:
     """Every `posttune: error:` line the docs quote in a code block."""
-    return [Shown(text.strip(), path.name, number) for path in DOCS for number, text in _code_lines(path)
+    return [Shown(text.strip(), str(path.relative_to(ROOT)), number) for path in DOCS for number, text in _code_lines(path)
             if text.strip().startswith(ERROR)]

@@ -46,6 +46,15 @@ SHORT = "train.max_steps=2 train.eval_every=null"
 SETUP = ": set-up &&"
 DEMO_DATA = "$(python -c 'import os, posttune_llama; print(os.path.dirname(posttune_llama.__file__))')/demo"
 
+#: docs/eval.md's local task, as its YAML block shows it (the data path made absolute), with three rows
+CAPITALS_TASK = """
+import json, pathlib, re
+block = pathlib.Path({eval_md!r}).read_text().split("```yaml", 1)[1].split("```", 1)[0]
+pathlib.Path("tasks/capitals.yaml").write_text(re.sub(r"/abs/path/to/capitals.jsonl.*", str(pathlib.Path("capitals.jsonl").resolve()), block))
+rows = [("France", ["Paris", "Rome"], 0), ("Italy", ["Paris", "Rome"], 1), ("Spain", ["Lisbon", "Madrid"], 1)]
+pathlib.Path("capitals.jsonl").write_text("".join(json.dumps({{"question": f"The capital of {{c}}?", "choices": ch, "label": l}}) + "\\n" for c, ch, l in rows))
+""".format(eval_md=str(ROOT / "docs" / "eval.md"))
+
 #: scenario -> the documented commands it runs, in order, each with what is appended (or inserted
 #: after the config for `posttune train/plan/validate`, so the documented overrides still win)
 SCENARIOS: dict[str, list[tuple[str, str]]] = {
@@ -94,13 +103,28 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("posttune plan kd-tiny-reverse", ""),
         ("posttune train kd-tiny-reverse", SHORT),
     ],
+    "quantize (docs/quantize.md)": [
+        (f"{SETUP} posttune train llama-demo-reverse checkpoint.output_dir=runs/sft {SHORT} && posttune train "
+         f"llama-demo-reverse checkpoint.output_dir=runs/lora model.path=runs/sft/model adapter.kind=lora {SHORT}", ""),
+        ("posttune quantize --model runs/sft/model -o runs/sft/int8", ""),
+        ("posttune quantize --adapter runs/lora/adapter -o runs/lora/int8", ""),
+        ("posttune quantize --model runs/sft/model --scheme int4_weight_only --group-size 64 -o runs/sft/int4", ""),
+    ],
+    "eval with a local task (docs/eval.md)": [
+        (f"{SETUP} posttune train llama-demo-reverse checkpoint.output_dir=runs/sft {SHORT} && mkdir tasks && "
+         f"python -c {shlex.quote(CAPITALS_TASK)}", ""),
+        ("posttune eval --model runs/sft/model --tasks capitals --include-path tasks/ --output capitals.json", ""),
+    ],
+    "a new plugin (docs/plugins.md)": [
+        ("posttune new plugin my-loss --kind method", ""),
+    ],
     "the qwen3 GSM8K recipe's overrides (docs/grpo.md)": [
         # a 0.6B hub model on GPUs: validated with the documented overrides, not trained
         ("posttune train qwen3-0.6b-grpo-gsm8k method.micro_batch_size=8 train.grad_accum_steps=8 "
          "'memory=[chunked_cross_entropy, activation_checkpointing]'", "VALIDATE"),
     ],
 }
-SLOW = {"GRPO (README, docs/grpo.md)", "KD (README, docs/kd.md)"}
+SLOW = {"GRPO (README, docs/grpo.md)", "KD (README, docs/kd.md)", "eval with a local task (docs/eval.md)"}
 
 #: documented commands not run here, and why (each still has to be in the docs: no stale entries)
 NOT_RUN: dict[str, str] = {
@@ -109,6 +133,10 @@ NOT_RUN: dict[str, str] = {
     "posttune train my.yaml --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 "
     "--rdzv-id my-run": "two machines",
     "python -m posttune_grpo.example make-data": "rewrites the package's bundled files in place",
+    "posttune eval --model runs/sft/model --tasks arc_easy,hellaswag --limit 200 --output eval.json":
+        "hub datasets; tests/lmeval compares local tasks with lm-eval's HF model",
+    "posttune eval --adapter runs/lora/adapter --tasks arc_easy --num-fewshot 5 --batch-size 16":
+        "a hub dataset; tests/lmeval runs --adapter on local tasks",
 }
 #: documented commands another test runs: command -> (test file, a string that file must hold)
 ELSEWHERE: dict[str, tuple[str, str]] = {
@@ -154,14 +182,17 @@ ERRORS_ELSEWHERE: dict[str, tuple[str, str]] = {
 #: lines of a quoted output that come from a plugin the same page writes as an example, not installed here
 EXAMPLE_PLUGIN_LINES = ("posttune-keyword 0.1.0",)
 
-PLACEHOLDER = re.compile(r"\b[A-Z][A-Z_]*\b|\[|\.\.\.|\b[a-z]+/[a-z]+/")
+PLACEHOLDER = re.compile(r"\b[A-Z][A-Z_]*\b|\[|\.\.\.")
 INSTALL = ("pip install", "python3 -m venv", "python -m venv", ". .venv/bin/activate", "tox")
 
 
 def _synopsis(text: str) -> bool:
     words = text.split()
-    no_config = words[0] == "posttune" and len(words) > 2 and words[2].startswith("--")  # `posttune train --nproc-per-node 2`
-    return bool(PLACEHOLDER.search(text)) or no_config or (words[0] == "posttune" and len(words) <= 2
+    # `posttune train --nproc-per-node 2`: an option shown without the config it goes with
+    no_config = len(words) > 2 and words[2].startswith("--") and (words[:2] in (["posttune", "train"], ["posttune", "plan"])
+                                                              or len(words) == 3)  # `posttune generate --adapter`
+    bare = len(words) <= (3 if words[1:2] in (["config"], ["new"]) else 2)  # `posttune plan`, `posttune new plugin`
+    return bool(PLACEHOLDER.search(text)) or no_config or (words[0] == "posttune" and bare
                                                            and text not in ("posttune ls", "posttune plugins"))
 
 
@@ -347,6 +378,12 @@ def _check_outcome(command: str, result: subprocess.CompletedProcess, cwd: Path)
         assert (cwd / "outputs/llama-demo-reverse/model/config.json").is_file()
     elif command.startswith("posttune generate"):
         assert result.stdout.strip(), "generate printed nothing"  # the trained answer: tests/e2e/test_demo.py
+    elif command.startswith("posttune quantize"):
+        assert "quantization_config" in json.loads((cwd / command.split()[-1] / "config.json").read_text())
+    elif command.startswith("posttune eval"):
+        assert "acc" in json.dumps(json.loads((cwd / "capitals.json").read_text()))
+    elif command.startswith("posttune new plugin"):
+        assert (cwd / "posttune-my-loss" / "pyproject.toml").is_file()
     elif command.startswith("posttune plot"):
         assert (cwd / command.split()[-1] / "loss.png").is_file()
 
