@@ -65,8 +65,8 @@ _LAZY: dict[str, str] = {
     "LayeredKeyMap": "posttune.checkpoint.keymap",
     "tie_groups": "posttune.checkpoint.materialize",
     # adapters
-    **dict.fromkeys(["LoRALinear", "AdaptersOff", "active_model", "adapters_disabled", "adapted_modules",
-                     "load_peft_adapter", "merge_adapters"], "posttune.adapters"),
+    **dict.fromkeys(["LoRALinear", "AdaptersOff", "active_model", "adapter_base", "adapters_disabled",
+                     "adapted_modules", "load_peft_adapter", "merge_adapters"], "posttune.adapters"),
     # optimisation and heads: the head's effective (weight, bias), LoRA/DoRA folded in, for chunked losses
     "build_scheduler": "posttune.training.optim",
     "head_weight": "posttune.memory.linear_cross_entropy",

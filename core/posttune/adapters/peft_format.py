@@ -98,6 +98,20 @@ def _settings(config: Mapping[str, Any]) -> dict[str, Any]:
             "kind": "dora" if config.get("use_dora") else "lora"}
 
 
+def adapter_base(adapter_dir: str | Path, command: str) -> str:
+    """The base model ``adapter_dir``'s adapter_config.json names (``base_model_name_or_path``), for a
+    command given ``--adapter`` alone; a missing or unreadable name is one line naming ``command``."""
+    config = Path(adapter_dir) / "adapter_config.json"
+    try:
+        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError) as exc:
+        raise PosttuneError(f"{command}: --adapter {adapter_dir}: cannot read {config.name} ({exc})") from None
+    if not base:
+        raise PosttuneError(f"{command}: --adapter {adapter_dir}: {config.name} names no base_model_name_or_path; "
+                            "give --model")
+    return str(base)
+
+
 def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     """Load a PEFT LoRA/DoRA adapter into ``model``; returns the adapted module names.
 

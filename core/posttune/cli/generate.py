@@ -61,22 +61,12 @@ def run(args: argparse.Namespace) -> int:
 
 def adapter_base(adapter: str | None) -> str:
     """The base model an adapter directory names (``base_model_name_or_path``), for ``--adapter`` alone."""
-    import json
-    from pathlib import Path
-
+    from posttune.adapters import adapter_base as named_base
     from posttune.errors import PosttuneError
 
     if not adapter:
         raise PosttuneError("generate: give --model, or --adapter with an adapter_config.json naming its base model")
-    config = Path(adapter) / "adapter_config.json"
-    try:
-        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except (OSError, ValueError) as exc:
-        raise PosttuneError(f"generate: --adapter {adapter}: cannot read {config.name} ({exc})") from None
-    if not base:
-        raise PosttuneError(f"generate: --adapter {adapter}: {config.name} names no base_model_name_or_path; "
-                            "give --model")
-    return str(base)
+    return named_base(adapter, "generate")
 
 
 def device_of(name: str | None) -> str:

@@ -48,7 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
-    base = args.model or adapter_base(args.adapter)
+    from posttune.plugin import adapter_base
+
+    base = args.model or adapter_base(args.adapter, "eval")
     import logging
 
     from lm_eval import simple_evaluate
@@ -99,18 +101,6 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise PosttuneError(f"eval: --output {args.output}: directory {Path(args.output).parent} does not exist")
     if args.adapter and not Path(args.adapter).is_dir():
         raise PosttuneError(f"eval: --adapter {args.adapter}: no such directory")
-
-
-def adapter_base(adapter: str) -> str:
-    """The base model an adapter directory names (``base_model_name_or_path``), for ``--adapter`` alone."""
-    config = Path(adapter) / "adapter_config.json"
-    try:
-        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except (OSError, ValueError) as exc:
-        raise PosttuneError(f"eval: --adapter {adapter}: cannot read {config.name} ({exc})") from None
-    if not base:
-        raise PosttuneError(f"eval: --adapter {adapter}: {config.name} names no base_model_name_or_path; give --model")
-    return str(base)
 
 
 def task_names(spec: str, manager: Any) -> list[str]:

@@ -76,7 +76,9 @@ def source_dirs(model: str | None, adapter: str | None) -> tuple[Path, Path | No
     if adapter is not None:
         adapter_dir = _existing(adapter, "--adapter", "adapter_config.json")
         if model is None:
-            model = _adapter_base(adapter_dir)
+            from posttune.plugin import adapter_base
+
+            model = adapter_base(adapter_dir, "quantize")
         return _existing(model, "--model", "config.json"), adapter_dir
     if model is None:
         raise PosttuneError("quantize: give --model DIR (a saved checkpoint) or --adapter DIR (a PEFT adapter)")
@@ -90,17 +92,6 @@ def _existing(path: str, option: str, marker: str) -> Path:
     if not (directory / marker).is_file():
         raise PosttuneError(f"quantize: {option} {path}: no {marker} there")
     return directory
-
-
-def _adapter_base(adapter: Path) -> str:
-    try:
-        base = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except (OSError, ValueError) as exc:
-        raise PosttuneError(f"quantize: --adapter {adapter}: cannot read adapter_config.json ({exc})") from None
-    if not base:
-        raise PosttuneError(f"quantize: --adapter {adapter}: adapter_config.json names no base_model_name_or_path; "
-                            f"give --model")
-    return str(base)
 
 
 def device_of(name: str) -> str:
