@@ -2,6 +2,7 @@
 
     python benchmarks/cli_start.py                       # trains a 1-step demo model to generate with
     python benchmarks/cli_start.py --model outputs/llama-demo-reverse/model --runs 5
+    python benchmarks/cli_start.py --runs 5 --out benchmarks/results/cli_start.json
 
 Each command runs ``--runs`` times in a fresh process (imports included, as a user types it);
 prints JSON with every wall time and the median per command. Run it on an idle machine.
@@ -33,6 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--model", help="a trained demo model folder (default: the demo's model after 1 step)")
+    parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     scratch = tempfile.TemporaryDirectory()
     if args.model is None:  # the demo's shape and tokenizer; what it says does not matter here
@@ -46,8 +48,12 @@ def main() -> None:
     for _ in range(args.runs):  # interleaved, so a busy moment touches every command alike
         for name, command in commands.items():
             seconds[name].append(round(timed(command), 3))
-    print(json.dumps({name: {"median_s": round(statistics.median(times), 3), "seconds": times}
-                      for name, times in seconds.items()}, indent=2))
+    report = json.dumps({name: {"median_s": round(statistics.median(times), 3), "seconds": times}
+                         for name, times in seconds.items()}, indent=2)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(report + "\n")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def test_shortened_demo_leaves_a_checkpoint_transformers_and_generate_load(tmp_p
                              "--max-new-tokens", "6")
     assert generated.returncode == 0, generated.stderr
     # generate's start-up (benchmarks/cli_start.py times it): nothing it does not use is imported
-    heavy = ("torch._dynamo", "transformers", "torchao", "datasets", "matplotlib")
+    heavy = ("torch._dynamo", "sympy", "transformers", "torchao", "datasets", "matplotlib")
     probe = subprocess.run([sys.executable, "-c", "import sys; from posttune.cli.main import main; main(sys.argv[1:]); "
                             f"print(sorted(m for m in {heavy!r} if m in sys.modules))", "generate", "--model",
                             str(out / "model"), "--prompt", "Reverse: ABC", "--chat", "--max-new-tokens", "2"],

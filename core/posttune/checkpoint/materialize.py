@@ -87,10 +87,20 @@ def tie_groups(model: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
+def _empty(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``Module.to_empty``'s fill, without ``empty_like`` on plain meta tensors: that computes their
+    strides through torch's symbolic shapes, whose first import (sympy) cost ~0.3 s of every `posttune
+    generate`. Plain contiguous parameters get the same tensor from ``torch.empty`` of the shape; a
+    tensor subclass (a DTensor shard) keeps ``empty_like``, which knows its layout."""
+    if type(tensor) in (torch.Tensor, nn.Parameter) and tensor.is_contiguous():
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    return torch.empty_like(tensor, device=device)
+
+
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     """Give a meta model uninitialised storage on ``device``, keeping tied weights tied."""
     groups = tie_groups(model)
-    model.to_empty(device=device)
+    model._apply(lambda tensor: _empty(tensor, device))
     for first, *rest in groups:
         shared = model.get_parameter(first)
         for name in rest:
