@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from run_support import sft_config
@@ -28,13 +30,30 @@ def without_train_path(tmp_path) -> dict:
     return config
 
 
+def saved_adapter(tmp_path, rank: int = 4):
+    """A folder that looks like a saved LoRA adapter to adapter_config.json readers (validate reads no weights)."""
+    folder = tmp_path / f"adapter-r{rank}"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8}))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    return folder
+
+
+def starting_from(tmp_path, folder) -> dict:
+    return sft_config(tmp_path, adapter={"rank": 4, "alpha": 8, "init_from": str(folder)})
+
+
 @pytest.mark.parametrize(("make", "field", "words"), [
     (lambda tmp: sft_config(tmp, train={"scheduler": "cosin"}), "train.scheduler", "did you mean 'cosine'"),
     (lambda tmp: sft_config(tmp, train={"optimizer": "adamw8bit"}), "train.optimizer",
      "memory: [adamw_8bit]"),
     (without_train_path, "data.train.path", ""),
     (alpaca_rows_as_chat, "data.train.format", "cannot read the first row"),
-], ids=["scheduler", "low-bit-optimizer", "missing-path", "format-vs-rows"])
+    (lambda tmp: starting_from(tmp, tmp / "nowhere"), "adapter.init_from", "no adapter_config.json"),
+    (lambda tmp: starting_from(tmp, saved_adapter(tmp, rank=8)), "adapter.init_from",
+     "rank 8 (saved) vs 4 (adapter.rank)"),
+], ids=["scheduler", "low-bit-optimizer", "missing-path", "format-vs-rows", "init-from-missing",
+        "init-from-other-rank"])
 def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, tmp_path, make, field, words):
     result = validate(posttune_cli, tmp_path, make(tmp_path))
     lines = result.stderr.strip().splitlines()
@@ -44,4 +63,9 @@ def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, 
 
 def test_a_format_that_reads_the_rows_is_valid(llama_sft, posttune_cli, tmp_path):
     result = validate(posttune_cli, tmp_path, sft_config(tmp_path))
+    assert result.exit_code == 0, result.stderr
+
+
+def test_an_adapter_of_the_same_shape_to_start_from_is_valid(llama_sft, posttune_cli, tmp_path):
+    result = validate(posttune_cli, tmp_path, starting_from(tmp_path, saved_adapter(tmp_path, rank=4)))
     assert result.exit_code == 0, result.stderr

@@ -29,11 +29,11 @@ from torch import nn
 from posttune.adapters.inject import adapted_modules, apply_adapters
 from posttune.adapters.lora import LoRALinear
 from posttune.checkpoint.atomic import atomic_dir
+from posttune.checkpoint.peft_config import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, UNSUPPORTED, adapter_base, read_config,
+                                             saved_settings, settings_of)
 from posttune.checkpoint.safetensors_io import Planned, iter_tensors, write_file
 from posttune.errors import PosttuneError
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 #: PEFT's tensor suffix for each native adapter tensor of a LoRALinear
 PEFT_SUFFIX = {"lora_A.weight": "lora_A.weight", "lora_B.weight": "lora_B.weight",
@@ -42,9 +42,6 @@ NATIVE_SUFFIX = {**{v: k for k, v in PEFT_SUFFIX.items()},
                  "lora_magnitude_vector.weight": "magnitude"}  # spelling of older PEFT releases
 ROW_INDEXED = ("lora_B.weight", "magnitude")  # tensors indexed by the weight's output rows
 #: adapter_config.json fields whose non-default values posttune cannot reproduce
-UNSUPPORTED: dict[str, Any] = {"use_rslora": False, "bias": "none", "fan_in_fan_out": False, "lora_bias": False,
-                               "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
-                               "layers_to_transform": None, "target_parameters": None}
 Convert = Callable[[str, torch.Tensor, Mapping[str, Any]], Any]
 
 
@@ -87,31 +84,6 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
     return Path(out_dir)
 
 
-def saved_settings(adapter_dir: str | Path) -> dict[str, Any]:
-    """Rank, alpha and kind of a saved adapter, from its ``adapter_config.json`` (checked as a load would)."""
-    return _settings(_read_config(Path(adapter_dir)))
-
-
-def _settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    return {"rank": int(config["r"]), "alpha": float(config.get("lora_alpha", 8)),
-            "dropout_p": float(config.get("lora_dropout") or 0.0),
-            "kind": "dora" if config.get("use_dora") else "lora"}
-
-
-def adapter_base(adapter_dir: str | Path, command: str) -> str:
-    """The base model ``adapter_dir``'s adapter_config.json names (``base_model_name_or_path``), for a
-    command given ``--adapter`` alone; a missing or unreadable name is one line naming ``command``."""
-    config = Path(adapter_dir) / "adapter_config.json"
-    try:
-        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except (OSError, ValueError) as exc:
-        raise PosttuneError(f"{command}: --adapter {adapter_dir}: cannot read {config.name} ({exc})") from None
-    if not base:
-        raise PosttuneError(f"{command}: --adapter {adapter_dir}: {config.name} names no base_model_name_or_path; "
-                            "give --model")
-    return str(base)
-
-
 def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     """Load a PEFT LoRA/DoRA adapter into ``model``; returns the adapted module names.
 
@@ -120,14 +92,14 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     """
     directory = Path(adapter_dir)
     _require_real(model, "load_peft_adapter")
-    config = _read_config(directory)
+    config = read_config(directory)
     _, converter, hf_config = _family_io(model)
     hf_names = hf_module_names(model, converter.from_native, hf_config)
     targets = [name for name, hf_name in hf_names.items() if peft_targets_match(config, hf_name)]
     if not targets:
         raise PosttuneError(f"{directory}: target_modules {config.get('target_modules')!r} match no linear "
                             f"layer of this model")
-    settings = _settings(config)
+    settings = settings_of(config)
     layers = adapted_modules(model)
     if not layers:
         apply_adapters(model, targets=targets, rank=settings["rank"], alpha=settings["alpha"],
@@ -262,24 +234,6 @@ def _converted(convert: Convert, key: str, tensor: torch.Tensor, hf_config: Mapp
     if result is None:
         raise PosttuneError(f"the checkpoint converter drops '{key}', which holds an adapter")
     return result[1]
-
-
-def _read_config(directory: Path) -> dict[str, Any]:
-    path = directory / ADAPTER_CONFIG
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PosttuneError(f"{directory}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)") from None
-    except (OSError, ValueError) as exc:
-        raise PosttuneError(f"{path}: unreadable: {type(exc).__name__}: {exc}") from None
-    if config.get("peft_type") != "LORA":
-        raise PosttuneError(f"{path}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
-    for key, default in UNSUPPORTED.items():
-        if config.get(key, default) not in (default, None, {}, [], False):
-            raise PosttuneError(f"{path}: {key}={config[key]!r} is not supported by posttune's adapters")
-    if not (directory / ADAPTER_WEIGHTS).is_file():
-        raise PosttuneError(f"{directory}: no {ADAPTER_WEIGHTS} (posttune loads safetensors only, never pickles)")
-    return config
 
 
 def _check_same(directory: Path, layers: Mapping[str, LoRALinear], targets: list[str],

@@ -230,17 +230,10 @@ def init_from_adapter(model: nn.Module, adapter: Any) -> None:
     rank, alpha and kind are compared with ``adapter_config.json`` first (the usual mistake, named
     in one line); the targets and every tensor are checked as they are copied in.
     """
-    from posttune.adapters.peft_format import saved_settings
+    from posttune.checkpoint.peft_config import check_init_from
 
+    check_init_from(adapter)  # validate checked it too; the folder may have changed since
     path = Path(adapter.init_from).expanduser()
-    try:
-        saved = saved_settings(path)
-    except PosttuneError as exc:
-        raise ConfigError("adapter.init_from", str(exc)) from None
-    mine = {"rank": adapter.rank, "alpha": float(adapter.alpha), "kind": adapter.kind}
-    differ = [f"{key} {saved[key]} (saved) vs {mine[key]} (adapter.{key})" for key in mine if saved[key] != mine[key]]
-    if differ:
-        raise ConfigError("adapter.init_from", f"{path} does not match this run's adapter: {'; '.join(differ)}")
     from posttune.adapters import load_peft_adapter
 
     try:

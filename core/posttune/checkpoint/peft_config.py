@@ -1,0 +1,84 @@
+"""A PEFT adapter folder's ``adapter_config.json``: read, checked and compared, without torch.
+
+``posttune validate`` checks ``adapter.init_from`` against the run's ``adapter:`` section with
+these (under a second, before any weight loads), and the loader (posttune.adapters.peft_format)
+reads the same file through them, so both refuse the same folders with the same words.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from posttune.errors import ConfigError, PosttuneError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: PEFT options posttune's adapters do not implement, with the value that means "not used"
+UNSUPPORTED: dict[str, Any] = {"use_rslora": False, "bias": "none", "fan_in_fan_out": False, "lora_bias": False,
+                               "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
+                               "layers_to_transform": None, "target_parameters": None}
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """``adapter_config.json`` of a folder posttune can load (LoRA/DoRA, safetensors weights present)."""
+    path = directory / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PosttuneError(f"{directory}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)") from None
+    except (OSError, ValueError) as exc:
+        raise PosttuneError(f"{path}: unreadable: {type(exc).__name__}: {exc}") from None
+    if config.get("peft_type") != "LORA":
+        raise PosttuneError(f"{path}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
+    for key, default in UNSUPPORTED.items():
+        if config.get(key, default) not in (default, None, {}, [], False):
+            raise PosttuneError(f"{path}: {key}={config[key]!r} is not supported by posttune's adapters")
+    if not (directory / ADAPTER_WEIGHTS).is_file():
+        raise PosttuneError(f"{directory}: no {ADAPTER_WEIGHTS} (posttune loads safetensors only, never pickles)")
+    return config
+
+
+def settings_of(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Rank, alpha, dropout and kind as posttune's ``adapter:`` section spells them."""
+    return {"rank": int(config["r"]), "alpha": float(config.get("lora_alpha", 8)),
+            "dropout_p": float(config.get("lora_dropout") or 0.0),
+            "kind": "dora" if config.get("use_dora") else "lora"}
+
+
+def saved_settings(adapter_dir: str | Path) -> dict[str, Any]:
+    """Rank, alpha and kind of a saved adapter, from its ``adapter_config.json`` (checked as a load would)."""
+    return settings_of(read_config(Path(adapter_dir)))
+
+
+def check_init_from(adapter: Any) -> None:
+    """``adapter.init_from`` must be a loadable adapter folder with this run's rank, alpha and kind:
+    the adapters are injected from ``adapter:`` first, so a different shape could not be copied in.
+    The targets and every tensor are checked when the weights load."""
+    if adapter is None or adapter.init_from is None:
+        return
+    path = Path(adapter.init_from).expanduser()
+    try:
+        saved = saved_settings(path)
+    except PosttuneError as exc:
+        raise ConfigError("adapter.init_from", str(exc)) from None
+    mine = {"rank": adapter.rank, "alpha": float(adapter.alpha), "kind": adapter.kind}
+    differ = [f"{key} {saved[key]} (saved) vs {mine[key]} (adapter.{key})" for key in mine if saved[key] != mine[key]]
+    if differ:
+        raise ConfigError("adapter.init_from", f"{path} does not match this run's adapter: {'; '.join(differ)}")
+
+
+def adapter_base(adapter_dir: str | Path, command: str) -> str:
+    """The base model ``adapter_dir``'s adapter_config.json names (``base_model_name_or_path``), for a
+    command given ``--adapter`` alone; a missing or unreadable name is one line naming ``command``."""
+    config = Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError) as exc:
+        raise PosttuneError(f"{command}: --adapter {adapter_dir}: cannot read {config.name} ({exc})") from None
+    if not base:
+        raise PosttuneError(f"{command}: --adapter {adapter_dir}: {config.name} names no base_model_name_or_path; "
+                            "give --model")
+    return str(base)
