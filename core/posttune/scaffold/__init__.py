@@ -18,6 +18,7 @@ Importing this module does not import torch: ``posttune --help`` stays fast.
 
 from __future__ import annotations
 
+import datetime
 import json
 import keyword
 import random
@@ -54,7 +55,17 @@ KINDS: dict[str, ScaffoldKind] = {kind.name: kind for kind in (
     ScaffoldKind("dataset", "dataset_format", "a dataset format (question/answer rows with an optional "
                  "context) for SFT-style methods", ("qa_train.jsonl",), tokenizer=True),
     ScaffoldKind("command", "command", "a `posttune` subcommand (a summary of a run's metrics.jsonl)"),
+    ScaffoldKind("technique", "memory_technique", "a memory technique (freeze the embedding and the first decoder "
+                 "layers: no gradients or optimizer state for them), with options"),
+    ScaffoldKind("plan", "parallel_plan", "a parallel plan (plain data parallelism: a whole model per rank, "
+                 "gradients averaged over dp_shard), with options"),
+    ScaffoldKind("tracker", "metric_logger", "an experiment tracker (each metrics record as a line of a JSON-lines "
+                 "file, trimmed on resume), with options"),
 )}
+
+#: What only the plugin's author knows, written where a release needs it (pyproject.toml, LICENSE):
+#: each holds "TODO" so that `grep -rn TODO pyproject.toml LICENSE` finds them before publishing.
+PLACEHOLDERS = {"author": "TODO: your name", "account": "TODO-your-account"}
 
 NAME_RULE = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -109,7 +120,8 @@ def _render_all(kind: ScaffoldKind, names: Names) -> dict[Path, bytes]:
                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
     variables = {"kind": kind.name, "about": kind.about, "name": names.name, "distribution": names.distribution,
                  "package": names.package, "camel": names.camel, "dashed": names.dashed, "data_files": kind.data,
-                 "posttune_requirement": posttune_requirement()}
+                 "posttune_requirement": posttune_requirement(), "label": kind.registry_kind.replace("_", " "),
+                 "year": datetime.date.today().year, **PLACEHOLDERS}
     files: dict[Path, bytes] = {}
     folders = [(TEMPLATES / "common", Path()), (TEMPLATES / kind.name, Path())]
     if kind.tokenizer:  # a config that builds a model from scratch needs a tokenizer; this one ships inside
