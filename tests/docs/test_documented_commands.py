@@ -63,7 +63,7 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("posttune ls families", ""), ("posttune ls methods", ""), ("posttune ls plans", ""),
         ("posttune ls memory", ""), ("posttune ls datasets", ""), ("posttune ls rewards", ""),
         ("posttune ls --json methods", ""), ("posttune config keys", ""), ("posttune ls loggers", ""),
-        ("posttune config keys logging_options", ""),
+        ("posttune config keys logging_options", ""), ("posttune validate llama-demo-reverse", ""),
     ],
     "training quick start (docs/training.md)": [
         ("posttune cp llama3.2-1b-lora my.yaml", ""),
@@ -114,6 +114,11 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         (f"{SETUP} posttune train llama-demo-reverse checkpoint.output_dir=runs/sft {SHORT} && mkdir tasks && "
          f"python -c {shlex.quote(CAPITALS_TASK)}", ""),
         ("posttune eval --model runs/sft/model --tasks capitals --include-path tasks/ --output capitals.json", ""),
+    ],
+    "merge an adapter (docs/training.md, docs/parallel.md)": [
+        (f"{SETUP} posttune train llama-demo-reverse checkpoint.output_dir=base {SHORT} && posttune train "
+         f"llama-demo-reverse checkpoint.output_dir=OUTPUT_DIR model.path=base/model adapter.kind=lora {SHORT}", ""),
+        ("posttune merge --adapter OUTPUT_DIR/adapter -o OUTPUT_DIR/merged", ""),
     ],
     "a new plugin (docs/plugins.md)": [
         ("posttune new plugin my-loss --kind method", ""),

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from posttune.cli import config_keys, generate, launch, new_plugin
+from posttune.cli import config_keys, generate, launch, merge, new_plugin
 from posttune.descriptors import Command
 from posttune.errors import PosttuneError, did_you_mean, first_line
 from posttune.plugins import PLUGIN_API, get_plugins, get_registry, hookimpl
@@ -318,6 +318,7 @@ def posttune_register_commands(cli):
     cli(_command("train", "train from a config (torchrun options launch many processes)",
                 _configure_validate, _run_train))
     cli(dataclasses.replace(generate.COMMAND, examples=EXAMPLES["generate"]))
+    cli(merge.COMMAND)
     cli(_command("plot", "plot a run's train and validation loss to a PNG", _configure_plot, _run_plot))
     cli(_command("download", "download a checkpoint's weights, config and tokenizer", _configure_download,
                 _run_download))

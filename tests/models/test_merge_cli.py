@@ -1,0 +1,87 @@
+"""`posttune merge` writes what PEFT's own ``merge_and_unload`` gives, as a plain HF checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+
+import posttune_llama
+from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
+from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tokenizer import load_tokenizer
+
+
+@pytest.fixture
+def base(tmp_path_factory, register_plugin):
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    path = tmp_path_factory.mktemp("base")
+    save_tiny_tokenizer(path, template="llama3")
+    tokenizer = load_tokenizer(path)
+    save_tiny_hf_checkpoint(path, tiny_llama_config(vocab_size=tokenizer.vocab_size), seed=3)
+    return path
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def saved_adapter(base, folder, use_dora: bool):
+    """A PEFT adapter with non-zero updates (``init_lora_weights=False``) on attention and MLP layers."""
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                             init_lora_weights=False, use_dora=use_dora)
+    peft.get_peft_model(hf_model(base), config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_merged_checkpoint_equals_peft_merge_and_unload(base, posttune_cli, tmp_path, use_dora):
+    adapter = saved_adapter(base, tmp_path / "adapter", use_dora)
+    result = posttune_cli("merge", "--adapter", str(adapter), "-o", str(tmp_path / "merged"))
+    assert result.exit_code == 0, result.stderr
+    assert f"({2 * 3} adapted layers)" in result.stdout and str(tmp_path / "merged") in result.stdout
+
+    theirs = peft.PeftModel.from_pretrained(hf_model(base), adapter).merge_and_unload().eval()
+    ours = hf_model(tmp_path / "merged")  # a plain checkpoint: no adapter_config.json, no lora tensors
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+    for name, tensor in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)
+        assert not torch.allclose(ours(ids).logits, hf_model(base)(ids).logits, atol=1e-3)  # the adapter mattered
+    assert load_tokenizer(tmp_path / "merged").encode("hello") == load_tokenizer(base).encode("hello")
+
+
+def test_model_overrides_the_base_the_adapter_names(base, posttune_cli, tmp_path):
+    adapter = saved_adapter(base, tmp_path / "adapter", use_dora=False)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "moved-away")
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    result = posttune_cli("merge", "--adapter", str(adapter), "--model", str(base), "--dtype", "bf16",
+                          "-o", str(tmp_path / "merged"))
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize(("case", "words"), [
+    ("no-adapter-config", "no adapter_config.json there"),
+    ("output-not-empty", "exists and is not an empty directory"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(base, posttune_cli, tmp_path, case, words):
+    adapter = saved_adapter(base, tmp_path / "adapter", use_dora=False)
+    out = tmp_path / "merged"
+    if case == "no-adapter-config":
+        adapter = tmp_path
+    else:
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    result = posttune_cli("merge", "--adapter", str(adapter), "-o", str(out))
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and words in result.stderr and "merge" in result.stderr
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == ["keep.txt"]
