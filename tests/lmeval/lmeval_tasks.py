@@ -16,6 +16,8 @@ from pathlib import Path
 
 CONTEXT = 32
 MAX_GEN = 20
+#: the context of the chat tests' checkpoint: a templated prompt with few-shot turns is ~150 tokens
+CHAT_CONTEXT = 256
 
 QUESTIONS = ["The quick brown fox", "Hello, world! How are", "What is the capital of France?", "Numbers 0 1 2",
              "def add(a, b):", "The model was trained on the data, and the results were good. You are a helpful",
@@ -72,6 +74,22 @@ metric_list:
   - metric: bits_per_byte
 """
 
+#: tiny_mc's questions with an assistant turn the model continues (lm-eval's gen_prefix)
+PREFIX_MC_YAML = """task: tiny_mc_prefix
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}"
+gen_prefix: "The answer is"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+"""
+
 
 def greedy_answers(path: Path, prompts: list[str], stop: str) -> list[str]:
     """transformers' greedy completion of each prompt (left-truncated to leave MAX_GEN tokens), cut at ``stop``."""
@@ -94,16 +112,24 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def hflm_results(model_dir: Path, task_dir: Path, tasks: list[str], **hflm_options) -> dict:
-    """lm-eval's own Hugging Face wrapper on the same files: the reference. Its task manager indexes
-    the local tasks only (lm-eval's own ~15k YAMLs take seconds to index; `posttune eval` does that)."""
-    from lm_eval import simple_evaluate
+def hflm_results(model_dir: Path, task_dir: Path, tasks: list[str], evaluate: dict | None = None,
+                 **hflm_options) -> dict:
+    """lm-eval's own Hugging Face wrapper on the same files: the reference. ``evaluate``: more
+    ``simple_evaluate`` arguments (e.g. ``apply_chat_template``)."""
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     lm = HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=4, **hflm_options)
+    return local_results(lm, task_dir, tasks, **(evaluate or {}))
+
+
+def local_results(lm, task_dir: Path, tasks: list[str], **options) -> dict:
+    """``simple_evaluate`` of an lm-eval ``LM`` on local tasks, samples logged. The task manager indexes the
+    local tasks only (lm-eval's own ~15k YAMLs take seconds to index; `posttune eval` does that)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
     manager = TaskManager(include_path=str(task_dir), include_defaults=False)
-    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, log_samples=True)
+    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, log_samples=True, **options)
 
 
 def posttune_results(tmp_path: Path, *args: str) -> dict:

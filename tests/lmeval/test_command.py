@@ -54,6 +54,9 @@ def test_help_imports_neither_torch_nor_lm_eval():
     (["--model", "m", "--tasks", "x", "--include-path", "/no/such/dir"], "--include-path /no/such/dir: no such"),
     (["--model", "m", "--tasks", "x", "--output", "/no/such/dir/r.json"], "--output /no/such/dir/r.json"),
     (["--adapter", "/no/such/adapter", "--tasks", "x"], "--adapter /no/such/adapter: no such directory"),
+    (["--model", "m", "--tasks", "x", "--fewshot-as-multiturn"], "--fewshot-as-multiturn needs --apply-chat-template"),
+    (["--model", "m", "--tasks", "x", "--apply-chat-template", ""], "--apply-chat-template: give a template name"),
+    (["--model", "m", "--tasks", "x", "--system-instruction", " "], "--system-instruction: the text is empty"),
 ])
 def test_a_bad_argument_is_one_line(eval_cli, args, expected):
     result = eval_cli(*args)
@@ -73,3 +76,33 @@ def test_an_unknown_task_is_one_line_with_a_suggestion_before_the_model_loads(ev
                       "--include-path", str(task_dir))
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "--tasks: no task 'tiny_mcq' (did you mean 'tiny_mc'?)" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    ([], {"apply_chat_template": False, "system_instruction": None, "fewshot_as_multiturn": False}),
+    (["--system-instruction", "Be brief."],
+     {"apply_chat_template": False, "system_instruction": "Be brief.", "fewshot_as_multiturn": False}),
+    (["--apply-chat-template"],
+     {"apply_chat_template": True, "system_instruction": None, "fewshot_as_multiturn": True}),
+    (["--apply-chat-template", "--no-fewshot-as-multiturn"],
+     {"apply_chat_template": True, "system_instruction": None, "fewshot_as_multiturn": False}),
+    (["--apply-chat-template", "tool_use", "--fewshot-as-multiturn"],
+     {"apply_chat_template": "tool_use", "system_instruction": None, "fewshot_as_multiturn": True}),
+])
+def test_chat_options_become_lm_evals_arguments_with_its_defaults(register_plugin, args, expected):
+    """lm-eval 0.4's rule: few-shot examples are chat turns whenever a template is applied."""
+    from posttune_lmeval.command import prompt_options
+
+    register_plugin(posttune_lmeval, distribution="posttune-lmeval")
+    parsed = build_parser().parse_args(["eval", "--model", "m", "--tasks", "x", *args])
+    assert prompt_options(parsed) == expected
+
+
+def test_a_checkpoint_without_a_chat_template_is_one_line_before_tasks_and_weights(eval_cli, tmp_path):
+    """The folder holds a tokenizer only (no weights, no task indexed): the template is checked first."""
+    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+
+    folder = save_tiny_tokenizer(tmp_path / "plain-model", template=None)
+    result = eval_cli("--model", str(folder), "--tasks", "no_such_task", "--apply-chat-template")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"eval: --apply-chat-template: {folder} has no chat template" in result.stderr

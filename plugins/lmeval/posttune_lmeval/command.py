@@ -6,6 +6,10 @@
 Every argument is checked, and every task name looked up, before a weight is loaded: a typo
 costs seconds, not a model load. Importing this module imports neither torch nor lm_eval
 (`posttune --help` stays fast); `run` does.
+
+``--apply-chat-template [NAME]``, ``--system-instruction TEXT`` and ``--(no-)fewshot-as-multiturn``
+are lm-eval's ``apply_chat_template``, ``system_instruction`` and ``fewshot_as_multiturn``, with
+lm-eval 0.4's defaults: few-shot examples become chat turns whenever a template is applied.
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None,
                         help="seed for few-shot sampling, document order and sampled generation "
                              "(default: lm-eval's seeds, 0 and 1234)")
+    parser.add_argument("--apply-chat-template", nargs="?", const=True, default=False, metavar="NAME",
+                        help="render each prompt as a chat with the tokenizer's chat template (instruct/chat models); "
+                             "NAME picks one of its named templates (default: its default one)")
+    parser.add_argument("--system-instruction", metavar="TEXT",
+                        help="a system message before each prompt (without --apply-chat-template: text put before "
+                             "the prompt)")
+    parser.add_argument("--fewshot-as-multiturn", action=argparse.BooleanOptionalAction, default=None,
+                        help="few-shot examples as user/assistant turns (the default with --apply-chat-template); "
+                             "--no-fewshot-as-multiturn puts them all in one user turn")
     parser.add_argument("--output", "-o", help="write the results as JSON to this file (default: print only)")
     parser.add_argument("--log-samples", action="store_true",
                         help="include each document's prompt, responses and scores in --output")
@@ -48,9 +61,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
-    from posttune.plugin import adapter_base
+    from posttune.plugin import adapter_base, load_tokenizer
+
+    from posttune_lmeval.chat import template_source
 
     base = args.model or adapter_base(args.adapter, "eval")
+    template = args.apply_chat_template if isinstance(args.apply_chat_template, str) else None
+    tokenizer = None
+    if args.apply_chat_template is not False:  # a checkpoint without that template: one line, in a second
+        tokenizer = load_tokenizer(base)
+        template_source(tokenizer, template, base)
     import logging
 
     from lm_eval import simple_evaluate
@@ -62,13 +82,16 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     manager = TaskManager(include_path=args.include_path)
     tasks = task_names(args.tasks, manager)
-    lm = PosttuneLM(*load(base, args.adapter, args.dtype, args.device), batch_size=args.batch_size,
-                    max_length=args.max_length, seed=0 if args.seed is None else args.seed)
+    tokenizer = tokenizer or load_tokenizer(base)
+    lm = PosttuneLM(load(base, args.adapter, args.dtype, args.device), tokenizer, batch_size=args.batch_size,
+                    max_length=args.max_length, seed=0 if args.seed is None else args.seed, chat_template=template)
     seeds = {} if args.seed is None else {name: args.seed for name in (
         "random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")}
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
+    chat_options = prompt_options(args)
     results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_fewshot,
-                              limit=limit, log_samples=args.log_samples, **seeds)
+                              limit=limit, log_samples=args.log_samples, **chat_options, **seeds)
+    results.update(prompt_record(lm, chat_options))
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
@@ -101,6 +124,35 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise PosttuneError(f"eval: --output {args.output}: directory {Path(args.output).parent} does not exist")
     if args.adapter and not Path(args.adapter).is_dir():
         raise PosttuneError(f"eval: --adapter {args.adapter}: no such directory")
+    if args.apply_chat_template == "":
+        raise PosttuneError("eval: --apply-chat-template: give a template name, or the option alone for the default")
+    if args.system_instruction is not None and not args.system_instruction.strip():
+        raise PosttuneError("eval: --system-instruction: the text is empty")
+    if args.fewshot_as_multiturn and args.apply_chat_template is False:
+        raise PosttuneError("eval: --fewshot-as-multiturn needs --apply-chat-template (few-shot turns are chat "
+                            "messages; without a template the examples are plain text)")
+
+
+def prompt_options(args: argparse.Namespace) -> dict[str, Any]:
+    """lm-eval's prompt-formatting arguments; few-shot examples are turns whenever a template is applied
+    (lm-eval 0.4's rule), unless --no-fewshot-as-multiturn."""
+    applied = args.apply_chat_template is not False
+    multiturn = applied if args.fewshot_as_multiturn is None else args.fewshot_as_multiturn
+    return {"apply_chat_template": args.apply_chat_template, "system_instruction": args.system_instruction,
+            "fewshot_as_multiturn": multiturn}
+
+
+def prompt_record(lm: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The prompt settings as lm-eval's own CLI writes them into its results (with the template's source
+    and hashes), so a results file says how its prompts were made."""
+    from lm_eval.utils import hash_string
+
+    source = lm.chat_template(options["apply_chat_template"])
+    instruction = options["system_instruction"]
+    return {"chat_template": source, "chat_template_sha": hash_string(source) if source else None,
+            "system_instruction": instruction,
+            "system_instruction_sha": hash_string(instruction) if instruction else None,
+            "fewshot_as_multiturn": options["fewshot_as_multiturn"]}
 
 
 def task_names(spec: str, manager: Any) -> list[str]:
@@ -116,10 +168,10 @@ def task_names(spec: str, manager: Any) -> list[str]:
     return names
 
 
-def load(base: str, adapter: str | None, dtype: str | None, device: str) -> tuple[Any, Any]:
-    """(model, tokenizer): the base checkpoint, with the adapter's LoRA/DoRA layers when one is given."""
+def load(base: str, adapter: str | None, dtype: str | None, device: str) -> Any:
+    """The base checkpoint's model, with the adapter's LoRA/DoRA layers when one is given."""
     import torch
-    from posttune.plugin import load_model, load_peft_adapter, load_tokenizer
+    from posttune.plugin import load_model, load_peft_adapter
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -128,7 +180,7 @@ def load(base: str, adapter: str | None, dtype: str | None, device: str) -> tupl
     model = load_model(base, dtype=dtype, device=device)
     if adapter:
         load_peft_adapter(model, adapter)
-    return model.eval(), load_tokenizer(base)
+    return model.eval()
 
 
 def write_json(results: dict, path: Path, *, samples: bool) -> None:

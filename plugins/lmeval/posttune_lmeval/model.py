@@ -12,6 +12,11 @@ The harness asks three things of a model, and each is answered with posttune's o
 - ``generate_until``: greedy (or sampled) completions cut at the task's stop strings, through
   posttune's batched KV-cached ``generate_batch``.
 
+With ``apply_chat_template`` (``posttune eval --apply-chat-template``) lm-eval also asks for
+``apply_chat_template`` (its chat messages rendered as text by the checkpoint's template, see
+chat.py), ``tokenizer_name`` and ``chat_template``; the rendered text starts with the template's
+BOS, so ``tok_encode`` adds none.
+
 Tokenisation, truncation and the stop-string rules follow lm-eval's Hugging Face wrapper
 (``HFLM``) choice by choice, so the same checkpoint scores the same under both: contexts and
 continuations are encoded together and split (``TemplateLM._encode_pair``), an empty context is
@@ -38,6 +43,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from posttune.plugin import PosttuneError, derive_seed, generate_batch
 from tqdm import tqdm
 
+from posttune_lmeval import chat
+
 log = logging.getLogger(__name__)
 
 #: lm-eval's (and HFLM's) length when neither config.json nor the tokenizer names one
@@ -54,11 +61,21 @@ Request = tuple[Any, list[int], list[int]]
 
 
 class PosttuneLM(TemplateLM):
-    """A posttune model and tokenizer as an lm-eval ``LM`` (one process; batches of ``batch_size``)."""
+    """A posttune model and tokenizer as an lm-eval ``LM`` (one process; batches of ``batch_size``).
+
+    ``chat_template`` names the template that ``apply_chat_template`` renders with, among a
+    tokenizer's named ones (``additional_chat_templates/NAME.jinja``); None: its default one.
+    lm-eval's ``simple_evaluate(apply_chat_template=NAME)`` does not pass the name on to the model,
+    so it is given here.
+    """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, batch_size: int = 8,
-                 max_length: int | None = None, max_gen_toks: int = 256, seed: int = 0):
+                 max_length: int | None = None, max_gen_toks: int = 256, seed: int = 0,
+                 chat_template: str | None = None):
         super().__init__()
+        self._template_name = chat_template
+        self._chat_tok = tokenizer if chat_template is None else chat.with_template(
+            tokenizer, chat.template_source(tokenizer, chat_template, str(tokenizer.source)))
         self.model = model.eval()
         self.tok = tokenizer  # not `self.tokenizer`: lm-eval treats that one as a transformers tokenizer
         self.batch_size = batch_size
@@ -88,7 +105,22 @@ class PosttuneLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return str(self.tok.source)
+        """Part of lm-eval's request-cache key when a chat template is applied."""
+        name = str(self.tok.source).replace("/", "__")
+        return name if self._template_name is None else f"{name}-{self._template_name}"
+
+    # ---- chat templates (lm-eval's apply_chat_template) -----------------------------------------
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """lm-eval's chat messages as the prompt text the checkpoint's template makes of them (chat.py)."""
+        return chat.render(self._chat_tok, chat_history, add_generation_prompt=add_generation_prompt,
+                           warned=self._warned)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The Jinja source applied (lm-eval records it, and its hash, with the results); None when off."""
+        if chat_template is False or chat_template is None:
+            return None
+        name = self._template_name if chat_template is True else chat_template
+        return chat.template_source(self.tok, name, str(self.tok.source))
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         """The tokenizer's own special tokens (BOS for Llama), unless the text already starts with BOS."""
