@@ -5,12 +5,15 @@ for importlib.metadata by a ``.dist-info`` with its ``posttune`` entry point on 
 pip, so the dev venv stays as it is), then its own tests run in a fresh interpreter and
 ``posttune ls`` finds the plugin through the entry point. The slow one, for ``--kind method``:
 ``pip install`` of the core, posttune-llama and the generated distribution into a brand-new venv,
-where ``posttune ls`` lists it and its tests pass with nothing else installed.
+where ``posttune ls`` lists it and its tests pass with nothing else installed. And for every
+kind, the generated pyproject.toml passes the release checks of the first-party distributions
+(tests/packaging/pyprojects.py) but for what only the plugin's author can fill in.
 """
 
 from __future__ import annotations
 
 import filecmp
+import importlib.util
 import os
 import subprocess
 import sys
@@ -18,13 +21,15 @@ import venv
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 from posttune.scaffold import KINDS, TEMPLATES, plugin_names
 from posttune.testing import run_cli
+from posttune.version import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
 #: kind -> what `posttune ls` lists it under
 LISTED = {"family": "families", "method": "methods", "reward": "rewards", "dataset": "datasets",
-          "command": None}
+          "command": None, "technique": "memory", "plan": "plans", "tracker": "loggers"}
 
 
 def generate(kind: str, name: str, out: Path) -> Path:
@@ -66,12 +71,19 @@ def test_a_generated_plugin_is_found_and_passes_its_own_tests(kind, tmp_path):
         assert [f"demo_{kind}", f"posttune-{name}", "0.1.0"] in rows, listed.stdout + listed.stderr
 
 
+def test_help_names_every_kind_with_what_it_writes():
+    shown = " ".join(run_cli("new", "--help").stdout.split())  # argparse wraps the lines
+    assert f"--kind {{{','.join(KINDS)}}}" in shown
+    for kind in KINDS.values():
+        assert f"{kind.name}: {kind.about}" in shown
+
+
 def test_it_writes_a_distribution_and_says_what_to_do_next(tmp_path):
     result = run_cli("new", "plugin", "my-loss", "--kind", "method", "-o", str(tmp_path))
     assert result.exit_code == 0, result.stderr
     root = tmp_path / "posttune-my-loss"
     written = sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.is_file())
-    assert written == [".gitignore", "README.md", "posttune_my_loss/__init__.py",
+    assert written == [".gitignore", "LICENSE", "README.md", "posttune_my_loss/__init__.py",
                        "posttune_my_loss/configs/my-loss-llama-tiny.yaml", "posttune_my_loss/data/train.jsonl",
                        "posttune_my_loss/data/validation.jsonl", "posttune_my_loss/method.py",
                        "posttune_my_loss/tokenizer/tokenizer.json", "posttune_my_loss/tokenizer/tokenizer_config.json",
@@ -82,6 +94,45 @@ def test_it_writes_a_distribution_and_says_what_to_do_next(tmp_path):
     assert 'posttune>=0.1,<0.2' in pyproject
     assert f"wrote {root}/ (method 'my_loss', distribution posttune-my-loss):" in result.stdout
     assert f"  pytest {root / 'tests'}  " in result.stdout
+
+
+def packaging_checks():
+    """tests/packaging/pyprojects.py, the release checks of the first-party distributions (loaded by path:
+    tests/ is not a package)."""
+    if "pyprojects" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("pyprojects", ROOT / "tests" / "packaging" / "pyprojects.py")
+        sys.modules["pyprojects"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["pyprojects"]
+
+
+#: what the release checks demand of first-party distributions only: URLs into posttune's repository,
+#: posttune's own LICENSE (copyright line included) and the core's version
+FIRST_PARTY_ONLY = ("project.urls.", "LICENSE differs from the repository's LICENSE", "differs from the core's")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_generated_pyproject_is_ready_to_publish_once_the_placeholders_are_filled(kind, tmp_path):
+    import trove_classifiers  # a test dependency (tox.ini), as for tests/packaging
+
+    checks = packaging_checks()
+    root = generate(kind, f"demo-{kind}", tmp_path)
+    dist = checks.Distribution(root, checks.tomllib.loads((root / "pyproject.toml").read_text()))
+    problems = checks.metadata_problems(dist, Version(__version__), {"posttune"})
+    assert [p for p in problems if not any(mark in p for mark in FIRST_PARTY_ONLY)] == []
+    assert checks.unknown_classifiers(dist, set(trove_classifiers.classifiers)) == []
+    assert set(checks.URL_KEYS) <= set(dist.project["urls"])
+    # the licence text is the repository's BSD-3-Clause but for the copyright holder: the plugin's author
+    license_lines = (root / "LICENSE").read_text().splitlines()
+    assert license_lines[3:] == (ROOT / "LICENSE").read_text().splitlines()[3:]
+    # what only the author knows is marked TODO, where the pyproject's header says to look
+    todo = [line.strip() for path in ("pyproject.toml", "LICENSE") for line in (root / path).read_text().splitlines()
+            if "TODO" in line and not line.startswith("#")]
+    assert todo == ['authors = [{ name = "TODO: your name" }]',
+                    *(f'{key} = "https://github.com/TODO-your-account/posttune-demo-{kind}{tail}"'
+                      for key, tail in (("Homepage", ""), ("Documentation", "#readme"), ("Source", ""),
+                                        ("Issues", "/issues"))),
+                    f"Copyright (c) {license_lines[2].split()[2]} TODO: your name"]
 
 
 def test_the_shipped_tokenizer_is_the_tiny_chatml_tokenizer(tmp_path):

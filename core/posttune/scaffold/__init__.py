@@ -13,6 +13,11 @@ and its dashed spelling, and a ``dot-`` prefix becomes ``.``. Template files car
 that neither pytest nor a linter mistakes them for the core's own modules. The example data
 (string reversal) is generated here, deterministically.
 
+``templates/common/`` gives every kind the release metadata PyPI needs (the first-party
+distributions carry the same: an SPDX licence with its LICENSE file, classifiers, keywords,
+authors, project URLs); what only the author knows (their name, their repository) is a
+``PLACEHOLDERS`` value containing "TODO", which the pyproject's header tells them to grep for.
+
 Importing this module does not import torch: ``posttune --help`` stays fast.
 """
 
@@ -121,7 +126,7 @@ def _render_all(kind: ScaffoldKind, names: Names) -> dict[Path, bytes]:
     variables = {"kind": kind.name, "about": kind.about, "name": names.name, "distribution": names.distribution,
                  "package": names.package, "camel": names.camel, "dashed": names.dashed, "data_files": kind.data,
                  "posttune_requirement": posttune_requirement(), "label": kind.registry_kind.replace("_", " "),
-                 "year": datetime.date.today().year, **PLACEHOLDERS}
+                 "tokenizer": kind.tokenizer, "year": datetime.date.today().year, **PLACEHOLDERS}
     files: dict[Path, bytes] = {}
     folders = [(TEMPLATES / "common", Path()), (TEMPLATES / kind.name, Path())]
     if kind.tokenizer:  # a config that builds a model from scratch needs a tokenizer; this one ships inside
