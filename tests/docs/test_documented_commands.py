@@ -114,6 +114,8 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         (f"{SETUP} posttune train llama-demo-reverse checkpoint.output_dir=runs/sft {SHORT} && mkdir tasks && "
          f"python -c {shlex.quote(CAPITALS_TASK)}", ""),
         ("posttune eval --model runs/sft/model --tasks capitals --include-path tasks/ --output capitals.json", ""),
+        ("posttune eval --model runs/sft/model --tasks capitals --include-path tasks/ --num-fewshot 2 "
+         "--apply-chat-template --system-instruction \"Answer with the city only.\" --output capitals-chat.json", ""),
     ],
     "merge an adapter (docs/training.md, docs/parallel.md)": [
         (f"{SETUP} posttune train llama-demo-reverse checkpoint.output_dir=base {SHORT} && posttune train "
@@ -386,7 +388,9 @@ def _check_outcome(command: str, result: subprocess.CompletedProcess, cwd: Path)
     elif command.startswith("posttune quantize"):
         assert "quantization_config" in json.loads((cwd / command.split()[-1] / "config.json").read_text())
     elif command.startswith("posttune eval"):
-        assert "acc" in json.dumps(json.loads((cwd / "capitals.json").read_text()))
+        results = json.loads((cwd / shlex.split(command)[-1]).read_text())  # --output comes last
+        assert "acc" in json.dumps(results["results"])
+        assert bool(results["chat_template"]) == ("--apply-chat-template" in command)  # the template's source
     elif command.startswith("posttune new plugin"):
         assert (cwd / "posttune-my-loss" / "pyproject.toml").is_file()
     elif command.startswith("posttune plot"):
