@@ -2,12 +2,13 @@
 
     pip install -c constraints.txt ./plugins/lmeval
     posttune eval --model runs/sft/model --tasks arc_easy,hellaswag --limit 200 --output eval.json
-    posttune eval --adapter runs/lora/adapter --tasks my_task --include-path tasks/
+    posttune eval --adapter runs/lora/adapter --tasks my_task --include-path tasks/ --apply-chat-template
 
 The command loads a checkpoint (or a base plus a PEFT adapter) with ``posttune.plugin.load_model``
 and hands lm-eval a ``PosttuneLM`` (model.py): the harness builds prompts and computes metrics,
-posttune computes log-likelihoods and greedy completions. The scores equal lm-eval's Hugging Face
-wrapper's on the same weights (docs/eval.md says where and why they could differ).
+posttune computes log-likelihoods and greedy completions, and with ``--apply-chat-template`` renders
+lm-eval's chat messages with the checkpoint's own template (chat.py). The scores equal lm-eval's
+Hugging Face wrapper's on the same weights (docs/eval.md says where and why they could differ).
 
 Importing this module imports neither torch nor lm_eval (`posttune --help` stays fast).
 """
@@ -24,7 +25,8 @@ __version__ = "0.1.0"
 
 EXAMPLES = (
     "posttune eval --model runs/sft/model --tasks arc_easy,hellaswag --limit 200 --output eval.json",
-    "posttune eval --adapter runs/lora/adapter --tasks my_task --include-path tasks/ --batch-size 16",
+    "posttune eval --adapter runs/lora/adapter --tasks my_task --include-path tasks/ --num-fewshot 3 "
+    "--apply-chat-template",
 )
 
 
