@@ -29,13 +29,15 @@ TEXTS = ["The quick brown fox jumps over the lazy dog. A journey of a thousand m
          "def add(a, b):\n    return a + b\n\nfor i in range(10):\n\tprint(i)\n",
          "Café, naïve, résumé, über, señor. What is the capital of France? Paris."]
 
-MC_YAML = """task: tiny_mc
-dataset_path: json
+#: where every task reads its rows: a local JSON Lines file as its test split
+SOURCE = """dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
-output_type: multiple_choice
+"""
+MC_YAML = """task: tiny_mc
+""" + SOURCE + """output_type: multiple_choice
 doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{label}}}}"
@@ -44,12 +46,7 @@ metric_list:
   - metric: acc_norm
 """
 GEN_YAML = """task: tiny_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
+""" + SOURCE + """output_type: generate_until
 doc_to_text: "{{{{prompt}}}}"
 doc_to_target: "{{{{answer}}}}"
 generation_kwargs:
@@ -60,12 +57,7 @@ metric_list:
   - metric: exact_match
 """
 PPL_YAML = """task: tiny_ppl
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: loglikelihood_rolling
+""" + SOURCE + """output_type: loglikelihood_rolling
 doc_to_text: ""
 doc_to_target: "{{{{text}}}}"
 metric_list:
@@ -76,12 +68,7 @@ metric_list:
 
 #: tiny_mc's questions with an assistant turn the model continues (lm-eval's gen_prefix)
 PREFIX_MC_YAML = """task: tiny_mc_prefix
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
+""" + SOURCE + """output_type: multiple_choice
 doc_to_text: "Question: {{{{question}}}}"
 gen_prefix: "The answer is"
 doc_to_choice: "{{{{choices}}}}"
