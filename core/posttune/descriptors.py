@@ -182,6 +182,12 @@ class Method:
     - ``state_dict(session)`` / ``load_state_dict(session, state)``: kept in checkpoints
       (tensors and plain containers: they are read back with ``weights_only=True``).
     - ``validate(config, method_config)``: before launch; raise ConfigError to refuse.
+    - ``micro_batch_tokens(config, method_config) -> (tokens, how)``: the most tokens one
+      micro-batch's forward-with-gradient holds, and a phrase saying how that was worked out
+      (``posttune plan`` prints it). The memory estimate scales activations and logits by it;
+      default (None): ``train.batch_size x data.max_seq_len``, right for one sequence per row,
+      wrong for a method that puts several in one forward (DPO's chosen and rejected) or sizes
+      its rows from its own settings (GRPO's completions).
     """
 
     name: str
@@ -198,6 +204,7 @@ class Method:
     load_state_dict: Callable[[Session, Any], None] | None = None
     validate: Callable[[RunConfig, Any], None] | None = None
     description: str = ""
+    micro_batch_tokens: Callable[[RunConfig, Any], tuple[int, str]] | None = None
 
     def model_roles(self, method_config: Any) -> tuple[ModelRole, ...]:
         """The roles this method needs with ``method_config``, as ``ModelRole``s."""

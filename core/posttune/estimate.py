@@ -21,7 +21,9 @@ Gradients and activations are added although backward frees activations as it pr
 gradients: on CPU the measured peaks include both (glibc's heap keeps the previous step's
 gradient blocks), on CUDA the sum is an upper bound by at most the gradients.
 The token count is the worst case: ``train.batch_size x data.max_seq_len`` per micro-batch
-(packing fills every row; unpacked batches are usually shorter). On CUDA the number is what
+(packing fills every row; unpacked batches are usually shorter), or what the method says one
+micro-batch's forward holds (``Method.micro_batch_tokens``: DPO's chosen and rejected rows,
+GRPO's completions). On CUDA the number is what
 ``torch.cuda.max_memory_allocated`` reports: the CUDA context and the caching allocator's
 reserve come on top. Sharded runs divide weights, gradients and optimizer state by the
 ``dp_shard`` degree; activations are per process as they are.
@@ -33,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from posttune.errors import PosttuneError
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MIB = 2**20
@@ -100,7 +104,7 @@ class Estimate:
     models: list[ModelEstimate]
     shards: int
     shared: list[str] = field(default_factory=list)  # roles that are the policy without adapters
-    tokens: int = 0  # per micro-batch: batch_size x max_seq_len
+    tokens: int = 0  # per micro-batch forward: batch_size x max_seq_len, or the method's own count
     assumed: str = ""  # how ``tokens`` was worked out, for the plan's line
     activations: int = 0
     logits: int = 0
@@ -369,9 +373,7 @@ def estimate(plan: Any) -> Estimate:
         weights = weight_bytes(model, BYTES[role.config.dtype], nf4=nf4) // shards
         models.append(ModelEstimate(name, parameters, 0, weights, 0, 0))
     device = run_device(config.train.device)
-    tokens = config.train.batch_size * config.data.max_seq_len
-    assumed = (f"batch_size {config.train.batch_size} x max_seq_len {config.data.max_seq_len}, every row full: "
-               "the worst case")
+    tokens, assumed = micro_batch_tokens(plan)
     notes = [f"'{name}' is not modelled: its effect is not in the estimate"
              for name in sorted(techniques - MODELLED)]
     shape = decoder_shape(policy, adapter.rank if adapter is not None else 0)
@@ -394,6 +396,28 @@ def estimate(plan: Any) -> Estimate:
                     allocator_bytes(shape, width, tokens, device=device, checkpoint_every=every,
                                     nf4_values=nf4_values(policy) if "qlora_nf4" in techniques else 0),
                     baseline_bytes(device, techniques), device, notes)
+
+
+def micro_batch_tokens(plan: Any) -> tuple[int, str]:
+    """Tokens one micro-batch's forward-with-gradient holds, and how that was worked out.
+
+    The method says (``Method.micro_batch_tokens``) when its rows are not one sequence of at most
+    ``data.max_seq_len`` tokens each: DPO scores chosen and rejected in one forward, GRPO trains on
+    its own micro-batches of prompt + completion rows. Otherwise ``train.batch_size x
+    data.max_seq_len``, every row full: the worst case.
+    """
+    config, method = plan.config, plan.method.descriptor
+    hook = getattr(method, "micro_batch_tokens", None)
+    if hook is None:
+        return (config.train.batch_size * config.data.max_seq_len,
+                f"batch_size {config.train.batch_size} x max_seq_len {config.data.max_seq_len}, every row full: "
+                "the worst case")
+    result = hook(config, plan.method_config)
+    if (not isinstance(result, tuple) or len(result) != 2 or isinstance(result[0], bool)
+            or not isinstance(result[0], int) or result[0] < 1 or not isinstance(result[1], str)):
+        raise PosttuneError(f"method '{method.name}' ({plan.method.provenance}): micro_batch_tokens returned "
+                            f"{result!r}, expected (a positive int, a string saying how)")
+    return result
 
 
 def run_device(wanted: str) -> str:

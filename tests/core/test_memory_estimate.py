@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -15,10 +16,12 @@ import pytest
 import torch
 from run_support import TOKENIZER
 
+import posttune_dpo
 import posttune_llama
 import posttune_sft
 import posttune_torchao
 from posttune.config import validate
+from posttune.errors import PosttuneError
 from posttune.estimate import MIB, Shape, estimate, layer_bytes_per_token
 from posttune.plan import resolve_plan
 
@@ -32,6 +35,7 @@ SHAPE = {"vocab_size": 4096, "hidden_size": 128, "intermediate_size": 384, "num_
 def registry(register_plugin, posttune_plugins):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    register_plugin(posttune_dpo, distribution="posttune-dpo", version="0.1.0")
     register_plugin(posttune_torchao, distribution="posttune-torchao", version="0.1.0")
     return posttune_plugins.registry
 
@@ -52,6 +56,19 @@ def text_config(tmp_path: Path, model: dict[str, Any], *, batch: int, seq: int, 
         "checkpoint": {"output_dir": str(tmp_path / "out")},
     }
     config.update(sections)
+    return config
+
+
+def preference_config(tmp_path: Path, model: dict[str, Any], *, batch: int, seq: int, steps: int = 3,
+                      **sections: Any) -> dict[str, Any]:
+    """DPO on pairs whose chosen and rejected responses are both longer than ``seq`` (cut to it): every
+    micro-batch is ``2 x batch x seq`` tokens, the worst case the estimate assumes."""
+    config = text_config(tmp_path, model, batch=batch, seq=seq, steps=steps, **sections)
+    texts = [json.loads(line)["text"] for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    pairs = [{"prompt": f"Continue: {i}", "chosen": text, "rejected": text[::-1]} for i, text in enumerate(texts)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    config["method"] = sections.get("method", "dpo")
+    config["data"]["train"]["format"] = "preference"
     return config
 
 
@@ -151,6 +168,39 @@ def test_plan_lines_give_the_breakdown_and_the_assumed_tokens(registry, tmp_path
                                                        "baseline", "total"]
 
 
+def test_dpo_holds_chosen_and_rejected_in_one_forward_twice_the_tokens_of_sft(registry, tmp_path):
+    """The same model, batch and length: DPO's activations, logits and heap term are SFT's twice
+    over; its weights add the reference's (full fine-tuning), gradients and optimizer state do not change."""
+    sft = planned(registry, tmp_path / "a")
+    dpo = estimate(resolve_plan(validate(preference_config(tmp_path / "b", SHAPE, batch=4, seq=128)), registry))
+    assert sft.tokens == 4 * 128 and dpo.tokens == 2 * sft.tokens
+    assert (dpo.activations, dpo.logits) == (2 * sft.activations, 2 * sft.logits)
+    assert dpo.allocator == pytest.approx(2 * sft.allocator, abs=1)  # int() of 2/3 of the freed bytes
+    assert dpo.models[0] == sft.models[0] and dpo.models[1].weights_bytes == sft.models[0].weights_bytes
+    assert dpo.lines()[1] == ("peak memory estimate on cpu, per process, assuming 1,024 tokens per micro-batch "
+                              "(2 x batch_size 4 x max_seq_len 128: chosen and rejected in one forward, every row "
+                              "full: the worst case):")
+
+
+def test_a_method_without_micro_batch_tokens_keeps_batch_size_times_max_seq_len(registry, tmp_path):
+    """SFT declares no ``micro_batch_tokens``; a method that declares one sets the tokens and the line,
+    and a malformed answer is an error naming the method (``posttune plan`` prints it instead of a total)."""
+    plan = resolve_plan(validate(text_config(tmp_path, SHAPE, batch=4, seq=128)), registry)
+    assert plan.method.descriptor.micro_batch_tokens is None
+    default = estimate(plan)
+    assert default.tokens == 4 * 128
+    own = dataclasses.replace(plan.method.descriptor, micro_batch_tokens=lambda config, method: (
+        3 * config.train.batch_size * config.data.max_seq_len, "three rows per sample"))
+    plan.method = dataclasses.replace(plan.method, descriptor=own)
+    three = estimate(plan)
+    assert three.tokens == 3 * default.tokens and three.activations == 3 * default.activations
+    assert "assuming 1,536 tokens per micro-batch (three rows per sample):" in three.lines()[1]
+    plan.method = dataclasses.replace(plan.method, descriptor=dataclasses.replace(
+        own, micro_batch_tokens=lambda config, method: 1536))
+    with pytest.raises(PosttuneError, match=r"method 'sft' \(posttune-sft 0.1.0\): micro_batch_tokens returned 1536"):
+        estimate(plan)
+
+
 # -- against measured runs -------------------------------------------------------------------------
 
 CHILD = r'''
@@ -193,6 +243,26 @@ def test_estimate_is_within_15_percent_of_a_measured_training_peak(registry, tmp
     assert est.total - est.baseline > 0.35 * est.total
     peak = min(measured_peak(config), measured_peak(config))
     assert abs(est.total / peak - 1) < 0.15, f"estimate {est.total / MIB:.0f} MiB, measured {peak / MIB:.0f} MiB"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
+@pytest.mark.parametrize("case", ["full", "lora"])
+def test_dpo_estimate_is_within_15_percent_of_a_measured_training_peak(registry, tmp_path, case):
+    """DPO on the calibration model above, 4 pairs x 256 tokens: 2048 tokens per forward (chosen and
+    rejected), and a reference forward on them while the policy's activations are held (a frozen copy
+    with full fine-tuning, the policy without adapters with LoRA). Counting one sequence per pair, as
+    the estimate did before ``Method.micro_batch_tokens``, misses the peak by more than the tolerance."""
+    model = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 768, "num_layers": 4,
+             "num_heads": 8, "num_kv_heads": 4, "head_dim": 32, "tie_word_embeddings": False}
+    adapter = {"adapter": {"rank": 16, "alpha": 32}} if case == "lora" else {}
+    config = preference_config(tmp_path, model, batch=4, seq=256, **adapter)
+    est = estimate(resolve_plan(validate(config), registry))
+    assert est.tokens == 2 * 4 * 256
+    peak = min(measured_peak(config), measured_peak(config))
+    assert abs(est.total / peak - 1) < 0.15, f"estimate {est.total / MIB:.0f} MiB, measured {peak / MIB:.0f} MiB"
+    one_sequence = est.total - (est.activations + est.logits + est.allocator) / 2  # they scale with the tokens
+    assert one_sequence / peak < 0.85, f"one sequence per pair: {one_sequence / MIB:.0f} MiB, measured {peak / MIB:.0f}"
 
 
 def test_frozen_roles_keep_their_own_lines(register_plugin, posttune_plugins, tmp_path):

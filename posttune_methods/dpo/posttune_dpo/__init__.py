@@ -67,6 +67,22 @@ def validate(config: Any, method: DPOConfig) -> None:
                                                             "before training; it needs a map-style dataset")
 
 
+def micro_batch_tokens(config: Any, method: DPOConfig) -> tuple[int, str]:
+    """The tokens of one micro-batch's forward, for `posttune plan`'s memory estimate: the worst case.
+
+    ``pair_batch`` stacks the chosen and then the rejected responses of ``batch_size`` pairs into
+    one ``[2 x batch_size, width]`` forward, ``width`` the longest of them (each cut to
+    ``max_seq_len``) rounded up to ``data.pad_to_multiple_of``: twice SFT's rows.
+    """
+    width, multiple = config.data.max_seq_len, config.data.pad_to_multiple_of
+    how = f"2 x batch_size {config.train.batch_size} x max_seq_len {width}"
+    if multiple is not None and width % multiple:
+        width = -(-width // multiple) * multiple
+        how += f" rounded up to {width} by pad_to_multiple_of {multiple}"
+    how += ": chosen and rejected in one forward, every row full: the worst case"
+    return 2 * config.train.batch_size * width, how
+
+
 def _data(session: Any, dataset: Any, split: str) -> Any:
     from posttune_dpo.method import data
 
@@ -97,6 +113,7 @@ def posttune_register_methods(register):
         setup=_setup,
         validate=validate,
         description="direct preference optimisation: DPO, cDPO, IPO, SimPO; chosen and rejected in one forward",
+        micro_batch_tokens=micro_batch_tokens,
     ))
 
 

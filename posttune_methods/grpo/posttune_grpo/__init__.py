@@ -127,6 +127,29 @@ def validate(config: Any, method: GRPOConfig) -> None:
         validate_async(config, method)
 
 
+def micro_batch_tokens(config: Any, method: GRPOConfig) -> tuple[int, str]:
+    """The tokens of one loss forward, for `posttune plan`'s memory estimate: the worst case.
+
+    The loss runs on ``micro_batch_size`` completions at a time (default: the rank's
+    ``batch_size x group_size``), each row its prompt (the last ``data.max_prompt_len`` tokens)
+    and its completion (at most ``max_new_tokens``), padded to the longest row of the generation
+    batch. ``data.max_seq_len`` bounds nothing here; without ``max_prompt_len`` prompts are kept
+    whole, and the estimate takes ``max_seq_len`` for them (the plan's line says so).
+    """
+    rows = method.micro_batch_size or config.train.batch_size * method.group_size
+    count = (f"micro_batch_size {rows}" if method.micro_batch_size else
+             f"batch_size {config.train.batch_size} x group_size {method.group_size}")
+    prompt = config.data.max_prompt_len
+    if prompt is None:
+        prompt = config.data.max_seq_len
+        how = (f"{count} completions x (prompt {prompt} + max_new_tokens {method.max_new_tokens}), every completion "
+               f"full length; prompts taken as max_seq_len {prompt} long: data.max_prompt_len is not set")
+    else:
+        how = (f"{count} completions x (max_prompt_len {prompt} + max_new_tokens {method.max_new_tokens}), every "
+               "row full: the worst case")
+    return rows * (prompt + method.max_new_tokens), how
+
+
 def _method(name: str) -> Any:
     def call(*args: Any) -> Any:
         from posttune_grpo import method as module
@@ -164,6 +187,7 @@ def posttune_register_methods(register):
         load_state_dict=_method("load_state_dict"),
         validate=validate,
         description="GRPO: group-normalised policy gradient on generated completions (sync or async on Ray)",
+        micro_batch_tokens=micro_batch_tokens,
     ))
 
 
