@@ -4,10 +4,19 @@
     python benchmarks/memory_estimate.py --only small-full medium-lora --out result.json
 
 Each configuration is a random-init Llama (posttune-llama) trained for ``--steps`` optimizer
-steps with SFT on the CPU through posttune's real path (validate -> resolve_plan -> compose ->
-train; the final save is not part of it), in a fresh subprocess that reports its peak resident
-memory. The data are plain-text rows longer than ``max_seq_len``, so every micro-batch is
-exactly ``batch_size x max_seq_len`` tokens: the worst case the estimate assumes.
+steps on the CPU through posttune's real path (validate -> resolve_plan -> compose -> train; the
+final save is not part of it), in a fresh subprocess that reports its peak resident memory. The
+data fill every micro-batch, the worst case the estimate assumes:
+
+- SFT (``small-full`` ...): plain-text rows longer than ``max_seq_len``: ``batch_size x
+  max_seq_len`` tokens per micro-batch.
+- DPO (``small-dpo-full`` ...): a short prompt, chosen and rejected responses longer than
+  ``max_seq_len`` (cut to it): ``2 x batch_size x max_seq_len`` tokens in one forward, and a
+  forward of the reference (a frozen copy with full fine-tuning, the policy without adapters
+  with LoRA) on the same tokens.
+- GRPO (``small-grpo-full`` ...): prompts longer than ``data.max_prompt_len`` (their tail kept),
+  completions sampled from the random-init model, which almost never stops before
+  ``max_new_tokens``: ``micro_batch_size x (max_prompt_len + max_new_tokens)`` tokens.
 
 Why ``VmHWM`` (``/proc/self/status``) and not ``ru_maxrss``: Linux carries the parent's peak
 into ``ru_maxrss`` across fork + exec (``subprocess`` included), so a child started from a
@@ -72,7 +81,15 @@ TECHNIQUES: dict[str, dict[str, Any]] = {
     "qlora": {"adapter": {"rank": 16, "alpha": 32}, "memory": ["qlora_nf4"]},
     "ac": {"memory": ["activation_checkpointing"]},
 }
-CONFIGS = {f"{shape}-{technique}": (shape, technique) for shape in SHAPES for technique in TECHNIQUES}
+#: GRPO's rollouts: 2 prompts x 4 completions per step, 192 prompt + 64 completion tokens, trained
+#: 4 completions at a time (two micro-batches accumulated into one step): 4 x 256 tokens per
+#: forward, SFT's small micro-batch. The prompt length is taken from ``max_seq_len`` of the shape.
+GRPO = {"group_size": 4, "max_new_tokens": 64, "micro_batch_size": 4, "rewards": [{"name": "exact_answer"}]}
+#: name -> (shape, technique, method); SFT's names carry no method
+CONFIGS = {f"{shape}-{technique}": (shape, technique, "sft") for shape in SHAPES for technique in TECHNIQUES}
+CONFIGS.update({f"{shape}-dpo-{technique}": (shape, technique, "dpo")
+                for shape in SHAPES for technique in ("full", "lora")})
+CONFIGS.update({f"small-grpo-{technique}": ("small", technique, "grpo") for technique in ("full", "lora")})
 
 
 def text_rows(count: int, seq: int, seed: int = 0) -> list[dict[str, str]]:
@@ -82,20 +99,51 @@ def text_rows(count: int, seq: int, seed: int = 0) -> list[dict[str, str]]:
             for _ in range(count)]
 
 
+def preference_rows(count: int, seq: int, seed: int = 0) -> list[dict[str, str]]:
+    """A short prompt; chosen and rejected responses each well over ``seq`` tokens (cut to it)."""
+    chosen, rejected = text_rows(count, seq, seed), text_rows(count, seq, seed + 1)
+    return [{"prompt": f"Continue: {i}", "chosen": a["text"], "rejected": b["text"]}
+            for i, (a, b) in enumerate(zip(chosen, rejected, strict=True))]
+
+
+def prompt_rows(count: int, seq: int, seed: int = 0) -> list[dict[str, str]]:
+    """Prompts well over ``seq`` tokens (their last ``max_prompt_len`` kept), with an answer for exact_answer."""
+    return [{"prompt": row["text"], "answer": "x"} for row in text_rows(count, seq, seed)]
+
+
 def run_config(directory: Path, model: dict[str, Any], *, seq: int, batch: int = 4, steps: int = 3,
-               **sections: Any) -> dict[str, Any]:
-    """An SFT run config over full ``batch x seq`` micro-batches of text (rows written to ``directory``)."""
+               method: str = "sft", **sections: Any) -> dict[str, Any]:
+    """A run config of ``method`` whose every micro-batch is full (rows written to ``directory``).
+
+    SFT and DPO: ``batch`` rows (pairs) of ``seq`` tokens. GRPO: ``batch // 2`` prompts of ``seq - 64``
+    tokens, each completed 4 times with 64 new tokens (``GRPO``), ``max_seq_len`` set above the rows.
+    """
     from run_support import TOKENIZER  # tests/run_support.py: the demo tokenizer's path
 
     directory.mkdir(parents=True, exist_ok=True)
     train = directory / "train.jsonl"
-    train.write_text("".join(json.dumps(row) + "\n" for row in text_rows(batch * steps + 2, seq)))
+    data: dict[str, Any] = {"max_seq_len": seq}
+    train_section: dict[str, Any] = {"batch_size": batch}
+    if method == "sft":
+        rows, fmt, method_section = text_rows(batch * steps + 2, seq), "text", "sft"
+    elif method == "dpo":
+        rows, fmt, method_section = preference_rows(batch * steps + 2, seq), "preference", {"name": "dpo"}
+    elif method == "grpo":
+        prompts = batch // 2  # x group_size 4 = 2 x batch completions per step, in micro-batches of 4
+        rows, fmt = prompt_rows(prompts * steps + 2, seq), "prompt"
+        method_section = {"name": "grpo", **GRPO}
+        data = {"max_seq_len": 2 * seq, "max_prompt_len": seq - GRPO["max_new_tokens"]}
+        train_section = {"batch_size": prompts,
+                         "grad_accum_steps": prompts * GRPO["group_size"] // GRPO["micro_batch_size"]}
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config: dict[str, Any] = {
         "model": {"family": "llama", "size": "tiny", "build_overrides": model},
         "tokenizer": {"path": TOKENIZER},
-        "method": "sft",
-        "data": {"train": {"path": str(train), "format": "text"}, "max_seq_len": seq},
-        "train": {"epochs": 1, "max_steps": steps, "batch_size": batch, "lr": 1e-4, "seed": 0, "device": "cpu"},
+        "method": method_section,
+        "data": {"train": {"path": str(train), "format": fmt}, **data},
+        "train": {"epochs": 1, "max_steps": steps, "lr": 1e-4, "seed": 0, "device": "cpu", **train_section},
         "checkpoint": {"output_dir": str(directory / "out")},
     }
     for section, values in sections.items():
@@ -149,9 +197,10 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only:
-            shape, technique = CONFIGS[name]
+            shape, technique, method = CONFIGS[name]
             model, seq = SHAPES[shape]
-            config = run_config(Path(tmp) / name, model, seq=seq, steps=args.steps, **TECHNIQUES[technique])
+            config = run_config(Path(tmp) / name, model, seq=seq, steps=args.steps, method=method,
+                                **TECHNIQUES[technique])
             result = compare(name, config)
             results.append(result)
             print(f"{name}: estimate {result['estimate_mib']} MiB, measured {result['measured_mib']} MiB, "
