@@ -24,8 +24,8 @@ The token count is the worst case: ``train.batch_size x data.max_seq_len`` per m
 (packing fills every row; unpacked batches are usually shorter), or what the method says one
 micro-batch's forward holds (``Method.micro_batch_tokens``: DPO's chosen and rejected rows,
 GRPO's completions). On CUDA the number is what ``torch.cuda.max_memory_allocated`` reports:
-the CUDA context and the caching allocator's reserve come on top. Sharded runs divide weights, gradients and optimizer state by the
-``dp_shard`` degree; activations are per process as they are.
+the CUDA context and the caching allocator's reserve come on top. Sharded runs divide weights,
+gradients and optimizer state by the ``dp_shard`` degree; activations are per process as they are.
 
 Calibrated against real runs with ``benchmarks/memory_estimate.py`` (table in docs/memory.md).
 """

@@ -10,12 +10,11 @@ from pathlib import Path
 import posttune_grpo
 import pytest
 import yaml
-from run_support import compose_run, tiny_run_config
-
 from posttune.config import validate
 from posttune.estimate import estimate
 from posttune.plan import resolve_plan
 from posttune.plugins import get_registry
+from run_support import compose_run, tiny_run_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
