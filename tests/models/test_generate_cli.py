@@ -119,3 +119,25 @@ def test_generate_without_model_or_adapter_is_one_line(checkpoint, posttune_cli)
     result = posttune_cli("generate", "--prompt", "hi")
     assert result.exit_code == 2 and result.stderr.strip().count("\n") == 0
     assert "--model" in result.stderr
+
+
+def test_a_system_message_goes_before_each_chat_prompt(checkpoint, posttune_cli):
+    """`--system` renders a system turn with the template (llama3's here), as transformers would."""
+    path, tokenizer = checkpoint
+    system, prompt = "You answer in one word.", "The quick brown fox"
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert transformers.AutoTokenizer.from_pretrained(path).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False) == tokenizer.decode(ids)
+    flags = ["--model", str(path), "--prompt", prompt, "--chat", "--max-new-tokens", "12", "--show-ids"]
+    with_system, without = posttune_cli("generate", *flags, "--system", system), posttune_cli("generate", *flags)
+    assert with_system.exit_code == 0, with_system.stderr
+    ours = [int(i) for i in with_system.stdout.rstrip("\n").rsplit("\n", 1)[1].split()]
+    assert ours == reference(path, ids, 12, tokenizer.eos_ids)
+    assert with_system.stdout != without.stdout
+
+
+def test_system_without_chat_is_one_line(checkpoint, posttune_cli):
+    path, _ = checkpoint
+    result = posttune_cli("generate", "--model", str(path), "--prompt", "hi", "--system", "be brief")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "--system needs --chat" in result.stderr

@@ -18,6 +18,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, action="append",
                         help="the text to complete; repeat it to complete several prompts in one batch")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
     parser.add_argument("--adapter", help="a PEFT adapter directory to apply on top of the model")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -34,9 +35,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from posttune.api import load_model, load_tokenizer
-    from posttune.errors import first_line
+    from posttune.errors import PosttuneError, first_line
     from posttune.generation import generate_batch
 
+    if args.system is not None and not args.chat:
+        raise PosttuneError("generate: --system needs --chat (a system message is a turn of the chat template)")
     base = args.model or adapter_base(args.adapter)
     model = load_model(base, dtype=args.dtype, device=device_of(args.device))
     if args.adapter:
@@ -44,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
         load_peft_adapter(model, args.adapter)
     tokenizer = load_tokenizer(base)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    prompts = [tokenizer.apply_chat_template([*system, {"role": "user", "content": prompt}], add_generation_prompt=True)
                if args.chat else tokenizer.encode(prompt) for prompt in args.prompt]
     with torch.no_grad():
         out = generate_batch(model.eval(), prompts, max_new_tokens=args.max_new_tokens,
