@@ -186,6 +186,30 @@ def test_on_policy_batches_are_the_students_own_completions_of_the_same_prompts(
     assert torch.equal(next(iter(batches(again)))["input_ids"], batch["input_ids"])  # seeded: the same samples
 
 
+@pytest.mark.parametrize("fraction", [0.0, 1.0], ids=["off_policy", "on_policy"])
+def test_the_memory_estimate_counts_on_policy_rows_as_prompt_plus_completion(llama_kd, teacher, tmp_path,
+                                                                               fraction):
+    """`posttune plan` assumes batch x max_seq_len off-policy and batch x (max_seq_len + max_new_tokens)
+    on-policy: an upper bound of the rows the student really forwards (its own completions added)."""
+    from posttune.config import validate
+    from posttune.estimate import estimate
+    from posttune.plan import resolve_plan
+    from posttune.plugins import get_registry
+    from posttune_kd.method import batches
+
+    config = kd_config(tmp_path, teacher, method={"on_policy_fraction": fraction, "max_new_tokens": 5})
+    planned = estimate(resolve_plan(validate(config), get_registry()))
+    rows, width = config["train"]["batch_size"], config["data"]["max_seq_len"]
+    assert planned.tokens == rows * (width + (5 if fraction else 0))
+    session = compose_run(config)
+    batch = next(iter(batches(session)))
+    assert batch["input_ids"].numel() <= planned.tokens
+    if fraction:
+        assert "(max_seq_len 48 + max_new_tokens 5): on-policy rows" in planned.lines()[1]
+        prompts = [int((labels != -100).nonzero()[0]) + 1 for labels in next(iter(session.train_data))["labels"]]
+        assert batch["input_ids"].shape[1] > max(prompts)  # the completions made the rows longer
+
+
 def test_the_on_policy_share_is_lambda_and_the_same_for_every_rank(llama_kd, teacher, tmp_path):
     from posttune_kd.method import on_policy
 

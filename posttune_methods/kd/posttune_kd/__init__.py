@@ -84,6 +84,21 @@ def validate(config: Any, method: KDConfig) -> None:
     check_vocabularies(config, method)
 
 
+def micro_batch_tokens(config: Any, method: KDConfig) -> tuple[int, str]:
+    """The tokens of one micro-batch's student forward, for `posttune plan`'s memory estimate.
+
+    Off-policy rows are the data's, cut to ``max_seq_len``; an on-policy batch (any, when
+    ``on_policy_fraction > 0``) is each row's prompt (everything before its first target: at most
+    ``max_seq_len``) followed by the student's completion of up to ``max_new_tokens``.
+    """
+    rows, width = config.train.batch_size, config.data.max_seq_len
+    if method.on_policy_fraction == 0:
+        return rows * width, f"batch_size {rows} x max_seq_len {width}, every row full: the worst case"
+    return rows * (width + method.max_new_tokens), (
+        f"batch_size {rows} x (max_seq_len {width} + max_new_tokens {method.max_new_tokens}): on-policy rows are a "
+        "prompt and the student's completion, every row full: the worst case")
+
+
 def check_vocabularies(config: Any, method: KDConfig) -> None:
     """Teacher and student must share their vocabulary (the teacher's extra rows may be padding to drop).
 
@@ -134,6 +149,7 @@ def posttune_register_methods(register):
         setup=_method("setup"),
         evaluate=_method("evaluate"),
         validate=validate,
+        micro_batch_tokens=micro_batch_tokens,
         description="knowledge distillation: forward/reverse KL or JSD to a teacher role, chunked; on-policy (GKD)",
     ))
 
