@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 from posttune.plugin import RewardFunction, hookimpl
-from run_support import check_bundled_config, compose_run, grpo_config
+from run_support import check_bundled_config, compose_run, grpo_config, prompt_rows
 
 VOWELS = set("AEIOU")
 
@@ -25,6 +25,11 @@ def refuse(prompts, completions, **_):
     return [None for _ in completions]
 
 
+def even_ties(prompts, completions, **_):
+    """1 for every completion of a word of even length (its group ties); else each completion its own value."""
+    return [1.0 if len(prompt.split()[-1]) % 2 == 0 else i / len(completions) for i, prompt in enumerate(prompts)]
+
+
 class TestRewards:
     POSTTUNE_PLUGIN_API = 2
 
@@ -32,6 +37,7 @@ class TestRewards:
     def posttune_register_reward_functions(self, register):
         register(RewardFunction("vowel_share", vowel_share, "share of vowels (test)"))
         register(RewardFunction("refuse", refuse, "never scores (test)"))
+        register(RewardFunction("even_ties", even_ties, "groups of even-length words tie (test)"))
 
 
 @pytest.fixture
@@ -72,10 +78,39 @@ def test_a_run_generates_scores_and_logs_what_grpo_users_watch(llama_grpo, postt
                 "truncated", "clip_fraction", "generation_tokens_per_s", "generation_s", "training_s",
                 "completion_tokens"):
         assert key in steps[0], key
+    assert 0.0 <= steps[0]["frac_reward_zero_std"] <= 1.0
     assert "kl" not in steps[0]  # beta 0: no reference, no KL
     assert steps[0]["reward_std"] > 0 and steps[0]["grad_norm"] > 0  # unequal rewards: a real gradient
     assert "val_reward" in steps[1] and "val_reward/vowel_share" in steps[1]
     assert all(r["completion_length_max"] <= 6 for r in steps)
+
+
+def test_the_share_of_groups_that_teach_nothing_is_logged(llama_grpo, posttune_cli, tmp_path):
+    """``frac_reward_zero_std``: the share of groups whose rewards are all equal (zero advantage, no gradient),
+    against the words the step's prompts hold; when every group ties, it is 1 and the gradient is 0."""
+    from posttune_grpo.method import batches
+
+    config = vowel_config(tmp_path, method={"rewards": [{"name": "even_ties"}]}, train={"batch_size": 8})
+    session = compose_run(config)
+    batch = next(iter(batches(session)))
+    words = [row["prompt"].split()[-1] for row in prompt_rows(8)]
+    rows = session.method_state.pending.rows.view(-1, 4)[:, 0].tolist()  # one dataset row per group
+    expected = sum(len(words[row]) % 2 == 0 for row in rows) / len(rows)
+    assert 0 < expected < 1
+    total, count = session.plan.method.descriptor.loss(session, batch).metrics["frac_reward_zero_std"]
+    assert float(total / count) == pytest.approx(expected)
+
+    config = vowel_config(tmp_path / "ties", method={"rewards": [{"name": "even_ties"}]},
+                          data={"train": {"path": str(write_rows(tmp_path, ["ABCD", "XYZW"])), "format": "prompt"}})
+    assert posttune_cli("train", str(write(tmp_path, config, "ties.yaml"))).exit_code == 0
+    for step in records(config):
+        assert step["frac_reward_zero_std"] == 1.0 and step["reward_std"] == 0.0 and step["grad_norm"] == 0.0
+
+
+def write_rows(tmp_path: Path, words: list[str]) -> Path:
+    path = tmp_path / "even.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Reverse: {w}", "answer": w[::-1]}) + "\n" for w in words))
+    return path
 
 
 @torch.no_grad()

@@ -196,7 +196,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: dict[str, Any], epoch
                     torch.tensor([row for row in rows for _ in range(group)], dtype=torch.long),
                     per_reward={name: torch.tensor(values, dtype=torch.float32)
                                 for name, values in scores.per_reward.items()},
-                    reward_failures=dict(scores.failures))
+                    reward_failures=dict(scores.failures), equal=equal.float())
 
 
 def padded_prompts(prompts: dict[str, Any], count: int, pad: int) -> tuple[list[torch.Tensor], list[int]]:
@@ -299,6 +299,8 @@ def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
         "truncated": ((batch["truncated"] * real).sum(), real.sum()),
         "clip_fraction": ((result.clipped * kept.unsqueeze(1)).sum(), tokens),
     }
+    if "equal" in batch:  # rollouts saved before this metric existed have no such rows
+        metrics["frac_reward_zero_std"] = ((batch["equal"] * real).sum(), real.sum())
     for name, values in batch["per_reward"].items():
         metrics[f"reward/{name}"] = ((values * real).sum(), real.sum())
     if result.kl is not None:

@@ -18,7 +18,7 @@ import torch
 IGNORE_INDEX = -100
 #: the per-row tensors a Rollouts keeps (and a checkpoint saves); the rest is bookkeeping
 ROW_TENSORS = ("input_ids", "labels", "behaviour_logps", "old_logps", "ref_logps", "advantages", "weights",
-               "rewards", "lengths", "truncated", "rows", "versions")
+               "rewards", "lengths", "truncated", "rows", "versions", "equal")
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Rollouts:
     old_logps: torch.Tensor | None = None  # [N, S] recomputed before the first update (num_iterations > 1)
     ref_logps: torch.Tensor | None = None  # [N, S] the reference's (beta > 0)
     versions: torch.Tensor | None = None  # [N] the policy version that generated each row (async mode)
+    equal: torch.Tensor | None = None  # [N] 1.0 where the row's group scored all alike (zero advantage)
     seconds: float = 0.0  # generation time
     reward_failures: dict[str, int] = field(default_factory=dict)
 
