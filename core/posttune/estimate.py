@@ -406,7 +406,7 @@ def micro_batch_tokens(plan: Any) -> tuple[int, str]:
     data.max_seq_len``, every row full: the worst case.
     """
     config, method = plan.config, plan.method.descriptor
-    hook = getattr(method, "micro_batch_tokens", None)
+    hook = method.micro_batch_tokens
     if hook is None:
         return (config.train.batch_size * config.data.max_seq_len,
                 f"batch_size {config.train.batch_size} x max_seq_len {config.data.max_seq_len}, every row full: "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from posttune.checkpoint.peft_config import ADAPTER_CONFIG
 from posttune.descriptors import Command
 from posttune.errors import PosttuneError, one_line
 
@@ -34,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PosttuneError(f"merge: -o {out} exists and is not an empty directory; choose a new one")
-    if not (Path(args.adapter) / "adapter_config.json").is_file():
-        raise PosttuneError(f"merge: --adapter {args.adapter}: no adapter_config.json there")
+    if not (Path(args.adapter) / ADAPTER_CONFIG).is_file():
+        raise PosttuneError(f"merge: --adapter {args.adapter}: no {ADAPTER_CONFIG} there")
     base = args.model or adapter_base(args.adapter, "merge")
     model = load_model(base, dtype=args.dtype, device="cpu")
     merged = load_peft_adapter(model, args.adapter)
