@@ -136,7 +136,8 @@ def test_component_builds_the_callable_with_sibling_kwargs():
     assert optimizer.defaults["lr"] == 0.5 and optimizer.defaults["momentum"] == 0.9
 
 
-def test_component_instantiates_nested_mappings_and_lists():
+def test_component_instantiates_nested_mappings_and_lists(monkeypatch):
+    monkeypatch.setenv("POSTTUNE_TRUST_COMPONENTS", "1")  # modules are outside the default allow-list
     built = instantiate({
         "_component_": "torch.nn.ModuleDict",
         "modules": {"a": {"_component_": "torch.nn.Linear", "in_features": 2, "out_features": 3}},
@@ -170,6 +171,18 @@ def test_component_errors_are_one_line_naming_the_field(node, message):
         instantiate(node, [torch.nn.Parameter(torch.zeros(1))], where="optimizer")
     assert str(error.value) == message
     assert "\n" not in str(error.value)
+
+
+def test_component_by_default_builds_only_optimizer_and_scheduler_classes(monkeypatch):
+    monkeypatch.delenv("POSTTUNE_TRUST_COMPONENTS", raising=False)
+    with pytest.raises(ConfigError) as error:
+        instantiate({"layers": [{"_component_": "torch.nn.ReLU"}]}, where="optimizer")
+    assert str(error.value).startswith("config: optimizer.layers[0]._component_: refusing 'torch.nn.ReLU': it is a "
+                                       "class, but not an optimizer or LR scheduler class; ")
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    scheduler = instantiate({"_component_": "torch.optim.lr_scheduler.StepLR", "step_size": 2},
+                            torch.optim.SGD(params, lr=1.0), where="train.scheduler")
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and scheduler.step_size == 2
 
 
 def test_component_refuses_keys_posttune_sets_itself():

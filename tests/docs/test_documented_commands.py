@@ -173,12 +173,17 @@ ERRORS: dict[str, str] = {
         "'train.optimizer.betass=[0.9,0.99]'",
     "posttune: error: config: train.optimizer._component_: refusing ":
         "posttune validate llama-demo-reverse train.optimizer._component_=os.system",
+    "posttune: error: config: train.optimizer.momentum._component_: refusing ":
+        "posttune validate llama-demo-reverse 'train.optimizer={_component_: torch.optim.SGD, momentum: "
+        "{_component_: torch.utils.collect_env.run, command: \"id > PWNED\"}}'",
     "posttune: error: checkpoint: 'Qwen/Qwen2.5-0.5B' is a Hugging F":
         "HF_HUB_OFFLINE=0 HF_ENDPOINT=http://127.0.0.1:9 posttune train llama-demo-reverse model.path=Qwen/Qwen2.5-0.5B",
 }
 ERRORS_ELSEWHERE: dict[str, tuple[str, str]] = {
     "posttune: error: reward 'math_answer' (posttune-grpo 0.1.0) retu":
         ("tests/methods/test_grpo_training.py", "returned None (cannot score) for completion 0"),
+    "posttune: error: reward 'math_answer' (posttune-grpo 0.1.0) took":
+        ("tests/methods/test_grpo_reward_limits.py", "took longer than timeout_s (0.5 s) for "),
     "posttune: error: config: teacher: the teacher's vocabulary has ":
         ("tests/methods/test_kd_training.py", "the teacher's vocabulary has 400 tokens and the student's 384"),
     "posttune: error: config: logging[1]: no metric logger 'wandbb' is installed (installed: tensorboard) ":

@@ -6,12 +6,17 @@
       betas: [0.9, 0.95]
 
 Sibling keys become keyword arguments; nested ``_component_`` mappings (also inside lists) are
-built first. Naming a callable is running code (``_component_: os.system`` with
-``command: ...``), so a shared YAML file is a program. By default only callables of torch,
-torchao, posttune and the installed plugins' packages may be named, checked on the dotted path
-before anything is imported; ``--trust-components`` (``POSTTUNE_TRUST_COMPONENTS=1``, which
-also reaches torchrun's workers) lifts the gate. ``check_components`` imports every component
-of a config and binds its keyword arguments at validate time, before any weight loads.
+built first. Naming a callable is running code (``_component_: torch.utils.collect_env.run``
+with ``command: ...`` runs a shell command, and torch re-exports ``os``), so a shared YAML file
+is a program. A gate by package cannot hold: any library has functions that wrap ``subprocess``
+or write files. So by default the gate is by *kind*: a ``_component_`` may name only an
+optimizer or LR scheduler class (``KINDS``; ``train.optimizer`` an optimizer, ``train.scheduler``
+a scheduler) defined in torch, torchao, posttune or an installed plugin's package, at any depth.
+The dotted path's package is checked before anything is imported, then every module the path
+passes through, then what it names. ``--trust-components`` (``POSTTUNE_TRUST_COMPONENTS=1``,
+which also reaches torchrun's workers) lifts the gate. ``check_components`` imports every
+component of a config and binds its keyword arguments at validate time, before any weight
+loads; ``instantiate`` gates the whole tree again before it calls anything.
 """
 
 from __future__ import annotations
@@ -29,13 +34,30 @@ from posttune.errors import ConfigError
 
 COMPONENT = "_component_"
 TRUST_ENV = "POSTTUNE_TRUST_COMPONENTS"
-#: packages whose callables a config may name without the opt-in (the installed plugins' are added)
+#: packages whose classes a config may name without the opt-in (the installed plugins' are added)
 TRUSTED_PACKAGES = ("torch", "torchao", "posttune")
-#: inside the trusted packages, what starts programs, loads native or pickled code, or runs commands
-UNSAFE = ("torch.hub", "torch.load", "torch.serialization", "torch.package", "torch.distributed.run",
-          "torch.distributed.launch", "torch.distributed.elastic", "torch.utils.cpp_extension", "torch.ops",
-          "torch.classes", "posttune.cli")
+OUTSIDE = "it is outside the packages a config may name"
 OPT_IN = f"if you trust this config, pass --trust-components or set {TRUST_ENV}=1"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of class a config may name without the opt-in: building one runs no program.
+
+    Constructing a torch optimizer or LR scheduler only stores its arguments (and, for a
+    scheduler, sets the learning rates), whatever the config passes.
+    """
+
+    name: str  # as the refusal names it
+    base: str  # the dotted base class
+    example: str
+
+
+OPTIMIZER = Kind("optimizer class", "torch.optim.Optimizer", "torch.optim.AdamW")
+SCHEDULER = Kind("LR scheduler class", "torch.optim.lr_scheduler.LRScheduler", "torch.optim.lr_scheduler.StepLR")
+#: what a field may name without the opt-in; any other field (nested values, method settings): either kind
+KINDS: dict[str, tuple[Kind, ...]] = {"train.optimizer": (OPTIMIZER,), "train.scheduler": (SCHEDULER,)}
+ANY_KIND = (OPTIMIZER, SCHEDULER)
 
 
 @dataclass(frozen=True)
@@ -71,41 +93,86 @@ def trusted_packages() -> list[str]:
     return sorted(names)
 
 
-def _refused(name: str, packages: list[str], *, written: bool) -> str | None:
-    """Why the dotted name ``name`` is outside the gate, or None.
-
-    ``written``: the path as the config spells it, where a private part (``_x``, ``__globals__``)
-    is refused too; a resolved module may well be private (``torch.Generator`` lives in ``torch._C``).
-    """
-    parts = name.split(".")
-    if parts[0] not in packages:
-        return "it is outside the packages a config may name"
-    if written and any(part.startswith("_") for part in parts):
-        return "it is private"
-    if any(name == unsafe or name.startswith(unsafe + ".") for unsafe in UNSAFE):
-        return "it starts programs or loads code"
-    return None
+def allowed(field: str) -> str:
+    """What ``field`` may name without the opt-in, in words (the end of every refusal)."""
+    kinds = KINDS.get(field, ANY_KIND)
+    bases = " or ".join(kind.base for kind in kinds)
+    return (f"a _component_ runs code, so by default {field or 'a config'} may name only {_kind_words(kinds)} "
+            f"(a subclass of {bases}, e.g. {kinds[0].example}) of torch, torchao, posttune or an installed plugin's "
+            f"package; {OPT_IN}")
 
 
-def check_allowed(path: str, where: str, *, resolved: str | None = None) -> None:
-    """Refuse ``path`` (or the module the resolved callable lives in) unless trusted."""
+def _kind_words(kinds: tuple[Kind, ...]) -> str:
+    """``an optimizer class``, ``an optimizer or LR scheduler class``."""
+    return "an " + " or ".join(kind.name.removesuffix(" class") for kind in kinds) + " class"
+
+
+def _refuse(path: str, where: str, why: str, *, via: str = "") -> ConfigError:
+    via = f" (it resolves into '{via}')" if via else ""
+    return ConfigError(where, f"refusing '{path}'{via}: {why}; {allowed(_field(where))}")
+
+
+def check_path(path: str, where: str) -> None:
+    """Before any import: the path's package must be trusted, and no part of it private (``_x``, ``__globals__``)."""
     if trusted():
         return
-    packages = trusted_packages()
-    name = path if resolved is None else resolved
-    why = _refused(name, packages, written=resolved is None)
-    if why is not None:
-        via = "" if resolved is None else f" (it resolves into '{resolved}')"
-        raise ConfigError(where, f"refusing '{path}'{via}: {why}; a _component_ runs code, so by default a "
-                                 f"config may name only callables of torch, torchao, posttune and the installed "
-                                 f"plugins' packages; {OPT_IN}")
+    parts = path.split(".")
+    if parts[0] not in trusted_packages():
+        raise _refuse(path, where, OUTSIDE)
+    if any(part.startswith("_") for part in parts):
+        raise _refuse(path, where, "it is private")
+
+
+def check_module(path: str, where: str, module: types.ModuleType) -> None:
+    """A module the attribute walk passes through (``torch.os`` is ``os``) must be in a trusted package.
+
+    Its own name may be private (``torch.Generator`` lives in ``torch._C``): only the path as
+    the config spells it must be public.
+    """
+    if not trusted() and module.__name__.split(".")[0] not in trusted_packages():
+        raise _refuse(path, where, OUTSIDE, via=module.__name__)
+
+
+def check_kind(path: str, where: str, obj: Any) -> None:
+    """What the path names must be a class of a kind the field allows, defined in a trusted package."""
+    if trusted():
+        return
+    kinds = KINDS.get(_field(where), ANY_KIND)
+    if not isinstance(obj, type):
+        raise _refuse(path, where, f"it is {_describe(obj)}, not {_kind_words(kinds)}")
+    home = getattr(obj, "__module__", None)
+    home = home if isinstance(home, str) else ""
+    if home.split(".")[0] not in trusted_packages():
+        raise _refuse(path, where, OUTSIDE, via=f"{home}.{obj.__qualname__}")
+    if not any(issubclass(obj, _base(kind)) for kind in kinds):
+        raise _refuse(path, where, f"it is a class, but not {_kind_words(kinds)}")
+
+
+def _base(kind: Kind) -> type:
+    """The base class itself, imported only once a path needs it (validating a config need not import torch)."""
+    module, _, name = kind.base.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _describe(obj: Any) -> str:
+    """What a refused callable is, for the message: ``a function``, ``a partial``."""
+    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.MethodWrapperType,
+                        types.WrapperDescriptorType, types.MethodDescriptorType, types.ClassMethodDescriptorType)):
+        return "a function"
+    return f"a {type(obj).__name__}"
+
+
+def _field(where: str) -> str:
+    """The field a ``..._component_`` key belongs to: ``train.optimizer._component_`` -> ``train.optimizer``."""
+    return where.removesuffix(COMPONENT).removesuffix(".")
 
 
 def import_dotted(path: str, where: str) -> Callable[..., Any]:
     """The object named by ``package.module.attr``, trying the longest importable module first.
 
-    The gate runs on the path before any import, then on every module the attribute walk passes
-    through (``torch.os.system`` is ``os.system``) and on the callable's own module.
+    Without the opt-in, the gate runs on the path before any import (``check_path``), on every
+    module the attribute walk passes through (``check_module``: ``torch.os.system`` is
+    ``os.system``) and on what the path names (``check_kind``).
     """
     if not isinstance(path, str) or not path or any(not part.isidentifier() for part in path.split(".")):
         raise ConfigError(where, f"expected a dotted path like 'torch.optim.AdamW', got {path!r}")
@@ -116,7 +183,7 @@ def import_dotted(path: str, where: str) -> Callable[..., Any]:
         spec = None
     if spec is None:
         raise ConfigError(where, f"cannot import '{path}': no module named '{parts[0]}'")
-    check_allowed(path, where)
+    check_path(path, where)
     for split in range(len(parts), 0, -1):
         module_name = ".".join(parts[:split])
         try:
@@ -133,12 +200,10 @@ def import_dotted(path: str, where: str) -> Callable[..., Any]:
                 raise ConfigError(where, f"cannot import '{path}': '{owner}' has no attribute '{attr}'")
             obj = getattr(obj, attr)
             if isinstance(obj, types.ModuleType):
-                check_allowed(path, where, resolved=obj.__name__)
+                check_module(path, where, obj)
         if not callable(obj):
             raise ConfigError(where, f"'{path}' is a {type(obj).__name__}, not callable")
-        home = getattr(obj, "__module__", None)
-        if isinstance(home, str) and not isinstance(obj, types.ModuleType):
-            check_allowed(path, where, resolved=f"{home}.{getattr(obj, '__qualname__', parts[-1])}")
+        check_kind(path, where, obj)
         return obj
     raise ConfigError(where, f"cannot import '{path}': no module named '{parts[0]}'")
 
@@ -147,10 +212,18 @@ def instantiate(node: Any, *args: Any, where: str = "", **kwargs: Any) -> Any:
     """Build ``node`` if it (or anything inside it) holds a ``_component_``; other values pass through.
 
     ``args`` and ``kwargs`` go to the top-level call only (e.g. the model's parameters for an
-    optimizer); a key given both in the config and by the caller is an error.
+    optimizer); a key given both in the config and by the caller is an error. Every component
+    of the tree passes the gate before any of them is called: nested ones are built first.
     """
+    for inner, found in find_components(node, where):
+        import_dotted(found[COMPONENT], _join(inner, COMPONENT))
+    return _build(node, *args, where=where, **kwargs)
+
+
+def _build(node: Any, *args: Any, where: str = "", **kwargs: Any) -> Any:
+    """``instantiate`` once the gate passed: nested components first, then ``node`` with ``args``/``kwargs``."""
     if isinstance(node, dict):
-        built = {k: instantiate(v, where=_join(where, k)) for k, v in node.items() if k != COMPONENT}
+        built = {k: _build(v, where=_join(where, k)) for k, v in node.items() if k != COMPONENT}
         if COMPONENT not in node:
             return built
         target = import_dotted(node[COMPONENT], _join(where, COMPONENT))
@@ -160,7 +233,7 @@ def instantiate(node: Any, *args: Any, where: str = "", **kwargs: Any) -> Any:
         except TypeError as exc:
             raise ConfigError(where, f"{node[COMPONENT]}: {exc}") from exc
     if isinstance(node, list):
-        return [instantiate(v, where=f"{where}[{i}]") for i, v in enumerate(node)]
+        return [_build(v, where=f"{where}[{i}]") for i, v in enumerate(node)]
     return node
 
 
