@@ -5,6 +5,9 @@ same options and helpers transformers gives them (``trim_blocks``, ``lstrip_bloc
 ``raise_exception``, ``strftime_now``, a non-escaping ``tojson``, ``{% generation %}`` blocks,
 loop controls): a template renders here to the very string ``apply_chat_template`` renders, so a
 model is trained on the text it will be prompted with.
+
+Rendering is bounded in time and size (`posttune.template_limits`): a template that loops
+without end or builds gigabytes stops with a one-line `TemplateLimitError` naming its file.
 """
 
 from __future__ import annotations
@@ -20,9 +23,16 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from posttune.errors import PosttuneError
+from posttune.template_limits import (
+    LimitedSandbox,
+    LimitedTemplate,
+    RenderLimits,
+    TemplateLimitError,
+    compile_limited,
+    read_limits,
+)
 
 ROLES = ("assistant", "developer", "ipython", "system", "tool", "user")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # names templates read reasoning under
@@ -98,26 +108,26 @@ def _strftime_now(fmt: str) -> str:
 
 
 @lru_cache(maxsize=1)
-def environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlocks, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_DictMaker(),
-                       namespace=_Namespace)
-    return env
+def environment() -> LimitedSandbox:
+    return LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlocks, jinja2.ext.loopcontrols],
+                          extra_filters={"tojson": _tojson},
+                          extra_globals={"raise_exception": _raise_exception, "strftime_now": _strftime_now,
+                                         "dict": _DictMaker(), "namespace": _Namespace})
 
 
 @lru_cache(maxsize=32)
-def _compiled(source: str) -> jinja2.Template:
-    return environment().from_string(source)
+def _compiled(source: str) -> LimitedTemplate:
+    return compile_limited(environment(), source)
 
 
-def compile_template(source: str, where: str) -> jinja2.Template:
+def compile_template(source: str, where: str) -> LimitedTemplate:
     """The compiled template; a syntax error names the file it came from."""
     try:
         return _compiled(source)
     except jinja2.TemplateSyntaxError as exc:
         raise PosttuneError(f"chat template in {where}: line {exc.lineno}: {exc.message}") from None
+    except RecursionError:
+        raise PosttuneError(f"chat template in {where}: nested too deeply to compile") from None
 
 
 def select_template(templates: str | Mapping[str, str], *, tools: Any, where: str) -> str:
@@ -157,15 +167,24 @@ def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
 
 
 def render(source: str, messages: list[dict[str, Any]], *, where: str, add_generation_prompt: bool = False,
-           tools: Any = None, variables: Mapping[str, Any] | None = None) -> str:
-    """The rendered chat text. ``variables`` are the special tokens and the caller's extra template kwargs."""
+           tools: Any = None, variables: Mapping[str, Any] | None = None, limits: RenderLimits | None = None) -> str:
+    """The rendered chat text. ``variables`` are the special tokens and the caller's extra template kwargs.
+
+    Whatever goes wrong inside the template is one line naming ``where`` (the template's file):
+    a limit (`TemplateLimitError`; ``limits`` defaults to the environment's), ``raise_exception``,
+    or any error jinja2 or Python raise.
+    """
     template = compile_template(source, where)
+    limits = limits or read_limits()
+    context = {"documents": None, **(variables or {}), "messages": messages, "tools": tools,
+               "add_generation_prompt": add_generation_prompt}
     try:
-        return template.render(**(variables or {}), messages=messages, tools=tools, documents=None,
-                               add_generation_prompt=add_generation_prompt)
+        return template.render(context, limits)
+    except TemplateLimitError as exc:
+        raise TemplateLimitError(f"chat template in {where}: {exc}") from None
     except TemplateRaised as exc:
         raise PosttuneError(f"chat template in {where} rejected the messages: {_one_line(exc)}") from None
-    except jinja2.TemplateError as exc:
+    except Exception as exc:  # jinja2's errors, the sandbox's (range too big), Python's (1/0, 'a' + 1)
         raise PosttuneError(f"chat template in {where} failed: {type(exc).__name__}: {_one_line(exc)}") from None
 
 
@@ -256,5 +275,7 @@ def tokens_in_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[Span]) -
     return mask
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
+def _one_line(exc: BaseException, limit: int = 500) -> str:
+    """The message on one line, cut at ``limit`` characters (a template may raise with any text)."""
+    text = " ".join(str(exc)[:limit * 4].split())
+    return text if len(text) <= limit else text[:limit] + "..."

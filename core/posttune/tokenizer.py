@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as Backend
 from posttune import chat_template as ct
 from posttune import hub
 from posttune.errors import PosttuneError
+from posttune.template_limits import TemplateLimitError, read_limits
 from posttune.tokenizer_files import NAMED_TOKENS, read_tokenizer_files, write_tokenizer_files
 
 __all__ = ["NAMED_TOKENS", "TOKENIZER_FILES", "Tokenizer", "load_tokenizer"]
@@ -33,16 +34,22 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class Tokenizer:
-    """Encode, decode and render chats with one checkpoint's tokenizer. Build it with `load_tokenizer`."""
+    """Encode, decode and render chats with one checkpoint's tokenizer. Build it with `load_tokenizer`.
+
+    ``template_files`` names the file each chat template came from (by its text), for errors;
+    the rendering limits (`posttune.template_limits`) are read from the environment here, once.
+    """
 
     def __init__(self, backend: Backend, config: dict[str, Any], *, special_tokens: dict[str, str],
                  chat_template: str | dict[str, str] | None, generation_eos_ids: Sequence[int] = (),
-                 source: str = "tokenizer"):
+                 source: str = "tokenizer", template_files: Mapping[str, str] | None = None):
         self.backend = backend
         self.config = config
         self.special_tokens = special_tokens
         self.chat_template = chat_template
         self.source = source
+        self.template_files = dict(template_files or {})
+        self.render_limits = read_limits()
         self._generation_eos_ids = list(generation_eos_ids)
         self._cleanup = bool(config.get("clean_up_tokenization_spaces")) and type(backend.model).__name__ != "BPE"
 
@@ -113,8 +120,8 @@ class Tokenizer:
         source = self._template(tools)
         variables = {**self.special_tokens, **template_kwargs}
         if ct.has_generation_blocks(source):
-            text, spans = ct.render_generation_spans(source, prepared, where=self.source, tools=tools,
-                                                     variables=variables)
+            text, spans = ct.render_generation_spans(source, prepared, where=self._where(source), tools=tools,
+                                                     variables=variables, limits=self.render_limits)
         else:
             text = self._render(prepared, False, tools, template_kwargs)
             spans = ct.assistant_spans(
@@ -136,17 +143,27 @@ class Tokenizer:
                                 f"entry in tokenizer_config.json) next to tokenizer.json")
         return ct.select_template(self.chat_template, tools=tools, where=self.source)
 
+    def _where(self, source: str) -> str:
+        """The file a template came from (``chat_template.jinja``, ``tokenizer_config.json``...), else the folder."""
+        return self.template_files.get(source, self.source)
+
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any,
                 template_kwargs: Mapping[str, Any]) -> str:
-        return ct.render(self._template(tools), messages, where=self.source, tools=tools,
+        source = self._template(tools)
+        return ct.render(source, messages, where=self._where(source), tools=tools,
                          add_generation_prompt=add_generation_prompt,
-                         variables={**self.special_tokens, **template_kwargs})
+                         variables={**self.special_tokens, **template_kwargs}, limits=self.render_limits)
 
     def _try_render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any,
                     template_kwargs: Mapping[str, Any]) -> str | None:
-        """A prefix of the chat rendered, or None where the template refuses it (empty, or ends oddly)."""
+        """A prefix of the chat rendered, or None where the template refuses it (empty, or ends oddly).
+
+        A template past a rendering limit is not refusing a prefix: that error goes on.
+        """
         try:
             return self._render(messages, add_generation_prompt, tools, template_kwargs)
+        except TemplateLimitError:
+            raise
         except PosttuneError:
             return None
 
@@ -168,7 +185,7 @@ def load_tokenizer(path_or_id: str | Path) -> Tokenizer:
     files = read_tokenizer_files(_resolve(path_or_id))
     return Tokenizer(files.backend, files.config, special_tokens=files.special_tokens,
                      chat_template=files.chat_template, generation_eos_ids=files.generation_eos_ids,
-                     source=files.source)
+                     source=files.source, template_files=files.template_files)
 
 
 def _resolve(path_or_id: str | Path) -> Path:

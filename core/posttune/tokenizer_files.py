@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken
@@ -45,6 +45,8 @@ class TokenizerFiles:
     chat_template: str | dict[str, str] | None
     generation_eos_ids: list[int]
     source: str
+    #: the file each chat template was read from, by its text (errors in a template name that file)
+    template_files: dict[str, str] = field(default_factory=dict)
 
 
 def read_tokenizer_files(folder: Path) -> TokenizerFiles:
@@ -61,8 +63,8 @@ def read_tokenizer_files(folder: Path) -> TokenizerFiles:
     special_tokens = {name: _token_text(value) for name, value in raw_tokens.items()}
     _add_missing_tokens(backend, config, raw_tokens, folder / "tokenizer_config.json")
     backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-    return TokenizerFiles(backend, config, special_tokens, _chat_templates(folder, config),
-                          _generation_eos_ids(folder), str(folder))
+    templates, files = _chat_templates(folder, config)
+    return TokenizerFiles(backend, config, special_tokens, templates, _generation_eos_ids(folder), str(folder), files)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -138,22 +140,27 @@ def _int_key(key: str, where: Path) -> int:
         raise PosttuneError(f"tokenizer: {where}: 'added_tokens_decoder' key {key!r} is not a token id") from None
 
 
-def _chat_templates(folder: Path, config: dict[str, Any]) -> str | dict[str, str] | None:
-    templates = {}
+def _chat_templates(folder: Path, config: dict[str, Any]) -> tuple[str | dict[str, str] | None, dict[str, str]]:
+    """The template(s), and the file each was read from, by its text."""
+    templates, files = {}, {}
     if (folder / TEMPLATE_FILE).is_file():
         templates["default"] = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
+        files[templates["default"]] = str(folder / TEMPLATE_FILE)
     if (folder / TEMPLATE_DIR).is_dir():
         for path in sorted((folder / TEMPLATE_DIR).glob("*.jinja")):
-            templates[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+            templates[path.name.removesuffix(".jinja")] = text = path.read_text(encoding="utf-8")
+            files[text] = str(path)
     if templates:
-        return templates["default"] if list(templates) == ["default"] else templates
+        return (templates["default"] if list(templates) == ["default"] else templates), files
+    where = folder / "tokenizer_config.json"
     value = config.get("chat_template")
     if value is None or isinstance(value, str):
-        return value
+        return value, {value: str(where)} if value else {}
     if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
                                        and isinstance(t.get("template"), str) for t in value):
-        return {t["name"]: t["template"] for t in value}
-    raise PosttuneError(f"tokenizer: {folder / 'tokenizer_config.json'}: 'chat_template' must be a string or a "
+        return ({t["name"]: t["template"] for t in value},
+                {t["template"]: f"{where} (template '{t['name']}')" for t in value})
+    raise PosttuneError(f"tokenizer: {where}: 'chat_template' must be a string or a "
                         "list of {\"name\", \"template\"} objects")
 
 

@@ -19,6 +19,7 @@ import torch
 from posttune.data.loading import rename
 from posttune.descriptors import DatasetFormat
 from posttune.errors import PosttuneError
+from posttune.template_limits import TemplateLimitError
 
 IGNORE_INDEX = -100
 
@@ -99,6 +100,8 @@ class SampleMaker:
             made = self.make(self.fmt.transform(rename(row, self.column_map)))
         except (KeyError, ValueError) as exc:
             return self._bad(index, self._problem(exc))
+        except TemplateLimitError as exc:  # the template is at fault, not the row: skipping rows would not help
+            raise TemplateLimitError(f"{self.where}: row {index}: {exc}") from None
         except PosttuneError as exc:  # the chat template refused these messages
             if getattr(self.tokenizer, "chat_template", True) is None:
                 raise PosttuneError(f"{self.where}: format '{self.fmt.name}' gives chat messages: {exc}") from None
