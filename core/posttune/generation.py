@@ -19,12 +19,18 @@ what data-parallel RL needs when the same (seed, prompt, sample) may be generate
 Under ``torch.distributed`` every rank runs the same number of forward passes (sharded models,
 FSDP2 or TP, run collectives inside forward): after each step the ranks agree whether any row
 anywhere is unfinished, and a rank whose rows are done keeps stepping with pad tokens.
+
+The sampling settings have one set of ranges (``check_sampling``), enforced here for every
+caller (``posttune generate``, GRPO, on-policy KD), and a generation never runs past the
+model's context (``context_length``): the KV cache is sized by what fits, not by what was asked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Any
 
 import torch
@@ -74,6 +80,11 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
 
     A row stops after its first token in ``stop_token_ids``, which is kept (mask True).
 
+    ``max_new_tokens`` is capped so that the longest prompt plus its completion fits the model's
+    context (``context_length``; no cap when it is unknown): positions past it are untrained, and
+    the KV cache is allocated for the capped length. A prompt longer than the context is a
+    ValueError, as is a sampling setting out of its range (``check_sampling``).
+
     ``logprobs`` are ``log_softmax(logits / temperature)`` (``log_softmax(logits)`` when greedy)
     at the chosen tokens, before top-k/top-p/min-p: the filters are a sampling device, and a
     policy-gradient loss recomputes exactly this quantity from a plain forward pass (TRL and
@@ -83,8 +94,10 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
     ``max_new_tokens`` and at least one prompt per rank.
     """
     rows = [_token_list(prompt) for prompt in prompts]
-    _check_arguments(rows, max_new_tokens, top_k, top_p, min_p, seed, seeds)
+    _check_arguments(rows, max_new_tokens, seed, seeds)
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     device = _device_of(model)
+    max_new_tokens = _fit_to_context(model, rows, max_new_tokens, device)
     sampling = temperature > 0.0
     row_seeds = _row_seeds(len(rows), seed, seeds, device) if sampling else None
     input_ids, padding = _left_pad(rows, pad_id, device)
@@ -134,11 +147,67 @@ def next_token(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | N
 
     For one-off use; ``generate_batch`` samples with per-row counter-based noise instead.
     """
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     logits = logits.float()
-    if temperature <= 0.0:
+    if temperature == 0.0:
         return logits.argmax(dim=-1)
-    filtered = filter_logits(logits / temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    filtered = filter_logits(_scaled(logits, temperature), top_k=top_k, top_p=top_p, min_p=min_p)
     return torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+class SamplingError(ValueError):
+    """A generation setting outside its range: ``name`` is the argument (``top_p``) and ``allowed``
+    its range in words, so a command or a config can report it under its own spelling."""
+
+    def __init__(self, name: str, allowed: str, value: Any):
+        self.name, self.allowed, self.value = name, allowed, value
+        super().__init__(f"{name} must be {allowed}, got {value}")
+
+
+def check_sampling(*, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                   min_p: float | None = None) -> None:
+    """Raise ``SamplingError`` for a setting out of range; None turns a filter off, as do top_p 1 and min_p 0.
+
+    A negative or NaN temperature is refused rather than read as greedy: it is a typo, not a choice.
+    """
+    if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+        raise SamplingError("temperature", "a finite number >= 0", temperature)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
+        raise SamplingError("top_k", "an integer >= 1", top_k)
+    if top_p is not None and not (_is_number(top_p) and 0.0 < top_p <= 1.0):
+        raise SamplingError("top_p", "in (0, 1]", top_p)
+    if min_p is not None and not (_is_number(min_p) and 0.0 <= min_p <= 1.0):
+        raise SamplingError("min_p", "in [0, 1]", min_p)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The most positions ``model`` handles (its ``max_position_embeddings``), None when unknown.
+
+    Read from the modules that hold the attribute (the rotary embedding of the native families),
+    so PEFT, FSDP2 and ``torch.compile`` wrappers are seen through; with several, the smallest.
+    RoPE scaling that extends the context counts, as vLLM counts it: yarn reaches
+    ``original_max_position_embeddings x factor``, dynamic NTK ``max_position_embeddings x factor``.
+    """
+    sizes = [size for module in model.modules() if (size := _positions_of(module)) is not None]
+    return min(sizes) if sizes else None
+
+
+def _positions_of(module: nn.Module) -> int | None:
+    size = getattr(module, "max_position_embeddings", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return None
+    scaling = getattr(module, "scaling", None)
+    scaling = scaling if isinstance(scaling, Mapping) else {}
+    kind, factor = getattr(module, "rope_type", None), scaling.get("factor") or 1.0
+    if kind == "yarn":
+        return max(size, int((scaling.get("original_max_position_embeddings") or size) * factor))
+    if kind == "dynamic":
+        return int(size * factor)
+    return size
 
 
 def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
@@ -233,14 +302,47 @@ def _signed(value: int) -> int:
 def _choose(logits: torch.Tensor, step: int, temperature: float, top_k: int | None, top_p: float | None,
             min_p: float | None, row_seeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [batch], its log-probability before filtering [batch]) from float32 logits [batch, vocab]."""
-    if temperature <= 0.0 or row_seeds is None:
+    if temperature == 0.0 or row_seeds is None:
         token = logits.argmax(dim=-1)
         return token, logits.log_softmax(dim=-1).gather(-1, token[:, None]).squeeze(-1)
-    scaled = logits / temperature
+    scaled = _scaled(logits, temperature)
     filtered = filter_logits(scaled, top_k=top_k, top_p=top_p, min_p=min_p)
     gumbel = uniform_noise(row_seeds, step, logits.shape[-1]).log_().neg_().log_().neg_()  # -log(-log(u))
     token = (filtered + gumbel.float()).argmax(dim=-1)  # Gumbel-max: a draw from softmax(filtered)
     return token, scaled.log_softmax(dim=-1).gather(-1, token[:, None]).squeeze(-1)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``; where a tiny temperature overflows a row (its largest value no
+    longer finite), that row is shifted by its maximum first: the same distribution (softmax and
+    the filters ignore a shift), the top token at 0, overflowed ones at -inf (the greedy limit).
+    Rows that do not overflow keep their values exactly."""
+    scaled = logits / temperature
+    top = logits.amax(dim=-1, keepdim=True)
+    overflowed = ~torch.isfinite(scaled.amax(dim=-1, keepdim=True))
+    return torch.where(overflowed & torch.isfinite(top), (logits - top) / temperature, scaled)
+
+
+def _fit_to_context(model: nn.Module, rows: list[list[int]], max_new_tokens: int, device: torch.device) -> int:
+    """``max_new_tokens``, capped so the longest prompt and its completion fit the model's context.
+
+    Under torch.distributed the ranks agree on the smallest cap (every rank must run as many
+    steps), and a prompt too long on any rank is an error on every rank, not a hang on the others.
+    """
+    context = context_length(model)
+    if context is None:
+        return max_new_tokens
+    longest = max(len(row) for row in rows)
+    cap = min(max_new_tokens, context - longest)  # negative when a prompt is longer than the context
+    if dist.is_available() and dist.is_initialized():
+        agreed = torch.tensor([cap], dtype=torch.long, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        cap = int(agreed.item())
+    if cap < 0:
+        where = f"{longest} tokens" if longest > context else "on another rank"
+        raise ValueError(f"a prompt is longer than the model's context of {context} tokens "
+                         f"(max_position_embeddings): {where}")
+    return cap
 
 
 def _any_unfinished(finished: torch.Tensor) -> bool:
@@ -282,20 +384,14 @@ def _row_seeds(batch: int, seed: int | None, seeds: Sequence[int] | None, device
     return torch.tensor([_signed(int(s) & _MASK64) for s in seeds], dtype=torch.long, device=device)
 
 
-def _check_arguments(rows: list[list[int]], max_new_tokens: int, top_k: int | None, top_p: float | None,
-                     min_p: float | None, seed: int | None, seeds: Sequence[int] | None) -> None:
+def _check_arguments(rows: list[list[int]], max_new_tokens: int, seed: int | None,
+                     seeds: Sequence[int] | None) -> None:
     if not rows:
         raise ValueError("generate_batch needs at least one prompt")
     if any(not row for row in rows):
         raise ValueError("generate_batch needs non-empty prompts")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if min_p is not None and not 0.0 <= min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
     if seed is not None and seeds is not None:
         raise ValueError("give seed (a run seed) or seeds (one per prompt), not both")
     if seeds is not None and len(seeds) != len(rows):

@@ -3,13 +3,29 @@
 Several ``--prompt``s are completed together in one left-padded batch (``generate_batch``);
 each completion is printed under a ``=== [i/n] prompt`` header, in order. One prompt prints
 its completion alone, as before.
+
+Every option is checked before the model loads (one line, exit 2, naming the option); the
+sampling ranges are ``posttune.generation.check_sampling``'s, the same GRPO and KD generate
+with. A prompt that leaves no room in the model's context is refused, not truncated: cutting
+either end changes the question silently. ``--max-new-tokens`` past the context is capped,
+with one warning line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from posttune.descriptors import Command
+
+if TYPE_CHECKING:
+    from torch import nn
+
+#: the sampling settings' options, which do nothing when decoding is greedy
+SAMPLING_OPTIONS = {"top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed"}
+#: how to turn a filter off, for the message refusing a value out of range
+OFF = {"top_k": "leave --top-k out to keep every token", "top_p": "1 or leaving it out keeps every token",
+       "min_p": "0 or leaving it out keeps every token", "temperature": "0 is greedy"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -20,12 +36,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
     parser.add_argument("--adapter", help="a PEFT adapter directory to apply on top of the model")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--min-p", type=float, default=None, help="keep tokens with p >= MIN_P x the top p")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="tokens to generate at most, >= 1 (default 128; capped to the model's context)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature, >= 0; 0 means "
+                                                                        "greedy (the default)")
+    parser.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the K most likely "
+                                                                "tokens, K >= 1")
+    parser.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling, P in (0, 1]")
+    parser.add_argument("--min-p", type=float, default=None, help="with --temperature: keep tokens with p >= MIN_P x "
+                                                                  "the top p, MIN_P in [0, 1]")
+    parser.add_argument("--seed", type=int, default=None, help="with --temperature: the run seed (any integer)")
     parser.add_argument("--dtype", default=None, help="bf16, bfloat16, fp16, fp32 ... (default: the checkpoint's own)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1 ...")
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
@@ -35,11 +55,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from posttune.api import load_model, load_tokenizer
-    from posttune.errors import PosttuneError, first_line
+    from posttune.errors import first_line
     from posttune.generation import generate_batch
 
-    if args.system is not None and not args.chat:
-        raise PosttuneError("generate: --system needs --chat (a system message is a turn of the chat template)")
+    check_options(args)
     base = args.model or adapter_base(args.adapter)
     model = load_model(base, dtype=args.dtype, device=device_of(args.device))
     if args.adapter:
@@ -50,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     prompts = [tokenizer.apply_chat_template([*system, {"role": "user", "content": prompt}], add_generation_prompt=True)
                if args.chat else tokenizer.encode(prompt) for prompt in args.prompt]
+    max_new_tokens = fit_prompts(model, prompts, args.max_new_tokens)
     with torch.no_grad():
-        out = generate_batch(model.eval(), prompts, max_new_tokens=args.max_new_tokens,
+        out = generate_batch(model.eval(), prompts, max_new_tokens=max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                              seed=args.seed, stop_token_ids=tokenizer.eos_ids)
     for index, (prompt, new) in enumerate(zip(args.prompt, out.token_lists(), strict=True)):
@@ -61,6 +81,54 @@ def run(args: argparse.Namespace) -> int:
         if args.show_ids:
             print(" ".join(map(str, new)))
     return 0
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse what cannot run as asked, before the model loads: one line naming the option."""
+    from posttune.errors import PosttuneError
+    from posttune.generation import SamplingError, check_sampling
+
+    if args.system is not None and not args.chat:
+        raise PosttuneError("generate: --system needs --chat (a system message is a turn of the chat template)")
+    if args.max_new_tokens < 1:
+        raise PosttuneError(f"generate: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        check_sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    except SamplingError as error:
+        option = "--" + error.name.replace("_", "-")
+        raise PosttuneError(f"generate: {option} must be {error.allowed}, got {error.value} ({OFF[error.name]})"
+                            ) from None
+    given = [option for name, option in SAMPLING_OPTIONS.items() if getattr(args, name) is not None]
+    if given and args.temperature == 0:
+        raise PosttuneError(f"generate: {given[0]} only applies when sampling: add --temperature above 0 "
+                            f"(the default, 0, is greedy)")
+
+
+def fit_prompts(model: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> int:
+    """``max_new_tokens``, capped (with one warning line) so every prompt and its completion fit the
+    model's context. A prompt of no tokens, or one that leaves no room for a new token, is refused."""
+    import sys
+
+    from posttune.errors import PosttuneError
+    from posttune.generation import context_length
+
+    context = context_length(model)
+    for index, ids in enumerate(prompts):
+        which = f"--prompt {index + 1} of {len(prompts)}" if len(prompts) > 1 else "--prompt"
+        if not ids:
+            raise PosttuneError(f"generate: {which} is empty: it has no tokens to complete")
+        if context is not None and len(ids) >= context:
+            raise PosttuneError(f"generate: {which} is {len(ids)} tokens, which leaves no room for a new token in "
+                                f"the model's context of {context} (max_position_embeddings): shorten it "
+                                f"(prompts are never truncated)")
+    longest = max(len(ids) for ids in prompts)
+    if context is None or max_new_tokens <= context - longest:
+        return max_new_tokens
+    which = "the longest prompt" if len(prompts) > 1 else "the prompt"
+    print(f"posttune: warning: generate: --max-new-tokens {max_new_tokens} capped to {context - longest}: {which} "
+          f"({longest} tokens) and its completion must fit the model's context of {context} tokens "
+          f"(max_position_embeddings)", file=sys.stderr)
+    return context - longest
 
 
 def adapter_base(adapter: str | None) -> str:
@@ -75,10 +143,29 @@ def adapter_base(adapter: str | None) -> str:
 
 def device_of(name: str | None) -> str:
     """``auto``: CUDA when a GPU is there, else the CPU (as `train.device: auto` does)."""
-    if name in (None, "auto"):
-        import torch
+    import torch
 
+    from posttune.errors import PosttuneError, first_line
+
+    if name in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise PosttuneError(f"generate: --device {name!r} is not a device (auto, cpu, cuda, cuda:1 ...)") from None
+    if device.type == "meta":
+        raise PosttuneError("generate: --device meta holds no weights; use auto, cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PosttuneError(f"generate: --device {name}: no CUDA device is available here (use cpu or auto)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise PosttuneError(f"generate: --device {name}: there are {torch.cuda.device_count()} CUDA devices "
+                            f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    if device.type not in ("cpu", "cuda"):
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as error:
+            reason = first_line(str(error)).split(". ")[0]
+            raise PosttuneError(f"generate: --device {name} is not usable here: {reason}") from None
     return name
 
 
