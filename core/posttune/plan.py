@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from posttune import first_party, tracking
@@ -70,6 +72,7 @@ class Plan:
     logging_options: dict[str, Any] = field(default_factory=dict)  # tracker name -> its ``config`` instance
     steps: list[Step] = field(default_factory=list)
     components: list[tuple[str, str]] = field(default_factory=list)  # (field, dotted target) of each _component_
+    identity: dict[str, Any] | None = None  # what its checkpoints mean, once computed (training/resume_identity.py)
 
 
 def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | None = 1) -> Plan:
@@ -117,11 +120,15 @@ def model_kwargs(config: RunConfig, registry: Registry | None = None) -> dict[st
 
         registry = get_registry()
     family = _family(config.model, registry, "model").descriptor
-    if config.model.path is not None:
-        base = family.from_hf_config(read_hf_config(config.model.path))
-    else:
-        base = dict(family.sizes[config.model.size])
-    return {**base, **config.model.build_overrides}
+    hf_config = read_hf_config(config.model.path) if config.model.path is not None else None
+    return build_kwargs(config.model, family, hf_config)
+
+
+def build_kwargs(model: ModelConfig, family: Any, hf_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The family builder's kwargs for a model section: from its config.json (``hf_config``) or named
+    size, with ``build_overrides`` on top."""
+    base = family.from_hf_config(hf_config) if hf_config is not None else dict(family.sizes[model.size])
+    return {**base, **model.build_overrides}
 
 
 def _get(registry: Registry, kind: str, name: str, where: str) -> Registered:
@@ -132,9 +139,15 @@ def _get(registry: Registry, kind: str, name: str, where: str) -> Registered:
 
 
 def _family(model: ModelConfig, registry: Registry, section: str) -> Registered:
-    """The family a model section names, or the one that reads its checkpoint's architecture."""
+    """The family a model section names, or the one that reads its checkpoint's architecture.
+
+    A local checkpoint's config.json is read, and so its values checked, even when the family is
+    named; a hub id's then waits for the run, so that `posttune validate` works offline.
+    """
     if model.family is not None:
         family = _get(registry, "model_family", model.family, f"{section}.family")
+        if model.path is not None and Path(model.path).expanduser().is_dir():
+            read_hf_config(model.path)
     else:
         family = family_for(read_hf_config(model.path), registry, str(model.path))
     if model.path is None and model.size not in family.descriptor.sizes:

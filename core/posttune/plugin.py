@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from posttune.checkpoint.hf_config_check import refuse_unbuildable
 from posttune.config.bundled import configs_in
 from posttune.config.schema import DatasetConfig, RunConfig
 from posttune.config.typed import from_dict
@@ -85,7 +86,7 @@ __all__ = [
     "MemoryTechnique", "Method", "MetricLogger", "ModelFamily", "ModelRole", "ModelTarget", "ParallelPlan",
     "PosttuneError", "QuantizedFormat", "RewardFunction", "RunConfig", "Session", "TrackerRun", "configs_in",
     "did_you_mean", "first_line", "flat_config", "from_dict", "hookimpl", "lookup", "model_kwargs", "provenance",
-    "registered", "require_cuda", "scalar_metrics", *sorted(_LAZY),
+    "refuse_unbuildable", "registered", "require_cuda", "scalar_metrics", *sorted(_LAZY),
 ]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from posttune import first_party, hub
+from posttune.checkpoint.hf_config_check import check_hf_config
 from posttune.errors import PosttuneError, first_line
 from posttune.registry import Registered, Registry
 
@@ -41,7 +42,11 @@ def is_hub_id(path_or_id: str) -> bool:
 
 
 def read_hf_config(path: str | Path | None) -> dict[str, Any]:
-    """``config.json`` of a local checkpoint directory, or of a hub repository (config only)."""
+    """``config.json`` of a local checkpoint directory, or of a hub repository (config only).
+
+    Its values are checked here (``hf_config_check``), so every reader refuses a malformed file in
+    one line naming the file and the field, before anything is built from it.
+    """
     local = Path(str(path)).expanduser()
     if local.is_dir():
         file = local / "config.json"
@@ -52,9 +57,10 @@ def read_hf_config(path: str | Path | None) -> dict[str, Any]:
     else:
         file = _hub_config(str(path))
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PosttuneError(f"{file}: unreadable config.json: {exc}") from None
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8, a 5000-digit number
+        raise PosttuneError(f"{file}: unreadable config.json: {type(exc).__name__}: {first_line(str(exc))}") from None
+    return check_hf_config(config, str(file))
 
 
 def local_dir(path_or_id: str | Path) -> Path:

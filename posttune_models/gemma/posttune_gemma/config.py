@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from posttune.plugin import PosttuneError
+from posttune.plugin import PosttuneError, refuse_unbuildable
 
 ARCHITECTURES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 MODEL_TYPES = {"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
@@ -40,6 +40,7 @@ def from_hf_config(config: Mapping[str, Any], family: str = "gemma") -> dict[str
             raise PosttuneError(f"config.json: '{key}' is missing (needed by the {family} family)")
         return config[key]
 
+    refuse_unbuildable(config, family, windowed=family != "gemma")
     if config.get("use_bidirectional_attention"):
         raise PosttuneError(f"config.json: use_bidirectional_attention is not supported by the {family} family "
                             f"(posttune trains causal language models)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from posttune.plugin import PosttuneError
+from posttune.plugin import PosttuneError, refuse_unbuildable
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -25,6 +25,7 @@ def from_hf_config(config: Mapping[str, Any], family: str = "llama") -> dict[str
             raise PosttuneError(f"config.json: '{key}' is missing (needed by the {family} family)")
         return config[key]
 
+    refuse_unbuildable(config, family, windowed=family == "mistral")
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
     act = config.get("hidden_act", "silu")
     if act not in HF_ACTIVATIONS:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from posttune.plugin import PosttuneError
+from posttune.plugin import PosttuneError, refuse_unbuildable
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -38,6 +38,9 @@ def read_sliding(config: Mapping[str, Any], num_layers: int) -> tuple[int | None
                             f"{num_layers} layers, got {list(kinds)}")
     if window is None or SLIDING not in kinds:
         return None, None
+    if window == 0:  # transformers 5 writes 0 for a disabled window; here use_sliding_window enables it
+        raise PosttuneError("config.json: sliding_window: use_sliding_window is true but the window is 0 tokens, "
+                            "which hides every position from attention")
     return int(window), kinds
 
 
@@ -48,6 +51,7 @@ def from_hf_config(config: Mapping[str, Any], family: str = "qwen2") -> dict[str
             raise PosttuneError(f"config.json: '{key}' is missing (needed by the {family} family)")
         return config[key]
 
+    refuse_unbuildable(config, family)
     hidden_size, num_heads, num_layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
