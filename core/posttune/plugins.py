@@ -1,26 +1,32 @@
 """The plugin manager: discovers plugins through entry points and builds the registry.
 
 Loading rules (docs/plugins.md): entry points of group ``posttune`` load once per process; a
-plugin that fails to import, uses an unknown hook, or targets another plugin API version is
-reported and skipped, never breaking unrelated commands; ``POSTTUNE_LOAD_PLUGINS`` and
-``POSTTUNE_DISABLE_PLUGINS`` choose which distributions load.
+plugin that fails to import (whatever it raises, ``sys.exit`` included), uses an unknown hook,
+targets another plugin API version or raises in a registration hook is reported and skipped,
+never breaking unrelated commands; ``POSTTUNE_LOAD_PLUGINS`` and ``POSTTUNE_DISABLE_PLUGINS``
+choose which distributions load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
+import sys
 import types
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 
 import pluggy
 
 from posttune import hookspecs
-from posttune.errors import did_you_mean
-from posttune.registry import HOOK_ARG, KINDS, Provenance, Register, Registered, Registry
+from posttune.errors import did_you_mean, first_line, one_line
+from posttune.registry import HOOK_ARG, KINDS, Provenance, Register, Registered, Registry, duplicate_messages
+
+T = TypeVar("T")
 
 #: The plugin API this core speaks. A plugin declares ``POSTTUNE_PLUGIN_API = 2``. API 2 (this
 #: release): methods build their own data and declare model roles; plans and techniques receive
@@ -68,14 +74,17 @@ class PluginSet:
 
     def register(self, plugin: Any, *, name: str | None = None, distribution: str | None = None,
                  version: str = "0") -> PluginInfo:
-        """Register a plugin object (a module or any object with hookimpls)."""
-        name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+        """Register a plugin object (a module or any object with hookimpls). Whatever the plugin
+        raises on the way (a property, pluggy's checks) becomes its recorded error."""
+        name = name or _name_of(plugin)
+        if name in self.plugins:
+            raise ValueError(f"a plugin named {name!r} is already registered")
         provenance = Provenance(name, distribution or name, version)
-        info = PluginInfo(name, provenance, getattr(plugin, "__name__", type(plugin).__name__))
-        info.error = _add(self.pm, plugin, name)
-        if info.error is None:
-            info.hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or ())
-            info.warnings = unmarked_hooks(plugin)
+        info = PluginInfo(name, provenance, _name_of(plugin))
+        refused, crash = isolated(_add, self.pm, plugin, info)
+        info.error = describe(crash, " in registration") if crash is not None else refused
+        if info.error is not None and self.pm.get_plugin(name) is plugin:
+            self.pm.unregister(name=name)  # half-registered: no hook of it may run
         self.plugins[name] = info
         self._registry = None
         return info
@@ -91,8 +100,8 @@ class PluginSet:
         self._registry = None
 
 
-def _add(pm: pluggy.PluginManager, plugin: Any, name: str) -> str | None:
-    """Register ``plugin``; return why it was refused, or None."""
+def _add(pm: pluggy.PluginManager, plugin: Any, info: PluginInfo) -> str | None:
+    """Register ``plugin`` and record its hooks; return why it was refused, or None."""
     api = getattr(plugin, "POSTTUNE_PLUGIN_API", None)
     if api not in SUPPORTED_PLUGIN_APIS:
         speaks = " and ".join(map(str, sorted(SUPPORTED_PLUGIN_APIS)))
@@ -100,13 +109,43 @@ def _add(pm: pluggy.PluginManager, plugin: Any, name: str) -> str | None:
             return f"declares no POSTTUNE_PLUGIN_API; this posttune speaks plugin API {speaks}"
         return f"built for plugin API {api!r}; this posttune speaks {speaks}"
     try:
-        pm.register(plugin, name=name)
+        pm.register(plugin, name=info.name)
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        if pm.has_plugin(name):
-            pm.unregister(name=name)
         return _explain_validation(exc)
+    info.hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or ())
+    info.warnings = unmarked_hooks(plugin)
     return None
+
+
+def isolated(call: Callable[..., T], *args: Any) -> tuple[T | None, BaseException | None]:
+    """Run plugin code, ``call(*args)``, so that it cannot stop the CLI: ``(result, None)``, or
+    ``(None, what it raised)``.
+
+    SystemExit, GeneratorExit and any other BaseException are caught too: a plugin calling
+    ``sys.exit`` at import must not end `posttune --help`. KeyboardInterrupt alone passes: Ctrl-C
+    is how a user stops a plugin that hangs at import, and it must stop the command, not skip the
+    plugin and carry on. What the plugin prints goes to stderr, so `--json` output stays JSON.
+    """
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return call(*args), None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - see the docstring
+        return None, exc
+
+
+def describe(exc: BaseException, where: str = "") -> str:
+    """``Type[where]: first line of the message``, one line whatever the plugin raised."""
+    message, _ = isolated(lambda: first_line(str(exc)))  # a __str__ may raise too
+    name = type(exc).__name__ + where
+    return one_line(f"{name}: {message}" if message else name)
+
+
+def _name_of(plugin: Any) -> str:
+    name, _ = isolated(getattr, plugin, "__name__", None)
+    return name if isinstance(name, str) else type(plugin).__name__
 
 
 def _explain_validation(exc: pluggy.PluginValidationError) -> str:
@@ -184,12 +223,18 @@ def load_entry_points(plugins: PluginSet, eps: list[metadata.EntryPoint] | None 
     for ep in entry_points() if eps is None else eps:
         dist = ep.dist.name if ep.dist else ep.name
         provenance = Provenance(ep.name, dist, ep.dist.version if ep.dist else "?")
-        if not _selected(dist, ep.name) or ep.name in plugins.plugins:
+        if not _selected(dist, ep.name):
             continue
-        try:
-            plugin = ep.load()
-        except Exception as exc:  # noqa: BLE001 - any import failure isolates the plugin
-            plugins.failed(ep.name, provenance, ep.value, f"{type(exc).__name__}: {exc}")
+        taken = plugins.plugins.get(ep.name)
+        if taken is not None:  # two distributions, one entry-point name: only one can load
+            if taken.provenance.distribution != dist:
+                plugins.failed(f"{ep.name} ({dist})", provenance, ep.value,
+                               f"entry point name '{ep.name}' is already taken by {taken.provenance}; "
+                               f"uninstall one, or pick one with POSTTUNE_DISABLE_PLUGINS")
+            continue
+        plugin, crash = isolated(ep.load)
+        if crash is not None:
+            plugins.failed(ep.name, provenance, ep.value, describe(crash))
             continue
         info = plugins.register(plugin, name=ep.name, distribution=dist, version=provenance.version)
         info.module = ep.value
@@ -199,21 +244,35 @@ def build_registry(plugins: PluginSet) -> Registry:
     """Call each plugin's registration hooks on its own, recording who registered what."""
     registry = Registry()
     for info in plugins.plugins.values():
-        if info.error:
-            registry.failed[info.name] = (info.provenance.distribution, info.error)
-            continue
-        plugin = plugins.pm.get_plugin(info.name)
-        staged: list[tuple[str, Registered]] = []
-        try:
-            for kind in KINDS.values():
-                _call_own_hook(plugins.pm, plugin, kind.hook, kind.key, info.provenance, staged)
-        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the others
-            info.error = f"{type(exc).__name__} in registration: {exc}"
-            registry.failed[info.name] = (info.provenance.distribution, info.error)
-            continue
-        for kind_key, item in staged:
-            registry.add(kind_key, item)
+        if not info.error:
+            staged, crash = isolated(_registrations, plugins.pm, plugins.pm.get_plugin(info.name), info.provenance)
+            if crash is None:
+                for kind_key, item in staged:
+                    registry.add(kind_key, item)
+                continue
+            info.error = describe(crash, " in registration")  # and nothing of it registered
+        registry.failed[info.name] = (info.provenance.distribution, info.error)
     return registry
+
+
+def failure(info: PluginInfo) -> str:
+    """One line naming a plugin that failed to load: entry point, distribution, version and why."""
+    return f"plugin {info.provenance.plugin} from {info.provenance} failed to load: {info.error}"
+
+
+def problems(plugins: PluginSet, kinds: Iterable[str] | None = None) -> list[str]:
+    """Every plugin that failed to load, then every name two plugins registered (of ``kinds``, default
+    all), one line each: `posttune plugins` reports them, `ls` and `--help` warn about them."""
+    registry = plugins.registry  # first: building it records the registration failures
+    return [failure(info) for info in plugins.plugins.values() if info.error] + duplicate_messages(registry, kinds)
+
+
+def _registrations(pm: pluggy.PluginManager, plugin: Any, provenance: Provenance) -> list[tuple[str, Registered]]:
+    """Everything ``plugin``'s own registration hooks register, staged: added only if none raises."""
+    staged: list[tuple[str, Registered]] = []
+    for kind in KINDS.values():
+        _call_own_hook(pm, plugin, kind.hook, kind.key, provenance, staged)
+    return staged
 
 
 def _call_own_hook(pm: pluggy.PluginManager, plugin: Any, hook: str, kind_key: str,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -90,7 +90,8 @@ class Registry:
     """Registered descriptors by kind and name. A duplicated name is kept as a conflict."""
 
     entries: dict[str, dict[str, Registered]] = field(default_factory=lambda: {k: {} for k in KINDS})
-    duplicates: dict[tuple[str, str], list[Provenance]] = field(default_factory=dict)
+    #: (kind, name) -> every registration of a name more than one plugin registered (none is used)
+    duplicates: dict[tuple[str, str], list[Registered]] = field(default_factory=dict)
     #: plugins that failed to load: plugin name -> (distribution, message)
     failed: dict[str, tuple[str, str]] = field(default_factory=dict)
 
@@ -98,8 +99,8 @@ class Registry:
         name = item.descriptor.name
         existing = self.entries[kind].get(name)
         if existing is not None or (kind, name) in self.duplicates:
-            holders = self.duplicates.setdefault((kind, name), [existing.provenance] if existing else [])
-            holders.append(item.provenance)
+            holders = self.duplicates.setdefault((kind, name), [existing] if existing else [])
+            holders.append(item)
             self.entries[kind].pop(name, None)
             return
         self.entries[kind][name] = item
@@ -125,7 +126,7 @@ class Registry:
         label = KINDS[kind].label
         holders = self.duplicates.get((kind, name))
         if holders:
-            both = " and ".join(sorted(str(p) for p in holders))  # sorted: discovery order varies
+            both = " and ".join(sorted(str(h.provenance) for h in holders))  # sorted: discovery order varies
             return PluginError(
                 f"{label} '{name}' is registered by both {both}; uninstall one, or pick one "
                 f"with POSTTUNE_DISABLE_PLUGINS"
@@ -156,6 +157,7 @@ class Registry:
 PosttuneErrorType = PluginError | UnknownNameError
 
 
-def duplicate_messages(registry: Registry) -> list[str]:
-    """One line per name registered by more than one distribution."""
-    return [str(registry.unknown(kind, name)) for kind, name in sorted(registry.duplicates)]
+def duplicate_messages(registry: Registry, kinds: Iterable[str] | None = None) -> list[str]:
+    """One line per name registered by more than one distribution (of ``kinds``, default all), naming both."""
+    return [str(registry.unknown(kind, name)) for kind, name in sorted(registry.duplicates)
+            if kinds is None or kind in kinds]

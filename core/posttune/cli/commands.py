@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from posttune.cli import config_keys, generate, launch, merge, new_plugin
+from posttune.cli.main import warn
 from posttune.descriptors import Command
 from posttune.errors import PosttuneError, did_you_mean, first_line
-from posttune.plugins import PLUGIN_API, get_plugins, get_registry, hookimpl
-from posttune.registry import KINDS, duplicate_messages
+from posttune.plugins import PLUGIN_API, get_plugins, get_registry, hookimpl, problems
+from posttune.registry import KINDS
 
 POSTTUNE_PLUGIN_API = PLUGIN_API
 
@@ -30,7 +31,7 @@ def plugins_report() -> list[dict]:
         for kind in KINDS.values():
             names = [r.descriptor.name for r in registry.items(kind.key) if r.provenance.plugin == info.name]
             names += [name for (k, name), holders in registry.duplicates.items()
-                      if k == kind.key and any(p.plugin == info.name for p in holders)]
+                      if k == kind.key and any(h.provenance.plugin == info.name for h in holders)]
             if names:
                 registered[kind.plural] = sorted(names)
         report.append({
@@ -51,10 +52,12 @@ def _configure_plugins(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_plugins(args: argparse.Namespace) -> int:
+    """The report itself names what is wrong (a plugin's FAILED TO LOAD line, then one `problem:` line
+    each, the same as `"problems"` in JSON), and exits 0: listing broken plugins is this command's job."""
     report = plugins_report()
-    problems = duplicate_messages(get_registry())
+    found = problems(get_plugins())
     if args.json:
-        print(json.dumps({"plugins": report, "problems": problems}, indent=2))
+        print(json.dumps({"plugins": report, "problems": found}, indent=2))
         return 0
     for plugin in report:
         print(f"{plugin['distribution']} {plugin['version']}  ({plugin['name']})")
@@ -64,7 +67,7 @@ def _run_plugins(args: argparse.Namespace) -> int:
             print(f"  warning: {warning}")
         for kind, names in plugin["registers"].items():
             print(f"  {kind}: {', '.join(names)}")
-    for line in problems:
+    for line in found:
         print(f"problem: {line}")
     return 0
 
@@ -81,7 +84,16 @@ def _configure_ls(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_ls(args: argparse.Namespace) -> int:
+    """Usable names on stdout (text or JSON); a plugin that failed to load, and a name two plugins
+    registered, as a `posttune: warning:` line each on stderr, so a name missing here says why."""
     registry = get_registry()
+    shown = [LS_KINDS[args.kind]] if args.kind else list(LS_KINDS.values())
+    _print_ls(args, registry)
+    warn(problems(get_plugins(), [kind.key for kind in shown]))
+    return 0
+
+
+def _print_ls(args: argparse.Namespace, registry) -> None:
     if args.json:
         listing = {plural: {item.descriptor.name: {"distribution": item.provenance.distribution,
                                                    "version": item.provenance.version,
@@ -89,7 +101,7 @@ def _run_ls(args: argparse.Namespace) -> int:
                             for item in registry.items(kind.key)}
                    for plural, kind in LS_KINDS.items() if args.kind in (None, plural)}
         print(json.dumps(listing, indent=2))
-        return 0
+        return
     for plural in [args.kind] if args.kind else list(LS_KINDS):
         kind = LS_KINDS[plural]
         if not args.kind:
@@ -102,7 +114,6 @@ def _run_ls(args: argparse.Namespace) -> int:
             about = first_line(getattr(item.descriptor, "description", "") or "")
             indent = "  " if not args.kind else ""
             print(f"{indent}{item.descriptor.name:<{width}}  {item.provenance}  {about}".rstrip())
-    return 0
 
 
 # ---- posttune cp -----------------------------------------------------------------------------
@@ -174,8 +185,9 @@ class _TrustComponents(argparse.Action):
 def _configure_validate(parser: argparse.ArgumentParser) -> None:
     _configure_config(parser)
     parser.add_argument("--trust-components", action=_TrustComponents, nargs=0, default=False,
-                        help="allow a _component_ outside torch, torchao, posttune and the installed plugins "
-                             "(a config's _component_ runs code; also POSTTUNE_TRUST_COMPONENTS=1)")
+                        help="allow any _component_, not only optimizer and LR scheduler classes of torch, "
+                             "torchao, posttune and the installed plugins (a config's _component_ runs code; "
+                             "also POSTTUNE_TRUST_COMPONENTS=1)")
     launch.add_torchrun_options(parser)
 
 

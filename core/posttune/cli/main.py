@@ -10,34 +10,118 @@ import argparse
 import os
 import sys
 
-from posttune.errors import PosttuneError, one_line
+from posttune.errors import PluginError, PosttuneError, one_line
 
 USER_ERROR = 2
+CORE = "posttune"  # the core's distribution: its own commands are never isolated or displaced
+
+
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: its help lists the commands, so it also warns (on stderr) about plugins
+    that failed to load or clash, which may be why a command is missing."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.warnings: list[str] = []
+        self.commands: set[str] = set()
+        #: commands a plugin registered but whose arguments failed to set up: name -> why, in one line
+        self.unavailable: dict[str, str] = {}
+
+    def print_help(self, file=None) -> None:
+        super().print_help(file)
+        warn(self.warnings)
+
+
+def warn(lines: list[str]) -> None:
+    """``posttune: warning: LINE`` on stderr for each line, after what stdout already holds."""
+    sys.stdout.flush()
+    for line in lines:
+        print(f"posttune: warning: {line}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from posttune.plugins import describe, get_plugins, isolated, problems
     from posttune.version import __version__
-    from posttune.plugins import get_registry
 
-    parser = argparse.ArgumentParser(prog="posttune", description="LLM post-training as a core plus plugins.")
+    registry = get_plugins().registry
+    parser = _Parser(prog="posttune", description="LLM post-training as a core plus plugins.")
     parser.add_argument("--version", action="version", version=f"posttune {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for item in get_registry().items("command"):
-        command = item.descriptor
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser)
+    for item in _commands(registry):
+        command, provenance = item.descriptor, item.provenance
         epilog = "examples:\n" + "\n".join(f"  {line}" for line in command.examples) if command.examples else None
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help, epilog=epilog,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-        command.configure(sub)
+        parser.commands.add(command.name)
+        if provenance.distribution == CORE:
+            command.configure(sub)
+        else:  # a plugin's command: its failure costs that command only (main refuses to run it)
+            _, crash = isolated(command.configure, sub)
+            if crash is not None:
+                parser.unavailable[command.name] = (
+                    f"command '{command.name}' of plugin {provenance.plugin} from {provenance} failed to set up "
+                    f"its arguments: {describe(crash)}")
         sub.set_defaults(_run=command.run)
+    parser.warnings = problems(get_plugins()) + list(parser.unavailable.values())
     return parser
+
+
+def _commands(registry) -> list:
+    """The registered commands; where a plugin registers a name the core's own command has, the
+    core's is kept, so `posttune plugins` and `posttune ls` can still say what clashes."""
+    core = [holder for (kind, _name), holders in registry.duplicates.items() if kind == "command"
+            for holder in holders if holder.provenance.distribution == CORE]
+    return sorted([*registry.items("command"), *core], key=lambda item: item.descriptor.name)
+
+
+def _asks_for_version(argv: list[str]) -> bool:
+    """``--version`` (or an abbreviation argparse would take) among the options before the command,
+    before any ``-h``: answered without loading a plugin, so no plugin can break it."""
+    for arg in argv:
+        if not arg.startswith("--") or arg == "--" or "--help".startswith(arg):
+            return False
+        if "--version".startswith(arg):
+            return True
+    return False
+
+
+def _command_word(argv: list[str]) -> str | None:
+    """The command argv names: its first word that is not an option, unless help was asked first."""
+    for arg in argv:
+        if arg in ("-h", "--") or (arg.startswith("--h") and "--help".startswith(arg)):
+            return None
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+def _refuse_unavailable(parser: _Parser, argv: list[str]) -> None:
+    """A command a broken plugin would have provided gets one line naming the plugin, not argparse's
+    usage message."""
+    from posttune.plugins import get_registry
+
+    word = _command_word(argv)
+    if word is None:
+        return
+    if word in parser.unavailable:
+        raise PluginError(parser.unavailable[word])
+    registry = get_registry()
+    if word not in parser.commands and (registry.failed or ("command", word) in registry.duplicates):
+        raise registry.unknown("command", word)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
+    if _asks_for_version(argv):
+        from posttune.version import __version__
+
+        print(f"posttune {__version__}")
+        return 0
     try:
         parser = build_parser()
+        _refuse_unavailable(parser, argv)
         args = parser.parse_args(argv)
         if not getattr(args, "_run", None):
             parser.print_help()
