@@ -30,8 +30,8 @@ seen = {}
 page = os.sysconf("SC_PAGE_SIZE")
 step = trainer._optimizer_step
 
-def record_memory(session, window, log):
-    tokens = step(session, window, log)
+def record_memory(session, window, log, *rest):
+    tokens = step(session, window, log, *rest)
     if session.step in marks:
         with open("/proc/self/statm") as f:
             current = int(f.read().split()[1]) * page

@@ -76,8 +76,8 @@ def counting(self, input_ids, **kwargs):  # what the model computes, padding inc
 Decoder.forward = counting
 step = trainer._optimizer_step
 marks = []
-def timed(session, window, log):
-    tokens = step(session, window, log)
+def timed(session, window, log, *rest):
+    tokens = step(session, window, log, *rest)
     marks.append((time.perf_counter(), float(tokens), time.process_time(), positions[0]))
     return tokens
 trainer._optimizer_step = timed

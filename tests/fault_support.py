@@ -1,5 +1,6 @@
 """Run `posttune train` in a subprocess with one fault injected at a chosen moment (run-safety tests):
-SIGTERM after a step, a NaN loss, an infinite gradient or a NaN weight at a step, a failed write at the Nth save."""
+SIGTERM after a step, a NaN loss, an infinite gradient or a NaN weight at a step, a failed write at the Nth save
+(an injected OSError, or a real short write under a file size limit)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ FAULTS = textwrap.dedent("""
     mode, at = sys.argv[1], int(sys.argv[2])
     step = trainer._optimizer_step
 
-    def faulty_step(session, window, log):
+    def faulty_step(session, window, log, *rest):
         if session.step + 1 == at or (mode == "inf_grad_twice" and session.step + 1 == at + 1):
             if mode == "nan_loss":
                 reduce = window.reduce
@@ -33,7 +34,7 @@ FAULTS = textwrap.dedent("""
                         param.grad.fill_(float("inf"))
             elif mode == "nan_weight":  # what an overflowing update leaves behind; loss and grads are fine
                 next(p for p in session.model.parameters() if p.requires_grad).data[0] = float("nan")
-        tokens = step(session, window, log)
+        tokens = step(session, window, log, *rest)
         if mode.startswith("term") and session.step == at:
             os.kill(os.getpid(), signal.SIGTERM)
         return tokens
@@ -55,6 +56,16 @@ FAULTS = textwrap.dedent("""
     def failing_save(obj, path, *args, **kwargs):
         if str(path).endswith("optimizer.pt"):
             saves.append(path)
+            if len(saves) == at and mode == "fsize":  # a real short write: torch's own error, as on a full disk
+                import resource
+
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+                try:
+                    return real_save(obj, path, *args, **kwargs)
+                finally:
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
             if len(saves) == at:
                 raise OSError(code[mode], os.strerror(code[mode]), str(path))
         return real_save(obj, path, *args, **kwargs)
@@ -66,7 +77,7 @@ FAULTS = textwrap.dedent("""
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real_write(path, *args, **kwargs)
 
-    if mode in code:
+    if mode in code or mode == "fsize":
         torch.save = failing_save
     elif mode == "final_enospc":
         hf_save.write_file = failing_final_write

@@ -19,8 +19,8 @@ KILLER = textwrap.dedent("""
     mode, at = sys.argv[1], int(sys.argv[2])
     step = trainer._optimizer_step
 
-    def kill_after_step(session, window, log):
-        tokens = step(session, window, log)
+    def kill_after_step(session, window, log, *rest):
+        tokens = step(session, window, log, *rest)
         if session.step == at:
             os.kill(os.getpid(), signal.SIGKILL)
         return tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 from collections.abc import Callable
@@ -13,6 +14,18 @@ import pytest
 from posttune.descriptors import CheckpointConverter, MemoryTechnique, Method, ModelFamily, ParallelPlan
 from posttune.errors import ConfigError
 from posttune.plugins import hookimpl
+
+
+@pytest.fixture(autouse=True)
+def run_folder(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each core test runs in a folder of its own (not ``tmp_path``, which tests list) that holds
+    ``d.jsonl``, the chat data their configs name: validate checks that every data file exists.
+    Relative output directories land there too."""
+    folder = tmp_path_factory.mktemp("cwd")
+    row = {"messages": [{"role": "user", "content": "Reverse: AB"}, {"role": "assistant", "content": "BA"}]}
+    (folder / "d.jsonl").write_text(json.dumps(row) + "\n")
+    monkeypatch.chdir(folder)
+    return folder
 
 
 @pytest.fixture

@@ -98,9 +98,9 @@ def test_a_hub_model_fails_fast_when_the_hub_never_answers(tmp_path, silent_endp
     assert f"the hub is unreachable (no answer from {silent_endpoint} within 3 s)" in one_fast_line(done, seconds)
 
 
-def test_a_hub_tokenizer_fails_fast(tmp_path, silent_endpoint):
+def test_a_hub_tokenizer_fails_fast(tmp_path, silent_endpoint, run_folder):
     config = {"model": {"family": "llama", "size": "tiny"}, "tokenizer": {"path": "posttune-tests/no-such-tok"},
-              "method": "sft", "data": {"train": {"path": "d.jsonl"}}, "train": {"device": "cpu"},
+              "method": "sft", "data": {"train": {"path": str(run_folder / "d.jsonl")}}, "train": {"device": "cpu"},
               "checkpoint": {"output_dir": str(tmp_path / "out")}}
     done, seconds = posttune("train", write(tmp_path, config), cwd=tmp_path, endpoint=silent_endpoint)
     line = one_fast_line(done, seconds)

@@ -3,11 +3,13 @@ ends it too, within a bound; nothing hangs, and `resume: latest` continues the s
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import env, metrics, train, write_config
@@ -22,10 +24,10 @@ FAILING_WORKER = textwrap.dedent("""
 
     step = trainer._optimizer_step
 
-    def failing_step(session, window, log):
+    def failing_step(session, window, log, *rest):
         if os.environ["RANK"] == "1":
             raise RuntimeError("boom on rank 1")
-        return step(session, window, log)
+        return step(session, window, log, *rest)
 
     trainer._optimizer_step = failing_step
     sys.exit(worker.run(sys.argv[1:]))
@@ -63,8 +65,8 @@ KILLED_RANK_WORKER = textwrap.dedent("""
 
     step = trainer._optimizer_step
 
-    def step_then_die(session, window, log):
-        tokens = step(session, window, log)
+    def step_then_die(session, window, log, *rest):
+        tokens = step(session, window, log, *rest)
         if os.environ["RANK"] == "1" and session.step == 3:
             os.kill(os.getpid(), signal.SIGKILL)
         return tokens
@@ -122,3 +124,61 @@ def test_sigterm_to_posttune_train_under_torchrun_saves_on_every_rank_and_resume
     train(config, "checkpoint.resume=latest", nproc=2)
     expected = metrics(tmp_path / "straight" / "out")
     assert [(r["step"], r["loss"]) for r in metrics(out)] == [(r["step"], r["loss"]) for r in expected]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; its new parent reaps it
+
+
+def test_workers_whose_launcher_is_killed_stop_with_a_checkpoint_and_resume(tmp_path):
+    """SIGKILL to `posttune train --nproc-per-node 2` (torchrun's agent runs in that process): no
+    signal reaches the workers, so each notices its parent is gone, they agree on a step, save it
+    and exit; resuming continues the same losses."""
+    steps = 200
+    config = write_config(tmp_path / "orphaned", batch_size=4, parallel={"plans": ["fsdp2"]}, steps=steps)
+    out = tmp_path / "orphaned" / "out"
+    log = (tmp_path / "launcher.log").open("w")
+    command = [sys.executable, "-m", "posttune.cli.main", "train", str(config), "--nproc-per-node", "2",
+               "--standalone"]
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env())
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    workers = _children(proc.pid)
+    assert len(workers) == 2, (workers, (tmp_path / "launcher.log").read_text()[-3000:])
+    proc.kill()
+    proc.wait()
+    stopped_by = time.monotonic() + 60
+    try:
+        while time.monotonic() < stopped_by and any(_alive(pid) for pid in workers):
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in workers), "the workers trained on after their launcher died"
+    finally:
+        for pid in filter(_alive, workers):  # a failing run must not leave them training
+            os.kill(pid, signal.SIGKILL)
+    logged = metrics(out)
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert saved == [f"step-{logged[-1]['step']:08d}"] and logged[-1]["step"] < steps, saved
+    assert "the launcher (pid" in (tmp_path / "launcher.log").read_text()
+
+    resumed = train(config, "checkpoint.resume=latest", f"train.max_steps={logged[-1]['step'] + 2}", nproc=2)
+    assert f"resumed from step {logged[-1]['step']}" in resumed.stdout

@@ -5,6 +5,7 @@ learning rate made NaN or Inf are never written over a good model."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -22,9 +23,11 @@ def config(tmp_path, make_config):
     return path, tmp_path / "out"
 
 
-def steps_saved(out) -> list[int]:
+def steps_saved(out, suffix: str = "") -> list[int]:
+    """The steps of the checkpoints kept (``suffix=".unstable"``: of those marked unstable)."""
     root = out / "checkpoints"
-    return sorted(int(p.name[5:]) for p in root.iterdir() if p.name.startswith("step-")) if root.is_dir() else []
+    return sorted(int(p.name[5:len(p.name) - len(suffix)]) for p in root.iterdir()
+                  if re.fullmatch(rf"step-\d+{re.escape(suffix)}", p.name)) if root.is_dir() else []
 
 
 def test_a_nan_loss_stops_the_run_at_that_step_without_saving_it(config):
@@ -32,9 +35,10 @@ def test_a_nan_loss_stops_the_run_at_that_step_without_saving_it(config):
     result = train(str(path), fault=("nan_loss", 3))
     assert result.returncode == 2
     assert error_line(result) == ("posttune: error: train: step 3: the loss is nan; stopped (train.skip_nonfinite lets "
-                                  "a run skip such steps), without saving this step: the last checkpoint is the last "
-                                  "good state")
-    assert steps_saved(out) == [1, 2] and not (out / "model").exists()
+                                  "a run skip such steps), without saving this step; the last trusted checkpoint is "
+                                  "step-00000001 (checkpoint.resume=latest continues from it)")
+    # step 3 ran on step 2's weights: that checkpoint is set aside, and resume: latest takes step 1
+    assert steps_saved(out) == [1] and steps_saved(out, ".unstable") == [2] and not (out / "model").exists()
 
 
 def test_an_infinite_gradient_is_skipped_within_the_allowance(config):
@@ -54,7 +58,7 @@ def test_past_the_allowance_the_run_stops_naming_the_step(config):
     assert result.returncode == 2
     assert error_line(result).startswith("posttune: error: train: step 3: the grad norm is inf; stopped after "
                                          "skipping 1 such step(s) (train.skip_nonfinite: 1)")
-    assert steps_saved(out) == [1, 2]
+    assert steps_saved(out) == [1] and steps_saved(out, ".unstable") == [2]
 
 
 def test_a_diverging_run_never_writes_over_a_good_model(config):
@@ -70,3 +74,61 @@ def test_a_diverging_run_never_writes_over_a_good_model(config):
                                     f"too large?); stopped before writing checkpoint {out}/checkpoints/step-00000002, "
                                     "which would hold them")
     assert steps_saved(out) == [1] and tree_digest(out / "model") == good
+
+
+def test_an_overflowing_run_keeps_the_last_trusted_checkpoint_and_resumes_with_a_lower_lr(config):
+    """lr 1e30: step 1 leaves weights that are finite (~1e29) but give a NaN/Inf at step 2. That
+    checkpoint is set aside; with none left, a resume starts afresh, and a lowered train.lr applies
+    (before, every resume picked the poisoned checkpoint and ignored the new learning rate)."""
+    path, out = config
+    blown = ["train.lr=1e30", "checkpoint.keep_last=1"]
+    result = train(str(path), *blown)
+    assert result.returncode == 2
+    line = error_line(result)
+    assert line.startswith("posttune: error: train: step ") and line.endswith(
+        "; no trusted checkpoint is left (checkpoint.resume=latest starts afresh)"), line
+    assert line.startswith("posttune: error: train: step 2: "), line
+    assert steps_saved(out) == [] and steps_saved(out, ".unstable") == [1]
+    resumed = train(str(path), "checkpoint.keep_last=1", "train.lr=0.05", "checkpoint.resume=latest",
+                    "train.max_steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume: no checkpoint yet, starting at step 0" in resumed.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and all(r["lr"] == 0.05 for r in records)
+    assert steps_saved(out) == [3]  # keep_last 1: the last step's checkpoint, trusted at the end of the run
+
+
+def test_an_exploding_step_sets_the_checkpoint_it_ran_on_aside(tmp_path):
+    """Probation in isolation: a checkpoint is trusted after a calm step and set aside after an
+    exploding one; only the newest set-aside checkpoint is kept."""
+    import types
+
+    from posttune.training import nonfinite, state
+
+    root = tmp_path / "out" / state.CHECKPOINTS
+    session = types.SimpleNamespace(resume_from=None, run_id="r", config=types.SimpleNamespace(
+        checkpoint=types.SimpleNamespace(keep_last=1, output_dir=str(tmp_path / "out"))))
+    notes: list[str] = []
+
+    def save(step: int):
+        directory = root / f"step-{step:08d}"
+        directory.mkdir(parents=True)
+        (directory / state.STATE_FILE).write_text(json.dumps({"step": step, "run_id": "r"}))
+        probation.saved(session, directory)
+
+    probation = nonfinite.Probation(session, [{"loss": 2.0, "grad_norm": 1.0}, {"loss": 1.8, "grad_norm": 1.2}])
+    save(1)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+    probation.judge(session, 1.7, 1.1, notes.append)  # calm: step 1 is trusted
+    save(2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002"]  # 1 stays while 2 is judged
+    probation.judge(session, 1.6, 150.0, notes.append)  # over 100x the median grad norm
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002.unstable"]
+    assert notes == ["warning: checkpoint step-00000002.unstable is unstable: the step after it had grad norm 150, "
+                     "over 100x the run's median 1.1; resume: latest skips it"]
+    save(3)
+    probation.judge(session, 500.0, 1.0, notes.append)  # the loss this time: over 100x its median
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000003.unstable"]
+    save(4)
+    probation.judge(session, 1.5, 1.0, notes.append)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003.unstable", "step-00000004"]

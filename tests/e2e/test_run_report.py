@@ -38,10 +38,16 @@ def test_a_resume_names_what_changed_in_the_config(llama_sft, posttune_cli, writ
     result = posttune_cli("train", str(path), "checkpoint.resume=latest", "train.lr=0.002")
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("config changed")]
-    assert lines == ["config changed since the checkpoint: train.lr 0.001 -> 0.002 (the optimizer resumes with "
-                     "the checkpoint's learning rate)"]
+    assert lines == ["config changed since the checkpoint: train.lr 0.001 -> 0.002 (the new learning rate "
+                     "applies: the schedule continues from the checkpoint's step)"]
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["lr"]) for r in logged] == [(1, 0.001), (2, 0.001)]  # the run had ended at max_steps 2
     assert f"resumed from step 2 ({tmp_path / 'out' / 'checkpoints' / 'step-00000002'})" in result.stdout
     assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["train"]["lr"] == 0.002  # overwritten
+    again = posttune_cli("train", str(path), "checkpoint.resume=latest", "train.lr=0.004", "train.max_steps=3")
+    assert again.exit_code == 0, again.stderr
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["step"] == 3 and logged[-1]["lr"] == 0.004  # a constant schedule: exactly the new rate
 
 
 def test_config_changes_are_dotted_keys():

@@ -107,9 +107,10 @@ def test_leftovers_of_interrupted_writes_are_removed_at_start(llama_sft, posttun
     for leftover in leftovers:
         leftover.mkdir(parents=True)
         (leftover / "junk.bin").write_bytes(b"x")
-    keep = out / "notes"  # not ours: never touched
+    (out / "run.json").write_text(json.dumps({"run_id": "killed0run", "resumed_from": None, "started": 0}))
+    keep = out / "notes"  # not ours: never touched (the directory is a killed run's: run.json marks it)
     keep.mkdir()
-    result = posttune_cli("train", str(path))
+    result = posttune_cli("train", str(path), "checkpoint.resume=latest")
     assert result.exit_code == 0, result.stderr
     assert not any(p.exists() for p in leftovers) and keep.is_dir()
 

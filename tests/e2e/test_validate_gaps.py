@@ -39,6 +39,19 @@ def saved_adapter(tmp_path, rank: int = 4):
     return folder
 
 
+def missing_file(tmp_path, split: str) -> dict:
+    config = sft_config(tmp_path)
+    config["data"][split] = {"path": str(tmp_path / "nowhere" / f"{split}.jsonl"), "format": "chat"}
+    return config
+
+
+def empty_folder(tmp_path) -> dict:
+    config = sft_config(tmp_path)
+    (tmp_path / "empty").mkdir()
+    config["data"]["validation"] = {"path": str(tmp_path / "empty"), "format": "chat"}
+    return config
+
+
 def starting_from(tmp_path, folder) -> dict:
     return sft_config(tmp_path, adapter={"rank": 4, "alpha": 8, "init_from": str(folder)})
 
@@ -48,11 +61,17 @@ def starting_from(tmp_path, folder) -> dict:
     (lambda tmp: sft_config(tmp, train={"optimizer": "adamw8bit"}), "train.optimizer",
      "memory: [adamw_8bit]"),
     (without_train_path, "data.train.path", ""),
+    (lambda tmp: missing_file(tmp, "train"), "data.train.path", "no such file or directory"),
+    (lambda tmp: missing_file(tmp, "validation"), "data.validation.path", "no such file or directory"),
+    (empty_folder, "data.validation.path", "holds no json/jsonl/parquet/csv/txt files"),
+    (lambda tmp: sft_config(tmp, tokenizer={"path": str(tmp / "nowhere")}), "tokenizer.path", "no such folder"),
+    (lambda tmp: sft_config(tmp, tokenizer={"path": str(tmp)}), "tokenizer.path", "has no tokenizer.json"),
     (alpaca_rows_as_chat, "data.train.format", "cannot read the first row"),
     (lambda tmp: starting_from(tmp, tmp / "nowhere"), "adapter.init_from", "no adapter_config.json"),
     (lambda tmp: starting_from(tmp, saved_adapter(tmp, rank=8)), "adapter.init_from",
      "rank 8 (saved) vs 4 (adapter.rank)"),
-], ids=["scheduler", "low-bit-optimizer", "missing-path", "format-vs-rows", "init-from-missing",
+], ids=["scheduler", "low-bit-optimizer", "missing-path", "missing-train-file", "missing-validation-file",
+        "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "init-from-missing",
         "init-from-other-rank"])
 def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, tmp_path, make, field, words):
     result = validate(posttune_cli, tmp_path, make(tmp_path))

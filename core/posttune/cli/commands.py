@@ -157,17 +157,19 @@ def resolve(args: argparse.Namespace, world_size: int | None = 1):
     from posttune.plan import resolve_plan
 
     from posttune.checkpoint.peft_config import check_init_from
-    from posttune.config.first_row import check_first_rows
+    from posttune.config.data_checks import check_data
 
     config = validate(load_config(args.config, args.overrides))
     plan = resolve_plan(config, get_registry(), world_size=world_size)
-    check_first_rows(plan)  # a format that cannot read the data: refused before any weight loads
+    check_data(plan)  # a missing data file, or a format that cannot read it: refused before any weight loads
     check_init_from(config.adapter)  # an adapter to start from that cannot be loaded: likewise
     # validate sees what train would refuse about the output directory (torchrun: rank 0 checks)
     if getattr(args, "command", None) in ("validate", "train") and os.environ.get("RANK", "0") == "0":
-        from posttune.training.output_dir import check_output_dir
+        from posttune.training import resume_identity
+        from posttune.training.output_dir import check_output_dir, resume_candidate
 
         check_output_dir(config)
+        resume_identity.check(plan, resume_candidate(config))  # a resume that would misread its checkpoint
     return plan
 
 

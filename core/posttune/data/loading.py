@@ -7,20 +7,15 @@ not exist and does not look like a hub name is reported as a missing file, namin
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from posttune import hub
+from posttune.config.data_checks import local_files, local_path
 from posttune.config.schema import DatasetConfig
 from posttune.data.local_files import check_files, explain_failure
 from posttune.errors import ConfigError, first_line
-
-#: file extension -> the `datasets` packaged builder that reads it
-BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-# "name" or "owner/name", as the hub spells dataset ids; anything else is meant as a local path
-_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def load_rows(config: DatasetConfig, *, where: str = "data.train", skip_bad_rows: bool = False,
@@ -30,44 +25,19 @@ def load_rows(config: DatasetConfig, *, where: str = "data.train", skip_bad_rows
     Local files are checked first (``local_files.check_files``): with ``skip_bad_rows`` the
     unreadable lines of line-based files are dropped and added to ``skipped.bad_rows``.
     """
-    path = Path(config.path).expanduser()
-    if path.exists():
-        builder, files = _local_files(path, where)
+    path = local_path(config, where)
+    if path is not None:
+        builder, files = local_files(path, where)
         files, dropped = check_files(files, builder, where, skip_bad_rows=skip_bad_rows)
         if dropped and skipped is not None:
             skipped.bad_rows += dropped
         split = _local_split(config.split)
         return _load(where, str(path), builder, data_files=files, split=split, streaming=config.streaming,
                      explain=lambda: explain_failure(files, builder))
-    if path.suffix in BUILDERS or not _HUB_NAME.match(config.path) or hub.first_part_exists(config.path):
-        raise ConfigError(f"{where}.path", f"no such file or directory {config.path!r}")
     if not hub.offline_requested(datasets=True) and not hub.reachable():  # else retries for half a minute
         raise hub.unreachable(config.path, f"config: {where}.path", local="a local file or folder", cache_tried=False)
     return _load(where, config.path, config.path, name=config.subset, split=config.split,
                  streaming=config.streaming, hint="; no local file or directory has that name either")
-
-
-def _local_files(path: Path, where: str) -> tuple[str, list[str]]:
-    """The builder and the sorted data files of a file or a folder (searched recursively)."""
-    if path.is_file():
-        files = [path]
-    else:
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDERS
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        if not files:
-            raise ConfigError(f"{where}.path", f"{path} holds no {'/'.join(_extensions())} files")
-    builders = {BUILDERS.get(p.suffix) for p in files}
-    if None in builders:
-        raise ConfigError(f"{where}.path", f"cannot read {path.suffix or 'extension-less'} files "
-                                           f"(expected one of {', '.join(_extensions())})")
-    if len(builders) > 1:
-        raise ConfigError(f"{where}.path", f"{path} mixes file types ({', '.join(sorted(builders))}); "
-                                           f"keep one type per folder")
-    return builders.pop(), [str(p) for p in files]
-
-
-def _extensions() -> list[str]:
-    return [ext.lstrip(".") for ext in BUILDERS]
 
 
 def _local_split(split: str) -> str:

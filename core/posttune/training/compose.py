@@ -28,10 +28,10 @@ from torch import nn
 from posttune.checkpoint import materialize as mat
 from posttune.checkpoint.origin import ModelOrigin, attach
 from posttune.errors import ConfigError, PosttuneError
-from posttune.plan import Plan, applies_to_frozen
+from posttune.plan import Plan, applies_to_frozen, build_kwargs
 from posttune.registry import Registered
 from posttune.session import ModelTarget, Session
-from posttune.training import distributed, state
+from posttune.training import distributed, resume_identity, state
 from posttune.training.metrics import read_metrics
 from posttune.training.optim import build_optimizer, build_scheduler
 from posttune.training.output_dir import record_run
@@ -47,6 +47,7 @@ def compose(plan: Plan) -> Session:
     seed_everything(plan.config.train.seed)
     session.tokenizer = load_tokenizer(session)
     session.resume_from, session.run_id = state.find_resume(session)
+    resume_identity.check(plan, session.resume_from)  # before anything is written or loaded
     if distributed.is_main():  # the lineage a later `resume: latest` in this directory follows
         record_run(Path(plan.config.checkpoint.output_dir), session.run_id, session.resume_from)
     build_policy(session)
@@ -147,13 +148,12 @@ def build_roles(session: Session) -> None:
 def build_model(target: ModelTarget) -> nn.Module:
     """The target's family model on the meta device: no memory is spent until the ``load`` stage."""
     config, family = target.config, target.family
+    hf_config = None
     if config.path is not None:
         from posttune.checkpoint.source import local_dir, read_hf_config
 
         hf_config = read_hf_config(local_dir(config.path))
-        kwargs = {**family.from_hf_config(hf_config), **config.build_overrides}
-    else:
-        hf_config, kwargs = None, {**family.sizes[config.size], **config.build_overrides}
+    kwargs = build_kwargs(config, family, hf_config)
     try:
         model = mat.build(family.build, kwargs, DTYPES[config.dtype], "meta")
     except TypeError as exc:  # a builder argument the family does not take: name the override

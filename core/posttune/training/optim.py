@@ -95,3 +95,27 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, total_
         raise ConfigError("train.scheduler", f"unknown schedule '{train.scheduler}' (known: {', '.join(SCHEDULES)}, "
                                              f"or a _component_ mapping){did_you_mean(train.scheduler, SCHEDULES)}")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train.scheduler, train.warmup_steps, total_steps))
+
+
+def rescale_lr(optimizer: Any, scheduler: Any, ratio: float) -> None:
+    """Multiply every learning rate the optimizer and its schedule hold by ``ratio``.
+
+    A resume that changes ``train.lr`` applies it this way: the checkpoint's optimizer and scheduler
+    state carry the old base rate, and the schedule continues from the resumed step at the new one.
+    Wrapped schedulers (optimizer-in-backward's) expose the core's as ``scheduler``; an optimizer that
+    copies its rates elsewhere (the same technique's per-parameter optimizers) offers ``sync_lr``.
+    """
+    for group in optimizer.param_groups:
+        for key in ("lr", "initial_lr"):
+            if key in group:
+                value = group[key]
+                if isinstance(value, torch.Tensor):  # torchao's optimizers keep a tensor LR
+                    value.mul_(ratio)
+                else:
+                    group[key] = value * ratio
+    inner = getattr(scheduler, "scheduler", scheduler)
+    for attribute in ("base_lrs", "_last_lr"):
+        if isinstance(getattr(inner, attribute, None), list):
+            setattr(inner, attribute, [value * ratio for value in getattr(inner, attribute)])
+    if callable(getattr(optimizer, "sync_lr", None)):
+        optimizer.sync_lr()

@@ -8,7 +8,11 @@ A run (or a chain of resumed runs: a *lineage*) owns ``checkpoint.output_dir``:
 - a new run refuses a directory that holds another run's results unless it resumes
   (``checkpoint.resume``) or is told to start afresh (``checkpoint.overwrite: true``);
 - ``run.json`` names the lineage (its run id), which each checkpoint also records, so
-  pruning and ``resume: latest`` only ever consider checkpoints of this lineage.
+  pruning and ``resume: latest`` only ever consider checkpoints of this lineage;
+- ``run.json`` is also the mark of a run's own directory: an output directory must be new, empty
+  or marked, and never the filesystem root, the home directory, or a path that resolves inside
+  another run's directory (through ``..`` or a symlink), so a run never writes over the user's
+  files or nests in (and prunes) another run.
 
 Everything here is torch-free: ``posttune validate`` runs the same checks as ``train``
 ("nothing validate accepts fails later for a reason it could have seen").
@@ -33,6 +37,9 @@ from posttune.training import run_lock
 from posttune.training.write_errors import writing
 
 RUN_FILE = "run.json"
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+STEP_DIR = re.compile(r"^step-(\d+)$")
 METRICS = "metrics.jsonl"
 #: what a finished or interrupted run leaves that a new run must not silently replace
 RESULTS = ("checkpoints", "model", "adapter", METRICS)
@@ -50,10 +57,46 @@ def check_output_dir(config: Any, *, lock: bool = True) -> None:
     """Refuse, in one line, an output directory this run could not own: not writable, a path
     under a file, held by a live run (``lock``), or holding another run's results."""
     out = output_path(config)
+    check_ownable(config)
     check_writable(out)
     if lock and (who := run_lock.holder(out)) is not None:
         raise run_lock.in_use(out, who)
     check_results(config)
+
+
+#: what a directory may hold before its first run writes ``run.json``: the lock, probes, leftovers
+UNMARKED_OK = re.compile(r"^(\.posttune\.lock|\.posttune-probe-.*|\..+\.(tmp|old)-[0-9a-f]{8})$")
+
+
+def check_ownable(config: Any) -> None:
+    """Refuse a directory the run could not call its own: the filesystem root, the home directory,
+    a folder of other files (the user's ``config.yaml`` among them), a path inside another run's
+    directory, or a symlink to another run that ``overwrite`` would empty."""
+    out = output_path(config)
+    real = out.resolve()
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError("checkpoint.output_dir", f"{out} {why}")
+
+    if real == Path(real.anchor) or real == Path.home().resolve():
+        raise refuse(f"is {'the filesystem root' if real == Path(real.anchor) else 'your home directory'}; "
+                     "name a folder of its own for the run, e.g. outputs/my-run")
+    for parent in real.parents:
+        if (parent / RUN_FILE).is_file():
+            raise refuse(f"resolves to {real}, inside the output directory of another run ({parent}); choose a "
+                         "folder outside it")
+    if not real.is_dir():
+        return
+    if (real / RUN_FILE).is_file():
+        if out.is_symlink() and config.checkpoint.overwrite and config.checkpoint.resume is None:
+            raise refuse(f"is a symlink to {real}, another run's output directory, and checkpoint.overwrite "
+                         f"would remove its results; name {real} itself to start afresh there")
+        return
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in real.iterdir() if not UNMARKED_OK.match(p.name))
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise refuse(f"holds files that are not a posttune run's ({shown}; no {RUN_FILE}); an output directory "
+                     "must be new, empty, or a run's own: choose another")
 
 
 def check_writable(out: Path) -> None:
@@ -105,10 +148,12 @@ def claimed(config: Any, *, main: bool) -> Iterator[None]:
         yield
         return
     out = output_path(config)
+    check_ownable(config)
     check_writable(out)
     with writing(out, "output directory"):
         fd = run_lock.acquire(out)
     try:
+        check_ownable(config)  # again under the lock: the folder may have changed since
         check_results(config)
         with writing(out, "output directory"):
             clean_leftovers(out)
@@ -169,3 +214,53 @@ def record_run(out: Path, run_id: str, resumed_from: Path | None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         os.replace(tmp, out / RUN_FILE)
+
+
+# ---- the checkpoints of a lineage ---------------------------------------------------------------
+
+def checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (temp dirs of a killed save are ignored)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def run_id_of(checkpoint: Path) -> str | None:
+    """The lineage a checkpoint belongs to: its run id, ``""`` for one written before run ids
+    existed (it belongs to any lineage), None when its trainer state is unreadable."""
+    try:
+        return str(json.loads((checkpoint / STATE_FILE).read_text()).get("run_id") or "")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def lineage(root: Path, run_id: str | None) -> list[Path]:
+    """The checkpoints of lineage ``run_id`` (None: of any), oldest first."""
+    return [p for p in checkpoints(root) if run_id is None or run_id_of(p) in (run_id, "")]
+
+
+def prune(root: Path, keep_last: int | None, run_id: str | None = None) -> None:
+    """Keep the newest ``keep_last`` checkpoints of lineage ``run_id`` (another run's are never
+    touched); remove temp dirs that a killed save left behind."""
+    for torn in root.glob(".step-*"):
+        if LEFTOVER.match(torn.name):
+            shutil.rmtree(torn, ignore_errors=True)
+    if keep_last is None:
+        return
+    mine = lineage(root, run_id)
+    for old in mine[:-keep_last] if keep_last > 0 else mine:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def resume_candidate(config: Any) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` points at, unverified (validate's view; train verifies it):
+    the newest of the lineage for ``latest``, the path itself otherwise, None for a fresh run."""
+    resume = config.checkpoint.resume
+    if resume is None:
+        return None
+    if resume != "latest":
+        return Path(resume).expanduser()
+    out = output_path(config)
+    found = lineage(out / CHECKPOINTS, recorded_run_id(out))
+    return found[-1] if found else None

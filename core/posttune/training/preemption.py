@@ -6,7 +6,12 @@ the checkpoint holds a consistent state. Under torchrun every rank must stop at 
 (a checkpoint is collective), so the flag is all-reduced each step: one integer. A second
 SIGTERM exits at once; one that arrives within ``DUPLICATE_S`` of the first is taken for the
 same request delivered twice (SLURM signals every process of a step and torchrun forwards
-its own signal to the workers too). docs/training.md, "Preemption".
+its own signal to the workers too).
+
+A torchrun worker whose launcher dies outright (SIGKILL, the OOM killer) is reparented and
+would train on unsupervised to the end; a watcher thread notices the parent pid change within
+``PARENT_POLL_S`` and asks for the same stop: checkpoint at the current step, exit 143.
+docs/training.md, "Preemption".
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,33 +30,54 @@ from typing import Any
 PREEMPTED = 128 + signal.SIGTERM
 DUPLICATE_S = 2.0
 
+PARENT_POLL_S = 1.0
+
 _requested_at: float | None = None
+_why = "SIGTERM"
 
 
 class Preempted(Exception):  # noqa: N818 - not an error: the run stopped as asked
-    """The run stopped on SIGTERM after writing ``checkpoint`` at ``step``."""
+    """The run stopped on SIGTERM (or its launcher's death) after writing ``checkpoint`` at ``step``."""
 
     def __init__(self, step: int, checkpoint: Path):
         self.step, self.checkpoint = step, checkpoint
-        super().__init__(f"preempted by SIGTERM: saved checkpoint {checkpoint} at step {step}; resume with "
+        super().__init__(f"preempted by {_why}: saved checkpoint {checkpoint} at step {step}; resume with "
                          "checkpoint.resume=latest")
 
 
 @contextlib.contextmanager
 def watching() -> Iterator[None]:
     """Catch SIGTERM for the duration of the loop (main thread only; elsewhere nothing changes)."""
-    global _requested_at
-    _requested_at = None
+    global _requested_at, _why
+    _requested_at, _why = None, "SIGTERM"
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread: leave signals to whoever owns them
         yield
         return
+    done = threading.Event()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its launcher may die without a word
+        threading.Thread(target=_watch_parent, args=(os.getppid(), done), name="posttune-parent-watch",
+                         daemon=True).start()
     try:
         yield
     finally:
+        done.set()
         signal.signal(signal.SIGTERM, previous)
         _requested_at = None
+
+
+def _watch_parent(parent: int, done: threading.Event) -> None:
+    """Ask for a stop once this process has a new parent: the launcher that started it is gone."""
+    global _requested_at, _why
+    while not done.wait(PARENT_POLL_S):
+        if os.getppid() != parent:
+            _why = f"the death of its launcher (pid {parent})"
+            if _requested_at is None:
+                _requested_at = time.monotonic()
+            print(f"posttune: the launcher (pid {parent}) is gone: stopping at the end of this step, with a "
+                  "checkpoint", file=sys.stderr, flush=True)
+            return
 
 
 def _on_sigterm(signum: int, _frame: Any) -> None:

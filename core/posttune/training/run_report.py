@@ -29,8 +29,8 @@ CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 #: keys that say how this invocation starts, not what the run is: never reported as a change
 HOW_TO_START = ("checkpoint.resume", "checkpoint.overwrite")
-#: the checkpoint's optimizer and scheduler state carry the old base learning rate: a change does not apply
-KEPT_BY_OPTIMIZER = "train.lr "
+#: the checkpoint's optimizer and scheduler carry the old base learning rate; a new one is applied to both
+RESCALED = "train.lr "
 
 
 # ---- the resolved config -------------------------------------------------------------------------
@@ -62,8 +62,8 @@ def save_config(plan: Any, out: Path) -> str | None:
         changes = config_changes(_read_yaml(path), config)
         if changes:
             line = "config changed since the checkpoint: " + ", ".join(changes)
-            if any(change.startswith(KEPT_BY_OPTIMIZER) for change in changes):
-                line += " (the optimizer resumes with the checkpoint's learning rate)"
+            if any(change.startswith(RESCALED) for change in changes):
+                line += " (the new learning rate applies: the schedule continues from the checkpoint's step)"
     write_atomically(path, yaml.safe_dump(config, sort_keys=False), "config")
     return line
 

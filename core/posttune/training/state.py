@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,15 +35,14 @@ import torch
 from posttune.checkpoint.atomic import atomic_dir
 from posttune.errors import PosttuneError
 from posttune.session import Session
-from posttune.training import distributed, nonfinite
+from posttune.training import distributed, nonfinite, resume_identity
 from posttune.training.manifest import MANIFEST, damage, write_manifest
-from posttune.training.output_dir import LEFTOVER, new_run_id, recorded_run_id
-from posttune.training.write_errors import writing
+from posttune.training.resume_identity import IDENTITY
+from posttune.training.output_dir import (CHECKPOINTS, STATE_FILE, STEP_DIR, checkpoints, lineage, new_run_id,
+                                          prune, recorded_run_id, run_id_of)
+from posttune.training.write_errors import torch_write_failed, writing
 
-CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.json"
 METHOD_FILE = "method-{rank:05d}.pt"
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def checkpoint_root(session: Session) -> Path:
@@ -53,7 +50,7 @@ def checkpoint_root(session: Session) -> Path:
 
 
 def save_checkpoint(session: Session) -> Path:
-    """Write step ``session.step``'s checkpoint and prune to ``keep_last``; return its path.
+    """Write step ``session.step``'s checkpoint; return its path (the trainer's probation prunes).
 
     Every rank calls it; a sharded model is written by all ranks, anything else by rank 0.
     Weights that hold NaN or Inf are refused before anything is written.
@@ -62,8 +59,6 @@ def save_checkpoint(session: Session) -> Path:
     nonfinite.check_weights(session, f"checkpoint {target}")
     with writing(target, "checkpoint"):
         _write_checkpoint(session, target)
-    if distributed.is_main():
-        prune(checkpoint_root(session), session.config.checkpoint.keep_last, session.run_id)
     return target
 
 
@@ -73,15 +68,17 @@ def _write_checkpoint(session: Session, target: Path) -> None:
 
     def write_method_state(tmp: Path) -> None:  # every rank, its own file
         if method.state_dict is not None:
-            torch.save(method.state_dict(session), tmp / METHOD_FILE.format(rank=distributed.rank()))
+            save_torch(method.state_dict(session), tmp / METHOD_FILE.format(rank=distributed.rank()))
 
     def write_trainer_state(tmp: Path) -> None:  # rank 0, last: every other file is in place
-        torch.save(session.scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
+        save_torch(session.scheduler.state_dict(), tmp / "scheduler.pt")
+        save_torch(rng_state(), tmp / "rng.pt")
         data = session.train_data.state_dict() if hasattr(session.train_data, "state_dict") else None
         (tmp / STATE_FILE).write_text(json.dumps({"step": session.step, "epoch": session.epoch, "data": data,
                                                   "run_id": session.run_id,
-                                                  "skipped_nonfinite": session.skipped_nonfinite}, indent=2))
+                                                  "skipped_nonfinite": session.skipped_nonfinite,
+                                                  "lr": session.config.train.lr,
+                                                  IDENTITY: resume_identity.of(session.plan)}, indent=2))
         write_manifest(tmp)
 
     if distributed.is_sharded(session.model):
@@ -92,9 +89,17 @@ def _write_checkpoint(session: Session, target: Path) -> None:
     elif distributed.is_main():
         with atomic_dir(target, replaceable=(STATE_FILE, MANIFEST)) as tmp:
             save_model_or_adapter(session, tmp / "model")
-            torch.save(session.optimizer.state_dict(), tmp / "optimizer.pt")
+            save_torch(session.optimizer.state_dict(), tmp / "optimizer.pt")
             write_method_state(tmp)
             write_trainer_state(tmp)
+
+
+def save_torch(obj: Any, path: Path) -> None:
+    """``torch.save``, whose failed write becomes an OSError naming the file (``writing`` reports it)."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as exc:
+        raise torch_write_failed(exc, path) from None
 
 
 def save_model_or_adapter(session: Session, directory: Path) -> Path:
@@ -133,41 +138,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first (temp dirs of a killed save are ignored)."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
-
-
-def run_id_of(checkpoint: Path) -> str | None:
-    """The lineage a checkpoint belongs to: its run id, ``""`` for one written before run ids
-    existed (it belongs to any lineage), None when its trainer state is unreadable."""
-    try:
-        return str(json.loads((checkpoint / STATE_FILE).read_text()).get("run_id") or "")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def lineage(root: Path, run_id: str | None) -> list[Path]:
-    """The checkpoints of lineage ``run_id`` (None: of any), oldest first."""
-    return [p for p in checkpoints(root) if run_id is None or run_id_of(p) in (run_id, "")]
-
-
-def prune(root: Path, keep_last: int | None, run_id: str | None = None) -> None:
-    """Keep the newest ``keep_last`` checkpoints of lineage ``run_id`` (another run's are never
-    touched); remove temp dirs that a killed save left behind."""
-    for torn in root.glob(".step-*"):
-        if LEFTOVER.match(torn.name):
-            shutil.rmtree(torn, ignore_errors=True)
-    if keep_last is None:
-        return
-    mine = lineage(root, run_id)
-    for old in mine[:-keep_last] if keep_last > 0 else mine:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def find_resume(session: Session) -> tuple[Path | None, str]:
@@ -230,6 +200,11 @@ def load_trainer_state(session: Session, path: Path) -> None:
     else:
         session.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     session.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    saved_lr, lr = meta.get("lr"), session.config.train.lr
+    if isinstance(saved_lr, (int, float)) and saved_lr > 0 and saved_lr != lr:  # train.lr changed: it applies
+        from posttune.training.optim import rescale_lr
+
+        rescale_lr(session.optimizer, session.scheduler, lr / saved_lr)
     if meta.get("data") is not None and hasattr(session.train_data, "load_state_dict"):
         session.train_data.load_state_dict(meta["data"])
     method = session.plan.method.descriptor

@@ -31,7 +31,7 @@ import torch
 
 from posttune.session import Session
 from posttune.training import distributed, nonfinite, preemption, state
-from posttune.training.metrics import MetricsLog, peak_memory_mib
+from posttune.training.metrics import MetricsLog, peak_memory_mib, read_metrics
 
 
 @dataclass
@@ -96,6 +96,7 @@ def train(session: Session) -> dict[str, Any]:
     session.model.train()
     window = Window()
     run_start, run_tokens = time.perf_counter(), 0.0
+    probation = nonfinite.Probation(session, read_metrics(log.path.parent) if session.resume_from else ())
     with preemption.watching(), contextlib.closing(log):
         while session.step < session.total_steps:
             for batch in batches(session):
@@ -108,31 +109,31 @@ def train(session: Session) -> dict[str, Any]:
                     out.loss_sum.backward()
                 window.add(out)
                 if window.micro == config.grad_accum_steps:
-                    run_tokens += _optimizer_step(session, window, log)
-                    _stop_if_asked(session, log)
+                    run_tokens += _optimizer_step(session, window, log, probation)
+                    _stop_if_asked(session, log, probation)
                     window = Window()
                     if session.step >= session.total_steps:
                         break
             else:  # the epoch ran out: a partial accumulation still makes a step
                 if window.micro:
-                    run_tokens += _optimizer_step(session, window, log)
-                    _stop_if_asked(session, log)
+                    run_tokens += _optimizer_step(session, window, log, probation)
+                    _stop_if_asked(session, log, probation)
                     window = Window()
                 session.epoch += 1
                 if hasattr(session.train_data, "set_epoch"):
                     session.train_data.set_epoch(session.epoch)
+        probation.finish(session)
         return _summary(session, log, steps_run=session.step - first_step, tokens=run_tokens,
                         seconds=time.perf_counter() - run_start)
 
 
-def _stop_if_asked(session: Session, log: MetricsLog) -> None:
+def _stop_if_asked(session: Session, log: MetricsLog, probation: nonfinite.Probation | None = None) -> None:
     """After a step: on SIGTERM (any rank), make sure a checkpoint of this step exists, then stop."""
     if not preemption.requested(session.device):
         return
     path = state.checkpoint_root(session) / f"step-{session.step:08d}"
     if not _checkpoint_due(session):  # else the step just wrote it
-        path = state.save_checkpoint(session)
-        log.note(f"saved checkpoint {path}")
+        _save(session, log, probation)
     raise preemption.Preempted(session.step, path)
 
 
@@ -149,8 +150,12 @@ def batches(session: Session) -> Iterable[Any]:
     return method.batches(session) if method.batches is not None else session.train_data
 
 
-def _optimizer_step(session: Session, window: Window, log: MetricsLog) -> float:
-    """Normalise, clip and apply the accumulated gradients; log; evaluate and save when due."""
+def _optimizer_step(session: Session, window: Window, log: MetricsLog,
+                    probation: nonfinite.Probation | None = None) -> float:
+    """Normalise, clip and apply the accumulated gradients; log; evaluate and save when due.
+
+    ``probation`` judges the newest checkpoint by this step, which runs on its weights (nonfinite.py).
+    """
     config = session.config.train
     params = [p for p in session.model.parameters() if p.requires_grad]
     max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
@@ -174,8 +179,11 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog) -> float:
     # Global values (loss reduced over ranks, the global norm): every rank decides the same.
     bad = nonfinite.step_problem(reduced["loss"], grad_norm)
     if bad is not None:
-        nonfinite.skip_or_stop(session, session.step + 1, bad, reduced["loss"] if bad == "loss" else grad_norm)
+        nonfinite.skip_or_stop(session, session.step + 1, bad, reduced["loss"] if bad == "loss" else grad_norm,
+                               probation)
     else:
+        if probation is not None:
+            probation.judge(session, reduced["loss"], grad_norm, log.note)
         session.optimizer.step()
     session.scheduler.step()  # also when skipped: the schedule stays in step with the step count
     session.optimizer.zero_grad(set_to_none=True)
@@ -183,7 +191,7 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog) -> float:
     if bad is not None:
         log.write({"step": session.step, "epoch": session.epoch, "lr": lr, "skipped_nonfinite": bad})
         log.note(f"step {session.step}: skipped (the {bad} is not finite)")
-        _save_when_due(session, log)
+        _save_when_due(session, log, probation)
         return 0.0
     elapsed = time.perf_counter() - window.started
     normaliser, tokens = reduced.pop("normaliser"), reduced.pop("tokens")
@@ -208,14 +216,21 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog) -> float:
         log.evaluated(session.step, results)
         record.update(results)
     log.write(record)
-    _save_when_due(session, log)
+    _save_when_due(session, log, probation)
     return tokens
 
 
-def _save_when_due(session: Session, log: MetricsLog) -> None:
+def _save_when_due(session: Session, log: MetricsLog, probation: nonfinite.Probation | None) -> None:
     if _checkpoint_due(session):
-        path = state.save_checkpoint(session)
-        log.note(f"saved checkpoint {path}")
+        _save(session, log, probation)
+
+
+def _save(session: Session, log: MetricsLog, probation: nonfinite.Probation | None) -> Path:
+    path = state.save_checkpoint(session)
+    if probation is not None:
+        probation.saved(session, path)
+    log.note(f"saved checkpoint {path}")
+    return path
 
 
 def evaluate(session: Session) -> dict[str, float]:

@@ -1,0 +1,127 @@
+"""The data a run will read, checked before any weight loads: its paths, and its first row.
+
+``posttune validate`` (and ``train``, before composing) calls ``check_data``: a local path that
+does not exist, a folder with no data files (or of mixed types), and a format that cannot read the
+first row (``format: chat`` on alpaca rows, a missing column) are refused in one line naming the
+field, instead of after the model was built. Only a local ``.jsonl`` file's first row is peeked at
+(one line, no `datasets` import); hub datasets are reached when the run loads them. Torch-free:
+the loader (``posttune.data.loading``) uses the same path rules.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from posttune import hub
+from posttune.errors import ConfigError
+
+#: file extension -> the `datasets` packaged builder that reads it
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+# "name" or "owner/name", as the hub spells dataset ids; anything else is meant as a local path
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def check_data(plan: Any) -> None:
+    """Every dataset the run reads exists (a local one holds data files), each split's format reads
+    its first row, and a local tokenizer loads."""
+    for split in plan.datasets:
+        dataset = getattr(plan.config.data, split, None)
+        if dataset is not None and (path := local_path(dataset, f"data.{split}")) is not None:
+            local_files(path, f"data.{split}")
+    check_first_rows(plan)
+    check_tokenizer(plan.config)
+
+
+def check_tokenizer(config: Any) -> None:
+    """The tokenizer the run loads: ``tokenizer.path`` (a local folder is read now, a hub id when the
+    run starts), else the one in ``model.path``'s folder once it exists (a bundled example's model
+    is made by its ``prepare`` step; the run refuses a missing one in one line before any weight loads)."""
+    from posttune.checkpoint.source import is_hub_id
+
+    field = "tokenizer.path" if config.tokenizer.path is not None else "model.path"
+    path = config.tokenizer.path or config.model.path
+    if path is None or is_hub_id(str(path)) or (field == "model.path" and not Path(str(path)).expanduser().is_dir()):
+        return
+    from posttune.errors import PosttuneError
+    from posttune.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(path)
+    except PosttuneError as exc:
+        raise ConfigError(field, str(exc).removeprefix("tokenizer: ")) from None
+
+
+def local_path(dataset: Any, where: str) -> Path | None:
+    """The local file or folder ``dataset.path`` names; None for a hub dataset name. A path that does
+    not exist and does not look like a hub name is one line naming the field."""
+    path = Path(dataset.path).expanduser()
+    if path.exists():
+        return path
+    if path.suffix in BUILDERS or not _HUB_NAME.match(dataset.path) or hub.first_part_exists(dataset.path):
+        raise ConfigError(f"{where}.path", f"no such file or directory {dataset.path!r}")
+    return None
+
+
+def local_files(path: Path, where: str) -> tuple[str, list[str]]:
+    """The builder and the sorted data files of a file or a folder (searched recursively)."""
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDERS
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise ConfigError(f"{where}.path", f"{path} holds no {'/'.join(_extensions())} files")
+    builders = {BUILDERS.get(p.suffix) for p in files}
+    if None in builders:
+        raise ConfigError(f"{where}.path", f"cannot read {path.suffix or 'extension-less'} files "
+                                           f"(expected one of {', '.join(_extensions())})")
+    if len(builders) > 1:
+        raise ConfigError(f"{where}.path", f"{path} mixes file types ({', '.join(sorted(builders))}); "
+                                           f"keep one type per folder")
+    return builders.pop(), [str(p) for p in files]
+
+
+def _extensions() -> list[str]:
+    return [ext.lstrip(".") for ext in BUILDERS]
+
+
+def check_first_rows(plan: Any) -> None:
+    """Each split's format must read the first row of its local ``.jsonl`` file (unless bad rows
+    are to be skipped: the first row may be one of them)."""
+    if plan.config.data.skip_bad_rows:
+        return
+    for split, fmt in plan.datasets.items():
+        dataset = getattr(plan.config.data, split, None)
+        row = first_jsonl_row(Path(dataset.path).expanduser()) if dataset is not None else None
+        if row is None:
+            continue
+        renamed = dict(row)
+        for field, column in dataset.column_map.items():
+            renamed[field] = row.get(column)
+        try:
+            fmt.descriptor.transform(renamed)
+        except (KeyError, ValueError, TypeError) as exc:
+            shown = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            raise ConfigError(f"data.{split}.format",
+                              f"'{dataset.format}' cannot read the first row of {dataset.path} ({shown}; the row "
+                              f"has {', '.join(map(repr, row)) or 'no fields'}); choose the format that matches "
+                              "the data, or map its columns with column_map") from None
+
+
+def first_jsonl_row(path: Path) -> dict[str, Any] | None:
+    """The first non-empty line of a ``.jsonl`` file as a mapping; None for anything else (other
+    file types, folders, a line that is not a JSON object: the loader reports those itself)."""
+    if path.suffix != ".jsonl" or not path.is_file():
+        return None
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    return None
+                return row if isinstance(row, dict) else None
+    return None

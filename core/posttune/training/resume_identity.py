@@ -1,0 +1,119 @@
+"""What a checkpoint means, so that a resume never reads it as something else.
+
+A checkpoint's weights, adapter and optimizer state belong to the run that wrote them: its
+method, its base model (family, architecture and the builder's arguments: the weight shapes and
+what they compute), its adapter (kind, rank, alpha, targets) and its model roles. Every checkpoint
+records these in ``trainer_state.json`` (``identity``). A resume compares them with its own config
+before any weight loads (`posttune validate` too) and refuses a difference in one line naming
+both values; what a resume may change (``train.max_steps``, ``train.lr``, evaluation and save
+cadence, logging, ...) is not part of it. docs/training.md, "What a resume may change".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from posttune.errors import ConfigError
+
+IDENTITY = "identity"
+SHARES_POLICY = "the policy with its adapters disabled"
+
+
+def of(plan: Any) -> dict[str, Any]:
+    """The identity of ``plan``'s checkpoints (computed once: it reads the models' config.json)."""
+    if plan.identity is None:
+        config, family = plan.config, plan.family.descriptor
+        adapter = config.adapter
+        models = {"policy": _model(config.model, family)}
+        for name, role in plan.roles.items():
+            models[name] = SHARES_POLICY if role.shares_policy else _model(role.config, role.family.descriptor)
+        identity = {
+            "method": plan.method.descriptor.name,
+            "adapter": None if adapter is None else {
+                "kind": adapter.kind, "rank": adapter.rank, "alpha": adapter.alpha,
+                "targets": sorted(adapter.targets or family.lora_targets)},
+            "models": models,
+        }
+        plan.identity = json.loads(json.dumps(identity, default=str))  # as it reads back from the file
+    return plan.identity
+
+
+def _model(model: Any, family: Any) -> dict[str, Any]:
+    from posttune.checkpoint.source import read_hf_config
+    from posttune.plan import build_kwargs
+
+    hf_config = read_hf_config(model.path) if model.path is not None else None
+    return {"family": family.name, "architectures": list((hf_config or {}).get("architectures") or []),
+            "build": build_kwargs(model, family, hf_config)}
+
+
+def saved(checkpoint: Path) -> Mapping[str, Any] | None:
+    """The identity a checkpoint recorded; None for one written before identities were (or unreadable)."""
+    from posttune.training.output_dir import STATE_FILE
+
+    try:
+        found = json.loads((checkpoint / STATE_FILE).read_text()).get(IDENTITY)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, Mapping) else None
+
+
+def check(plan: Any, checkpoint: Path | None) -> None:
+    """Refuse to resume ``checkpoint`` with a config that would read it as another run's."""
+    recorded = saved(checkpoint) if checkpoint is not None else None
+    if recorded is None:
+        return
+    for field, problem in _differences(recorded, of(plan), plan):
+        raise ConfigError(field, f"cannot resume {checkpoint}: {problem}; a resume continues the run that wrote "
+                                 "it: to start from its weights, begin a new run in another checkpoint.output_dir "
+                                 "(model.path or adapter.init_from set to its model/)")
+
+
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any], plan: Any) -> Iterator[tuple[str, str]]:
+    if old.get("method") != new["method"]:
+        yield "method", f"it was trained by method '{old.get('method')}', this run's method is '{new['method']}'"
+    yield from _adapter(old.get("adapter"), new["adapter"])
+    sections = {"policy": "model", **{name: role.section for name, role in plan.roles.items()}}
+    saved_models, models = old.get("models") or {}, new["models"]
+    for role in [*models, *(r for r in saved_models if r not in models)]:
+        section = sections.get(role, role)
+        before, now = saved_models.get(role), models.get(role)
+        if before is None or now is None:
+            yield section, (f"this run's method uses a {role} model and the checkpoint's did not" if before is None
+                            else f"the checkpoint's run used a {role} model and this run's does not")
+        elif SHARES_POLICY in (before, now) or before["family"] != now["family"] \
+                or before["architectures"] != now["architectures"]:
+            yield section, f"its {role} model is {_describe(before)}, this run's is {_describe(now)}"
+        else:
+            for key in sorted(before["build"].keys() & now["build"].keys()):
+                if before["build"][key] != now["build"][key]:
+                    yield section, (f"its {role} model has {key} {_show(before['build'][key])}, this run's has "
+                                    f"{_show(now['build'][key])}")
+
+
+def _adapter(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> Iterator[tuple[str, str]]:
+    if old is None and new is not None:
+        yield "adapter", f"it is full fine-tuning (no adapter), this run trains a {new['kind']} adapter"
+    elif old is not None and new is None:
+        yield "adapter", (f"it trained a {old['kind']} adapter (rank {old['rank']}, alpha {_show(old['alpha'])}) and "
+                          "this run has no adapter: section (keep it to continue; posttune merge folds the adapter "
+                          "into its base)")
+    elif old is not None and new is not None:
+        for key in ("kind", "rank", "alpha", "targets"):
+            if old.get(key) != new[key]:
+                yield f"adapter.{key}", f"its adapter has {key} {_show(old.get(key))}, this run's {_show(new[key])}"
+
+
+def _describe(model: Any) -> str:
+    if model == SHARES_POLICY:
+        return model
+    architectures = ", ".join(model["architectures"])
+    return f"family '{model['family']}'" + (f" ({architectures})" if architectures else "")
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict, str)) else f"{value:g}" if isinstance(value, float) \
+        else str(value)
