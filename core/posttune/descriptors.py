@@ -288,12 +288,19 @@ class RewardFunction:
     this one" (the method decides whether that is an error). With ``config`` (a dataclass) the
     run's options for this reward are validated against it before launch and passed as
     ``reward_options=<instance>`` (not ``options``: a dataset may have a column of that name).
+
+    ``isolated``: for a reward that parses or runs model output and so may hang on one completion
+    (sympy, a regex, code execution). The method then calls ``fn`` on one completion at a time in
+    worker processes, each under a time limit (GRPO: ``timeout_s``, default 5 s), and counts one
+    that overruns as a failure of that reward. ``fn`` and the ``config`` instance travel by pickle:
+    define them at module level.
     """
 
     name: str
     fn: Callable[..., list[float | None]]
     description: str = ""
     config: type | None = None
+    isolated: bool = False
 
 
 @dataclass(frozen=True)

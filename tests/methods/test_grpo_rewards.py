@@ -164,6 +164,15 @@ def test_math_answer_table(completion, gold, expected):
     assert math_answer(["q"], [completion], answer=[gold]) == [expected]
 
 
+def test_math_answer_in_worker_processes_scores_the_table_as_when_called_here(grpo_rewards):
+    (isolated,) = resolved(RewardSpec("math_answer"))
+    assert isolated.isolated
+    completions, golds, expected = (list(column) for column in zip(*MATH_TABLE))
+    result = score([isolated], ["q"] * len(completions), completions, {"answer": golds}, on_error="zero")
+    assert result.per_reward["math_answer"] == [0.0 if value is None else value for value in expected]
+    assert result.failures == {"math_answer": expected.count(None)} and result.timeouts == {"math_answer": 0}
+
+
 def test_math_answer_scores_a_group_against_its_gold():
     completions = ["\\boxed{72}", "72 clips", "<answer>70</answer>", "no idea"]
     assert math_answer(["q"] * 4, completions, answer=[GSM8K_GOLD] * 4, completion_ids=[[1]] * 4,

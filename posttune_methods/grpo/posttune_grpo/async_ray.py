@@ -215,7 +215,8 @@ def actor_spec(session: Any) -> dict[str, Any]:
         **rollout_spec(session),
         "family": origin.family, "build_kwargs": dict(origin.build_kwargs),
         "tokenizer": _absolute(session.config.tokenizer.path or session.config.model.path),
-        "rewards": [dict(name=r.name, weight=r.weight, options=dict(r.options)) for r in config.rewards],
+        "rewards": [dict(name=r.name, weight=r.weight, options=dict(r.options), timeout_s=r.timeout_s,
+                         budget_s=r.budget_s) for r in config.rewards],
         "threads": config.async_options.threads_per_actor,
     }
 

@@ -48,6 +48,7 @@ class GRPOState:
     versions_trained: list[int] = field(default_factory=list)  # async mode: policy versions trained on this step
     longest: int = 0  # the longest completion generated since the last optimizer step
     reward_failures: dict[str, int] = field(default_factory=dict)  # scored 0 (reward_errors: zero), this step
+    reward_timeouts: dict[str, int] = field(default_factory=dict)  # of those, isolated rewards' timeouts
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -145,6 +146,8 @@ def count_rollouts(state: GRPOState, rollouts: Rollouts) -> None:
     state.longest = max(state.longest, int((rollouts.lengths * real).max()))
     for name, count in rollouts.reward_failures.items():
         state.reward_failures[name] = state.reward_failures.get(name, 0) + count
+    for name, count in rollouts.reward_timeouts.items():
+        state.reward_timeouts[name] = state.reward_timeouts.get(name, 0) + count
 
 
 def rollout_spec(session: Any) -> dict[str, Any]:
@@ -196,7 +199,8 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: dict[str, Any], epoch
                     torch.tensor([row for row in rows for _ in range(group)], dtype=torch.long),
                     per_reward={name: torch.tensor(values, dtype=torch.float32)
                                 for name, values in scores.per_reward.items()},
-                    reward_failures=dict(scores.failures), equal=equal.float())
+                    reward_failures=dict(scores.failures), reward_timeouts=dict(scores.timeouts),
+                    equal=equal.float())
 
 
 def padded_prompts(prompts: dict[str, Any], count: int, pad: int) -> tuple[list[torch.Tensor], list[int]]:
@@ -225,7 +229,7 @@ def _score(tokenizer: Any, rewards: list[Any], on_error: str, prompts: dict[str,
         total[i] = scored.total[position]
         for name, values in scored.per_reward.items():
             per_reward[name][i] = values[position]
-    return Scores(total, per_reward, scored.failures)
+    return Scores(total, per_reward, scored.failures, scored.timeouts)
 
 
 def _batch_std(session: Any, rewards: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
@@ -332,7 +336,9 @@ def on_step_end(session: Any, record: dict[str, Any]) -> None:
     record["training_s"] = max(elapsed - waited, 0.0)  # async: generation overlaps; only the wait is not training
     for name, count in state.reward_failures.items():
         record[f"reward_failures/{name}"] = count
-    state.reward_failures = {}
+    for name, count in state.reward_timeouts.items():
+        record[f"reward_timeouts/{name}"] = count
+    state.reward_failures, state.reward_timeouts = {}, {}
     if state.generation_seconds:
         record["generation_tokens_per_s"] = state.generated_tokens / state.generation_seconds
     state.generation_seconds, state.generated_tokens, state.longest = 0.0, 0, 0

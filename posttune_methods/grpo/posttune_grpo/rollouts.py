@@ -40,6 +40,7 @@ class Rollouts:
     equal: torch.Tensor | None = None  # [N] 1.0 where the row's group scored all alike (zero advantage)
     seconds: float = 0.0  # generation time
     reward_failures: dict[str, int] = field(default_factory=dict)
+    reward_timeouts: dict[str, int] = field(default_factory=dict)  # of the failures, isolated rewards' timeouts
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -62,6 +63,7 @@ class Rollouts:
         state = {f.name: getattr(self, f.name) for f in fields(self)}
         state["per_reward"] = dict(self.per_reward)
         state["reward_failures"] = dict(self.reward_failures)
+        state["reward_timeouts"] = dict(self.reward_timeouts)
         return state
 
     @classmethod
