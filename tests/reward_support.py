@@ -10,7 +10,21 @@ import os
 import signal
 import time
 
-from posttune.plugin import RewardFunction
+from posttune.plugin import RewardFunction, hookimpl
+
+class RewardPlugin:
+    """A plugin object registering the given reward functions."""
+
+    POSTTUNE_PLUGIN_API = 2
+
+    def __init__(self, *rewards: RewardFunction):
+        self.rewards = rewards
+
+    @hookimpl
+    def posttune_register_reward_functions(self, register):
+        for reward in self.rewards:
+            register(reward)
+
 
 #: completions that keep math-verify (sympy) busy far beyond any sane limit
 ADVERSARIAL_LATEX = ["\\boxed{9^{9^{9}}}", "\\boxed{10^{10^{10}}}", "\\boxed{(9^{9})!}", "\\boxed{9^{9^{9}} + 1}"]

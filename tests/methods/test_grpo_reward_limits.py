@@ -26,26 +26,14 @@ import posttune_grpo
 import pytest
 import reward_support
 import yaml
-from posttune.plugin import ConfigError, PosttuneError, hookimpl
+from posttune.plugin import ConfigError, PosttuneError
 from posttune_grpo import reward_workers
 from posttune_grpo.reward_workers import KILL_GRACE_S, Call, WorkerPool
 from posttune_grpo.rewards import REWARDS, RewardSpec, resolve_rewards, score
-from reward_support import ADVERSARIAL_LATEX
+from reward_support import ADVERSARIAL_LATEX, RewardPlugin
 from run_support import grpo_config
 
 CONTINUE = "set method.reward_errors: zero to score such completions 0 and count them"
-
-
-class RewardPlugin:
-    POSTTUNE_PLUGIN_API = 2
-
-    def __init__(self, *rewards):
-        self.rewards = rewards
-
-    @hookimpl
-    def posttune_register_reward_functions(self, register):
-        for reward in self.rewards:
-            register(reward)
 
 
 @pytest.fixture

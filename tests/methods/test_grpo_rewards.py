@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from posttune.plugin import ConfigError, PosttuneError, RewardFunction, hookimpl, registered
+from posttune.plugin import ConfigError, PosttuneError, RewardFunction, registered
 from posttune_grpo import rewards as r
+from reward_support import RewardPlugin
 from posttune_grpo.rewards import (
     REWARDS,
     FormatOptions,
@@ -28,20 +29,6 @@ from posttune_grpo.rewards import (
     resolve_rewards,
     score,
 )
-
-
-class RewardPlugin:
-    """A plugin object registering the given reward functions."""
-
-    POSTTUNE_PLUGIN_API = 2
-
-    def __init__(self, *rewards: RewardFunction):
-        self.rewards = rewards
-
-    @hookimpl
-    def posttune_register_reward_functions(self, register):
-        for reward in self.rewards:
-            register(reward)
 
 
 @pytest.fixture
