@@ -137,6 +137,18 @@ def test_a_changed_model_role_is_refused(runs, bases, tmp_path):
                            "(LlamaForCausalLM)")
 
 
+def test_a_lora_dpo_run_resumes_with_its_adapters_off_reference(runs, tmp_path):
+    """The same roles (the reference is the policy with adapters off on both sides) resume."""
+    config = json.loads(json.dumps(runs["dpo"]))
+    config["checkpoint"]["output_dir"] = str(tmp_path / "copy")
+    import shutil
+
+    shutil.copytree(runs["dpo"]["checkpoint"]["output_dir"], tmp_path / "copy")
+    result = run_cli("train", str(write(tmp_path, config)), "checkpoint.resume=latest", "train.max_steps=3")
+    assert result.exit_code == 0, result.stderr
+    assert "resumed from step 2" in result.stdout
+
+
 def test_the_documented_safe_changes_still_resume(runs, tmp_path):
     config = json.loads(json.dumps(runs["lora"]))
     config["checkpoint"]["output_dir"] = str(tmp_path / "copy")

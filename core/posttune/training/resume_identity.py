@@ -84,6 +84,8 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any], plan: Any) -> I
         if before is None or now is None:
             yield section, (f"this run's method uses a {role} model and the checkpoint's did not" if before is None
                             else f"the checkpoint's run used a {role} model and this run's does not")
+        elif before == now:
+            continue
         elif SHARES_POLICY in (before, now) or before["family"] != now["family"] \
                 or before["architectures"] != now["architectures"]:
             yield section, f"its {role} model is {_describe(before)}, this run's is {_describe(now)}"
