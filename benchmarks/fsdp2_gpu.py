@@ -51,6 +51,7 @@ def main() -> int:
     from posttune.modules import init_buffers
     from posttune.training.compose import random_init
     from posttune.training.distributed import clip_grad_norm
+    import posttune_fsdp2
     from posttune_fsdp2 import FSDP2Options
     from posttune_fsdp2.shard import shard_model
     from posttune_llama.model import build
@@ -66,8 +67,8 @@ def main() -> int:
         kwargs = {**LLAMA_SIZES["1b"], "vocab_size": args.vocab_size}
         model = mat.build(build, kwargs, torch.bfloat16, "meta")
         options = FSDP2Options(reshard_after_forward=args.reshard_after_forward)
-        session = SimpleNamespace(model=model, mesh=mesh, init_device=None,
-                                  plan=SimpleNamespace(parallel_options={"fsdp2": options}))
+        session = SimpleNamespace(model=model, mesh=mesh, plan=SimpleNamespace(
+            parallel_options={"fsdp2": options}, mesh_dims={"dp_shard": posttune_fsdp2.MESH_DIM}))
         shard_model(session, SimpleNamespace(model=model, config=SimpleNamespace(dtype="bf16")))
         mat.materialize(model, device)
         random_init(model, seed=0)

@@ -8,7 +8,7 @@ Each model trains in a fresh child process through the same path as ``posttune t
 (``resolve_plan`` -> ``compose`` -> ``train``; no final save): posttune's llama family at the
 shape of Llama-3.2-1B or -3B (``model.size``, vocabulary ``--vocab-size``, default 128256 as
 released), random init built directly on the device, bf16, full fine-tuning, AdamW lr 1e-5,
-constant schedule, packed rows of ``--seq-len`` tokens (``data.packing``) of synthetic
+constant schedule, packed rows of ``--seq-len`` tokens (``method.packing``) of synthetic
 pseudo-word documents tokenized by a BPE trained here (``compare_support/workload.py``; nothing
 is downloaded), ``memory: [compile, chunked_cross_entropy]`` plus ``activation_checkpointing``
 for 3b (``--checkpointing auto``), and ``parallel: [fsdp2]``. Flags toggle each.
@@ -100,9 +100,8 @@ def run_config(spec: dict, work: Path, techniques: list[str]) -> dict:
         "model": {"family": "llama", "size": spec["size"], "dtype": "fp32" if smoke else "bf16",
                   "build_overrides": {"vocab_size": spec["vocab_size"]}},
         "tokenizer": {"path": str(work / "tokenizer")},
-        "method": {"name": "sft"},
-        "data": {"train": {"path": str(work / "docs.jsonl"), "format": "text"}, "max_seq_len": spec["seq_len"],
-                 "packing": True},
+        "method": {"name": "sft", "packing": True},
+        "data": {"train": {"path": str(work / "docs.jsonl"), "format": "text"}, "max_seq_len": spec["seq_len"]},
         "train": {"max_steps": spec["warmup_steps"] + spec["steps"], "batch_size": spec["batch_size"],
                   "lr": 1e-5, "weight_decay": 0.0, "scheduler": "constant", "max_grad_norm": 1.0, "seed": 0,
                   "device": spec["device"]},

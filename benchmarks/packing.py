@@ -7,10 +7,10 @@
 Each measurement is a real ``posttune train`` (sft, the llama family built at the shape below,
 random init, AdamW) in a fresh child process, on an alpaca-like dataset written by the child
 from a fixed seed: responses whose sample lengths run from 18 to 305 tokens, skewed short as
-alpaca's are. The modes differ only in the data options (``data.packing``,
-``data.group_by_length``, ``data.padding_free`` where posttune has it, off unless the mode
-sets it); batch size and ``max_seq_len`` are the same, so a packed step holds
-``batch_size`` rows of ``max_seq_len`` tokens and a padded step ``batch_size`` samples. The
+alpaca's are. The modes differ only in the data options (SFT's ``method.packing`` and
+``method.padding_free``, ``data.group_by_length``; each set where the posttune measured keeps
+it, ``data:`` in older ones; off unless the mode sets it); batch size and ``max_seq_len`` are the
+same, so a packed step holds ``batch_size`` rows of ``max_seq_len`` tokens and a padded step ``batch_size`` samples. The
 child times every optimizer step (from the end of the previous one, so loading and collation
 count) and reports tokens/s over the non-padding tokens of the steps after ``--warmup`` (also
 per CPU second of the process, steadier on a shared machine), and its peak resident memory.
@@ -46,20 +46,22 @@ rows = [{"instruction": f"Write item {i}.", "input": "", "output": response(rng)
 tmp = tempfile.mkdtemp(prefix="posttune-packing-")
 with open(os.path.join(tmp, "train.jsonl"), "w") as f:
     f.writelines(json.dumps(row) + "\n" for row in rows)
-import dataclasses, posttune_llama, pathlib
+import dataclasses, posttune_llama, posttune_sft, pathlib
 from posttune.config.schema import DataConfig
-known = {field.name for field in dataclasses.fields(DataConfig)}
-if not set(spec["data"]) <= known:  # e.g. padding_free on a posttune without it
-    print(json.dumps({"status": "unsupported", "missing": sorted(set(spec["data"]) - known)}))
+in_data = {field.name for field in dataclasses.fields(DataConfig)}  # older posttunes: packing sat here
+in_method = {field.name for field in dataclasses.fields(posttune_sft.SFTConfig)}
+settings = dict(spec["settings"])
+if "padding_free" in in_data | in_method:  # padded means padded rows: SFT may default to padding-free batches
+    settings.setdefault("padding_free", False)
+if not set(settings) <= in_data | in_method:  # e.g. padding_free on a posttune without it
+    print(json.dumps({"status": "unsupported", "missing": sorted(set(settings) - in_data - in_method)}))
     sys.exit(0)
-if "padding_free" in known:  # padded means padded rows: SFT may default to padding-free batches
-    spec["data"].setdefault("padding_free", False)
 config = {
     "model": {"family": "llama", "size": "tiny", "build_overrides": spec["model"]},
     "tokenizer": {"path": str(pathlib.Path(posttune_llama.__file__).parent / "demo" / "tokenizer")},
-    "method": {"name": "sft"},
+    "method": {"name": "sft", **{key: value for key, value in settings.items() if key not in in_data}},
     "data": {"train": {"path": os.path.join(tmp, "train.jsonl"), "format": "alpaca"},
-             "max_seq_len": spec["max_seq_len"], **spec["data"]},
+             "max_seq_len": spec["max_seq_len"], **{key: value for key, value in settings.items() if key in in_data}},
     "train": {"epochs": 100, "max_steps": spec["warmup"] + spec["steps"], "batch_size": spec["batch_size"],
               "lr": 1e-4, "seed": 0, "device": "cpu", "sample_prompts": []},
     "checkpoint": {"output_dir": os.path.join(tmp, "out"), "save_every": None},
@@ -102,17 +104,17 @@ MODES = {
     "padded": {"packing": False},
     "packed": {"packing": True},
     "grouped": {"packing": False, "group_by_length": True},
-    "padding_free": {"packing": False, "padding_free": True},  # where posttune has data.padding_free
+    "padding_free": {"packing": False, "padding_free": True},  # where posttune has padding_free
 }
 
 
 def measure(mode: str, args: argparse.Namespace) -> dict:
-    spec = {"model": QUICK_MODEL if args.quick else MODEL, "data": MODES[mode], "seed": 0,
+    spec = {"model": QUICK_MODEL if args.quick else MODEL, "settings": MODES[mode], "seed": 0,
             "samples": args.samples, "max_seq_len": args.max_seq_len, "batch_size": args.batch_size,
             "warmup": args.warmup, "steps": args.steps, "threads": args.threads}
     result = run_child(CHILD, spec)
     if result["status"] == "unsupported":
-        raise SystemExit(f"{mode}: this posttune has no data.{', data.'.join(result['missing'])}")
+        raise SystemExit(f"{mode}: this posttune has no setting {', '.join(result['missing'])}")
     if result["status"] != 0:
         raise SystemExit(f"{mode}: posttune train exited {result['status']}")
     tokens_per_s = result["tokens"] / result["seconds"]

@@ -21,12 +21,12 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
     dpo = mode == "dpo"
     config: dict[str, Any] = {
         "model": {"family": "llama", "path": str(work / "model"), "dtype": "fp32"},
-        "method": {"name": "dpo", "loss_type": "sigmoid", "beta": 0.1} if dpo else {"name": "sft"},
+        "method": {"name": "dpo", "loss_type": "sigmoid", "beta": 0.1} if dpo else
+                  {"name": "sft", "packing": bool(spec.get("packing")),
+                   "padding_free": spec.get("padding_free", True)},  # SFT's default: padding-free rows
         "data": {"train": {"path": str(work / ("dpo.jsonl" if dpo else "sft.jsonl")),
                            "format": "preference" if dpo else "alpaca"},
-                 "max_seq_len": spec["max_seq_len"], "packing": bool(spec.get("packing")),
-                 "padding_free": spec.get("padding_free"),  # null: SFT's default (padding-free rows)
-                 "group_by_length": False},
+                 "max_seq_len": spec["max_seq_len"], "group_by_length": False},
         "train": {"max_steps": spec["steps"], "batch_size": spec["batch_size"], "grad_accum_steps": 1,
                   "lr": spec["lr"], "weight_decay": 0.0, "optimizer": "adamw", "scheduler": "constant",
                   "warmup_steps": 0, "max_grad_norm": spec["max_grad_norm"], "seed": spec["seed"],

@@ -74,7 +74,7 @@ class Words:
 def build_tokenizer(out_dir: Path, *, seed: int = 0, vocab_size: int = TOKENIZER_VOCAB) -> Path:
     """A byte-level BPE trained on the pseudo-word text, with Llama 3's special tokens and a
     Llama-3-style chat template (``tokenizer.json`` + ``tokenizer_config.json``)."""
-    from posttune.testing.tiny_tokenizer import STYLES, tokenizer_config
+    from posttune.tiny_tokenizer import STYLES, tokenizer_config
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     style = STYLES["llama3"]

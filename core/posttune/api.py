@@ -6,7 +6,7 @@
     tokenizer = posttune.load_tokenizer("meta-llama/Llama-3.2-1B")
     posttune.save_model(model, "out/llama-sft", tokenizer=tokenizer)  # transformers loads it
 
-    tiny = posttune.build_model("llama", "debug", num_layers=2)  # random weights, by size name
+    tiny = posttune.build_model(family, "debug", num_layers=2)  # random weights: a family's size by name
 
 Models are plain ``torch.nn.Module``s returning logits; each remembers its family and the
 config it came from (``posttune.checkpoint.origin``), which is all ``save_model`` needs.

@@ -10,12 +10,13 @@ import argparse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:  # torch is imported lazily so that `posttune plugins` starts fast
     import torch
 
     from posttune.config.schema import RunConfig
+    from posttune.estimate import Estimate
     from posttune.session import Session
 
 #: Composition stages in the order `posttune train` runs them (docs/architecture.md). Memory techniques
@@ -32,8 +33,17 @@ STAGES: tuple[str, ...] = (
 )
 Stage = Literal["build", "adapt", "quantize", "parallelize", "load", "optimizer", "loss"]
 
-#: Dataset kinds: what rows must become for a method to consume them.
-DatasetKind = Literal["sft", "preference", "prompt"]
+#: A dataset kind: a plain name for what a format's rows become and a method reads (the core's
+#: formats give ``conversation``, ``preference`` and ``prompt`` rows; a plugin adds a kind by
+#: registering a format of it and a method that reads it). docs/plugins.md, "Dataset kinds".
+DatasetKind = str
+
+
+def current_kind(kind: DatasetKind) -> DatasetKind:
+    """A kind by its current name: a plugin written for plugin API 2 may still use an old one."""
+    from posttune.first_party import RENAMED_KINDS
+
+    return RENAMED_KINDS.get(kind, kind)
 
 Validator = Callable[["RunConfig"], None]
 """Called before launch with the whole validated config; raises ConfigError to refuse it."""
@@ -84,6 +94,9 @@ class ModelFamily:
     lora_targets: tuple[str, ...] = ()  # default module-name patterns for adapters
     tokenizer_defaults: Mapping[str, Any] = field(default_factory=dict)
     description: str = ""
+    # the memory estimate (docs/memory.md, "How the estimate is composed"): ``estimate(est, plan)``
+    # returns ``est`` with this family's effect, e.g. the activations of layers unlike posttune.modules' blocks
+    estimate: Callable[[Estimate, Any], Estimate] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,14 +104,15 @@ class CheckpointConverter:
     """Maps one family's tensors between a checkpoint format and posttune's native names.
 
     ``to_native(key, tensor, hf_config)`` returns ``(native_key, tensor)``, or None for a
-    tensor the native model does not keep (e.g. cached rotary frequencies);
-    ``from_native`` is its inverse.
+    tensor the native model does not keep (e.g. cached rotary frequencies); ``from_native`` is
+    its inverse. Either may also map one tensor to several (pairs) or several to one (``Join``):
+    the contract is in ``posttune/checkpoint/convert.py`` and docs/checkpoints.md.
     """
 
     family: str
     format: str
-    to_native: Callable[[str, torch.Tensor, Mapping[str, Any]], tuple[str, torch.Tensor] | None]
-    from_native: Callable[[str, torch.Tensor, Mapping[str, Any]], tuple[str, torch.Tensor]]
+    to_native: Callable[[str, torch.Tensor, Mapping[str, Any]], Any]  # pair, pairs, (Join, tensor) or None
+    from_native: Callable[[str, torch.Tensor, Mapping[str, Any]], Any]
     description: str = ""
 
     @property
@@ -145,22 +159,27 @@ class LossOutput:
     unit: str = "labelled_tokens"  # what ``normaliser`` counts, logged under this name ("pairs" for DPO)
 
 
-#: Extra models a method can ask for (docs/architecture.md, "Model roles"). ``reference``: frozen, from the
-#: policy's source (or the `reference:` section); ``teacher``: frozen, from the `teacher:` section.
-ROLES: tuple[str, ...] = ("reference", "teacher")
-RoleName = Literal["reference", "teacher"]
-
-
 @dataclass(frozen=True)
 class ModelRole:
-    """An extra, frozen model a method needs: ``session.models[name]``.
+    """A model a method uses besides the policy: ``session.models[name]`` (docs/architecture.md, "Model roles").
 
-    ``adapters_off``: with LoRA/DoRA and no separate source configured, the role may be the
-    policy itself with its adapters disabled (no second copy in memory): what DPO's reference is.
+    The name is the method's own (any name but ``policy``); the config's ``models.<name>`` section
+    (the keys of ``model:``) says where its weights come from. Without that section the role is
+    refused as missing, unless ``from_policy``: then it is a frozen copy of the policy's source
+    (its checkpoint, or the same seeded random init); and with ``adapters_off`` in a LoRA/DoRA run,
+    the policy itself with its adapters disabled (no second copy in memory; implies ``from_policy``).
+
+    ``trained``: the role learns alongside the policy (e.g. PPO's value model). Declared for the
+    methods that will need it; refused before launch for now, since only the policy trains.
+    ``run_plans``: the run's parallel plans and memory techniques that act on frozen models act
+    on this one too (false: none does; it is built whole on every rank).
     """
 
-    name: RoleName
+    name: str
+    from_policy: bool = False
     adapters_off: bool = False
+    trained: bool = False
+    run_plans: bool = True
 
 
 @dataclass(frozen=True)
@@ -173,8 +192,10 @@ class Method:
       ``state_dict()``/``load_state_dict()`` (mid-epoch resume). Called for ``"train"`` and,
       when configured, ``"validation"``, before the step count and LR schedule are fixed.
     - ``loss(session, batch)`` -> ``LossOutput``.
+    - ``dataset_kind``: the kind of rows it reads (``DatasetKind``), or a tuple of the kinds it can
+      read; each split's format must give one of them.
     - ``roles``: the model roles it needs (names or ``ModelRole``), or a function of its
-      validated config returning them (e.g. none for a reference-free loss).
+      validated config returning them (e.g. none for settings that need no other model).
     - ``batches(session)``: the micro-batches of one epoch; default: the train loader's.
     - ``setup(session)``: after data, optimizer and roles, before resume (e.g. precompute).
     - ``evaluate(session) -> dict``: default: loss and metrics over the validation loader.
@@ -188,14 +209,18 @@ class Method:
       default (None): ``train.batch_size x data.max_seq_len``, right for one sequence per row,
       wrong for a method that puts several in one forward (DPO's chosen and rejected) or sizes
       its rows from its own settings (GRPO's completions).
+    - ``close(session)``: releases what the method opened (engines, Ray actors, worker processes,
+      files). The core calls it once on every way out of a run that reached ``setup`` (success,
+      an error, Ctrl-C, SIGTERM), also after a ``setup`` that raised, so it must cope with a
+      half-done setup; what it raises is reported as a warning.
     """
 
     name: str
     config: type  # dataclass validated from the config's `method:` section
-    dataset_kind: DatasetKind
+    dataset_kind: DatasetKind | tuple[DatasetKind, ...]
     data: Callable[[Session, Any, str], Any]
     loss: Callable[[Session, Any], LossOutput]
-    roles: tuple[RoleName | ModelRole, ...] | Callable[[Any], tuple[RoleName | ModelRole, ...]] = ()
+    roles: tuple[str | ModelRole, ...] | Callable[[Any], tuple[str | ModelRole, ...]] = ()
     batches: Callable[[Session], Iterable[Any]] | None = None
     setup: Callable[[Session], None] | None = None
     evaluate: Callable[[Session], Mapping[str, float]] | None = None
@@ -205,6 +230,13 @@ class Method:
     validate: Callable[[RunConfig, Any], None] | None = None
     description: str = ""
     micro_batch_tokens: Callable[[RunConfig, Any], tuple[int, str]] | None = None
+    close: Callable[[Session], None] | None = None  # releases what the method opened; see above
+
+    @property
+    def dataset_kinds(self) -> tuple[DatasetKind, ...]:
+        """The kinds of rows it reads: ``dataset_kind`` as a tuple, a renamed kind by its new name."""
+        kinds = (self.dataset_kind,) if isinstance(self.dataset_kind, str) else tuple(self.dataset_kind)
+        return tuple(current_kind(kind) for kind in kinds)
 
     def model_roles(self, method_config: Any) -> tuple[ModelRole, ...]:
         """The roles this method needs with ``method_config``, as ``ModelRole``s."""
@@ -212,11 +244,34 @@ class Method:
         return tuple(role if isinstance(role, ModelRole) else ModelRole(role) for role in roles)
 
 
-#: What a parallel plan or memory technique does with frozen model roles (a reference, a
-#: teacher): ``"apply"`` to them as to the policy, ``"skip"`` them (e.g. activation
+#: What a parallel plan or memory technique does with frozen model roles (``ModelRole``):
+#: ``"apply"`` to them as to the policy, ``"skip"`` them (e.g. activation
 #: checkpointing: nothing runs backward through a frozen model), or ``"refuse"`` a method
 #: that has roles (a plan not yet made to work with them), with a one-line error before launch.
 FrozenModels = Literal["apply", "skip", "refuse"]
+
+
+#: What a mesh dimension splits, i.e. how the data its ranks see differ (docs/parallel.md,
+#: "Mesh dimensions"). ``"batch"``: rows; the data loaders shard by it. ``"sequence"``: positions
+#: of the same rows, split by the plan in a step context. ``"tokens"``: any other split of the
+#: same micro-batch the plan makes itself (rows of it, or tokens routed to other ranks). Those
+#: three make ranks hold different tokens: losses and token counts are summed over them, and
+#: gradients averaged. ``"none"``: every rank sees the same tokens (e.g. weights split instead).
+Splits = Literal["batch", "sequence", "tokens", "none"]
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    """A DeviceMesh dimension a parallel plan owns: the core builds the mesh and shards data from these."""
+
+    name: str
+    order: int  # position in the mesh, lowest outermost: data parallel outside (slow links), weights inside
+    splits: Splits = "none"
+
+    def __post_init__(self) -> None:  # a misspelt split would silently count as "none"
+        if self.splits not in get_args(Splits):
+            raise ValueError(f"MeshDim '{self.name}': splits must be one of {', '.join(get_args(Splits))}, "
+                             f"not {self.splits!r}")
 
 
 @dataclass(frozen=True)
@@ -224,13 +279,16 @@ class ParallelPlan:
     """A way to split models over devices, applied at the ``parallelize`` stage by ``order``.
 
     ``apply(session, target)`` acts on ``target.model`` (a ``ModelTarget``: the policy, or a
-    frozen role when ``frozen`` is ``"apply"``).
+    frozen role when ``frozen`` is ``"apply"``). ``adjusts``: options this plan sets on other
+    active plans (plan name -> option -> value), checked against their ``config`` before launch.
+    ``init_device(options)``: the device the ``load`` stage materialises the models this plan
+    applies to on (e.g. ``"cpu"`` for parameters kept in CPU memory), or None for the run's.
     """
 
     name: str
     apply: Callable[[Session, Any], None]
-    mesh_dim: str | None = None  # the DeviceMesh dimension this plan owns, e.g. "tp"
-    order: int = 0  # lower runs first: TP/loss-parallel/CP before FSDP2
+    mesh_dim: MeshDim | None = None  # the DeviceMesh dimension this plan owns
+    order: int = 0  # lower runs first: plans that rewrite modules before those that wrap them
     requires: tuple[str, ...] = ()  # other plans that must be active
     conflicts: tuple[str, ...] = ()  # plans or memory techniques it cannot run with
     validate: Validator | None = None  # sees ``parallel.dims`` resolved against the world size
@@ -238,6 +296,11 @@ class ParallelPlan:
     config: type | None = None  # dataclass validated from `parallel.options.<name>`; the instance
     #                             is ``session.plan.parallel_options[name]`` when the plan runs
     frozen: FrozenModels = "apply"
+    adjusts: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    init_device: Callable[[Any], str | None] | None = None
+    # the memory estimate (docs/memory.md, "How the estimate is composed"): ``estimate(est, plan)``
+    # returns ``est`` with this plan's effect (e.g. what it shards); None: `posttune plan` notes it is not modelled
+    estimate: Callable[[Estimate, Any], Estimate] | None = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +324,9 @@ class MemoryTechnique:
     config: type | None = None  # dataclass validated from `memory_options.<name>`; the instance
     #                             is ``session.plan.memory_options[name]`` when the technique runs
     frozen: FrozenModels = "skip"
+    # the memory estimate (docs/memory.md, "How the estimate is composed"): ``estimate(est, plan)``
+    # returns ``est`` with this technique's effect; None: `posttune plan` notes it is not modelled
+    estimate: Callable[[Estimate, Any], Estimate] | None = None
 
 
 @dataclass(frozen=True)
@@ -275,6 +341,39 @@ class DatasetFormat:
     kind: DatasetKind
     transform: Callable[[Mapping[str, Any]], Any]
     columns: tuple[str, ...] = ()  # the fields a row needs, for documentation and errors
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", current_kind(self.kind))
+
+
+@dataclass(frozen=True)
+class EnginePolicy:
+    """What a generation engine starts on: the live policy (``model``, used in place by ``builtin``), or
+    what a copy is built or loaded from (vLLM; an engine in a Ray actor, given weights by ``update_weights``)."""
+
+    family: str  # the policy's ModelFamily name
+    build_kwargs: Mapping[str, Any]  # what the family's ``build`` took: the architecture
+    model: torch.nn.Module | None = None  # the live policy in this process; None where there is none (an actor)
+    source: str | None = None  # the checkpoint (directory or hub id) the policy was loaded from; None: random init
+    device: Any = None  # where to generate; None: the model's device (CPU for a built copy)
+    version: int = 0  # the version of the weights it starts with (the learner's optimizer steps); -1: none yet
+    options: Any = None  # the validated `engine_options` (an instance of ``GenerationEngine.config``), or None
+
+
+@dataclass(frozen=True)
+class GenerationEngine:
+    """Generates completions for the methods that sample from the policy (GRPO, on-policy KD), which
+    name one in their config (``method.engine``). ``start(policy: EnginePolicy)`` returns an object with
+    ``generate(prompts, sampling, seeds) -> Completions`` (rows seeded one each, behaviour log-probs
+    before filtering), ``update_weights(weights, version)`` (a plain state dict, or None: "the live
+    ``policy.model`` changed"), ``version`` (-1 before any weights: a stale engine is visible) and
+    ``close()``. The contract in full: docs/plugins.md, "Generation engines".
+    """
+
+    name: str
+    start: Callable[[EnginePolicy], Any]
+    config: type | None = None  # dataclass validated from the method's `engine_options`; given as ``policy.options``
     description: str = ""
 
 

@@ -1,6 +1,8 @@
 """Names that first-party distributions provide, so a missing one gets its `pip install` line.
 
-This is a hint table only: nothing is looked up or built from it.
+This is a hint table only: nothing is looked up or built from it, except the old spellings
+(``ROLE_SECTIONS``, ``RENAMED_KINDS``) that configs and plugins written before may still use.
+The rest of the core names no first-party plugin.
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ NAMES: dict[str, dict[str, str]] = {
         "trackio": "posttune-trackio",
     },
 }
+
+#: the plan suggested when several processes are launched and no listed plan owns a mesh dimension
+MESH_HINT = "fsdp2"
+
+#: the first-party model roles' config sections from before `models:` (plugin API 2), still read
+#: as `models.<role>`: `reference:` is `models.reference`
+ROLE_SECTIONS: tuple[str, ...] = ("reference", "teacher")
+#: dataset kinds renamed since plugin API 2, old -> new, still read under the old name (`sft`
+#: was the core's kind for chat, alpaca and text rows, and is also the sft method's name)
+RENAMED_KINDS: dict[str, str] = {"sft": "conversation"}
 
 #: Hugging Face `architectures` entries -> distribution whose family reads them
 ARCHITECTURES: dict[str, str] = {

@@ -23,6 +23,9 @@ anywhere is unfinished, and a rank whose rows are done keeps stepping with pad t
 The sampling settings have one set of ranges (``check_sampling``), enforced here for every
 caller (``posttune generate``, GRPO, on-policy KD), and a generation never runs past the
 model's context (``context_length``): the KV cache is sized by what fits, not by what was asked.
+
+``BuiltinEngine`` is this loop as the generation engine ``builtin`` (registered in
+``posttune.engines``), and ``Sampling`` the settings any engine's ``generate`` takes.
 """
 
 from __future__ import annotations
@@ -62,6 +65,69 @@ class Completions:
     def token_lists(self) -> list[list[int]]:
         """Each row's generated token ids (the stop token included), as Python lists."""
         return [row[keep].tolist() for row, keep in zip(self.tokens.cpu(), self.mask.cpu(), strict=True)]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a generation engine samples (``GenerationEngine``): ``generate_batch``'s settings but the
+    prompts and seeds, checked on creation against ``check_sampling``'s ranges (a ``SamplingError``).
+
+    ``temperature`` 0 is greedy; ``stop_token_ids`` end a row (the stop token kept); ``pad_id`` fills
+    a row's tokens after its end.
+    """
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+class BuiltinEngine:
+    """The core's generation engine, ``builtin``: ``generate_batch`` on the policy, registered like a plugin's.
+
+    Started on the live policy (``EnginePolicy.model``) it generates with the very module that
+    trains, sharded or not, so its weights are always current: ``update_weights(None, version)``
+    only records the version. Started without one (in a Ray actor) it builds the architecture from
+    the family and build kwargs (on ``policy.device``, else CPU) and loads each state dict it is given.
+    """
+
+    def __init__(self, policy: Any):
+        model = policy.model
+        if model is None:
+            from posttune.api import build_model
+
+            model = build_model(policy.family, **policy.build_kwargs).eval()
+            model = model if policy.device is None else model.to(policy.device)
+        self.model: nn.Module | None = model
+        self.version: int = policy.version
+
+    def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], sampling: Sampling,
+                 seeds: Sequence[int] | None = None) -> Completions:
+        return generate_batch(self.model, prompts, max_new_tokens=sampling.max_new_tokens,
+                              temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                              min_p=sampling.min_p, seeds=seeds, stop_token_ids=sampling.stop_token_ids,
+                              pad_id=sampling.pad_id)
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
+        if weights is not None:
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
+            missing = [key for key in missing if not key.endswith("inv_freq")]  # buffers computed, not loaded
+            if missing or unexpected:
+                from posttune.errors import PosttuneError
+
+                raise PosttuneError(f"generation engine 'builtin': the weights do not fit its model (missing "
+                                    f"{missing[:3]}, unexpected {unexpected[:3]})")
+        self.version = version
+
+    def close(self) -> None:
+        self.model = None
 
 
 @torch.no_grad()  # not inference_mode: FSDP2's forward hooks may not accept inference tensors

@@ -59,6 +59,11 @@ def posttune_register_reward_functions(register: Register) -> None:
 
 
 @hookspec
+def posttune_register_generation_engines(register: Register) -> None:
+    """Register generation engines for methods that sample: ``register(GenerationEngine(...))``."""
+
+
+@hookspec
 def posttune_register_metric_loggers(register: Register) -> None:
     """Register experiment trackers fed the run's metrics: ``register(MetricLogger(...))``."""
 

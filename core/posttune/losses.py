@@ -36,7 +36,7 @@ def token_logps(session: Any, batch: dict[str, torch.Tensor], model: Any = None,
                 temperature: float = 1.0) -> torch.Tensor:
     """``[batch, seq]`` log-probabilities of each label under ``model``; 0 where the label is ignored.
 
-    ``model`` defaults to the policy; a model role (``session.models["reference"]``, also the
+    ``model`` defaults to the policy; a model role (``session.models[name]``, also the
     policy with its adapters disabled) works the same way. ``temperature`` divides the logits
     first (after any soft-cap), as sampling at that temperature did: what a policy-gradient loss
     needs for completions it sampled. Differentiable when grad is enabled. Under loss parallel

@@ -19,14 +19,11 @@ from posttune.config.components import check_components
 from posttune.config.requires import check_requires
 from posttune.config.schema import ModelConfig, RunConfig
 from posttune.config.typed import from_dict
-from posttune.descriptors import ROLES, STAGES, ModelRole, ParallelPlan
+from posttune.descriptors import STAGES, MeshDim, ModelRole, ParallelPlan
 from posttune.errors import ConfigError, UnknownNameError, did_you_mean
 from posttune.registry import Registered, Registry
 
 CHECKPOINT_FORMAT = "hf"
-#: Canonical DeviceMesh order, outermost first: data parallel spans the slowest links (nodes),
-#: tensor parallel the fastest (within a node). Dimensions not named here go outermost.
-MESH_ORDER: tuple[str, ...] = ("dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -46,8 +43,8 @@ class RolePlan:
     """
 
     role: ModelRole
-    config: ModelConfig  # the role's model section (the policy's own for a default reference)
-    section: str  # the config section it was read from: "model", "reference" or "teacher"
+    config: ModelConfig  # the role's model section (the policy's own for a role built from it)
+    section: str  # the config section it was read from: "model" or "models.<role>"
     family: Registered
     converter: Registered | None = None
     shares_policy: bool = False
@@ -65,7 +62,8 @@ class Plan:
     datasets: dict[str, Registered] = field(default_factory=dict)  # "train"/"validation" -> format
     parallel: list[Registered] = field(default_factory=list)  # active plans, in order
     memory: list[Registered] = field(default_factory=list)
-    mesh: dict[str, int] = field(default_factory=dict)
+    mesh: dict[str, int] = field(default_factory=dict)  # dimension -> degree, outermost first
+    mesh_dims: dict[str, MeshDim] = field(default_factory=dict)  # dimension -> its declaration, same order
     parallel_options: dict[str, Any] = field(default_factory=dict)  # plan name -> its ``config`` instance
     memory_options: dict[str, Any] = field(default_factory=dict)  # technique name -> its ``config`` instance
     logging: list[Registered] = field(default_factory=list)  # experiment trackers (MetricLogger), in order
@@ -94,7 +92,7 @@ def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | Non
     plan.parallel_options = _parallel_options(config, plan.parallel)
     plan.memory_options = _memory_options(config, plan.memory)
     plan.logging, plan.logging_options = tracking.resolve(config, registry)
-    plan.mesh = _mesh(config, plan.parallel, world_size)
+    plan.mesh, plan.mesh_dims = _mesh(config, plan.parallel, world_size)
     if plan.world_size == 1:
         plan.parallel = []  # one process: the same config runs with the plans inactive
     # Plans see the degrees this launch resolved (a -1 replaced by the rest of the world).
@@ -182,27 +180,31 @@ def _converter(model: ModelConfig, family: Registered, registry: Registry, secti
 
 
 def _roles(plan: Plan, registry: Registry) -> None:
-    """The model roles the method asks for, each resolved to a family and a weight source.
+    """The model roles the method declares, each resolved to a family and a weight source.
 
-    A role section the method does not use is refused rather than ignored: a `teacher:` that
-    never loads is a mistake the user should hear about before the run, not after it.
+    A `models.<role>` section the method does not use is refused rather than ignored: a model
+    that never loads is a mistake the user should hear about before the run, not after it.
     """
     config, method = plan.config, plan.method.descriptor
-    wanted = {role.name: role for role in method.model_roles(plan.method_config)}
-    for name in wanted:
-        if name not in ROLES:
-            raise ConfigError("method", f"method '{method.name}' ({plan.method.provenance}) asks for an unknown "
-                                        f"model role '{name}' (roles: {', '.join(ROLES)})")
-    for name in ROLES:
-        if getattr(config, name) is not None and name not in wanted:
-            raise ConfigError(name, f"method '{method.name}' uses no {name} model with these settings; "
-                                    f"remove the `{name}:` section")
+    wanted: dict[str, ModelRole] = {}
+    for role in method.model_roles(plan.method_config):
+        who = f"method '{method.name}' ({plan.method.provenance}) declares model role {role.name!r}"
+        if role.name in wanted or role.name in ("", "policy"):
+            raise ConfigError("method", who + (" twice" if role.name in wanted else ": not a role name"))
+        if role.trained:  # a second trained model needs the trainer, optimizer and checkpoints to know it
+            raise ConfigError("method", f"{who} as trained; posttune trains only the policy so far")
+        wanted[role.name] = role
+    for name in config.models:
+        if name not in wanted:
+            raise ConfigError(f"models.{name}", f"method '{method.name}' uses no {name} model with these settings; "
+                                                "remove it")
     for name, role in wanted.items():
-        section = name if getattr(config, name) is not None else ("model" if name == "reference" else None)
-        if section is None:
-            raise ConfigError(name, f"required: method '{method.name}' needs a {name} model "
-                                    f"({name}.path, or {name}.family and {name}.size)")
-        model = getattr(config, section)
+        model, section = config.models.get(name), f"models.{name}"
+        if model is None and not (role.from_policy or role.adapters_off):
+            raise ConfigError(section, f"required: method '{method.name}' needs its {name} model "
+                                       f"({section}.path, or {section}.family and {section}.size)")
+        if model is None:  # built from the policy's source, or the policy itself with adapters off
+            model, section = config.model, "model"
         shares = role.adapters_off and config.adapter is not None and section == "model"
         family = plan.family if section == "model" else _family(model, registry, section)
         converter = plan.converter if section == "model" else _converter(model, family, registry, section)
@@ -234,14 +236,15 @@ def _datasets(plan: Plan, registry: Registry) -> None:
     data = plan.config.data
     if data is None:
         raise ConfigError("data", f"required: method '{plan.method.descriptor.name}' trains on a dataset")
-    wanted = plan.method.descriptor.dataset_kind
+    wanted = plan.method.descriptor.dataset_kinds
     for split, dataset in (("train", data.train), ("validation", data.validation)):
         if dataset is None:
             continue
         fmt = _get(registry, "dataset_format", dataset.format, f"data.{split}.format")
-        if fmt.descriptor.kind != wanted:
-            raise ConfigError(f"data.{split}.format", f"'{dataset.format}' gives {fmt.descriptor.kind} rows; "
-                                                      f"method '{plan.method.descriptor.name}' needs {wanted} rows")
+        if fmt.descriptor.kind not in wanted:
+            method = plan.method.descriptor.name
+            raise ConfigError(f"data.{split}.format", f"'{dataset.format}' gives {fmt.descriptor.kind} rows; method "
+                                                      f"'{method}' needs {' or '.join(wanted)} rows")
         plan.datasets[split] = fmt
 
 
@@ -274,7 +277,8 @@ def _list_for(name: str, registry: Registry) -> str:
 
 
 def _parallel_options(config: RunConfig, plans: list[Registered]) -> dict[str, Any]:
-    """`parallel.options.<plan>` checked against the plan's ``config`` dataclass (defaults if absent)."""
+    """`parallel.options.<plan>`, with what other listed plans set on it (``ParallelPlan.adjusts``),
+    checked against the plan's ``config`` dataclass (defaults if absent)."""
     active = {p.descriptor.name: p for p in plans}
     for name in config.parallel.options:
         if name not in active:
@@ -282,8 +286,28 @@ def _parallel_options(config: RunConfig, plans: list[Registered]) -> dict[str, A
             raise ConfigError(f"parallel.options.{name}", f"'{name}' is not in parallel.plans (listed: {listed})")
         if active[name].descriptor.config is None:
             raise ConfigError(f"parallel.options.{name}", f"plan '{name}' ({active[name].provenance}) takes no options")
-    return {name: from_dict(p.descriptor.config, config.parallel.options.get(name, {}), f"parallel.options.{name}")
+    options = {name: dict(config.parallel.options.get(name, {})) for name in active}
+    for item in plans:
+        for name, values in item.descriptor.adjusts.items():
+            if name in active:  # a plan it must have is in its ``requires``
+                _adjust(options[name], values, item, active[name])
+    return {name: from_dict(p.descriptor.config, options[name], f"parallel.options.{name}")
             for name, p in active.items() if p.descriptor.config is not None}
+
+
+def _adjust(options: dict[str, Any], values: Mapping[str, Any], by: Registered, plan: Registered) -> None:
+    """Set ``values`` from plan ``by`` into ``plan``'s options: a key the config (or another plan)
+    sets differently is refused, and so is one that ``plan``'s config dataclass does not take."""
+    who, where = f"plan '{by.descriptor.name}' ({by.provenance})", f"parallel.options.{plan.descriptor.name}"
+    if plan.descriptor.config is None:
+        raise ConfigError("parallel.plans", f"{who} sets options on '{plan.descriptor.name}', which takes none")
+    try:
+        from_dict(plan.descriptor.config, values, where)
+    except ConfigError as exc:
+        raise ConfigError("parallel.plans", f"{who} sets {exc.path}: {exc.problem}") from None
+    for key, value in values.items():
+        if options.setdefault(key, value) != value:
+            raise ConfigError(f"{where}.{key}", f"{who} needs {value!r}, not {options[key]!r}; remove this setting")
 
 
 def _memory_options(config: RunConfig, techniques: list[Registered]) -> dict[str, Any]:
@@ -300,21 +324,37 @@ def _memory_options(config: RunConfig, techniques: list[Registered]) -> dict[str
             for name, t in active.items() if t.descriptor.config is not None}
 
 
-def _mesh(config: RunConfig, plans: list[Registered], world_size: int | None) -> dict[str, int]:
-    """Mesh dimension -> degree, outermost first. One ``-1`` (or an owned dimension left out) takes the rest."""
-    owners = {p.descriptor.mesh_dim: p.descriptor.name for p in plans if p.descriptor.mesh_dim}
-    owners = dict(sorted(owners.items(), key=lambda item: _mesh_rank(item[0])))
+def _mesh(config: RunConfig, plans: list[Registered],
+          world_size: int | None) -> tuple[dict[str, int], dict[str, MeshDim]]:
+    """Mesh dimension -> degree, and -> its declaration, outermost first (``MeshDim.order``, then
+    name). One ``-1`` (or an owned dimension left out) takes the rest of the world."""
+    declared: dict[str, MeshDim] = {}
+    owners: dict[str, str] = {}
+    for item in plans:
+        dim = item.descriptor.mesh_dim
+        if dim is None:
+            continue
+        if not isinstance(dim, MeshDim):
+            raise ConfigError("parallel.plans", f"plan '{item.descriptor.name}' ({item.provenance}) declares "
+                                                f"mesh_dim={dim!r}; expected MeshDim(name, order, splits)")
+        if declared.setdefault(dim.name, dim) != dim:
+            raise ConfigError("parallel.plans", f"plans '{owners[dim.name]}' and '{item.descriptor.name}' declare "
+                                                f"mesh dimension '{dim.name}' differently; remove one")
+        owners[dim.name] = item.descriptor.name
+    declared = dict(sorted(declared.items(), key=lambda item: (item[1].order, item[0])))
     for dim in config.parallel.dims:
-        if dim not in owners:
-            owned = ", ".join(f"{d} ({n})" for d, n in owners.items()) or "none"
+        if dim not in declared:
+            owned = ", ".join(f"{d} ({owners[d]})" for d in declared) or "none"
             raise ConfigError(f"parallel.dims.{dim}", f"no active plan owns mesh dimension '{dim}' "
                                                       f"(owned: {owned})")
-    dims = {dim: config.parallel.dims.get(dim, -1) for dim in owners}
+    dims = {dim: config.parallel.dims.get(dim, -1) for dim in declared}
     if world_size is None or world_size == 1:
-        return {dim: 1 for dim in dims}  # unknown (elastic) or a single process
+        return {dim: 1 for dim in dims}, declared  # unknown (elastic) or a single process
     if not dims:
+        hint = first_party.MESH_HINT
         raise ConfigError("parallel.plans", f"{world_size} processes launched but no parallel plan owns a mesh "
-                                            "dimension; add one, e.g. fsdp2 (pip install posttune-fsdp2)")
+                                            f"dimension; add one, e.g. {hint} "
+                                            f"(pip install {first_party.NAMES['parallel_plan'][hint]})")
     free = [dim for dim, degree in dims.items() if degree == -1]
     fixed = math.prod(degree for degree in dims.values() if degree != -1)
     shown = " x ".join(f"{d}={n}" for d, n in dims.items() if n != -1) or "no fixed dimension"
@@ -324,11 +364,7 @@ def _mesh(config: RunConfig, plans: list[Registered], world_size: int | None) ->
         raise ConfigError("parallel.dims", f"{shown} does not fit the {world_size} processes launched")
     if free:
         dims[free[0]] = world_size // fixed
-    return dims
-
-
-def _mesh_rank(dim: str) -> int:
-    return MESH_ORDER.index(dim) if dim in MESH_ORDER else -1
+    return dims, declared
 
 
 def _steps(plan: Plan) -> list[Step]:
@@ -370,7 +406,8 @@ def _steps(plan: Plan) -> list[Step]:
             add("roles", f"{name}: the policy with its adapters disabled (no copy)", core)
             continue
         source = role.config.path or f"random init, size {role.config.size}"
-        frozen = [item.descriptor.name for item in plan.parallel + plan.memory if applies_to_frozen(item.descriptor)]
+        frozen = [item.descriptor.name for item in plan.parallel + plan.memory
+                  if role.role.run_plans and applies_to_frozen(item.descriptor)]
         how = f", with {', '.join(frozen)}" if frozen else ""
         add("roles", f"{name}: frozen '{role.family.descriptor.name}' model ({source}){how}", role.family.provenance)
     for split, fmt in plan.datasets.items():

@@ -14,23 +14,24 @@ descriptors and ``hookimpl`` from here and `posttune plugins` stays fast.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from posttune.checkpoint.hf_config_check import refuse_unbuildable
 from posttune.config.bundled import configs_in
 from posttune.config.schema import DatasetConfig, RunConfig
 from posttune.config.typed import from_dict
 from posttune.descriptors import (
     DECODER_LINEAR_LAYERS,
     DECODER_TP_PLAN,
-    ROLES,
-    STAGES,
     BundledConfig,
     CheckpointConverter,
     Command,
     DatasetFormat,
+    EnginePolicy,
+    GenerationEngine,
     LossOutput,
     MemoryTechnique,
+    MeshDim,
     Method,
     MetricLogger,
     ModelFamily,
@@ -40,61 +41,65 @@ from posttune.descriptors import (
     RewardFunction,
     TrackerRun,
 )
+from posttune.engines import resolve_engine, start_engine
 from posttune.errors import ConfigError, PosttuneError, did_you_mean, first_line
+from posttune.estimate import Estimate
 from posttune.memory import require_cuda
 from posttune.plan import model_kwargs
-from posttune.plugins import PLUGIN_API, hookimpl
-from posttune.session import LossKernel, ModelTarget, Session
+from posttune.plugins import hookimpl
+from posttune.session import ModelTarget, Session
 from posttune.tracking import flat_config, scalar_metrics
 
 #: name -> the core module it lives in, imported when the name is first used (these need torch)
 _LAZY: dict[str, str] = {
     # data toolkit: rows -> samples -> batches, resumable and sharded (docs/architecture.md, "Data")
     **dict.fromkeys([
-        "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptMaker", "PromptRow", "PromptSample",
-        "Sample", "SampleMaker", "SampleStore", "SkipCounts", "as_messages", "build_loader", "check_columns",
-        "dataset_format", "load_rows", "make_loader", "pack", "pad_id", "packed_batch", "padded_batch", "flat_batch",
-        "pair_batch", "preference_pair", "prompt_batch", "prompt_loader", "prompt_row", "rename", "shift_labels",
+        "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptRow", "SampleMaker", "as_messages",
+        "build_loader", "dataset_format", "make_loader", "pad_id", "packed_batch", "padded_batch", "flat_batch",
+        "pair_batch", "prompt_loader",
     ], "posttune.data"),
     # losses that honour the loss-stage technique (chunked) and final-logit soft-caps
     **dict.fromkeys(["token_cross_entropy", "token_logps", "sequence_logps"], "posttune.losses"),
     # generation with a KV cache: batched, seeded per row, the same forward count on every rank
-    **dict.fromkeys(["Completions", "derive_seed", "filter_logits", "generate", "generate_batch", "next_token"],
-                    "posttune.generation"),
+    **dict.fromkeys(["Completions", "Sampling", "derive_seed", "generate", "generate_batch"], "posttune.generation"),
     # models, checkpoints, tokenizers
     **dict.fromkeys(["load_model", "save_model", "build_model", "load_tokenizer"], "posttune.api"),
+    "save_tiny_tokenizer": "posttune.tiny_tokenizer",  # a real tokenizer of 384 ids, for demos and tests
     "LayeredKeyMap": "posttune.checkpoint.keymap",
+    "Join": "posttune.checkpoint.convert",
+    # the Hugging Face names and config.json fields of posttune.modules' decoder, for Llama-like families
+    **dict.fromkeys(["decoder_hf_config", "decoder_keys", "decoder_kwargs"], "posttune.checkpoint.hf_decoder"),
     "tie_groups": "posttune.checkpoint.materialize",
     # adapters
-    **dict.fromkeys(["LoRALinear", "AdaptersOff", "active_model", "adapter_base", "adapters_disabled",
-                     "adapted_modules", "load_peft_adapter", "merge_adapters"], "posttune.adapters"),
+    **dict.fromkeys(["LoRALinear", "adapter_base", "adapted_modules", "load_peft_adapter", "merge_adapters"],
+                    "posttune.adapters"),
     # optimisation and heads: the head's effective (weight, bias), LoRA/DoRA folded in, for chunked losses
     "build_scheduler": "posttune.training.optim",
     "head_weight": "posttune.memory.linear_cross_entropy",
     "train_briefly": "posttune.training.warm_start",
     # distributed helpers (one process: the same calls, no communication)
     **dict.fromkeys([
-        "TOKEN_DIMS", "all_reduce_max", "all_reduce_sum", "data_rank", "flattened", "full_state_dict", "full_value",
-        "is_dtensor", "is_main", "is_sharded", "padded_sequence", "rank", "step_context", "sum_over_token_ranks",
-        "to_device", "token_group", "world_size",
+        "all_reduce_max", "all_reduce_sum", "data_rank", "is_dtensor", "padded_sequence", "step_context",
+        "sum_over_token_ranks", "to_device", "token_group", "token_mesh", "world_size",
     ], "posttune.training.distributed"),
 }
 
 __all__ = [
-    "DECODER_LINEAR_LAYERS", "DECODER_TP_PLAN", "PLUGIN_API", "ROLES", "STAGES", "BundledConfig",
-    "CheckpointConverter", "Command", "ConfigError", "DatasetConfig", "DatasetFormat", "LossKernel", "LossOutput",
-    "MemoryTechnique", "Method", "MetricLogger", "ModelFamily", "ModelRole", "ModelTarget", "ParallelPlan",
-    "PosttuneError", "QuantizedFormat", "RewardFunction", "RunConfig", "Session", "TrackerRun", "configs_in",
-    "did_you_mean", "first_line", "flat_config", "from_dict", "hookimpl", "lookup", "model_kwargs", "provenance",
-    "refuse_unbuildable", "registered", "require_cuda", "scalar_metrics", *sorted(_LAZY),
+    "DECODER_LINEAR_LAYERS", "DECODER_TP_PLAN", "BundledConfig", "CheckpointConverter",
+    "Command", "ConfigError", "DatasetConfig", "DatasetFormat", "EnginePolicy", "Estimate", "GenerationEngine",
+    "LossOutput", "MemoryTechnique", "MeshDim", "Method", "MetricLogger", "ModelFamily",
+    "ModelRole", "ModelTarget", "ParallelPlan", "PosttuneError", "QuantizedFormat", "RewardFunction", "RunConfig",
+    "Session", "TrackerRun", "configs_in", "did_you_mean", "first_line", "flat_config", "from_dict", "hookimpl",
+    "lookup", "model_kwargs", "provenance", "registered", "registering", "require_cuda", "resolve_engine",
+    "scalar_metrics", "start_engine", *sorted(_LAZY),
 ]
 
 
 def lookup(kind: str, name: str) -> Any:
     """The descriptor an installed plugin registered as ``name`` (kinds: ``model_family``, ``method``,
     ``parallel_plan``, ``memory_technique``, ``dataset_format``, ``reward_function``, ``metric_logger``,
-    ``config``, ``command``, ``checkpoint_converter``, ``quantized_format``); an unknown name raises a
-    one-line PosttuneError."""
+    ``config``, ``command``, ``checkpoint_converter``, ``quantized_format``, ``generation_engine``); an
+    unknown name raises a one-line PosttuneError."""
     from posttune.plugins import get_registry
 
     return get_registry().get(kind, name)
@@ -112,6 +117,18 @@ def registered(kind: str) -> list[str]:
     from posttune.plugins import get_registry
 
     return get_registry().names(kind)
+
+
+def registering(descriptors: Iterable[Any] | Callable[[], Iterable[Any]]) -> Callable[[Any], None]:
+    """A registration hook that registers each of ``descriptors`` (or of what calling it returns, when
+    the hook runs), for a plugin module to bind under the hook's name, so that every distribution
+    does not repeat the same loop: ``posttune_register_model_families = registering(FAMILIES)``."""
+    @hookimpl
+    def register_each(register: Any) -> None:
+        for descriptor in descriptors() if callable(descriptors) else descriptors:
+            register(descriptor)
+
+    return register_each
 
 
 def __getattr__(name: str) -> Any:

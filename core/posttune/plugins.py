@@ -40,6 +40,7 @@ ENTRY_POINT_GROUP = "posttune"
 BUILTIN_PLUGINS = (
     "posttune.builtin.datasets",
     "posttune.memory",
+    "posttune.engines",
     "posttune.cli.commands",
 )
 

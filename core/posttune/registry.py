@@ -39,6 +39,8 @@ KINDS: dict[str, Kind] = {
         Kind("dataset_format", "posttune_register_datasets", d.DatasetFormat, "dataset format", "datasets"),
         Kind("reward_function", "posttune_register_reward_functions", d.RewardFunction,
              "reward function", "rewards"),
+        Kind("generation_engine", "posttune_register_generation_engines", d.GenerationEngine,
+             "generation engine", "engines"),
         Kind("metric_logger", "posttune_register_metric_loggers", d.MetricLogger, "metric logger", "loggers"),
         Kind("config", "posttune_register_configs", d.BundledConfig, "bundled config", "configs"),
         Kind("command", "posttune_register_commands", d.Command, "command", "commands"),

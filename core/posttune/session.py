@@ -46,11 +46,11 @@ class ModelTarget:
     """One model of the run as the model stages build it: the policy, or a frozen role.
 
     Parallel plans and memory techniques receive it in ``apply(session, target)`` and act on
-    ``target.model`` (they may replace it). ``family`` is the role's own family (a teacher may
-    be of another family than the policy); ``config`` its model section.
+    ``target.model`` (they may replace it). ``family`` is the role's own family (a role may be of
+    another family than the policy); ``config`` its model section.
     """
 
-    role: str  # "policy", "reference", "teacher"
+    role: str  # "policy", or the name of a model role the method declared (``ModelRole.name``)
     family: ModelFamily
     config: ModelConfig
     model: torch.nn.Module | None = None
@@ -96,15 +96,6 @@ class Session:
     loss_kernel: LossKernel | None = None
     #: called once before the final save: a technique that trained a stand-in puts the real model back
     before_final_save: list[Callable[[Session], None]] = field(default_factory=list)
-    #: module-name pattern -> tensor-parallel style, overriding the family's TP plan (loss parallel
-    #: keeps the head's logits vocabulary-sharded: ``{"output": "colwise_vocab_sharded"}``)
-    tp_style_overrides: dict[str, str] = field(default_factory=dict)
-    #: where the ``load`` stage materialises parameters; None: ``device`` (FSDP2 CPU offload: "cpu")
-    init_device: str | None = None
-    #: the engine online methods generate with: ``(model, prompts, **settings) -> Completions``, the
-    #: signature and result of ``posttune.generation.generate_batch`` (the default when None). A faster
-    #: engine (vLLM on GPU) plugs in here; it must keep the contract (seeds per row, behaviour log-probs)
-    generation_engine: Callable[..., Any] | None = None
     #: the method's own state (precomputed log-probs, a rollout buffer, ...): the method owns it,
     #: and saves what must survive a restart through ``Method.state_dict``
     method_state: Any = None

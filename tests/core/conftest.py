@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from posttune.descriptors import CheckpointConverter, MemoryTechnique, Method, ModelFamily, ParallelPlan
+from posttune.descriptors import CheckpointConverter, MemoryTechnique, MeshDim, Method, ModelFamily, ParallelPlan
 from posttune.errors import ConfigError
 from posttune.plugins import hookimpl
 
@@ -105,8 +105,8 @@ class FakePlugin:
 
     @hookimpl
     def posttune_register_parallel_plans(self, register):
-        register(ParallelPlan("fsdp", noop, mesh_dim="dp_shard", order=100))
-        register(ParallelPlan("tensor", noop, mesh_dim="tp", order=10))
+        register(ParallelPlan("fsdp", noop, mesh_dim=MeshDim("dp_shard", order=10, splits="batch"), order=100))
+        register(ParallelPlan("tensor", noop, mesh_dim=MeshDim("tp", order=30), order=10))
         register(ParallelPlan("lossp", noop, order=20, requires=("tensor",)))
 
     @hookimpl

@@ -29,7 +29,7 @@ from posttune.template_limits import (
     TemplateLimitError,
     read_limits,
 )
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
 from transformers import AutoTokenizer
 

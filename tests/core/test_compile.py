@@ -61,10 +61,11 @@ def graphs() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["plain", "activation_checkpointing", "lora", "dora", "packed"])
 def test_compiled_training_logs_the_losses_of_the_eager_run(llama_sft, tmp_path, variant):
-    sections: dict = {"data": {"packing": True} if variant == "packed" else ONE_SHAPE, "train": TRAIN}
+    sections: dict = {"method": {"packing": True}} if variant == "packed" else {"data": ONE_SHAPE}
+    sections["train"] = TRAIN
     memory = []
     if variant == "activation_checkpointing":  # padded rows: the checkpointed layer is one graph
-        memory, sections["data"] = ["activation_checkpointing"], {**ONE_SHAPE, "padding_free": False}
+        memory, sections["method"] = ["activation_checkpointing"], {"padding_free": False}
     if variant in ("lora", "dora"):
         sections["adapter"] = {**LORA, "kind": variant}
     eager, _ = trained(sft_config(tmp_path / "eager", memory=memory, **sections))
@@ -137,11 +138,10 @@ def varying_batches(count: int = 20, multiple: int | None = None, seed: int = 0)
     return out
 
 
-def run_config(max_seq_len: int = 128, pad_to_multiple_of: int | None = 64, packing: bool = False,
-               batch_size: int = 2) -> SimpleNamespace:
+def run_config(max_seq_len: int = 128, pad_to_multiple_of: int | None = 64, batch_size: int = 2) -> SimpleNamespace:
     """The part of a RunConfig ``apply`` reads."""
-    return SimpleNamespace(data=SimpleNamespace(max_seq_len=max_seq_len, pad_to_multiple_of=pad_to_multiple_of,
-                                                packing=packing), train=SimpleNamespace(batch_size=batch_size))
+    return SimpleNamespace(data=SimpleNamespace(max_seq_len=max_seq_len, pad_to_multiple_of=pad_to_multiple_of),
+                           train=SimpleNamespace(batch_size=batch_size))
 
 
 def compiled_tiny(options: CompileConfig, layers: int = 3) -> torch.nn.Module:
@@ -218,7 +218,7 @@ def test_the_recompile_limit_is_raised_to_the_number_of_buckets():
     # a padding-free row holds up to 4 x 2048 tokens: 128 buckets of 64, each for a full and a last batch
     assert expected_graphs(config, CompileConfig(dynamic=False)) == 256
     assert expected_graphs(config, CompileConfig(dynamic=True)) is None
-    assert expected_graphs(run_config(packing=True), CompileConfig(dynamic=False)) == 2
+    assert expected_graphs(run_config(), CompileConfig(dynamic=False), packing=True) == 2
     with torch._dynamo.config.patch(recompile_limit=8):  # restored afterwards, for the other tests
         raise_recompile_limit(config, CompileConfig(dynamic=False))
         assert torch._dynamo.config.recompile_limit == 256
@@ -248,18 +248,18 @@ def validate(posttune_cli, tmp_path, **sections):
      "memory", "'compile' needs a CUDA device"),
     ({"memory": ["activation_checkpointing", "activation_offloading", "compile"], "data": ONE_SHAPE},
      "memory", "compile"),
-    ({"memory": ["activation_checkpointing", "compile"], "data": {"packing": True}},
-     "data.packing", "packed attention breaks the graph inside the checkpointed layer"),
+    ({"memory": ["activation_checkpointing", "compile"], "method": {"packing": True}},
+     "method.packing", "packed attention breaks the graph inside the checkpointed layer"),
     ({"memory": ["activation_checkpointing", "compile"], "data": ONE_SHAPE},
-     "data.padding_free", "must be false with compile and activation_checkpointing"),
-    ({"memory": ["activation_checkpointing", "compile"], "data": {"padding_free": False},
+     "method.padding_free", "must be false with compile and activation_checkpointing"),
+    ({"memory": ["activation_checkpointing", "compile"], "method": {"padding_free": False},
       "memory_options": {"compile": {"dynamic": True}}},
      "memory_options.compile.dynamic", "must be false with activation_checkpointing"),
     ({"memory": ["activation_checkpointing", "compile"], "memory_options": {"compile": {"dynamic": None}},
-      "data": {"padding_free": False}}, "memory_options.compile.dynamic",
+      "method": {"padding_free": False}}, "memory_options.compile.dynamic",
      "must be false with activation_checkpointing"),
-    ({"memory": ["compile"], "data": {"packing": True}, "memory_options": {"compile": {"fullgraph": True}}},
-     "memory_options.compile.fullgraph", "must be false with data.packing"),
+    ({"memory": ["compile"], "method": {"packing": True}, "memory_options": {"compile": {"fullgraph": True}}},
+     "memory_options.compile.fullgraph", "must be false with method.packing"),
 ])
 def test_impossible_settings_are_refused_in_one_line(llama_sft, posttune_cli, tmp_path, sections, field, words):
     result = validate(posttune_cli, tmp_path, **sections)
@@ -274,9 +274,9 @@ def test_offloading_and_compile_name_each_other(llama_sft, posttune_cli, tmp_pat
     assert "activation_offloading" in result.stderr and "compile" in result.stderr
 
 
-@pytest.mark.parametrize("data", [ONE_SHAPE, {"packing": True}])
-def test_bucketed_or_packed_data_and_dynamic_shapes_are_accepted(llama_sft, posttune_cli, tmp_path, data):
-    assert validate(posttune_cli, tmp_path, memory=["compile"], data=data).exit_code == 0
+@pytest.mark.parametrize("sections", [{"data": ONE_SHAPE}, {"method": {"packing": True}}])
+def test_bucketed_or_packed_data_and_dynamic_shapes_are_accepted(llama_sft, posttune_cli, tmp_path, sections):
+    assert validate(posttune_cli, tmp_path, memory=["compile"], **sections).exit_code == 0
     assert validate(posttune_cli, tmp_path / "auto", memory=["compile"]).exit_code == 0  # dynamic by default
     assert validate(posttune_cli, tmp_path / "d", memory=["compile"],
                     memory_options={"compile": {"dynamic": True}}).exit_code == 0

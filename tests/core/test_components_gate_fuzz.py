@@ -150,7 +150,7 @@ def recording():
 
 #: where a config may hold a _component_ (free-form settings included); the first two must be components
 FIELDS = ["train.optimizer", "train.scheduler", "train.optimizer.x", "train.scheduler.x", "method.x",
-          "model.build_overrides.x", "reference.build_overrides.x", "teacher.build_overrides.x",
+          "model.build_overrides.x", "models.reference.build_overrides.x", "models.teacher.build_overrides.x",
           "parallel.options.fsdp.x", "memory_options.ckpt.x", "logging_options.tb.x"]
 KEYS = st.sampled_from(["momentum", "betas", "params", "lr_lambda", "schedulers", "x", "hook", "command", "a"])
 PLAIN = st.none() | st.integers() | st.text(max_size=4) | st.lists(st.integers(), max_size=2)
@@ -159,7 +159,7 @@ BASE = {"model": {"family": "fam", "size": "tiny"}, "method": {"name": "fsft"},
         "data": {"train": {"path": "d.jsonl", "format": "chat"}},
         "train": {"optimizer": {COMPONENT: "torch.optim.SGD"},
                   "scheduler": {COMPONENT: "torch.optim.lr_scheduler.ConstantLR"}},  # both bind as they are
-        "reference": {"family": "fam", "size": "tiny"}, "teacher": {"path": "t"}}
+        "models": {"reference": {"family": "fam", "size": "tiny"}, "teacher": {"path": "t"}}}
 
 
 @st.composite

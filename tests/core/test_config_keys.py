@@ -55,6 +55,8 @@ def _nested(tp: Any) -> tuple[type | None, str]:
         return tp, ""
     if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
         return typing.get_args(tp)[0], "[]"
+    if typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+        return typing.get_args(tp)[1], ".<name>"  # e.g. models.<name>.path
     return None, ""
 
 

@@ -14,7 +14,7 @@ from posttune.data import IGNORE_INDEX
 from posttune_sft import sft_loader as build_sft_loader
 from posttune.errors import ConfigError, PosttuneError
 from posttune.plugins import new_plugin_set
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
 
 ALPACA = [{"instruction": f"What is {i} + {i}?", "input": "" if i % 2 else "Be brief.",
@@ -59,12 +59,12 @@ def write(path: Path, rows: list[dict]) -> Path:
 
 
 def loader_for(path, tokenizer, formats, *, fmt="alpaca", batch_size=4, seed=0, shuffle=True, rank=0,
-               world_size=1, train_on_input=False, streaming=False, column_map=None, **data):
+               world_size=1, train_on_input=False, streaming=False, column_map=None, packing=False, **data):
     dataset = DatasetConfig(path=str(path), format=fmt, streaming=streaming, column_map=column_map or {})
-    config = DataConfig(train=dataset, **{"max_seq_len": 128, "padding_free": False, **data})
+    config = DataConfig(train=dataset, **{"max_seq_len": 128, **data})
     return build_sft_loader(dataset, data=config, fmt=formats[fmt], tokenizer=tokenizer, batch_size=batch_size,
-                            seed=seed, shuffle=shuffle, train_on_input=train_on_input, rank=rank,
-                            world_size=world_size)
+                            seed=seed, shuffle=shuffle, train_on_input=train_on_input, packing=packing,
+                            padding_free=False, rank=rank, world_size=world_size)
 
 
 def unpadded(batch, pad_id=0) -> list[tuple[list[int], list[int]]]:

@@ -21,7 +21,7 @@ from posttune.data.prompts import PromptMaker
 from posttune.data.samples import SampleMaker, SkipCounts
 from posttune.errors import PosttuneError
 from posttune.plugins import new_plugin_set
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,

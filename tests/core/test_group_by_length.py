@@ -17,7 +17,7 @@ from posttune.data.loader import BatchLoader
 from posttune.data.samples import Sample, SampleStore
 from posttune.errors import ConfigError, PosttuneError
 from posttune.plugins import new_plugin_set
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
 
 BASE = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"train": {"path": "d.jsonl"}}}
@@ -150,9 +150,6 @@ def with_data(**values) -> dict:
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"group_by_length": True, "packing": True},
-     "data.group_by_length: packed rows are already full and need no grouping; set packing or group_by_length, "
-     "not both"),
     ({"group_by_length": True, "train": {"path": "d.jsonl", "streaming": True}},
      "data.group_by_length: needs a map-style dataset (the whole epoch to sort), but data.train is streaming; "
      "set streaming: false or drop it"),

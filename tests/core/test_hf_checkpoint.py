@@ -22,6 +22,7 @@ from torch import nn
 
 import posttune
 from posttune.checkpoint import hf_save
+from posttune.checkpoint.convert import Join
 from posttune.descriptors import CheckpointConverter, ModelFamily
 from posttune.errors import PosttuneError
 from posttune.plugins import module_plugin
@@ -337,7 +338,7 @@ def test_tensors_are_checked_while_streaming_when_the_converter_cannot_run_on_me
             raise NotImplementedError("needs data")
         return f"inner.{key}", tensor
 
-    monkeypatch.setattr(hf_load._Loader, "_native", lambda self, key, tensor: real_tensors_only(key, tensor, {}))
+    monkeypatch.setattr(hf_load._Loader, "_joiner", lambda self: hf_load.Joiner(real_tensors_only, {}))
     path, reference = checkpoint
     assert_close(our_logits(posttune.load_model(path)), hf_logits(reference))
     rewrite(path, lambda tensors: tensors.update({"model.extra.weight": torch.zeros(2)}))
@@ -397,3 +398,36 @@ def test_a_dtensor_parameter_receives_its_shard(tmp_path):
         assert torch.equal(param.full_tensor(), torch.arange(8.0).reshape(4, 2))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_converters_split_is_made_one_part_at_a_time_and_a_join_held_only_until_complete():
+    """The contract of posttune.checkpoint.convert, which load and save both stream through."""
+    from posttune.checkpoint.convert import Joiner
+
+    made = []
+
+    def convert(key, tensor, config):
+        if key == "fused":  # one-to-many, as a generator
+            return ((name, made.append(name) or part) for name, part in zip("ab", tensor.split(1), strict=True))
+        return Join("whole", ("x", "y"), join=torch.cat), tensor  # many-to-one
+
+    joiner = Joiner(convert, {})
+    split = joiner("fused", torch.tensor([1.0, 2.0]))
+    assert made == []
+    assert next(split)[:2] == ("fused", "a") and made == ["a"]
+    assert list(joiner("y", torch.tensor([4.0]))) == [] and list(joiner.held) == ["whole"]
+    [(source, key, value)] = joiner("x", torch.tensor([3.0]))
+    assert (source, key, value.tolist(), joiner.held) == ("x", "whole", [3.0, 4.0], {})  # in the parts' order
+
+
+@pytest.mark.parametrize(("answer", "message"), [
+    (lambda t: t, "converter: 'x' became Tensor, not a (key, tensor) pair"),
+    (lambda t: (Join("whole", ("a", "b"), join=torch.cat), t), "converter: 'x' is not one of the parts of 'whole' "
+                                                                 "it joins ('a', 'b')"),
+])
+def test_a_converter_answer_outside_the_contract_is_one_line(answer, message):
+    from posttune.checkpoint.convert import Joiner
+
+    with pytest.raises(PosttuneError) as caught:
+        list(Joiner(lambda key, tensor, config: answer(tensor), {})("x", torch.zeros(2)))
+    assert str(caught.value) == message

@@ -97,7 +97,7 @@ def test_adapter_dropout_on_the_head_is_refused():
         chunked(model)
 
 
-def test_a_sharded_head_is_refused_naming_loss_parallel(monkeypatch):
+def test_a_sharded_head_is_refused_pointing_to_a_parallel_loss(monkeypatch):
     monkeypatch.setattr(lce, "is_dtensor", lambda tensor: True)
-    with pytest.raises(PosttuneError, match="loss_parallel"):
+    with pytest.raises(PosttuneError, match="use a plan that parallelises the loss"):
         chunked(tiny_llama())

@@ -14,18 +14,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
-from run_support import TOKENIZER
-
 import posttune_dpo
+import posttune_fsdp2
 import posttune_llama
 import posttune_sft
 import posttune_torchao
+import posttune_tp
+import pytest
+import torch
+from posttune import hookimpl
 from posttune.config import validate
 from posttune.errors import PosttuneError
 from posttune.estimate import CPU_BASELINE, MIB, Shape, estimate, layer_bytes_per_token
 from posttune.plan import resolve_plan
+from posttune.plugin import MemoryTechnique, MeshDim, ParallelPlan
+from run_support import TOKENIZER
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -39,6 +42,8 @@ def registry(register_plugin, posttune_plugins):
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_dpo, distribution="posttune-dpo", version="0.1.0")
     register_plugin(posttune_torchao, distribution="posttune-torchao", version="0.1.0")
+    register_plugin(posttune_fsdp2, distribution="posttune-fsdp2", version="0.1.0")
+    register_plugin(posttune_tp, distribution="posttune-tp", version="0.1.0")
     return posttune_plugins.registry
 
 
@@ -74,8 +79,9 @@ def preference_config(tmp_path: Path, model: dict[str, Any], *, batch: int, seq:
     return config
 
 
-def planned(registry, tmp_path: Path, **sections: Any):
-    return estimate(resolve_plan(validate(text_config(tmp_path, SHAPE, batch=4, seq=128, **sections)), registry))
+def planned(registry, tmp_path: Path, world_size: int = 1, **sections: Any):
+    config = validate(text_config(tmp_path, SHAPE, batch=4, seq=128, **sections))
+    return estimate(resolve_plan(config, registry, world_size=world_size))
 
 
 # -- the parts -----------------------------------------------------------------------------------
@@ -138,6 +144,20 @@ def test_qlora_stores_the_decoder_linears_in_about_half_a_byte(registry, tmp_pat
     assert saved == pytest.approx(linear * (4 - 0.5159), rel=0.01)
 
 
+def test_a_frozen_role_is_counted_as_the_runs_techniques_leave_it(registry, tmp_path):
+    """qlora_nf4 quantises a frozen role built apart (a reference of its own, a teacher) as the run does
+    (frozen="apply"): its decoder linears at NF4's width, like the policy's base weights."""
+    role = {"reference": {"family": "llama", "size": "tiny", "build_overrides": SHAPE}}
+    config = preference_config(tmp_path, SHAPE, batch=4, seq=128, adapter={"rank": 8}, models=role)
+    dense = estimate(resolve_plan(validate(config), registry))
+    config["memory"] = ["qlora_nf4"]
+    nf4 = estimate(resolve_plan(validate(config), registry))
+    h, q, kv = SHAPE["hidden_size"], SHAPE["num_heads"] * SHAPE["head_dim"], SHAPE["num_kv_heads"] * SHAPE["head_dim"]
+    linear = SHAPE["num_layers"] * (h * (2 * q + 2 * kv) + 3 * h * SHAPE["intermediate_size"])
+    assert [m.role for m in nf4.models] == ["policy", "reference"]
+    assert dense.models[1].weights_bytes - nf4.models[1].weights_bytes == pytest.approx(linear * (4 - 0.5159), rel=0.01)
+
+
 def test_low_bit_adamw_and_optimizer_in_backward_shrink_their_parts(registry, tmp_path):
     adamw = planned(registry, tmp_path / "a")
     eight = planned(registry, tmp_path / "b", memory=["adamw_8bit"])
@@ -160,6 +180,76 @@ def test_on_cuda_there_is_no_process_baseline_or_heap_term(registry, tmp_path):
     config["train"]["device"] = "cuda"
     cuda = estimate(resolve_plan(validate(config), registry))
     assert cuda.baseline == 0 and cuda.allocator == 0 and cuda.activations > 0
+
+
+def test_torchao_counts_its_import_once_and_says_qat_is_not_modelled(registry, tmp_path):
+    """Every torchao technique imports torchao when the run composes (+14 MiB resident on CPU), once
+    however many are active; qat's own effect (fake-quantised linears) is not in the estimate."""
+    plain = planned(registry, tmp_path / "a")
+    both = planned(registry, tmp_path / "b", adapter={"rank": 8}, memory=["qlora_nf4", "adamw_8bit"])
+    qat = planned(registry, tmp_path / "c", memory=["qat"])
+    assert plain.baseline == CPU_BASELINE
+    assert both.baseline == qat.baseline == CPU_BASELINE + 14 * MIB
+    assert qat.unmodelled == ("qat",) and qat.total - plain.total == 14 * MIB
+    assert "  note: 'qat' is not modelled: its effect is not in the estimate" in qat.lines()
+
+
+def test_fsdp2_shards_every_models_parts_by_its_mesh_degree(registry, tmp_path):
+    """Its own declared dimension's degree (4 processes, ``tp`` taking 2 of them in the second run);
+    a plan without a term (tp) is named, as a technique without one is."""
+    one = planned(registry, tmp_path / "a")
+    four = planned(registry, tmp_path / "b", world_size=4, parallel={"plans": ["fsdp2"]})
+    policy = one.models[0]
+    assert four.models[0].weights_bytes == policy.weights_bytes // 4 and four.shards == 4
+    assert four.models[0].gradient_bytes == policy.gradient_bytes // 4
+    assert four.models[0].optimizer_bytes == policy.optimizer_bytes // 4
+    assert (four.activations, four.logits) == (one.activations, one.logits)  # per process as they are
+    assert "peak memory estimate on cpu, per process (4 shards), assuming 512" in four.lines()[1]
+    with_tp = planned(registry, tmp_path / "c", world_size=4, parallel={"plans": ["tp", "fsdp2"], "dims": {"tp": 2}})
+    assert with_tp.shards == 2 and with_tp.unmodelled == ("tp",)
+    assert "  note: 'tp' is not modelled: its effect is not in the estimate" in with_tp.lines()
+
+
+class Recorder:
+    """Two techniques listed against their stage order and a plan, each term noting its name."""
+
+    POSTTUNE_PLUGIN_API = 2
+
+    @staticmethod
+    def term(name: str) -> Any:
+        return lambda est, plan: dataclasses.replace(est, notes=(*est.notes, name))
+
+    @hookimpl
+    def posttune_register_memory_techniques(self, register):
+        register(MemoryTechnique("at_loss", "loss", apply=lambda session, target: None, estimate=self.term("loss")))
+        register(MemoryTechnique("at_build", "build", apply=lambda session, target: None, estimate=self.term("build")))
+
+    @hookimpl
+    def posttune_register_parallel_plans(self, register):
+        register(ParallelPlan("halves", apply=lambda session, target: None, mesh_dim=MeshDim("halves", order=0),
+                              estimate=self.term("plan")))
+
+
+def test_terms_apply_family_first_then_techniques_by_stage_then_plans(registry, register_plugin, posttune_plugins,
+                                                                      tmp_path):
+    register_plugin(Recorder(), name="recorder", distribution="recorder", version="1")
+    config = validate(text_config(tmp_path, SHAPE, batch=4, seq=128, memory=["at_loss", "at_build"],
+                                  parallel={"plans": ["halves"]}))
+    plan = resolve_plan(config, posttune_plugins.registry, world_size=2)
+    family = dataclasses.replace(plan.family.descriptor, estimate=Recorder.term("family"))
+    plan.family = dataclasses.replace(plan.family, descriptor=family)
+    assert estimate(plan).notes == ("family", "build", "loss", "plan")
+
+
+def test_a_term_that_fails_or_returns_something_else_is_an_error_naming_its_plugin(registry, tmp_path):
+    """`posttune plan` prints it on the estimate's line ("memory estimate: not available (...)")."""
+    plan = resolve_plan(validate(text_config(tmp_path, SHAPE, batch=4, seq=128, memory=["adamw_8bit"])), registry)
+    item = plan.memory[0]
+    for term, error in ((lambda est, plan: None, "returned NoneType, expected the Estimate it was given"),
+                        (lambda est, plan: 1 / 0, "failed: ZeroDivisionError: division by zero")):
+        plan.memory = [dataclasses.replace(item, descriptor=dataclasses.replace(item.descriptor, estimate=term))]
+        with pytest.raises(PosttuneError, match=rf"'adamw_8bit' \(posttune-torchao 0.1.0\): its estimate term {error}"):
+            estimate(plan)
 
 
 def test_plan_lines_give_the_breakdown_and_the_assumed_tokens(registry, tmp_path):

@@ -11,27 +11,15 @@ from memory_support import sft_config, tiny_llama
 
 import posttune_llama
 import posttune_sft
-from posttune.descriptors import ParallelPlan
 from posttune.errors import PosttuneError
-from posttune.plugins import module_plugin
-
-
-def noop(session):
-    return None
-
-
-def stand_in_plans(register):
-    """Plans named as the first-party ones, so memory techniques' conflicts with them are checked."""
-    for name in ("loss_parallel", "tp", "fsdp2"):
-        register(ParallelPlan(name, noop))
 
 
 @pytest.fixture
 def plugins(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
-    register_plugin(module_plugin("stand_in_plans", posttune_register_parallel_plans=stand_in_plans),
-                    distribution="posttune-stand-in")
+    for name in ("posttune_tp", "posttune_loss_parallel", "posttune_fsdp2"):  # their conflicts are checked too
+        register_plugin(pytest.importorskip(name), distribution=name.replace("_", "-"), version="0.1.0")
 
 
 def validate(posttune_cli, tmp_path, **sections):
@@ -41,18 +29,22 @@ def validate(posttune_cli, tmp_path, **sections):
 
 
 def conflicting_pairs(registry) -> list[tuple[str, str]]:
+    """Each conflict a memory technique is part of, declared by either side."""
     techniques = registry.entries["memory_technique"]
-    return sorted({(name, other) for name, item in techniques.items() for other in item.descriptor.conflicts})
+    declared = {**registry.entries["parallel_plan"], **techniques}
+    return sorted({(name, other) for name, item in declared.items() for other in item.descriptor.conflicts
+                   if name in techniques or other in techniques})
 
 
 def test_every_conflicting_pair_is_refused_naming_both(plugins, posttune_plugins, posttune_cli, tmp_path):
     pairs = conflicting_pairs(posttune_plugins.registry)
-    assert ("chunked_cross_entropy", "loss_parallel") in pairs
-    plans = set(posttune_plugins.registry.entries["parallel_plan"])
+    assert ("loss_parallel", "chunked_cross_entropy") in pairs  # declared by the plan: the core names no plan
+    plans = posttune_plugins.registry.entries["parallel_plan"]
     for name, other in pairs:
-        memory = [name] + ([] if other in plans else [other])
-        result = validate(posttune_cli, tmp_path, memory=memory,
-                          parallel={"plans": [other]} if other in plans else {})
+        listed = [p for p in (name, other) if p in plans]
+        needed = [r for p in listed for r in plans[p].descriptor.requires if r not in listed]
+        result = validate(posttune_cli, tmp_path, memory=[p for p in (name, other) if p not in plans],
+                          parallel={"plans": needed + listed} if listed else {})
         lines = result.stderr.strip().splitlines()
         assert result.exit_code != 0, (name, other)
         assert len(lines) == 1 and name in lines[0] and other in lines[0], lines

@@ -11,7 +11,7 @@ from posttune.config.schema import DatasetConfig
 from posttune.data import IGNORE_INDEX, PairMaker, make_loader, pair_batch, preference_pair
 from posttune.errors import PosttuneError
 from posttune.plugins import new_plugin_set
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
 
 PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]

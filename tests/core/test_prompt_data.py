@@ -13,7 +13,7 @@ from posttune.config.schema import DataConfig, DatasetConfig, TrainConfig
 from posttune.data import PromptMaker, prompt_batch, prompt_loader, prompt_row
 from posttune.errors import PosttuneError
 from posttune.plugins import new_plugin_set
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 from posttune.errors import PosttuneError
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import Tokenizer, load_tokenizer
 from transformers import AutoTokenizer
 
-STYLES = ("llama3", "chatml", "gemma")
-END_OF_TURN = {"llama3": "<|eot_id|>", "chatml": "<|im_end|>", "gemma": "<end_of_turn>"}
+STYLES = ("llama3", "chatml", "start_of_turn")
+END_OF_TURN = {"llama3": "<|eot_id|>", "chatml": "<|im_end|>", "start_of_turn": "<end_of_turn>"}
 
 TEXTS = [
     "Hello, world!",
@@ -360,7 +360,7 @@ def test_invalid_tokenizer_config(folders, tmp_path):
 
 
 def test_template_that_raises(folders):
-    ours = load_tokenizer(folders["gemma"])
+    ours = load_tokenizer(folders["start_of_turn"])
     chat = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     message = one_line_error(ours.apply_chat_template, chat)
     assert "rejected the messages: Conversation roles must alternate" in message

@@ -39,7 +39,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM
 #: a tiny local Llama in place of a hub checkpoint and hub data: appended after the config
 LOCAL = ("model.path=null model.size=tiny model.dtype=fp32 tokenizer.path=package:posttune_llama/demo/tokenizer "
          "model.build_overrides.vocab_size=384 data.train.path=package:posttune_llama/demo/reverse_train.jsonl "
-         "data.train.format=chat data.max_seq_len=64 data.packing=false train.batch_size=2 train.grad_accum_steps=1 "
+         "data.train.format=chat data.max_seq_len=64 method.packing=false train.batch_size=2 train.grad_accum_steps=1 "
          "checkpoint.save_merged=false")
 SHORT = "train.max_steps=2 train.eval_every=null"
 #: a scenario step that only prepares what a documented command needs (not itself documented)
@@ -62,7 +62,7 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("posttune plugins", ""), ("posttune --version", ""), ("posttune ls", ""), ("posttune ls configs", ""),
         ("posttune ls families", ""), ("posttune ls methods", ""), ("posttune ls plans", ""),
         ("posttune ls memory", ""), ("posttune ls datasets", ""), ("posttune ls rewards", ""),
-        ("posttune ls --json methods", ""), ("posttune config keys", ""), ("posttune ls loggers", ""),
+        ("posttune ls engines", ""), ("posttune ls --json methods", ""), ("posttune config keys", ""), ("posttune ls loggers", ""),
         ("posttune config keys logging_options", ""), ("posttune validate llama-demo-reverse", ""),
     ],
     "training quick start (docs/training.md)": [
@@ -161,9 +161,10 @@ ERRORS: dict[str, str] = {
         "posttune validate llama-demo-reverse train.max_grad_norm=-1",
     "posttune: error: config: checkpoint.keep_last: expected a posit":
         "posttune validate llama-demo-reverse checkpoint.keep_last=0",
-    "posttune: error: config: teacher: method 'dpo' uses no teacher ":
+    "posttune: error: config: models.teacher: method 'dpo' uses no te":
         "posttune validate dpo-tiny-reverse teacher.path=somewhere",
-    "posttune: error: config: reference: set `path` (a checkpoint) o": "posttune validate dpo-tiny-reverse reference.dtype=fp32",
+    "posttune: error: config: models.reference: set `path` (a checkpo":
+        "posttune validate dpo-tiny-reverse models.reference.dtype=fp32",
     "posttune: error: config: data.train.path: data/train.jsonl: lin":
         f"posttune train llama-demo-reverse data.train.path=data/train.jsonl data.train.format=alpaca {SHORT}",
     "posttune: error: config: data.train.path: data/train.json: hold":
@@ -184,7 +185,7 @@ ERRORS_ELSEWHERE: dict[str, tuple[str, str]] = {
         ("tests/methods/test_grpo_training.py", "returned None (cannot score) for completion 0"),
     "posttune: error: reward 'math_answer' (posttune-grpo 0.1.0) took":
         ("tests/methods/test_grpo_reward_limits.py", "took longer than timeout_s (0.5 s) for "),
-    "posttune: error: config: teacher: the teacher's vocabulary has ":
+    "posttune: error: config: models.teacher: the teacher's vocabular":
         ("tests/methods/test_kd_training.py", "the teacher's vocabulary has 400 tokens and the student's 384"),
     "posttune: error: config: logging[1]: no metric logger 'wandbb' is installed (installed: tensorboard) ":
         ("tests/trackers/test_tensorboard.py", "no metric logger 'wandbb' is installed (installed: "),

@@ -130,9 +130,9 @@ def test_adding_an_adapter_to_a_full_checkpoint_is_refused(runs, tmp_path):
 
 def test_a_changed_model_role_is_refused(runs, bases, tmp_path):
     config = json.loads(json.dumps(runs["dpo"]))
-    config["reference"] = {"path": str(bases["llama"])}  # a frozen copy instead of the policy with adapters off
+    config["models"] = {"reference": {"path": str(bases["llama"])}}  # a frozen copy, not the policy without adapters
     line = outcome(tmp_path, config)[0]
-    assert line.startswith(f"posttune: error: config: reference: cannot resume {step2(config)}: its reference "
+    assert line.startswith(f"posttune: error: config: models.reference: cannot resume {step2(config)}: its reference "
                            "model is the policy with its adapters disabled, this run's is family 'llama' "
                            "(LlamaForCausalLM)")
 

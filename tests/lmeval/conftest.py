@@ -25,7 +25,7 @@ from lmeval_tasks import (
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A tokenizer (llama3 style, BOS added by encode) and a random 2-layer Llama with a 32-token context."""
     from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
-    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+    from posttune.tiny_tokenizer import save_tiny_tokenizer
     from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -42,7 +42,7 @@ def chat_checkpoint(tmp_path_factory) -> Path:
     """The tokenizer of tiny_checkpoint (its llama3-style chat template included) and a random Llama with a
     256-token context: chat prompts with a system message and few-shot turns fit without being cut."""
     from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
-    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+    from posttune.tiny_tokenizer import save_tiny_tokenizer
     from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp("tiny-chat-llama")

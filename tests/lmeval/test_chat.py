@@ -94,7 +94,7 @@ def test_rendering_equals_transformers_continue_final_message_included(style, tm
     """What HFLM.apply_chat_template calls: transformers' apply_chat_template, continuing the last message
     when no generation prompt is asked for (llama3's template trims content, chatml's keeps its spaces)."""
     from posttune.plugin import load_tokenizer
-    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+    from posttune.tiny_tokenizer import save_tiny_tokenizer
     from posttune_lmeval.chat import render
     from transformers import AutoTokenizer
 
@@ -108,7 +108,7 @@ def test_rendering_equals_transformers_continue_final_message_included(style, tm
 
 def test_a_template_that_rejects_system_messages_renders_without_them_as_hflm_does(tmp_path, caplog):
     from posttune.plugin import load_tokenizer
-    from posttune.testing.tiny_tokenizer import LLAMA3_TEMPLATE, save_tiny_tokenizer
+    from posttune.tiny_tokenizer import LLAMA3_TEMPLATE, save_tiny_tokenizer
     from posttune_lmeval.chat import render
 
     path = save_tiny_tokenizer(tmp_path, template="llama3")
@@ -130,7 +130,7 @@ def test_a_template_that_rejects_system_messages_renders_without_them_as_hflm_do
 def named_templates(tmp_path) -> Path:
     """A tokenizer with two named templates, as transformers 5 saves them: chat_template.jinja (default) and
     additional_chat_templates/brief.jinja."""
-    from posttune.testing.tiny_tokenizer import LLAMA3_TEMPLATE, save_tiny_tokenizer
+    from posttune.tiny_tokenizer import LLAMA3_TEMPLATE, save_tiny_tokenizer
 
     path = save_tiny_tokenizer(tmp_path / "named", template="llama3")
     config = json.loads((path / "tokenizer_config.json").read_text())
@@ -169,7 +169,7 @@ def test_a_named_template_renders_what_transformers_renders_with_it(named_templa
 ])
 def test_a_missing_template_is_one_line(template, name, expected, named_templates, tmp_path):
     from posttune.plugin import PosttuneError, load_tokenizer
-    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+    from posttune.tiny_tokenizer import save_tiny_tokenizer
     from posttune_lmeval.chat import template_source
 
     path = named_templates if template == "named" else save_tiny_tokenizer(tmp_path / "tok", template=template)

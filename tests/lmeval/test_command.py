@@ -100,7 +100,7 @@ def test_chat_options_become_lm_evals_arguments_with_its_defaults(register_plugi
 
 def test_a_checkpoint_without_a_chat_template_is_one_line_before_tasks_and_weights(eval_cli, tmp_path):
     """The folder holds a tokenizer only (no weights, no task indexed): the template is checked first."""
-    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+    from posttune.tiny_tokenizer import save_tiny_tokenizer
 
     folder = save_tiny_tokenizer(tmp_path / "plain-model", template=None)
     result = eval_cli("--model", str(folder), "--tasks", "no_such_task", "--apply-chat-template")

@@ -66,11 +66,12 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"method": "sft"}, "config: data.train.format: 'preference' gives preference rows; method 'sft' needs sft rows"),
+    ({"method": "sft"}, "config: data.train.format: 'preference' gives preference rows; method 'sft' needs conversation rows"),
     ({"data": {"train": {"path": "x.jsonl", "format": "chat"}}},
-     "config: data.train.format: 'chat' gives sft rows; method 'dpo' needs preference rows"),
-    ({"data": {"packing": True}}, "config: data.packing: dpo scores each chosen and rejected response as its own row; "
-                                  "set packing to false"),
+     "config: data.train.format: 'chat' gives conversation rows; method 'dpo' needs preference rows"),
+    ({"data": {"packing": True}}, "config: data.packing: moved: set method.packing"),
+    ({"method": {"name": "dpo", "packing": True}}, "config: method.packing: unknown key (keys: loss_type, beta, "
+                                                   "label_smoothing, simpo_gamma, precompute_reference)"),
     ({"method": {"name": "dpo", "beta": 0}}, "config: method.beta: expected a positive number, got 0.0"),
     ({"method": {"name": "dpo", "loss_type": "ipo", "label_smoothing": 0.1}},
      "config: method.label_smoothing: ipo has no label smoothing (it is a squared loss); use loss_type sigmoid "
@@ -81,13 +82,15 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
                                                       "(this run: sigmoid)"),
     ({"method": {"name": "dpo", "loss_type": "simpo", "precompute_reference": True}},
      "config: method.precompute_reference: simpo uses no reference model; remove it"),
-    ({"method": {"name": "dpo", "loss_type": "simpo"}, "reference": {"family": "llama", "size": "tiny"}},
-     "config: reference: method 'dpo' uses no reference model with these settings; remove the `reference:` section"),
-    ({"teacher": {"family": "llama", "size": "tiny"}},
-     "config: teacher: method 'dpo' uses no teacher model with these settings; remove the `teacher:` section"),
+    ({"method": {"name": "dpo", "loss_type": "simpo"}, "models": {"reference": {"family": "llama", "size": "tiny"}}},
+     "config: models.reference: method 'dpo' uses no reference model with these settings; remove it"),
+    ({"teacher": {"family": "llama", "size": "tiny"}},  # the old spelling of models.teacher
+     "config: models.teacher: method 'dpo' uses no teacher model with these settings; remove it"),
     ({"reference": {"family": "qwen3", "size": "0.6b"}},
-     "config: reference.family: no model family 'qwen3' is installed (installed: llama, mistral) — pip install "
-     "posttune-qwen"),
+     "config: models.reference.family: no model family 'qwen3' is installed (installed: llama, mistral) — pip "
+     "install posttune-qwen"),
+    ({"reference": {"family": "llama", "size": "tiny"}, "models": {"reference": {"family": "llama", "size": "tiny"}}},
+     "config: reference: given twice: `reference:` is the old spelling of `models.reference`; keep one"),
     ({"method": {"name": "dpo", "loss_type": "orpo"}},
      "config: method.loss_type: expected one of 'sigmoid', 'ipo', 'simpo', got 'orpo'"),
 ])

@@ -1,9 +1,11 @@
 """Async GRPO on Ray with 2 local actors: the run completes, the learner does not wait when rollouts are
 ready, no rollout older than max_staleness is trained on (from the logged versions), and killing an
-actor mid-run does not stop training (it is restarted and given the current weights)."""
+actor mid-run does not stop training (it is restarted and given the current weights). When the run
+ends, the method's close leaves no Ray actor, Ray process or reward worker behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -23,17 +25,17 @@ MAX_STALENESS = 1
 KILL_AN_ACTOR = textwrap.dedent("""
     import sys
     import ray
-    import posttune_grpo.async_ray as async_ray
+    import posttune_grpo.method as method
     from posttune.cli.main import main
 
-    after_step = async_ray.after_step
+    on_step_end = method.on_step_end
 
     def kill_at_step_3(session, record):
-        after_step(session, record)
+        on_step_end(session, record)
         if session.step == 3:
-            ray.kill(session.method_state.pool.actors[0], no_restart=False)
+            ray.kill(session.method_state.source.pool.actors[0], no_restart=False)
 
-    async_ray.after_step = kill_at_step_3
+    method.on_step_end = kill_at_step_3
     sys.exit(main(["train", sys.argv[1]]))
 """)
 
@@ -59,3 +61,42 @@ def test_async_grpo_on_two_actors_survives_a_killed_actor(tmp_path):
     assert steps[-1]["actor_restarts"] >= 1  # the killed actor came back and training went on
     assert steps[-1]["policy_version"] == 10
     assert (tmp_path / "out" / "model" / "config.json").is_file()
+
+
+
+def test_async_grpo_closes_its_actors_ray_and_reward_workers(register_plugin, posttune_cli, tmp_path, monkeypatch):
+    """In this process: every process the run started (Ray's, the actors', their reward workers), as seen
+    just before the method's close, is gone once `posttune train` returns, and Ray is shut down."""
+    import posttune_grpo
+    import posttune_grpo.method as method
+    import posttune_llama
+    import psutil
+    import ray
+
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
+    config = grpo_config(tmp_path, method={"rewards": [ANY_VOWEL], "mode": "async", "async_options": {"actors": 2}},
+                         train={"max_steps": 3})
+    path = tmp_path / "async.yaml"
+    path.write_text(yaml.safe_dump(config))
+    me = psutil.Process()
+    before = {child.pid for child in me.children(recursive=True)}
+    started: dict[psutil.Process, str] = {}  # every process the run started -> its command line
+    close = method.close
+
+    def seen_then_closed(session):
+        for child in me.children(recursive=True):
+            if child.pid not in before:
+                with contextlib.suppress(psutil.Error):
+                    started[child] = " ".join(child.cmdline())
+        close(session)
+
+    monkeypatch.setattr(method, "close", seen_then_closed)
+    assert not ray.is_initialized()
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    assert not ray.is_initialized()
+    workers = [child for child, command in started.items() if "reward_workers" in command]
+    assert len(workers) >= 2 and len(started) > len(workers)  # each actor scored in workers; Ray ran processes
+    _, alive = psutil.wait_procs(list(started), timeout=30)
+    assert not alive, [started[child][:200] for child in alive]

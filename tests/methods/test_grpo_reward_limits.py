@@ -29,7 +29,8 @@ import yaml
 from posttune.plugin import ConfigError, PosttuneError
 from posttune_grpo import reward_workers
 from posttune_grpo.reward_workers import KILL_GRACE_S, Call, WorkerPool
-from posttune_grpo.rewards import REWARDS, RewardSpec, resolve_rewards, score
+from posttune_grpo.rewards import REWARDS
+from posttune_grpo.scoring import RewardSpec, resolve_rewards, score
 from reward_support import ADVERSARIAL_LATEX, RewardPlugin
 from run_support import grpo_config
 
@@ -368,7 +369,7 @@ IN_A_RAY_ACTOR = textwrap.dedent("""
     @ray.remote(num_cpus=0)
     class Scorer:
         def score(self, completions):
-            from posttune_grpo.rewards import RewardSpec, resolve_rewards, score
+            from posttune_grpo.scoring import RewardSpec, resolve_rewards, score
             rewards = resolve_rewards([RewardSpec("math_answer", timeout_s=1)])
             started = time.perf_counter()
             result = score(rewards, ["q"] * len(completions), completions, {"answer": ["72"] * len(completions)},

@@ -18,17 +18,8 @@ import pytest
 from posttune.plugin import ConfigError, PosttuneError, RewardFunction, registered
 from posttune_grpo import rewards as r
 from reward_support import RewardPlugin
-from posttune_grpo.rewards import (
-    REWARDS,
-    FormatOptions,
-    LengthOptions,
-    RewardSpec,
-    format_reward,
-    length_reward,
-    math_answer,
-    resolve_rewards,
-    score,
-)
+from posttune_grpo.rewards import REWARDS, FormatOptions, LengthOptions, format_reward, length_reward, math_answer
+from posttune_grpo.scoring import RewardSpec, resolve_rewards, score
 
 
 @pytest.fixture

@@ -83,6 +83,7 @@ def test_a_run_generates_scores_and_logs_what_grpo_users_watch(llama_grpo, postt
     assert steps[0]["reward_std"] > 0 and steps[0]["grad_norm"] > 0  # unequal rewards: a real gradient
     assert "val_reward" in steps[1] and "val_reward/vowel_share" in steps[1]
     assert all(r["completion_length_max"] <= 6 for r in steps)
+    assert all(r["reward_failures/vowel_share"] == 0 for r in steps)  # an unbroken series: 0 when none failed
 
 
 def test_the_share_of_groups_that_teach_nothing_is_logged(llama_grpo, posttune_cli, tmp_path):
@@ -156,7 +157,7 @@ def test_behaviour_log_probs_equal_a_fresh_forward_pass(llama_grpo, tmp_path):
 
 
 def test_kl_needs_a_reference_which_lora_gets_by_disabling_adapters(llama_grpo, tmp_path):
-    from posttune.plugin import AdaptersOff
+    from posttune.adapters import AdaptersOff
 
     full = compose_run(vowel_config(tmp_path / "full", method={"beta": 0.04}))
     assert "reference" in full.models and not isinstance(full.models["reference"], AdaptersOff)
@@ -208,8 +209,10 @@ def test_a_reward_that_cannot_score_stops_the_run_in_one_line_unless_told_to_cou
     ({"method": {"rewards": [{"name": "math_answr"}]}}, "config: method.rewards[0].name: no reward function "
                                                        "'math_answr' is installed"),
     ({"method": {"rewards": []}}, "config: method.rewards: lists no reward"),
+    ({"method": {"engine": "biltin"}}, "config: method.engine: no generation engine 'biltin' is installed "
+                                       "(installed: builtin) (did you mean 'builtin'?)"),
     ({"data": {"train": {"path": "x.jsonl", "format": "chat"}}},
-     "config: data.train.format: 'chat' gives sft rows; method 'grpo' needs prompt rows"),
+     "config: data.train.format: 'chat' gives conversation rows; method 'grpo' needs prompt rows"),
 ])
 def test_impossible_grpo_runs_are_refused_by_validate(llama_grpo, posttune_cli, tmp_path, sections, message):
     config = vowel_config(tmp_path)
@@ -243,3 +246,21 @@ def test_lora_grpo_with_kl_trains_the_adapters_and_saves_a_peft_adapter(llama_gr
     steps = records(config)
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-7) and steps[-1]["kl"] > 0  # the adapters moved it
     assert (Path(config["checkpoint"]["output_dir"]) / "adapter" / "adapter_config.json").is_file()
+
+
+def test_a_finished_sync_run_leaves_no_reward_worker_behind(llama_grpo, posttune_cli, tmp_path, monkeypatch):
+    """The isolated `format` reward scores in worker processes; the method's close (called by the core as the
+    run ends) kills them, rather than leaving them to the interpreter's exit."""
+    from posttune_grpo import reward_workers, scoring
+
+    pools = []
+
+    def recorded(*args):
+        pools.append(reward_workers.shared_pool(*args))
+        return pools[-1]
+
+    monkeypatch.setattr(scoring, "shared_pool", recorded)
+    config = vowel_config(tmp_path, method={"rewards": [{"name": "format", "options": {"pattern": ".*[AEIOU].*"}}]})
+    assert posttune_cli("train", str(write(tmp_path, config))).exit_code == 0
+    assert pools and pools[-1].started > 0  # workers did run
+    assert all(pool.pids() == [] for pool in pools) and reward_workers._shared is None

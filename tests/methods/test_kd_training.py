@@ -225,16 +225,19 @@ def test_the_on_policy_share_is_lambda_and_the_same_for_every_rank(llama_kd, tea
 
 @pytest.mark.parametrize("change,message", [
     ({"teacher": {"build_overrides": {"vocab_size": 400}}},
-     "teacher: the teacher's vocabulary has 400 tokens and the student's 384: distillation compares them token "
+     "models.teacher: the teacher's vocabulary has 400 tokens and the student's 384: distillation compares them token "
      "by token; if the teacher's extra rows are padding, set method.teacher_extra_vocab: drop"),
     ({"teacher": {"build_overrides": {"vocab_size": 300}}, "method": {"teacher_extra_vocab": "drop"}},
-     "teacher: the teacher's vocabulary has 300 tokens and the student's 384"),
+     "models.teacher: the teacher's vocabulary has 300 tokens and the student's 384"),
     ({"method": {"kd_ratio": 1.5}}, "method.kd_ratio: expected a value in [0, 1], got 1.5"),
     ({"method": {"temperature": 0}}, "method.temperature: expected a positive number"),
-    ({"method": {"on_policy_fraction": 0.5}, "data": {"packing": True}}, "data.packing: on-policy distillation"),
+    ({"method": {"on_policy_fraction": 0.5, "packing": True}}, "method.packing: on-policy distillation"),
+    ({"method": {"packing": True}, "data": {"group_by_length": True}}, "data.group_by_length: packed rows are"),
     ({"method": {"on_policy_fraction": 0.5, "train_on_input": True}}, "method.train_on_input: on-policy"),
     ({"memory": ["chunked_cross_entropy"]}, "memory: kd chunks its own loss"),
     ({"parallel": {"plans": ["tp"]}}, "method.chunk_size: kd's chunked loss needs each model's whole head"),
+    ({"method": {"on_policy_fraction": 0.5, "engine": "biltin"}},
+     "method.engine: no generation engine 'biltin' is installed (installed: builtin) (did you mean 'builtin'?)"),
 ])
 def test_impossible_distillation_runs_are_refused_by_validate(llama_kd, register_plugin, posttune_cli, teacher,
                                                               tmp_path, change, message):
@@ -267,7 +270,8 @@ def test_the_teacher_section_is_required(llama_kd, posttune_cli, teacher, tmp_pa
     del config["teacher"]
     result = posttune_cli("validate", str(write(tmp_path, config)))
     assert result.exit_code == 2
-    assert result.stderr.startswith("posttune: error: config: teacher: required: method 'kd' needs a teacher model")
+    assert result.stderr.startswith("posttune: error: config: models.teacher: required: method 'kd' needs its teacher "
+                                    "model (models.teacher.path, or models.teacher.family and models.teacher.size)")
 
 
 # ---- bundled configs ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`data.padding_free` (SFT's default): a batch's samples end to end in one row give the padded
+"""SFT's `method.padding_free` (its default): a batch's samples end to end in one row give the padded
 batch's losses and gradients, step after step, without computing any padding."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def test_flat_batch_puts_the_samples_end_to_end_as_documents():
     assert int(padded["num_tokens"]) == 5 and padded["input_ids"].shape == (2, 3)
 
 
-def losses(tmp_path: Path, **data) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    config = sft_config(tmp_path, rows=16, train={"max_steps": 4, "batch_size": 4, "lr": 3e-3}, data=data)
+def losses(tmp_path: Path, **method) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    config = sft_config(tmp_path, rows=16, train={"max_steps": 4, "batch_size": 4, "lr": 3e-3}, method=method)
     session = compose_run(config)
     first = next(iter(session.train_data))
     train(session)
@@ -56,6 +56,18 @@ def test_padding_free_training_equals_padded_training(llama_dpo, tmp_path):
             torch.testing.assert_close(flat[name], weight, rtol=0, atol=1e-5, msg=name)
 
 
-def test_methods_that_keep_padded_rows_refuse_padding_free_true(llama_dpo, tmp_path):
-    with pytest.raises(ConfigError, match=r"data\.padding_free: dpo"):
-        compose_run(dpo_config(tmp_path, data={"padding_free": True}))
+def test_the_old_data_keys_are_refused_naming_the_method_setting(llama_dpo, tmp_path):
+    for key in ("padding_free", "packing"):
+        with pytest.raises(ConfigError, match=rf"^config: data\.{key}: moved: set method\.{key}$"):
+            compose_run(sft_config(tmp_path, data={key: False}))
+
+
+def test_methods_that_keep_padded_rows_have_no_padding_free_setting(llama_dpo, tmp_path):
+    with pytest.raises(ConfigError, match=r"^config: method\.padding_free: unknown key"):
+        compose_run(dpo_config(tmp_path, method={"padding_free": True}))
+
+
+def test_sft_refuses_to_group_packed_rows(llama_dpo, tmp_path):
+    with pytest.raises(ConfigError, match=r"^config: data\.group_by_length: packed rows are already full and need no "
+                                          r"grouping; set method\.packing or data\.group_by_length, not both$"):
+        compose_run(sft_config(tmp_path, method={"packing": True}, data={"group_by_length": True}))

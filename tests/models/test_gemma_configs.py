@@ -16,7 +16,7 @@ from posttune.config import load_config, validate
 from posttune.losses import IGNORE_INDEX
 from posttune.plan import resolve_plan
 from posttune.plugins import get_registry
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.training.compose import compose
 from posttune.training.metrics import read_metrics
 
@@ -53,7 +53,7 @@ CHATS = [
 @pytest.fixture
 def gemma2_run(tmp_path):
     """A tiny Gemma 2 SFT config (soft-capping and an 8-token window active) with the gemma tokenizer."""
-    tokenizer = save_tiny_tokenizer(tmp_path / "tokenizer", template="gemma")
+    tokenizer = save_tiny_tokenizer(tmp_path / "tokenizer", template="start_of_turn")
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS))
     config = {

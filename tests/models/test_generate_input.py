@@ -22,7 +22,7 @@ import posttune_llama
 from posttune.generation import SamplingError, check_sampling, context_length, generate_batch
 from posttune.modules import RotaryEmbedding
 from posttune.testing.tiny import native_from_hf, save_tiny_hf_checkpoint, tiny_hf_model, tiny_llama_config
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
 
 CONTEXT = 32  # the tiny checkpoints' max_position_embeddings: short, so a full context takes little time

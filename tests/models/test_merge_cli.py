@@ -11,7 +11,7 @@ import transformers
 
 import posttune_llama
 from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
 
 

@@ -18,7 +18,7 @@ from posttune.config.schema import DataConfig, DatasetConfig
 from posttune.data import IGNORE_INDEX
 from posttune_sft import sft_loader as build_sft_loader
 from posttune.plugins import new_plugin_set
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
 
 TOLERANCE = 1e-5
@@ -37,9 +37,9 @@ def loader(tmp_path, monkeypatch):
 
     def make(packing: bool, batch_size: int):
         dataset = DatasetConfig(path=str(path), format="alpaca")
-        data = DataConfig(train=dataset, max_seq_len=200, packing=packing, padding_free=False)
+        data = DataConfig(train=dataset, max_seq_len=200)
         return build_sft_loader(dataset, data=data, fmt=fmt, tokenizer=tokenizer, batch_size=batch_size,
-                                shuffle=False, train_on_input=True)
+                                shuffle=False, train_on_input=True, packing=packing, padding_free=False)
 
     return make
 

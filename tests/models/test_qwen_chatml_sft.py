@@ -25,7 +25,7 @@ from posttune.data import IGNORE_INDEX
 from posttune.plan import resolve_plan
 from posttune.plugins import get_registry
 from posttune.testing.tiny import save_tiny_hf_checkpoint
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.training.compose import compose
 from qwen_tiny import tiny_qwen2_config
 

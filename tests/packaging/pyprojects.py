@@ -32,8 +32,9 @@ CLASSIFIER_KINDS = ("Development Status :: ", "Intended Audience :: ", "Programm
                     "Topic :: ")
 #: setuptools reads `license = "SPDX"` and `license-files` (PEP 639) from this release on.
 SETUPTOOLS_FOR_PEP639 = Version("77.0")
-#: Folders never searched for distributions (virtual envs, tox envs, build output).
-SKIP_DIRS = {".git", ".venv", ".ci-venv", ".tox", "build", "dist", "node_modules", "__pycache__", "outputs"}
+#: Folders never searched for distributions: tool and build folders, and tests/ (tests/third_party is a
+#: test-only plugin that its tests install as pip would; it is never built or published)
+SKIP_DIRS = {".git", ".venv", ".ci-venv", ".tox", "build", "dist", "node_modules", "__pycache__", "outputs", "tests"}
 #: Files in a package folder that are code (built into the wheel without package-data).
 CODE_SUFFIXES = {".py"}
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import posttune_cp
 import posttune_fsdp2
 import posttune_llama
 import posttune_loss_parallel
@@ -23,7 +24,7 @@ from posttune.plugins import get_registry
 def plugins(register_plugin):
     for module, dist in ((posttune_llama, "posttune-llama"), (posttune_sft, "posttune-sft"),
                          (posttune_fsdp2, "posttune-fsdp2"), (posttune_tp, "posttune-tp"),
-                         (posttune_loss_parallel, "posttune-loss-parallel")):
+                         (posttune_loss_parallel, "posttune-loss-parallel"), (posttune_cp, "posttune-cp")):
         register_plugin(module, distribution=dist, version="0.1.0")
 
 
@@ -37,6 +38,28 @@ def test_mesh_dims_are_ordered_outer_to_inner_whatever_the_listing(plugins):
     plan = plan_for(4, {"plans": ["tp", "fsdp2"], "dims": {"tp": 2}})
     assert list(plan.mesh.items()) == [("dp_shard", 2), ("tp", 2)]
     assert [p.descriptor.name for p in plan.parallel] == ["tp", "fsdp2"]
+
+
+def test_the_plans_declare_data_outermost_then_sequence_then_weights(plugins):
+    plan = plan_for(4, {"plans": ["tp", "cp", "fsdp2"], "dims": {"tp": 2, "cp": 1}})
+    assert list(plan.mesh.items()) == [("dp_shard", 2), ("cp", 1), ("tp", 2)]
+    assert [dim.splits for dim in plan.mesh_dims.values()] == ["batch", "sequence", "none"]
+
+
+def test_loss_parallel_keeps_the_head_vocabulary_sharded_through_a_tp_option(plugins):
+    styles = plan_for(2, {"plans": ["tp", "loss_parallel"]}).parallel_options["tp"].styles
+    assert styles == {"output": "colwise_vocab_sharded"}
+    assert plan_for(2, {"plans": ["tp"]}).parallel_options["tp"].styles == {}
+    with pytest.raises(ConfigError, match=r"parallel\.options\.tp\.styles: plan 'loss_parallel' "
+                                          r"\(posttune-loss-parallel 0\.1\.0\) needs"):
+        plan_for(2, {"plans": ["tp", "loss_parallel"], "options": {"tp": {"styles": {"output": "colwise"}}}})
+
+
+def test_fsdp2_materialises_parameters_on_the_cpu_with_cpu_offload(plugins):
+    plan = posttune_fsdp2.PLAN
+    assert plan.init_device(plan_for(2, {"plans": ["fsdp2"]}).parallel_options["fsdp2"]) is None
+    offload = plan_for(2, {"plans": ["fsdp2"], "options": {"fsdp2": {"cpu_offload": True}}})
+    assert plan.init_device(offload.parallel_options["fsdp2"]) == "cpu"
 
 
 def test_plans_run_in_order_loss_parallel_then_tp_then_fsdp2(plugins):

@@ -33,9 +33,9 @@ def session_for(model, mesh, overrides=None, *, sequence_parallel=True):
     from posttune_tp import TPOptions
 
     target = SimpleNamespace(model=model, family=LLAMA, role="policy", trainable=True)
-    plan = SimpleNamespace(parallel_options={"tp": TPOptions(sequence_parallel=sequence_parallel)})
-    return SimpleNamespace(model=model, mesh={"tp": mesh}, tp_style_overrides=dict(overrides or {}),
-                           step_contexts=[], target=target, plan=plan)
+    options = TPOptions(sequence_parallel=sequence_parallel, styles=dict(overrides or {}))
+    plan = SimpleNamespace(parallel_options={"tp": options})
+    return SimpleNamespace(model=model, mesh={"tp": mesh}, step_contexts=[], target=target, plan=plan)
 
 
 def apply(session):

@@ -24,7 +24,7 @@ from posttune.errors import PosttuneError
 from posttune.plugins import module_plugin, new_plugin_set, set_plugins
 from posttune.testing import run_cli
 from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
-from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tiny_tokenizer import save_tiny_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 

@@ -114,7 +114,11 @@ def hf_module_names(model: nn.Module, from_native: Convert, hf_config: Mapping[s
     """Native -> transformers module name for every linear layer (adapted or not)."""
     names = {}
     for name, module in _linear_layers(model).items():
-        hf_key, _ = from_native(f"{name}.weight", module.weight.detach(), hf_config)
+        answer = from_native(f"{name}.weight", module.weight.detach(), hf_config)
+        hf_key = answer[0] if isinstance(answer, tuple) and len(answer) == 2 else None
+        if not isinstance(hf_key, str):  # a fused or stacked tensor (checkpoint/convert.py)
+            raise PosttuneError(f"converter splits or joins '{name}.weight': a PEFT adapter needs one Hugging Face "
+                                f"module per linear layer (merge the adapters and save the model instead)")
         if not hf_key.endswith(".weight"):
             raise PosttuneError(f"converter maps '{name}.weight' to '{hf_key}', not a module's .weight")
         names[name] = hf_key.removesuffix(".weight")

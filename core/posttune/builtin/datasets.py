@@ -1,7 +1,7 @@
 """Built-in dataset formats: alpaca, chat (OpenAI ``messages`` or ShareGPT ``conversations``), text
-(kind ``sft``), preference (kind ``preference``) and prompt (kind ``prompt``).
+(kind ``conversation``), preference (kind ``preference``) and prompt (kind ``prompt``).
 
-An ``sft`` transform returns chat messages (``[{"role", "content"}]``) to be rendered with the
+A ``conversation`` transform returns chat messages (``[{"role", "content"}]``) to be rendered with the
 checkpoint's chat template, or a plain string for completion-style training on every token. A
 ``preference`` transform returns a ``PreferencePair`` (prompt, chosen and rejected messages); a
 ``prompt`` transform a ``PromptRow`` (the prompt and the row's other fields, for online methods).
@@ -92,11 +92,11 @@ def prompt(row: Mapping[str, Any]) -> Any:
 
 @hookimpl
 def posttune_register_datasets(register):
-    register(DatasetFormat("alpaca", "sft", alpaca, ("instruction", "input", "output"),
+    register(DatasetFormat("alpaca", "conversation", alpaca, ("instruction", "input", "output"),
                            "instruction/input/output rows as one user and one assistant turn"))
-    register(DatasetFormat("chat", "sft", chat, ("messages",),
+    register(DatasetFormat("chat", "conversation", chat, ("messages",),
                            "OpenAI `messages` (role/content) or ShareGPT `conversations` (from/value)"))
-    register(DatasetFormat("text", "sft", text, ("text",),
+    register(DatasetFormat("text", "conversation", text, ("text",),
                            "plain text, trained on every token (no chat template)"))
     register(DatasetFormat("preference", "preference", preference, ("prompt", "chosen", "rejected"),
                            "prompt + chosen/rejected (strings or messages), or chosen/rejected conversations "

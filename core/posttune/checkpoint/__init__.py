@@ -6,6 +6,8 @@
     hf_load.py         checkpoint -> native model (checked from headers before allocating); a
                        quantized one's tensors rebuilt by the plugin of its quant_method
     hf_save.py         native model -> checkpoint transformers loads
+    convert.py         what a converter answers (one, several, or a part of a joined tensor), streamed
+    keymap.py          name maps from two tables; hf_decoder.py: Llama's names and config.json fields
     atomic.py          write a directory so a crash never leaves half of one
     origin.py          what a model remembers (family, build kwargs, source config) for saving
 

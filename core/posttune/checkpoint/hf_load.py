@@ -18,7 +18,8 @@ tensors assigned to the meta model as they are (``_load_quantized``); it is for 
 
 Peak memory is the model itself when the converter only renames tensors (they are read
 straight into the parameters' storage), else the model plus the largest single tensor (and
-its converted copy).
+its converted copy), plus the parts a many-to-one converter holds until its last part arrives
+(convert.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from posttune.checkpoint import materialize as mat
+from posttune.checkpoint.convert import Joiner, first_key
 from posttune.checkpoint.keymap import BASE, base_key
 from posttune.checkpoint.materialize import copy_into
 from posttune.checkpoint import source
@@ -162,8 +164,8 @@ class _Loader:
         #: their bytes can go straight into the parameter
         self.renamed: dict[str, str] = {}
 
-    def _native(self, hf_key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        return self.converter.to_native(hf_key, tensor, self.hf_config)
+    def _joiner(self) -> Joiner:
+        return Joiner(self.converter.to_native, self.hf_config)
 
     def precheck(self, headers: Mapping[Path, Iterable[Entry]]) -> None:
         """Every name and shape, from the headers alone, while the model is still on meta.
@@ -171,53 +173,53 @@ class _Loader:
         Converters are plain tensor code, so they run on meta tensors; one that cannot is
         skipped here and checked tensor by tensor while streaming instead.
         """
-        seen, unexpected = set(), []
+        seen, unexpected, joiner = set(), [], self._joiner()
         for shard, entries in headers.items():
             for entry in entries:
                 probe = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
                 try:
-                    native = self._native(entry.name, probe)
+                    converted = list(joiner(entry.name, probe))
                 except (NotImplementedError, RuntimeError):
                     self.renamed.clear()
                     return
-                if native is None:
-                    continue
-                if native[1] is probe:
-                    self.renamed[entry.name] = native[0]
-                if native[0] not in self.targets:
-                    unexpected.append(_label(entry.name, native[0]))
-                    continue
-                self._check_shape(entry.name, shard, *native)
-                seen.add(self._key(native[0]))
+                if len(converted) == 1 and converted[0][2] is probe:
+                    self.renamed[entry.name] = converted[0][1]
+                for hf_key, key, value in converted:
+                    if key not in self.targets:
+                        unexpected.append(_label(hf_key, key))
+                        continue
+                    self._check_shape(hf_key, shard, key, value)
+                    seen.add(self._key(key))
         if unexpected:
             raise PosttuneError(f"{self.where}: unexpected tensor {_names(unexpected)} in the checkpoint: "
                                 f"the model has no such weight")
+        joiner.finish(f"{self.where}: the checkpoint is incomplete")
         self._check_missing(seen)
 
     def load(self, headers: Mapping[Path, Iterable[Entry]]) -> None:
         """Stream every shard in and check nothing is missing."""
         self.targets = checkpoint_targets(self.model)  # the real storage, after to_empty
+        joiner = self._joiner()  # a join's parts may lie in different shards
         for shard, entries in headers.items():
-            self.stream(shard, entries)
+            self.stream(shard, entries, joiner)
+        joiner.finish(f"{self.where}: the checkpoint is incomplete")
         self._check_missing(self.loaded)
 
-    def stream(self, shard: Path, entries: Iterable[Entry]) -> None:
+    def stream(self, shard: Path, entries: Iterable[Entry], joiner: Joiner) -> None:
         for entry, tensor in iter_tensors(shard, entries, into=self._in_place):
             key = self.renamed.get(entry.name)
             if key is not None and tensor is self.targets.get(key):  # read in place: nothing to copy
                 self.loaded.add(self._key(key))
                 continue
-            native = self._native(entry.name, tensor)
+            for hf_key, key, value in joiner(entry.name, tensor):  # one at a time, as a split makes them
+                if key not in self.targets:
+                    raise PosttuneError(f"{self.where}: unexpected tensor {_label(hf_key, key)} in "
+                                        f"{shard.name}: the model has no such weight")
+                self._check_shape(hf_key, shard, key, value)
+                copy_into(self.targets[key], value)
+                self.loaded.add(self._key(key))
+                del value
             del tensor
-            if native is None:
-                continue
-            key, value = native
-            if key not in self.targets:
-                raise PosttuneError(f"{self.where}: unexpected tensor {_label(entry.name, key)} in "
-                                    f"{shard.name}: the model has no such weight")
-            self._check_shape(entry.name, shard, key, value)
-            copy_into(self.targets[key], value)
-            self.loaded.add(self._key(key))
 
     def _in_place(self, entry: Entry) -> torch.Tensor | None:
         """The parameter to read ``entry`` into directly, when only its name changes."""
@@ -238,17 +240,17 @@ class _Loader:
     def _check_missing(self, filled: set[str]) -> None:
         missing = sorted({self._key(name) for name in self.targets} - filled)
         if missing:
-            labels = [_label(self._hf_name(key), key) for key in missing]
+            labels = [_label(hf_name(self.converter, key, self.targets[key], self.hf_config), key) for key in missing]
             raise PosttuneError(f"{self.where}: missing tensor {_names(labels)}: the checkpoint does not "
                                 f"provide {'it' if len(missing) == 1 else 'them'}")
 
-    def _hf_name(self, key: str) -> str:
-        """The checkpoint-side name of a native weight, for messages (the native name if unknown)."""
-        target = self.targets[key]
-        try:
-            return self.converter.from_native(key, torch.empty_like(target, device="meta"), self.hf_config)[0]
-        except Exception:  # noqa: BLE001 - only a nicer message is at stake
-            return key
+
+def hf_name(converter: CheckpointConverter, key: str, target: torch.Tensor, hf_config: Mapping[str, Any]) -> str:
+    """The checkpoint-side name of a native weight, for messages (the native name if unknown)."""
+    try:
+        return first_key(converter.from_native(key, torch.empty_like(target, device="meta"), hf_config)) or key
+    except Exception:  # noqa: BLE001 - only a nicer message is at stake
+        return key
 
 
 def _load_quantized(model: nn.Module, reader: QuantizedFormat, files: list[Path], converter: CheckpointConverter,
@@ -268,11 +270,8 @@ def _load_quantized(model: nn.Module, reader: QuantizedFormat, files: list[Path]
     groups = mat.tie_groups(model)
     canonical = {name: group[0] for group in groups for name in group}
     filled: set[str] = set()
-    for hf_key, tensor in reader.read(files):
-        native = converter.to_native(hf_key, tensor, hf_config)
-        if native is None:
-            continue
-        key, value = native
+    joiner = Joiner(converter.to_native, hf_config)
+    for hf_key, key, value in (item for pair in reader.read(files) for item in joiner(*pair)):
         key = canonical.get(key, key)
         if key not in targets:
             raise PosttuneError(f"{where}: unexpected tensor {_label(hf_key, key)} in the checkpoint: the model "
@@ -282,9 +281,10 @@ def _load_quantized(model: nn.Module, reader: QuantizedFormat, files: list[Path]
                                 f"expects {list(targets[key].shape)}")
         _assign(model, key, _placed(value, dtype, device))
         filled.add(key)
+    joiner.finish(f"{where}: the checkpoint is incomplete")
     missing = sorted(set(canonical.get(name, name) for name in targets) - filled)
     if missing:
-        labels = [_label(converter.from_native(key, targets[key], hf_config)[0], key) for key in missing]
+        labels = [_label(hf_name(converter, key, targets[key], hf_config), key) for key in missing]
         raise PosttuneError(f"{where}: missing tensor {_names(labels)}: the checkpoint does not provide "
                             f"{'it' if len(missing) == 1 else 'them'}")
     for first, *rest in groups:  # tied weights share the one tensor assigned to the first name

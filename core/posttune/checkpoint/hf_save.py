@@ -7,8 +7,9 @@ Writes, into a temporary directory renamed into place (see atomic.py):
 ``generation_config.json``, and the tokenizer's files when a tokenizer is given.
 
 Tensors are converted to HF names one at a time, twice: once to plan the shards (names,
-shapes, dtypes, for the headers) and once while writing, so at most one converted tensor
-exists at a time.
+shapes, dtypes, for the headers) and once while writing, in the same order, so at most one
+converted tensor exists at a time (and, for a many-to-one converter, the parts it holds until
+the last arrives: views of the model's own tensors).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from posttune.checkpoint.atomic import atomic_dir
+from posttune.checkpoint.convert import Joiner
 from posttune.checkpoint.hf_load import FORMAT, GENERATION_CONFIG, INDEX_FILE, SINGLE_FILE
 from posttune.checkpoint.origin import ModelOrigin, origin_of
 from posttune.checkpoint.safetensors_io import Planned, write_file
@@ -54,12 +56,15 @@ def save_hf(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None,
     converter: CheckpointConverter = registry.get("checkpoint_converter", f"{origin.family}:{FORMAT}")
     tensors = native_tensors(model, state_dict)
     config = hf_config_for(origin, family, tensors.values())
-    planned, native_of = _plan(tensors, converter, config)
+    planned = _plan(tensors, converter, config)
     shards = split_shards(planned, parse_size(max_shard_size))
+    stream = converted(tensors, converter, config)  # shards are written in plan order
 
     def produce(hf_key: str) -> torch.Tensor:
-        key = native_of[hf_key]
-        return converter.from_native(key, tensors[key].detach(), config)[1]
+        _, key, value = next(stream)
+        if key != hf_key:
+            raise RuntimeError(f"converter '{converter.name}' gave '{key}' where it planned '{hf_key}'")
+        return value
 
     with atomic_dir(out_dir, replaceable=("config.json", SINGLE_FILE, INDEX_FILE)) as tmp:
         names = shard_names(len(shards))
@@ -134,18 +139,26 @@ def generation_config_for(origin: ModelOrigin, config: Mapping[str, Any]) -> dic
     return derived
 
 
-def _plan(tensors: Mapping[str, torch.Tensor], converter: CheckpointConverter,
-          config: Mapping[str, Any]) -> tuple[list[Planned], dict[str, str]]:
-    planned, native_of = [], {}
+def converted(tensors: Mapping[str, torch.Tensor], converter: CheckpointConverter,
+              config: Mapping[str, Any]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(native key, HF key, tensor) for every HF tensor, in a fixed order, made one at a time."""
+    joiner = Joiner(converter.from_native, config)
     for key, tensor in tensors.items():
-        hf_key, value = converter.from_native(key, tensor.detach(), config)
+        yield from joiner(key, tensor.detach())
+    joiner.finish(f"converter '{converter.name}': the model is incomplete")
+
+
+def _plan(tensors: Mapping[str, torch.Tensor], converter: CheckpointConverter,
+          config: Mapping[str, Any]) -> list[Planned]:
+    planned, native_of = [], {}
+    for key, hf_key, value in converted(tensors, converter, config):
         if hf_key in native_of:
             raise PosttuneError(f"converter '{converter.name}' maps both '{native_of[hf_key]}' and '{key}' "
                                 f"to '{hf_key}'")
         planned.append(Planned(hf_key, value.dtype, tuple(value.shape)))
         native_of[hf_key] = key
         del value
-    return planned, native_of
+    return planned
 
 
 def parse_size(size: int | str) -> int:

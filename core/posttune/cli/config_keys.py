@@ -193,8 +193,9 @@ def default_text(f: dataclasses.Field) -> str:
 
 
 def _section_type(tp: Any) -> tuple[type | None, str]:
-    """The dataclass a field's keys continue in (direct, optional, or a list's items) and the
-    suffix its keys take (``[]`` for list items); (None, "") for a leaf."""
+    """The dataclass a field's keys continue in (direct, optional, a list's items or a mapping's
+    values) and the suffix its keys take (``[]`` for list items, ``.<name>`` for a mapping's
+    entries); (None, "") for a leaf."""
     options = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) in (Union, types.UnionType) \
         else [tp]
     if len(options) == 1 and dataclasses.is_dataclass(options[0]):
@@ -202,6 +203,9 @@ def _section_type(tp: Any) -> tuple[type | None, str]:
     if len(options) == 1 and get_origin(options[0]) in (list, tuple) and get_args(options[0]) \
             and dataclasses.is_dataclass(get_args(options[0])[0]):
         return get_args(options[0])[0], "[]"
+    if len(options) == 1 and get_origin(options[0]) in (dict, Mapping) and len(get_args(options[0])) == 2 \
+            and dataclasses.is_dataclass(get_args(options[0])[1]):
+        return get_args(options[0])[1], ".<name>"
     return None, ""
 
 

@@ -48,12 +48,13 @@ def configs_in(folder: Path) -> list:
 
 PACKAGE = "package:"
 #: config fields that hold paths (dotted); only these are resolved
-PATH_FIELDS = ("model.path", "tokenizer.path", "data.train.path", "data.validation.path", "reference.path",
-               "teacher.path")
+PATH_FIELDS = ("model.path", "tokenizer.path", "data.train.path", "data.validation.path")
 
 
 def resolve_package_paths(raw: dict[str, Any]) -> dict[str, Any]:
-    for dotted in PATH_FIELDS:
+    models = raw.get("models")
+    roles = [f"models.{role}.path" for role in models] if isinstance(models, dict) else []
+    for dotted in [*PATH_FIELDS, *roles]:
         *parents, key = dotted.split(".")
         node: Any = raw
         for part in parents:

@@ -174,8 +174,22 @@ def _delete(config: dict[str, Any], parts: list[str]) -> None:
 
 
 def load_config(source: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Raw config mapping from a file (or bundled config name) with overrides applied."""
-    from posttune.config.bundled import resolve_config_path, resolve_package_paths
+    """Raw config mapping from a file (or bundled config name) with overrides applied.
 
-    data = load_yaml(resolve_config_path(source))
-    return resolve_package_paths(apply_overrides(data, list(overrides or [])))
+    A first-party role's old top-level section (``first_party.ROLE_SECTIONS``) is read as
+    `models.<role>` in the file and in an override alike, so either spelling overrides either.
+    """
+    from posttune.config.bundled import resolve_config_path, resolve_package_paths
+    from posttune.config.schema import role_sections
+
+    data = role_sections(load_yaml(resolve_config_path(source)))
+    return resolve_package_paths(apply_overrides(data, [_new_spelling(o) for o in overrides or []]))
+
+
+def _new_spelling(override: str) -> str:
+    """``ROLE.path=x`` -> ``models.ROLE.path=x`` (and ``~ROLE`` -> ``~models.ROLE``) for an old role section."""
+    from posttune import first_party
+
+    prefix = "~" if override.startswith("~") else ""
+    first = override[len(prefix):].split("=", 1)[0].split(".", 1)[0].strip()
+    return f"{prefix}models.{override[len(prefix):].lstrip()}" if first in first_party.ROLE_SECTIONS else override

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from posttune import first_party
 from posttune.config.ranges import check_ranges
 from posttune.config.typed import from_dict
 from posttune.errors import ConfigError, did_you_mean
@@ -51,13 +52,9 @@ class DataConfig:
     validation: DatasetConfig | None = None  # a dataset for the validation loss (see train.eval_every)
     max_seq_len: int = 2048  # tokens per sample (prompt and response together)
     max_prompt_len: int | None = None  # preference/prompt data: keep the prompt's last N tokens
-    packing: bool = False  # concatenate samples into rows of max_seq_len tokens (docs/training.md)
     skip_bad_rows: bool = False  # skip and count rows that cannot be read or rendered, instead of stopping
     group_by_length: bool = False  # map-style, unpacked: batch rows of similar length (less padding)
     pad_to_multiple_of: int | None = None  # round each batch's padded length up to a multiple
-    # a batch's samples end to end in one row, no padding computed (same loss); null: wherever the
-    # method supports it (sft), true: required, false: padded rows
-    padding_free: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -118,10 +115,8 @@ class RunConfig:
     data: DataConfig | None = None  # the datasets (required to train)
     train: TrainConfig = field(default_factory=TrainConfig)  # the optimisation loop
     adapter: AdapterConfig | None = None  # LoRA/DoRA adapters; null: full fine-tuning
-    #: the frozen `reference` model role (DPO, GRPO's KL): default, the policy's own source
-    reference: ModelConfig | None = None
-    #: the frozen `teacher` model role (distillation): required by methods that ask for it
-    teacher: ModelConfig | None = None
+    #: the method's other models by role name (`posttune plan` lists them), each with `model`'s keys
+    models: dict[str, ModelConfig] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # models split over processes (docs/parallel.md)
     memory: list[str] = field(default_factory=list)  # memory techniques by name (`posttune ls memory`, docs/memory.md)
     memory_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # technique name -> its settings
@@ -139,14 +134,23 @@ class RunConfig:
         return {} if isinstance(self.method, str) else {k: v for k, v in self.method.items() if k != "name"}
 
 
+#: `data:` keys that became settings of the methods that use them: refused where they were
+MOVED_TO_METHOD = ("packing", "padding_free")
+
+
 def validate(raw: dict[str, Any]) -> RunConfig:
     """Check a raw config mapping against the schema; the first problem raises ConfigError."""
-    config = from_dict(RunConfig, raw)
+    data = raw.get("data") if isinstance(raw, dict) else None
+    for key in MOVED_TO_METHOD:
+        if isinstance(data, dict) and key in data:
+            raise ConfigError(f"data.{key}", f"moved: set method.{key}")
+    config = from_dict(RunConfig, role_sections(raw))
     if isinstance(config.method, dict) and not isinstance(config.method.get("name"), str):
         raise ConfigError("method.name", "required: the method to run (e.g. sft)")
-    for section in ("model", "reference", "teacher"):
-        model = getattr(config, section)
-        if model is not None and model.path is None and (model.family is None or model.size is None):
+    if "policy" in config.models:
+        raise ConfigError("models.policy", "the policy is the `model:` section; models holds the method's others")
+    for section, model in [("model", config.model), *((f"models.{role}", m) for role, m in config.models.items())]:
+        if model.path is None and (model.family is None or model.size is None):
             raise ConfigError(section, "set `path` (a checkpoint) or both `family` and `size` (random init)")
     check_ranges(config)
     _check_low_bit_optimizer(config.train.optimizer)
@@ -165,11 +169,27 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     return config
 
 
+def role_sections(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with the first-party roles' old top-level sections (from before `models:`) read as
+    `models.<role>`; both spellings of one role is a mistake to name, not to merge."""
+    old = [name for name in first_party.ROLE_SECTIONS if isinstance(raw, dict) and name in raw]
+    if not old:
+        return raw
+    raw, models = dict(raw), raw.get("models")
+    for name in old:
+        section = raw.pop(name)
+        if section is None or not isinstance(models, (dict, type(None))):  # null: an old config.yaml's default
+            continue
+        if (models or {}).get(name) is not None:
+            raise ConfigError(name, f"given twice: `{name}:` is the old spelling of `models.{name}`; keep one")
+        models = {**(models or {}), name: section}
+    if models is not None:
+        raw["models"] = models
+    return raw
+
+
 def _check_grouping(data: DataConfig) -> None:
-    """Grouping reorders a map-style epoch of unpacked rows; anything else would ignore it silently."""
-    if data.group_by_length and data.packing:
-        raise ConfigError("data.group_by_length", "packed rows are already full and need no grouping; "
-                                                  "set packing or group_by_length, not both")
+    """Grouping reorders a map-style epoch of rows; a stream would ignore it silently."""
     if data.group_by_length and data.train.streaming:
         raise ConfigError("data.group_by_length", "needs a map-style dataset (the whole epoch to sort), "
                                                   "but data.train is streaming; set streaming: false or drop it")

@@ -39,10 +39,10 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     return cls(**values)
 
 
-def convert(tp: Any, value: Any, path: str) -> Any:
-    """``value`` checked (and where lossless, converted) against type annotation ``tp``."""
-    origin, args = get_origin(tp), get_args(tp)
-    if tp is Any:
+def convert(annotation: Any, value: Any, path: str) -> Any:
+    """``value`` checked (and where lossless, converted) against the type annotation."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if annotation is Any:
         return value
     if origin in (Union, types.UnionType):
         return _union(args, value, path)
@@ -54,38 +54,38 @@ def convert(tp: Any, value: Any, path: str) -> Any:
         choices = ", ".join(repr(a) for a in args)
         hint = did_you_mean(str(value), [str(a) for a in args])
         raise ConfigError(path, f"expected one of {choices}, got {_show(value)}{hint}")
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
-    if origin in (list, tuple) or tp in (list, tuple):
+    if dataclasses.is_dataclass(annotation):
+        return from_dict(annotation, value, path)
+    if origin in (list, tuple) or annotation in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(path, f"expected a list, got {_show(value)}")
         item = args[0] if args else Any
         items = [convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if (origin or tp) is tuple else items
-    if origin in (dict, Mapping, typing.Mapping) or tp is dict:
+        return tuple(items) if (origin or annotation) is tuple else items
+    if origin in (dict, Mapping, typing.Mapping) or annotation is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(path, f"expected a mapping, got {_show(value)}")
         key_t, val_t = args if args else (Any, Any)
         return {convert(key_t, k, path): convert(val_t, v, _join(path, str(k))) for k, v in value.items()}
-    if tp is float:
+    if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return _finite(float(value), path)
         raise ConfigError(path, f"expected a number, got {_show(value)}")
-    if tp is int:
+    if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
         raise ConfigError(path, f"expected an integer, got {_show(value)}")
-    if tp in (bool, str):
-        if isinstance(value, tp):
+    if annotation in (bool, str):
+        if isinstance(value, annotation):
             return value
-        raise ConfigError(path, f"expected {_TYPE_NAMES[tp]}, got {_show(value)}")
-    if tp is type(None):
+        raise ConfigError(path, f"expected {_TYPE_NAMES[annotation]}, got {_show(value)}")
+    if annotation is type(None):
         if value is None:
             return None
         raise ConfigError(path, f"expected null, got {_show(value)}")
-    raise TypeError(f"posttune.config: unsupported annotation {tp!r} at {path}")
+    raise TypeError(f"posttune.config: unsupported annotation {annotation!r} at {path}")
 
 
 def _finite(value: float, path: str) -> float:

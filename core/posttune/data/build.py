@@ -33,7 +33,7 @@ def build_loader(session: Any, dataset: DatasetConfig, split: str, *, make: Any,
     """
     from posttune.training.distributed import data_rank
 
-    rank, world = data_rank(session.mesh)
+    rank, world = data_rank(session)
     train = session.config.train
     return make_loader(dataset, make=make, collate=collate, max_seq_len=session.config.data.max_seq_len,
                        batch_size=train.batch_size, seed=train.seed, shuffle=split == "train", rank=rank,
@@ -92,7 +92,7 @@ def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoad
                        system_prompt=dataset.system_prompt)
     rows = load_rows(dataset, where=where, skip_bad_rows=make.skip_bad_rows, skipped=make.skipped)
     check_columns(rows, dataset.column_map, where)
-    rank, world = data_rank(session.mesh)
+    rank, world = data_rank(session)
     common = dict(collate=prompt_batch, batch_size=config.train.batch_size, seed=config.train.seed,
                   shuffle=split == "train", rank=rank, world_size=world, skipped=make.skipped)
     if dataset.streaming:

@@ -71,10 +71,10 @@ def shift_labels(ids: Sequence[int], trained: Sequence[bool]) -> list[int]:
 class SampleMaker:
     """Turns dataset rows into (ids, labels) with a format and a tokenizer, reporting bad rows by index.
 
-    The SFT maker; ``PairMaker`` (``preference.py``) reuses its row handling for preference pairs.
+    For ``conversation`` rows; ``PairMaker`` (``preference.py``) reuses its row handling for preference pairs.
     """
 
-    kind = "sft"
+    kind = "conversation"
 
     def __init__(self, fmt: DatasetFormat, tokenizer: Any, *, max_seq_len: int, train_on_input: bool = False,
                  skip_bad_rows: bool = False, column_map: Mapping[str, str] | None = None,

@@ -17,11 +17,12 @@ compiled (70) before FSDP2 shards them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from posttune.descriptors import MemoryTechnique
 from posttune.errors import ConfigError
+from posttune.estimate import Estimate, heap_bytes, layer_bytes_per_token, logits_bytes, unique_parameters
 from posttune.plugins import PLUGIN_API, hookimpl
 
 POSTTUNE_PLUGIN_API = PLUGIN_API
@@ -45,7 +46,7 @@ class ChunkedCrossEntropyConfig:
 @dataclass(frozen=True)
 class CompileConfig:
     # false: static shapes, one graph per padded length (bound them with data.pad_to_multiple_of or
-    # data.packing); true: lengths symbolic from the first compile; null: static where the data
+    # method.packing); true: lengths symbolic from the first compile; null: static where the data
     # buckets lengths (packing, pad_to_multiple_of), symbolic otherwise (``compile_is_dynamic``)
     dynamic: bool | None = None
     backend: str = "inductor"  # any torch.compile backend ("aot_eager" checks tracing without codegen)
@@ -84,7 +85,9 @@ def _compile(session: Any, target: Any) -> None:
     from posttune.memory.compile import apply
 
     options = session.plan.memory_options["compile"]
-    apply(session, target, replace(options, dynamic=compile_is_dynamic(session.config, options.dynamic)))
+    packing = method_rows(session.config, session.method_config)[0]
+    apply(session, target, replace(options, dynamic=compile_is_dynamic(session.config, options.dynamic, packing)),
+          packing=packing)
 
 
 def validate_checkpointing(config: Any) -> None:
@@ -126,44 +129,60 @@ def validate_compile(config: Any) -> None:
     if mode == "reduce-overhead":
         require_cuda(config, "compile", "mode reduce-overhead records CUDA graphs")
     check_compile_backend(backend)
-    dynamic, packing = compile_is_dynamic(config, options.get("dynamic")), config.data.packing
+    packing, joined = method_rows(config)
+    dynamic = compile_is_dynamic(config, options.get("dynamic"), packing)
     if dynamic is False and not packing and config.data.pad_to_multiple_of is None:
         raise ConfigError("data.pad_to_multiple_of", "compile with static shapes (memory_options.compile.dynamic: "
                                                      "false) compiles once per padded length; set it (e.g. 64) to "
-                                                     "bound recompilation, or use data.packing or dynamic: true")
-    check_compile_graph_breaks(config, options, dynamic, packing)
+                                                     "bound recompilation, or use method.packing or dynamic: true")
+    check_compile_graph_breaks(config, options, dynamic, packing, joined)
 
 
-def compile_is_dynamic(config: Any, dynamic: bool | None) -> bool:
+def method_rows(config: Any, method_config: Any = None) -> tuple[bool, bool]:
+    """(packed, joined): whether the method packs its rows, and whether it joins samples end to end
+    in a row (packed, or padding-free), from its settings ``packing`` and ``padding_free`` (the
+    methods that do either name them so), its defaults included. ``method_config``: the validated
+    settings, when the run has them; else they are validated here from the config."""
+    if method_config is None:
+        from posttune.config.typed import from_dict
+        from posttune.plugins import get_registry
+
+        method = get_registry().lookup("method", config.method_name).descriptor
+        method_config = from_dict(method.config, config.method_settings, "method")
+    packed = bool(getattr(method_config, "packing", False))
+    return packed, packed or bool(getattr(method_config, "padding_free", False))
+
+
+def compile_is_dynamic(config: Any, dynamic: bool | None, packing: bool = False) -> bool:
     """``memory_options.compile.dynamic`` as set, or by default: static shapes when the data comes
     in few lengths (packed rows, or padded to a multiple), symbolic lengths otherwise (a padded or
     padding-free batch can have any length up to batch_size x max_seq_len)."""
     if dynamic is not None:
         return bool(dynamic)
-    return not (config.data.packing or config.data.pad_to_multiple_of)
+    return not (packing or config.data.pad_to_multiple_of)
 
 
-def check_compile_graph_breaks(config: Any, options: dict, dynamic: Any, packing: bool) -> None:
+def check_compile_graph_breaks(config: Any, options: dict, dynamic: Any, packing: bool, joined: bool) -> None:
     """Refuse what would break each layer's graph where that silently undoes compile or fails.
 
     A checkpointed layer cannot be split: on any graph break torch.compile runs the whole
-    checkpointed layer eagerly. Rows made of documents (packing, SFT's padding-free batches)
-    break at the per-document attention (kept out of graphs on purpose); symbolic lengths break
-    at SDPA's ``is_causal`` (docs/performance.md).
+    checkpointed layer eagerly. Rows made of documents (packing, padding-free batches) break at
+    the per-document attention (kept out of graphs on purpose); symbolic lengths break at SDPA's
+    ``is_causal`` (docs/performance.md).
     """
     if packing and options.get("fullgraph", False):
-        raise ConfigError("memory_options.compile.fullgraph", "must be false with data.packing: packed attention "
+        raise ConfigError("memory_options.compile.fullgraph", "must be false with method.packing: packed attention "
                                                               "runs each document outside the compiled graph")
     if "activation_checkpointing" not in config.memory:
         return
     if packing:
-        raise ConfigError("data.packing", "compile with activation_checkpointing would run every layer eagerly: "
-                                          "packed attention breaks the graph inside the checkpointed layer; use "
-                                          "data.pad_to_multiple_of instead of packing, or drop one of the two")
-    if getattr(config.data, "padding_free", False) is not False:  # SFT's default (null): rows joined as documents
-        raise ConfigError("data.padding_free", "must be false with compile and activation_checkpointing: rows "
-                                               "joined as documents break the graph inside the checkpointed layer, "
-                                               "which then runs eagerly")
+        raise ConfigError("method.packing", "compile with activation_checkpointing would run every layer eagerly: "
+                                            "packed attention breaks the graph inside the checkpointed layer; use "
+                                            "data.pad_to_multiple_of instead of packing, or drop one of the two")
+    if joined:
+        raise ConfigError("method.padding_free", "must be false with compile and activation_checkpointing: rows "
+                                                 "joined as documents break the graph inside the checkpointed "
+                                                 "layer, which then runs eagerly")
     if dynamic is not False:
         raise ConfigError("memory_options.compile.dynamic", "must be false with activation_checkpointing: symbolic "
                                                             "lengths break the graph inside the checkpointed layer, "
@@ -195,31 +214,72 @@ def require_cuda(config: Any, technique: str, why: str) -> None:
         raise ConfigError("memory", f"'{technique}' needs a CUDA device ({why}); {shown}")
 
 
+# -- their terms in `posttune plan`'s memory estimate (docs/memory.md, "How the estimate is composed") -----------
+
+
+def estimate_checkpointing(est: Estimate, plan: Any) -> Estimate:
+    """A checkpointed layer keeps only its input (``hidden`` values per token) and is recomputed in
+    backward, so one layer's full activations come back at a time (counted once). On CPU the heap keeps
+    the freed temporaries of the layers that still save, and of the recomputed one."""
+    if est.shape is None:
+        return est
+    shape, width, tokens = est.shape, est.models[0].width, est.tokens
+    checkpointed = shape.layers // plan.memory_options["activation_checkpointing"].every
+    layer = layer_bytes_per_token(shape, width) * tokens
+    saved = layer - checkpointed * (layer - shape.hidden * width * tokens)
+    heap = heap_bytes(est, shape.layers - checkpointed + 1) - heap_bytes(est, shape.layers)
+    return replace(est, activations=est.activations + saved, allocator=est.allocator + heap)
+
+
+def estimate_offloading(est: Estimate, plan: Any) -> Estimate:
+    """On CUDA the layer inputs checkpointing keeps live in pinned host memory (on CPU: nothing moves)."""
+    if est.shape is None or est.device == "cpu":
+        return est
+    inputs = est.shape.layers * est.shape.hidden * est.models[0].width * est.tokens
+    return replace(est, activations=est.activations - inputs)
+
+
+def estimate_optimizer_in_backward(est: Estimate, plan: Any) -> Estimate:
+    """Each gradient is applied and freed as soon as it is accumulated: about one parameter's at a time."""
+    def largest(model: Any) -> int:
+        return max((p.numel() for p in unique_parameters(model.module) if p.requires_grad), default=0) * model.width
+
+    return replace(est, models=tuple(replace(m, gradient_bytes=largest(m)) if m.trainable else m for m in est.models))
+
+
+def estimate_chunked_cross_entropy(est: Estimate, plan: Any) -> Estimate:
+    """The loss materialises one chunk of ``chunk_size`` labelled tokens' logits at a time."""
+    if est.shape is None:
+        return est
+    rows = min(est.tokens, plan.memory_options["chunked_cross_entropy"].chunk_size)
+    return replace(est, logits=est.logits - logits_bytes(est.shape, est.tokens) + logits_bytes(est.shape, rows))
+
+
 TECHNIQUES = (
     MemoryTechnique(
         name="activation_checkpointing", stage="parallelize", apply=_checkpointing, order=CHECKPOINTING_ORDER,
         saves="activations inside decoder layers: kept only at layer boundaries, recomputed in backward",
-        validate=validate_checkpointing, config=CheckpointingConfig,
+        validate=validate_checkpointing, config=CheckpointingConfig, estimate=estimate_checkpointing,
         description="recompute decoder layers in backward (all, or every k-th: memory_options.every)",
     ),
     MemoryTechnique(
         name="activation_offloading", stage="parallelize", apply=_offloading, order=OFFLOADING_ORDER,
         requires=("activation_checkpointing",),
         saves="the layer-boundary activations checkpointing keeps: moved to pinned host memory",
-        validate=validate_offloading,
+        validate=validate_offloading, estimate=estimate_offloading,
         description="saved activations to pinned CPU memory on a side CUDA stream (CUDA only; the head exempt)",
     ),
     MemoryTechnique(
         name="optimizer_in_backward", stage="optimizer", apply=_optimizer_in_backward,
         saves="the gradients: each is applied and freed as soon as backward produces it",
-        validate=validate_optimizer_in_backward,
+        validate=validate_optimizer_in_backward, estimate=estimate_optimizer_in_backward,
         description="one optimizer per parameter, stepped from its gradient hook (no accumulation, no clipping)",
     ),
     MemoryTechnique(
         name="chunked_cross_entropy", stage="loss", apply=_chunked_cross_entropy,
-        conflicts=("loss_parallel",),
         saves="the [batch, seq, vocab] logits and their gradient: only one chunk of labelled tokens at a time",
         validate=validate_chunked_cross_entropy, config=ChunkedCrossEntropyConfig,
+        estimate=estimate_chunked_cross_entropy,
         description="linear cross-entropy: drop ignored tokens, project to the vocabulary chunk by chunk",
     ),
     MemoryTechnique(

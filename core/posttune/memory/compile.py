@@ -13,11 +13,12 @@ How it composes (``parallelize`` stage, order 70):
   documents: packing or padding-free; symbolic lengths) would make it run eagerly: ``validate``
   refuses those combinations. (Checkpointing around a compiled forward instead fails: the
   recomputation may select a different graph than the forward did.);
-- before ``fsdp2`` (100): only ``forward`` is compiled, never ``__call__``, so FSDP2's
-  all-gather/reshard hooks run eagerly around the compiled layer;
-- after ``tp`` (10): the layer's DTensor parameters are traced as DTensors;
-- LoRA/DoRA adapters are ordinary modules inside the layer; ``qlora_nf4`` (``load`` stage)
-  converts weights later, which works because compilation is lazy: the first training step
+- before plans that wrap layers (FSDP2, order 100): only ``forward`` is compiled, never
+  ``__call__``, so FSDP2's all-gather/reshard hooks run eagerly around the compiled layer;
+- after plans that make parameters DTensors (tensor parallelism, order 10): the layer's DTensor
+  parameters are traced as DTensors;
+- LoRA/DoRA adapters are ordinary modules inside the layer; a ``load``-stage quantization (QLoRA's
+  NF4) converts weights later, which works because compilation is lazy: the first training step
   traces whatever weights the layer then holds;
 - the wrapper is by instance attribute, as checkpointing's: module and parameter names (and
   so loading, saving, adapters and checkpoints) are unchanged.
@@ -32,12 +33,12 @@ The loss: unless ``loss`` is false, a ``session.loss_kernel`` is installed whose
 cross-entropy (summed, and per-token log-probabilities) is compiled, so the float32 upcast
 and log-softmax fuse instead of materialising a float32 copy of the logits. A ``loss``-stage
 technique (``chunked_cross_entropy``) runs later and replaces the kernel with its own, which
-then stays eager; a vocabulary-sharded head (``tp`` with ``loss_parallel``) keeps the core's
-plain path, which is what ``loss_parallel()`` parallelises.
+then stays eager; a vocabulary-sharded head (tensor parallelism with a parallel loss) keeps the
+core's plain path, which is what torch's ``loss_parallel()`` context parallelises.
 
 Shapes (the recompilation policy, docs/performance.md): ``dynamic: false`` compiles one graph
 per distinct (batch, length) shape. Bounded when lengths come in buckets
-(``data.pad_to_multiple_of``) or are fixed (``data.packing``): ``validate`` asks for one of
+(``data.pad_to_multiple_of``) or are fixed (the method's ``packing``): ``validate`` asks for one of
 the three, and ``apply`` raises Dynamo's recompile limit to the number of buckets. The default
 (null) is static with buckets and ``dynamic: true`` without (``compile_is_dynamic``).
 """
@@ -61,14 +62,15 @@ from posttune.training.distributed import is_dtensor
 BATCH_SHAPES = 2  # full batches and a smaller last one: both compile per length bucket
 
 
-def apply(session: Any, target: Any, options: Any = None) -> None:
+def apply(session: Any, target: Any, options: Any = None, *, packing: bool = False) -> None:
     """Compile the target's decoder layers and, for the policy, install the compiled loss.
 
     ``options``: the technique's settings with ``dynamic`` decided (``posttune.memory`` resolves
-    the default from the data); the run's ``memory_options`` as given otherwise.
+    the default from the data); the run's ``memory_options`` as given otherwise. ``packing``:
+    whether the method packs its rows (their lengths then fixed).
     """
     options = options if options is not None else session.plan.memory_options["compile"]
-    raise_recompile_limit(session.config, options)
+    raise_recompile_limit(session.config, options, packing)
     compile_fn = compiler(options)
     for layer in decoder_layers(target.model, "compile"):
         compile_layer(layer, compile_fn)
@@ -146,22 +148,22 @@ def compiled_loss_kernel(compile_fn: Callable[[Callable[..., Any]], Callable[...
 
 # ---- recompilation -------------------------------------------------------------------------------
 
-def expected_graphs(config: Any, options: Any) -> int | None:
+def expected_graphs(config: Any, options: Any, packing: bool = False) -> int | None:
     """How many static-shape graphs each compiled function may need, or None when unbounded/dynamic."""
     if options.dynamic is not False:
         return None
     data = config.data
-    if data.packing:
+    if packing:
         return BATCH_SHAPES
     if data.pad_to_multiple_of:  # a padding-free row holds a whole batch: up to batch_size x max_seq_len
         return BATCH_SHAPES * math.ceil(config.train.batch_size * data.max_seq_len / data.pad_to_multiple_of)
     return None
 
 
-def raise_recompile_limit(config: Any, options: Any) -> None:
+def raise_recompile_limit(config: Any, options: Any, packing: bool = False) -> None:
     """Let Dynamo keep one graph per length bucket: past its limit (8 by default) it would silently
     run the remaining shapes eagerly. Only ever raised, so other compiled code keeps its headroom."""
-    graphs = expected_graphs(config, options)
+    graphs = expected_graphs(config, options, packing)
     dynamo = torch._dynamo.config
     if graphs is not None and dynamo.recompile_limit < graphs:
         dynamo.recompile_limit = graphs

@@ -18,7 +18,7 @@ The output head may be a plain ``nn.Linear`` (also tied to the embedding) or an 
 ``LoRALinear`` (LoRA or DoRA, without dropout): its weight as one differentiable tensor
 ``W + s * B @ A`` (DoRA: row-rescaled) is formed once per step, so gradients reach the
 adapters through autograd. A head sharded as a DTensor (tensor parallel over the vocabulary,
-FSDP2) is refused with one line: with TP use ``loss_parallel`` instead.
+FSDP2) is refused with one line: a vocabulary-sharded head wants a plan that parallelises the loss.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def check_head(head: torch.nn.Module) -> None:
     weight = head.weight
     if is_dtensor(weight):
         raise PosttuneError("memory: chunked_cross_entropy cannot use an output head sharded as a DTensor "
-                            "(tensor parallel or fsdp2); with tp use the loss_parallel plan instead")
+                            "(tensor parallel or FSDP2); for a vocabulary-sharded head, use a plan that parallelises "
+                            "the loss instead")
     if isinstance(head, LoRALinear) and head.dropout_p > 0:
         raise PosttuneError("memory: chunked_cross_entropy folds the output head's adapter into one weight, "
                             f"which dropout ({head.dropout_p}) does not allow; set adapter.dropout to 0 or "

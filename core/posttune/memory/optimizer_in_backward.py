@@ -83,9 +83,9 @@ class InBackwardOptimizer:
 
         Summed over the ranks that hold different data, not the world: TP ranks share a batch.
         """
-        group_size = distributed.token_group(session.mesh)[1]
+        group_size = distributed.token_group(session)[1]
         normaliser = torch.as_tensor(out.normaliser, dtype=torch.float32, device=session.device).clone()
-        normaliser = distributed.sum_over_token_ranks(normaliser, session.mesh)
+        normaliser = distributed.sum_over_token_ranks(normaliser, session)
         self.grad_scale = group_size / max(float(normaliser), 1.0)
 
     @property

@@ -9,6 +9,7 @@ from torch import nn
 
 from posttune.modules.attention import Attention, attention_mask, explicit_attention
 from posttune.modules.decoder import Decoder, DecoderLayer, default_positions
+from posttune.modules.flex_attention import FlexMask, block_mask
 from posttune.modules.kv_cache import KVCache, LayerCache
 from posttune.modules.mlp import GatedMLP
 from posttune.modules.rmsnorm import RMSNorm
@@ -32,7 +33,8 @@ def init_buffers(model: nn.Module) -> nn.Module:
 
 
 __all__ = [
-    "ROPE_TYPES", "Attention", "Decoder", "DecoderLayer", "GatedMLP", "KVCache", "LayerCache", "RMSNorm",
-    "RotaryEmbedding", "apply_rotary", "attention_mask", "default_positions", "explicit_attention", "init_buffers",
+    "ROPE_TYPES", "Attention", "Decoder", "DecoderLayer", "FlexMask", "GatedMLP", "KVCache", "LayerCache", "RMSNorm",
+    "RotaryEmbedding", "apply_rotary", "attention_mask", "block_mask", "default_positions", "explicit_attention",
+    "init_buffers",
     "rope_frequencies", "rope_type", "soft_cap", "split_rope_parameters",
 ]

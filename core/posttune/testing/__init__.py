@@ -1,25 +1,16 @@
-"""posttune's pytest plugin (entry point ``pytest11``): fixtures for plugin authors and for us.
+"""Helpers for testing posttune plugins, importable without pytest.
 
-    def test_my_family(register_plugin, posttune_cli):
-        register_plugin(my_plugin_module)
-        result = posttune_cli("ls", "families")
-        assert "myfamily" in result.stdout
-
-Plugins registered in a test live in an isolated plugin set that replaces the process's for
-that test only; installed entry points are not loaded into it.
+- ``run_cli("ls", "families")``: `posttune` run in this process, its output captured (``CliResult``);
+- ``posttune.testing.tiny``: tiny random transformers checkpoints written by transformers itself;
+- ``posttune.testing.fixtures``: the pytest plugin (entry point ``pytest11``, loaded automatically)
+  with the ``posttune_plugins``, ``register_plugin`` and ``posttune_cli`` fixtures.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import pytest
-
-from posttune.plugins import PluginInfo, PluginSet, new_plugin_set, set_plugins
 
 
 @dataclass(frozen=True)
@@ -27,28 +18,6 @@ class CliResult:
     exit_code: int
     stdout: str
     stderr: str
-
-
-@pytest.fixture
-def posttune_plugins() -> Iterator[PluginSet]:
-    """An isolated plugin set (built-ins only, no entry points), active for this test."""
-    plugins = new_plugin_set()
-    previous = set_plugins(plugins)
-    try:
-        yield plugins
-    finally:
-        set_plugins(previous)
-
-
-@pytest.fixture
-def register_plugin(posttune_plugins: PluginSet) -> Callable[..., PluginInfo]:
-    """``register_plugin(obj, name=None, distribution=None, version="0")`` into the isolated set."""
-
-    def register(plugin: Any, *, name: str | None = None, distribution: str | None = None,
-                 version: str = "0") -> PluginInfo:
-        return posttune_plugins.register(plugin, name=name, distribution=distribution, version=version)
-
-    return register
 
 
 def run_cli(*argv: str) -> CliResult:
@@ -62,9 +31,3 @@ def run_cli(*argv: str) -> CliResult:
         except SystemExit as exc:  # argparse exits for --help, --version and usage errors
             code = exc.code if isinstance(exc.code, int) else 1
     return CliResult(code, out.getvalue(), err.getvalue())
-
-
-@pytest.fixture
-def posttune_cli(posttune_plugins: PluginSet) -> Callable[..., CliResult]:
-    """``posttune_cli("ls", "families")`` runs the CLI in-process against the isolated plugins."""
-    return run_cli

@@ -2,7 +2,7 @@
 
     claim the output directory -> compose(plan) -> config.yaml, banner -> start trackers
     -> samples before -> train(session) -> save final -> samples after -> summary (and
-    summary.json) -> finish trackers
+    summary.json) -> finish trackers -> Method.close (on every exit, from the method's setup on)
 
 Exit statuses (docs/training.md): 0 done; 2 a user error, a write failure or a NaN/Inf the
 run may not skip (one line on stderr); 143 preempted by SIGTERM after saving a checkpoint.
@@ -22,7 +22,7 @@ WORKER_MODULE = "posttune.training.worker"
 def run(plan: Any) -> int:
     from posttune import tracking
     from posttune.training import distributed, output_dir, preemption, run_report
-    from posttune.training.compose import compose
+    from posttune.training.compose import close_method, compose
     from posttune.training.trainer import train
 
     # Rank 0 (known from torchrun's environment: no process group yet) holds the directory.
@@ -30,25 +30,28 @@ def run(plan: Any) -> int:
     with output_dir.claimed(plan.config, main=main):
         if main:
             print(run_report.preparing(plan), flush=True)
-        session = compose(plan)
-        show = distributed.is_main()
-        if show:
-            start(session)
-        # Trackers run on the main rank only; one that fails to start stops the run here, in one line.
-        trackers = start_trackers(session) if show else tracking.Trackers()
-        with tracking.running(trackers):  # leaving early (preempted, an error) finishes them as stopped
-            before = sample(session)
-            try:
-                summary = train(session)
-            except preemption.Preempted as stopped:
-                if show:
-                    print(f"posttune: {stopped}", file=sys.stderr)
-                return preemption.PREEMPTED
-            outputs = save_final(session)
-            after = sample(session)
+        session = compose(plan)  # closes the method itself if it fails after the method's setup
+        try:
+            show = distributed.is_main()
             if show:
-                outputs = report(session, summary, outputs, before, after)
-                trackers.finish(summary, artefacts(session, outputs))
+                start(session)
+            # Trackers run on the main rank only; one that fails to start stops the run here, in one line.
+            trackers = start_trackers(session) if show else tracking.Trackers()
+            with tracking.running(trackers):  # leaving early (preempted, an error) finishes them as stopped
+                before = sample(session)
+                try:
+                    summary = train(session)
+                except preemption.Preempted as stopped:
+                    if show:
+                        print(f"posttune: {stopped}", file=sys.stderr)
+                    return preemption.PREEMPTED
+                outputs = save_final(session)
+                after = sample(session)
+                if show:
+                    outputs = report(session, summary, outputs, before, after)
+                    trackers.finish(summary, artefacts(session, outputs))
+        finally:  # success, an error, Ctrl-C, preemption: what the method opened is closed
+            close_method(session)
         distributed.shutdown()
         return 0
 

@@ -2,8 +2,8 @@
 
     distributed -> tokenizer
     -> policy: build (meta device) -> adapt -> quantize -> parallelize -> load
-    -> model roles the method asks for (reference, teacher): build -> quantize -> parallelize
-       -> load, frozen; or the policy with its adapters disabled
+    -> model roles the method declares: build -> quantize -> parallelize -> load, frozen; or
+       the policy with its adapters disabled
     -> data: method.data(session, dataset, split) for train and validation
     -> step count -> optimizer, LR schedule -> ``optimizer`` and ``loss`` techniques
     -> method.setup -> resume
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch import nn
 
 from posttune.checkpoint import materialize as mat
 from posttune.checkpoint.origin import ModelOrigin, attach
-from posttune.errors import ConfigError, PosttuneError
+from posttune.errors import ConfigError, PosttuneError, first_line
 from posttune.plan import Plan, applies_to_frozen, build_kwargs
 from posttune.registry import Registered
 from posttune.session import ModelTarget, Session
@@ -59,13 +60,33 @@ def compose(plan: Plan) -> Session:
     policy = session.targets["policy"]
     run_stage(session, "optimizer", policy)
     run_stage(session, "loss", policy)
-    if method.setup is not None:
-        method.setup(session)
-    if session.resume_from is not None:
-        state.load_trainer_state(session, session.resume_from)
-    if plan.config.checkpoint.resume is not None:  # also with no checkpoint yet: every step is redone
-        trim_metrics(session)
+    try:
+        if method.setup is not None:
+            method.setup(session)
+        if session.resume_from is not None:
+            state.load_trainer_state(session, session.resume_from)
+        if plan.config.checkpoint.resume is not None:  # also with no checkpoint yet: every step is redone
+            trim_metrics(session)
+    except BaseException:  # from here the method may hold engines or processes: run() closes it after
+        close_method(session)
+        raise
     return session
+
+
+def close_method(session: Any) -> None:
+    """``Method.close(session)`` once, on every way out of a run that reached the method's setup.
+
+    What it raises is a warning, not the run's outcome: that is decided (saved, or failing for its
+    own reason, which must not be masked) by the time the method releases its engines and actors.
+    """
+    method = session.plan.method.descriptor
+    if method.close is None:
+        return
+    try:
+        method.close(session)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        print(f"posttune: warning: method '{method.name}' failed to close: {type(exc).__name__}: "
+              f"{first_line(str(exc))}", file=sys.stderr)
 
 
 def init_distributed(session: Session) -> None:
@@ -122,11 +143,11 @@ def build_policy(session: Session) -> None:
 
 
 def build_roles(session: Session) -> None:
-    """Each model role the method asked for, frozen: ``session.models[name]``.
+    """Each model role the method declared, frozen: ``session.models[name]``.
 
     A role with its own source goes through the policy's model stages minus adapters (and only
-    the plans and techniques that apply to frozen models); a reference that may be the policy
-    without its adapters costs no memory at all.
+    the plans and techniques that apply to frozen models, none if its ``run_plans`` is false);
+    a role that may be the policy without its adapters costs no memory at all.
     """
     from posttune.adapters import AdaptersOff
 
@@ -160,7 +181,7 @@ def build_model(target: ModelTarget) -> nn.Module:
         unknown = [key for key in config.build_overrides if f"'{key}'" in str(exc)]
         if not unknown:
             raise
-        section = "model" if target.role == "policy" else target.role
+        section = "model" if target.role == "policy" else f"models.{target.role}"
         raise ConfigError(f"{section}.build_overrides.{unknown[0]}",
                           f"family '{family.name}' builds with no argument '{unknown[0]}'") from None
     attach(model, ModelOrigin(family.name, kwargs, hf_config, source=config.path))
@@ -185,8 +206,15 @@ def run_stage(session: Session, stage: str, target: ModelTarget) -> None:
     if stage == "parallelize":
         items += session.plan.parallel
     for item in sorted(items, key=lambda r: r.descriptor.order):
-        if target.trainable or applies_to_frozen(item.descriptor):
+        if applies_to(session, item, target):
             item.descriptor.apply(session, target)
+
+
+def applies_to(session: Session, item: Registered, target: ModelTarget) -> bool:
+    """Whether a plan or technique acts on ``target``: on the policy, always; on a frozen role, when
+    it acts on frozen models and the role takes the run's plans (``ModelRole.run_plans``)."""
+    role = session.plan.roles.get(target.role)
+    return target.trainable or (applies_to_frozen(item.descriptor) and (role is None or role.role.run_plans))
 
 
 def load_weights(session: Session, target: ModelTarget) -> None:
@@ -196,8 +224,7 @@ def load_weights(session: Session, target: ModelTarget) -> None:
     frozen role always loads its source (a seeded random init draws what the policy drew).
     """
     model, config = target.model, session.config
-    # A plan may keep parameters elsewhere (FSDP2 CPU offload: init_device "cpu").
-    mat.materialize(model, session.init_device or session.device)
+    mat.materialize(model, init_device(session, target))
     resume_from = session.resume_from if target.trainable else None
     # A sharded checkpoint restores its weights later, with the optimizer (state.load_trainer_state).
     resumes_hf = resume_from is not None and (resume_from / "model").is_dir()
@@ -221,6 +248,18 @@ def load_weights(session: Session, target: ModelTarget) -> None:
         elif config.adapter.init_from is not None:
             init_from_adapter(model, config.adapter)
     model.train()
+
+
+def init_device(session: Session, target: ModelTarget) -> Any:
+    """Where ``target``'s parameters materialise: the first plan applied to it whose ``init_device``
+    names a device (one that keeps sharded parameters in CPU memory: ``"cpu"``), else the run's device."""
+    for item in session.plan.parallel:
+        plan = item.descriptor
+        if plan.init_device is not None and applies_to(session, item, target):
+            device = plan.init_device(session.plan.parallel_options.get(plan.name))
+            if device is not None:
+                return device
+    return session.device
 
 
 def init_from_adapter(model: nn.Module, adapter: Any) -> None:
@@ -249,7 +288,7 @@ def random_init(model: nn.Module, seed: int) -> None:
     Every rank draws the same full tensors and a sharded (DTensor) weight keeps its own shard,
     so a sharded model starts exactly where the single-process one does. Adapters are skipped
     (``init_adapters`` sets them): the base weights are the same draws with or without LoRA, so
-    a frozen reference built from the same seed is exactly the policy's base.
+    a frozen role built from the same seed is exactly the policy's base.
     """
     from posttune.adapters import LoRALinear
     from posttune.checkpoint.materialize import copy_into

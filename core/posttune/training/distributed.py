@@ -1,10 +1,11 @@
 """Small wrappers so the trainer reads the same on one process and on many.
 
-Ranks vs. data-parallel ranks: under tensor (``tp``) or context (``cp``) parallelism several
-ranks work on one batch. The data loader shards by the ``dp_shard`` coordinate of the mesh
-(ranks of one TP/CP group read the same batch); token counts and losses are summed over the
-ranks that see different tokens (``dp_shard`` and ``cp``), which is also the group FSDP2
-averages gradients over.
+Ranks vs. data-parallel ranks: the plans of a run declare what each mesh dimension splits
+(``MeshDim.splits``). The data loaders shard by the dimensions that split the batch (ranks that
+split the sequence or weights of one batch read the same rows); token counts and losses are
+summed over the ranks that hold different tokens (every dimension that splits anything), which
+is also the group over which data-parallel plans average gradients. The functions take the
+session: its mesh holds the names, its plan the declarations.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-DATA_DIM = "dp_shard"  # the mesh dimension that splits the batch
-#: mesh dimensions whose ranks see different tokens (summed over for the loss normalisation)
-TOKEN_DIMS: tuple[str, ...] = ("dp_shard", "cp")
+#: what a mesh dimension may split for its ranks to hold different tokens (descriptors.Splits)
+TOKEN_SPLITS: tuple[str, ...] = ("batch", "sequence", "tokens")
 
 
 def active() -> bool:
@@ -69,44 +69,55 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-# ---- the mesh, by dimension name ------------------------------------------------------------
+# ---- the mesh, by what its dimensions split ---------------------------------------------------
 
 def _dim_names(mesh: Any) -> tuple[str, ...]:
     return tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
 
 
-def data_rank(mesh: Any) -> tuple[int, int]:
-    """(coordinate, size) of this rank along ``dp_shard``: what the data loader shards by.
+def split_mesh(session: Any, splits: tuple[str, ...]) -> Any:
+    """The sub-mesh over the session's mesh dimensions that split one of ``splits`` (flattened to
+    one dimension when there are several), or None when there is no mesh or no such dimension."""
+    declared = session.plan.mesh_dims if session.mesh is not None else {}
+    dims = tuple(d for d in _dim_names(session.mesh) if declared[d].splits in splits)
+    if not dims:
+        return None
+    return session.mesh[dims[0]] if len(dims) == 1 else flattened(session.mesh, dims)
 
-    Without a mesh it is the process's rank in the world (one process: 0 of 1); a mesh without
-    ``dp_shard`` (pure TP or CP) has one data-parallel rank.
+
+def token_mesh(session: Any) -> Any:
+    """The sub-mesh of the ranks that hold different tokens (see module docstring), or None: what a
+    data-parallel plan shards or averages gradients over."""
+    return split_mesh(session, TOKEN_SPLITS)
+
+
+def data_rank(session: Any) -> tuple[int, int]:
+    """(coordinate, size) of this rank along the dimensions that split the batch: what loaders shard by.
+
+    Without a mesh it is the process's rank in the world (one process: 0 of 1); a mesh where no
+    dimension splits the batch (pure tensor parallelism) has one data-parallel rank.
     """
-    if mesh is None:
+    if session.mesh is None:
         return rank(), world_size()
-    if DATA_DIM not in _dim_names(mesh):
-        return 0, 1
-    sub = mesh[DATA_DIM]
-    return sub.get_local_rank(), sub.size()
+    sub = split_mesh(session, ("batch",))
+    return (sub.get_local_rank(), sub.size()) if sub is not None else (0, 1)
 
 
-def token_group(mesh: Any) -> tuple[Any, int]:
+def token_group(session: Any) -> tuple[Any, int]:
     """(process group, size) over which losses and token counts are summed (see module docstring).
 
     The group is None (the whole world) without a mesh; with a mesh where no dimension splits
-    the tokens (pure TP: every rank has the whole batch) the size is 1 and nothing is summed.
+    the tokens (every rank has the whole batch) the size is 1 and nothing is summed.
     """
-    if mesh is None:
+    if session.mesh is None:
         return None, world_size()
-    dims = tuple(d for d in TOKEN_DIMS if d in _dim_names(mesh))
-    if not dims:
-        return None, 1
-    sub = mesh[dims[0]] if len(dims) == 1 else flattened(mesh, dims)
-    return sub.get_group(), sub.size()
+    sub = token_mesh(session)
+    return (sub.get_group(), sub.size()) if sub is not None else (None, 1)
 
 
-def sum_over_token_ranks(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
+def sum_over_token_ranks(tensor: torch.Tensor, session: Any) -> torch.Tensor:
     """Sum ``tensor`` in place over the ranks that hold different tokens (``token_group``)."""
-    group, size = token_group(mesh)
+    group, size = token_group(session)
     return all_reduce_sum(tensor, group) if size > 1 else tensor
 
 
@@ -171,7 +182,7 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tor
 def step_context(session: Any, batch: Any) -> Iterator[None]:
     """Enter ``session.step_contexts`` around a micro-batch's forward, loss and backward.
 
-    torch's ``loss_parallel`` and ``context_parallel`` must wrap both; parallel plans append
+    torch's vocabulary- and context-parallel contexts must wrap both; parallel plans append
     their context makers in ``apply``.
     """
     with contextlib.ExitStack() as stack:

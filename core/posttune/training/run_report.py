@@ -136,7 +136,7 @@ def banner(session: Any) -> list[str]:
     adapter = config.adapter
     tuned = (f"{adapter.kind} rank {adapter.rank} alpha {adapter.alpha:g}" if adapter is not None
              else "full fine-tuning")
-    data_ranks = distributed.data_rank(session.mesh)[1]
+    data_ranks = distributed.data_rank(session)[1]
     batch, accumulation = config.train.batch_size, config.train.grad_accum_steps
     lines = [
         f"model: {_model_name(config.model, plan)}, method {config.method_name}, {tuned}",

@@ -106,7 +106,8 @@ def save_model_or_adapter(session: Session, directory: Path) -> Path:
     """The model as the run trains it: a PEFT adapter with LoRA/DoRA, else the full HF checkpoint.
 
     A sharded model (FSDP2, TP) is gathered to rank 0 first, so every rank must call this
-    (collective); only rank 0 writes. Other models are written by whoever calls.
+    (collective); only rank 0 writes. A whole model on every rank (a plan that replicates it) is
+    written by rank 0 alone too: ranks writing one directory at once would race for its rename.
     """
     gathered = None
     if distributed.is_sharded(session.model):
@@ -114,8 +115,8 @@ def save_model_or_adapter(session: Session, directory: Path) -> Path:
 
         gathered = (gather_adapters(session.model) if session.config.adapter is not None
                     else distributed.full_state_dict(session.model))
-        if not distributed.is_main():
-            return Path(directory)
+    if not distributed.is_main():
+        return Path(directory)
     if session.config.adapter is not None:
         from posttune.adapters.peft_format import save_peft_adapter
 

@@ -72,7 +72,7 @@ class Window:
         keys = sorted(self.metrics)
         values = [self.loss_sum, self.normaliser, self.tokens] + [v for k in keys for v in self.metrics[k]]
         flat = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(session.device) for v in values])
-        flat = distributed.sum_over_token_ranks(flat, session.mesh)
+        flat = distributed.sum_over_token_ranks(flat, session)
         if extra:
             flat = torch.cat([flat, torch.stack([e.float().reshape(()).to(flat.device) for e in extra])])
         host = flat.tolist()
@@ -159,8 +159,8 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
     config = session.config.train
     params = [p for p in session.model.parameters() if p.requires_grad]
     max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
-    # FSDP2 averages gradients over the ranks that hold different data; ``group_size`` undoes that mean.
-    group_size = distributed.token_group(session.mesh)[1]
+    # Data-parallel plans average gradients over the ranks with different tokens; ``group_size`` undoes that mean.
+    group_size = distributed.token_group(session)[1]
     if session.clip_gradients is None:
         # The norm of the gradients as accumulated (a global tensor) goes to the host with the
         # metrics in one sync; the normalising scale and the clip then make one multiply.

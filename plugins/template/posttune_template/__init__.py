@@ -47,7 +47,7 @@ def posttune_register_methods(register):
     register(Method(
         name="toy_lm",
         config=method.ToyLMConfig,
-        dataset_kind="sft",
+        dataset_kind="conversation",
         data=method.data,
         loss=method.loss,
         description="next-token cross-entropy on labelled tokens (example plugin)",

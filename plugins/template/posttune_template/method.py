@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from posttune.plugin import LossOutput
+from posttune.plugin import DatasetConfig, LossOutput, Session
 
 IGNORE = -100
 
@@ -23,7 +23,7 @@ class ToyLMConfig:
     label_smoothing: float = 0.0
 
 
-def data(session: Any, dataset: Any, split: str) -> Any:
+def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
     """One chat sample per row, the prompt masked, right-padded per micro-batch."""
     from posttune.plugin import SampleMaker, build_loader, dataset_format, pad_id, padded_batch
 
@@ -35,7 +35,7 @@ def data(session: Any, dataset: Any, split: str) -> Any:
                         collate=partial(padded_batch, pad_id=pad_id(session.tokenizer)))
 
 
-def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
+def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     import torch.nn.functional as F
 
     logits = session.model(batch["input_ids"])

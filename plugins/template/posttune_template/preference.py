@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from posttune.plugin import ConfigError, LossOutput
+from posttune.plugin import ConfigError, DatasetConfig, LossOutput, RunConfig, Session
 
 
 @dataclass(frozen=True)
@@ -22,12 +22,12 @@ class ToyRankConfig:
     scale: float = 1.0  # how sharply the margin is judged
 
 
-def validate(config: Any, method: ToyRankConfig) -> None:
+def validate(config: RunConfig, method: ToyRankConfig) -> None:
     if not method.scale > 0:
         raise ConfigError("method.scale", f"expected a positive number, got {method.scale}")
 
 
-def data(session: Any, dataset: Any, split: str) -> Any:
+def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
     from posttune.plugin import PairMaker, build_loader, dataset_format, pad_id, pair_batch
 
     config = session.config.data
@@ -39,7 +39,7 @@ def data(session: Any, dataset: Any, split: str) -> Any:
     return build_loader(session, dataset, split, make=make, collate=collate)
 
 
-def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
+def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     import torch.nn.functional as F
 
     from posttune.plugin import sequence_logps, token_logps
@@ -54,18 +54,18 @@ def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
                       metrics={"accuracy": (wins, real.sum()), "margin": ((margin * real).sum(), real.sum())})
 
 
-def setup(session: Any) -> None:
+def setup(session: Session) -> None:
     session.method_state = {"pairs_seen": 0}
 
 
-def on_step_end(session: Any, record: dict[str, Any]) -> None:
+def on_step_end(session: Session, record: dict[str, Any]) -> None:
     session.method_state["pairs_seen"] += record["pairs"]
     record["pairs_seen"] = session.method_state["pairs_seen"]
 
 
-def state_dict(session: Any) -> dict[str, int]:
+def state_dict(session: Session) -> dict[str, int]:
     return dict(session.method_state)
 
 
-def load_state_dict(session: Any, state: dict[str, int]) -> None:
+def load_state_dict(session: Session, state: dict[str, int]) -> None:
     session.method_state = {"pairs_seen": int(state["pairs_seen"])}

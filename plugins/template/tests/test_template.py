@@ -64,7 +64,7 @@ def preference_run(tmp_path, **train):
 
     import yaml
 
-    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+    from posttune.plugin import save_tiny_tokenizer
 
     tokenizer = save_tiny_tokenizer(tmp_path / "tok", template="chatml")
     rows = [{"prompt": f"Question {i}?", "chosen": ("yes", "sure", "ok")[i % 3], "rejected": ("no", "never")[i % 2]}

@@ -18,6 +18,9 @@ Stages, and why (docs/architecture.md, docs/memory.md):
 - ``adamw_8bit`` / ``adamw_4bit`` at ``optimizer``: they replace the AdamW the core built (same
   param groups, LR and weight decay) and rebuild the LR schedule around it.
 
+Their terms in `posttune plan`'s memory estimate (NF4 weight widths, low-bit optimizer states,
+torchao's import) are in estimate.py.
+
 After training, the ``quantize`` command (quantize.py) writes a torchao weight-only export in
 the format transformers loads, and the ``torchao`` quantized format (checkpoint.py) lets
 ``load_model`` / ``posttune generate`` read it back.
@@ -31,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from posttune import hookimpl
-from posttune.plugin import ConfigError, MemoryTechnique, QuantizedFormat, require_cuda
-from posttune_torchao import quantize
+from posttune.plugin import ConfigError, MemoryTechnique, ModelTarget, QuantizedFormat, RunConfig, Session, require_cuda
+
+from posttune_torchao import estimate, quantize
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
@@ -47,7 +51,7 @@ class QATOptions:
 def _apply(module: str) -> Any:
     """``apply`` of ``posttune_torchao.<module>``, imported (with torchao) on first use."""
 
-    def run(session: Any, target: Any) -> None:
+    def run(session: Session, target: ModelTarget) -> None:
         import importlib
 
         importlib.import_module(f"posttune_torchao.{module}").apply(session, target)
@@ -56,7 +60,7 @@ def _apply(module: str) -> Any:
 
 
 def _low_bit(name: str) -> Any:
-    def run(session: Any, target: Any) -> None:
+    def run(session: Session, target: ModelTarget) -> None:
         from posttune_torchao.low_bit_optim import apply
 
         apply(session, name)
@@ -65,7 +69,7 @@ def _low_bit(name: str) -> Any:
 
 
 def validate_adamw(name: str) -> Any:
-    def check(config: Any) -> None:
+    def check(config: RunConfig) -> None:
         if config.train.optimizer != "adamw":
             raise ConfigError("train.optimizer", f"{name} replaces the optimizer 'adamw'; got "
                                                  f"{config.train.optimizer!r}: set it to adamw or drop {name}")
@@ -73,7 +77,7 @@ def validate_adamw(name: str) -> Any:
     return check
 
 
-def validate_qlora(config: Any) -> None:
+def validate_qlora(config: RunConfig) -> None:
     if config.adapter is None:
         raise ConfigError("adapter", "qlora_nf4 stores the frozen base weights as NF4 under LoRA adapters; add an "
                                      "`adapter:` section (e.g. {kind: lora, rank: 16})")
@@ -82,7 +86,7 @@ def validate_qlora(config: Any) -> None:
                                           "dense base weight's row norms")
 
 
-def validate_fp8(config: Any) -> None:
+def validate_fp8(config: RunConfig) -> None:
     require_cuda(config, "fp8", "float8 matmuls run on GPUs of compute capability 8.9 or newer")
 
 
@@ -90,24 +94,26 @@ TECHNIQUES = (
     MemoryTechnique(
         name="adamw_8bit", stage="optimizer", apply=_low_bit("adamw_8bit"),
         conflicts=("adamw_4bit", "optimizer_in_backward"), validate=validate_adamw("adamw_8bit"),
+        estimate=estimate.low_bit("adamw_8bit"),
         saves="AdamW's two moment tensors in 8 bits with a scale per 256 values (about 4x smaller)",
         description="torchao AdamW8bit in place of AdamW (tensors under 4096 elements keep fp32 state)",
     ),
     MemoryTechnique(
         name="adamw_4bit", stage="optimizer", apply=_low_bit("adamw_4bit"),
         conflicts=("optimizer_in_backward",), validate=validate_adamw("adamw_4bit"),
+        estimate=estimate.low_bit("adamw_4bit"),
         saves="AdamW's two moment tensors in 4 bits with a scale per 128 values (about 8x smaller)",
         description="torchao AdamW4bit in place of AdamW (tensors under 4096 elements keep fp32 state)",
     ),
     MemoryTechnique(
-        name="qlora_nf4", stage="load", apply=_apply("qlora"), validate=validate_qlora,
+        name="qlora_nf4", stage="load", apply=_apply("qlora"), validate=validate_qlora, estimate=estimate.qlora,
         conflicts=("qat", "fp8", "fsdp2", "tp"),
         frozen="apply",  # a frozen teacher or reference is stored in NF4 too
         saves="frozen base weights of the decoder layers as 4-bit NormalFloat (about 0.52 bytes/parameter)",
         description="QLoRA: NF4 base weights under LoRA adapters; the merged export is dequantised",
     ),
     MemoryTechnique(
-        name="qat", stage="quantize", apply=_apply("qat"), config=QATOptions, conflicts=("fp8",),
+        name="qat", stage="quantize", apply=_apply("qat"), config=QATOptions, conflicts=("fp8",), estimate=estimate.qat,
         saves="nothing in training; trains weights to survive int4 quantisation (smaller deployed model)",
         description="quantisation-aware training (int4 weights, int8 activations); exports grid-snapped weights",
     ),

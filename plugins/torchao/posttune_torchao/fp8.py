@@ -10,15 +10,13 @@ launch on a CPU run and again here on an older GPU. Written and guarded; not run
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from posttune.plugin import PosttuneError
+from posttune.plugin import ModelTarget, PosttuneError, Session
 
 
-def apply(session: Any, target: Any) -> None:
+def apply(session: Session, target: ModelTarget) -> None:
     device = session.device
     if device is None or device.type != "cuda":
         raise PosttuneError(f"memory: 'fp8' needs a CUDA device; this run is on {device}")

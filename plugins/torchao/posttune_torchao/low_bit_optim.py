@@ -10,11 +10,9 @@ registers them for ``torch.load(weights_only=True)``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from posttune.plugin import build_scheduler
+from posttune.plugin import Session, build_scheduler
 
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
@@ -23,7 +21,7 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     return {"adamw_8bit": AdamW8bit, "adamw_4bit": AdamW4bit}[name]
 
 
-def apply(session: Any, name: str) -> None:
+def apply(session: Session, name: str) -> None:
     train = session.config.train
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in session.optimizer.param_groups]
     session.optimizer = optimizer_class(name)(groups, lr=train.lr)

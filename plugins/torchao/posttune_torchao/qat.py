@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttune.plugin import LoRALinear, PosttuneError
+from posttune.plugin import LoRALinear, ModelTarget, PosttuneError, Session
 
 
 def fake_quant_configs(scheme: str, group_size: int) -> tuple[Any, Any]:
@@ -37,7 +37,7 @@ def fake_quant_configs(scheme: str, group_size: int) -> tuple[Any, Any]:
     return activations, weights
 
 
-def apply(session: Any, target: Any) -> None:
+def apply(session: Session, target: ModelTarget) -> None:
     options = session.plan.memory_options["qat"]
     swapped = prepare(target.model, options.scheme, options.group_size)
     if not swapped:

@@ -17,18 +17,16 @@ from ``model.path`` and quantises it again: NF4 is deterministic, so the same co
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from posttune.plugin import PosttuneError
+from posttune.plugin import ModelTarget, PosttuneError, Session
 
 BLOCK = 64  # values per NF4 scale
 SCALER_BLOCK = 256  # scales per double-quantisation block (smaller when a tensor is small)
 
 
-def apply(session: Any, target: Any) -> None:
+def apply(session: Session, target: ModelTarget) -> None:
     """The target's frozen decoder linears to NF4; a frozen role (teacher, reference) is quantised whole."""
     model = target.model
     if any(hasattr(p, "device_mesh") for p in model.parameters()):

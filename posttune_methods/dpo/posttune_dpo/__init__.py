@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from posttune.plugin import ConfigError, Method, ModelRole, configs_in, hookimpl
+from posttune.plugin import ConfigError, DatasetConfig, Method, ModelRole, RunConfig, Session, configs_in, hookimpl
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
@@ -38,11 +38,12 @@ class DPOConfig:
 
 
 def roles(config: DPOConfig) -> tuple[ModelRole, ...]:
-    """A reference model, except for reference-free SimPO; with LoRA it is the policy without adapters."""
-    return () if config.loss_type == "simpo" else (ModelRole("reference", adapters_off=True),)
+    """A reference model, except for reference-free SimPO: by default from the policy's source, and with
+    LoRA the policy without its adapters; `models.reference` (or `reference:`) gives another."""
+    return () if config.loss_type == "simpo" else (ModelRole("reference", from_policy=True, adapters_off=True),)
 
 
-def validate(config: Any, method: DPOConfig) -> None:
+def validate(config: RunConfig, method: DPOConfig) -> None:
     if not (math.isfinite(method.beta) and method.beta > 0):
         raise ConfigError("method.beta", f"expected a positive number, got {method.beta}")
     if not 0.0 <= method.label_smoothing < 0.5:
@@ -54,12 +55,6 @@ def validate(config: Any, method: DPOConfig) -> None:
         raise ConfigError("method.simpo_gamma", f"only loss_type simpo uses it (this run: {method.loss_type})")
     if method.precompute_reference and method.loss_type == "simpo":
         raise ConfigError("method.precompute_reference", "simpo uses no reference model; remove it")
-    if config.data.packing:
-        raise ConfigError("data.packing", "dpo scores each chosen and rejected response as its own row; "
-                                          "set packing to false")
-    if config.data.padding_free:
-        raise ConfigError("data.padding_free", "dpo scores each chosen and rejected response as its own padded "
-                                               "row; set padding_free to null or false")
     streaming = [split for split in ("train", "validation")
                  if getattr(config.data, split) is not None and getattr(config.data, split).streaming]
     if method.precompute_reference and streaming:
@@ -83,19 +78,19 @@ def micro_batch_tokens(config: Any, method: DPOConfig) -> tuple[int, str]:
     return 2 * config.train.batch_size * width, how
 
 
-def _data(session: Any, dataset: Any, split: str) -> Any:
+def _data(session: Session, dataset: DatasetConfig, split: str) -> Any:
     from posttune_dpo.method import data
 
     return data(session, dataset, split)
 
 
-def _loss(session: Any, batch: Any) -> Any:
+def _loss(session: Session, batch: Any) -> Any:
     from posttune_dpo.method import loss
 
     return loss(session, batch)
 
 
-def _setup(session: Any) -> None:
+def _setup(session: Session) -> None:
     from posttune_dpo.method import setup
 
     setup(session)

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from posttune.plugin import LossOutput, sequence_logps, token_logps
+from posttune.plugin import DatasetConfig, LossOutput, Session, sequence_logps, token_logps
 from posttune_dpo.losses import LENGTH_NORMALISED, preference_losses
 
 REFERENCE = "reference"
 
 
-def data(session: Any, dataset: Any, split: str) -> Any:
+def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
     from posttune.plugin import PairMaker, build_loader, dataset_format, pad_id, pair_batch
 
     config = session.config.data
@@ -40,7 +40,7 @@ def data(session: Any, dataset: Any, split: str) -> Any:
     return build_loader(session, dataset, split, make=make, collate=collate)
 
 
-def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
+def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     config = session.method_config
     average = config.loss_type in LENGTH_NORMALISED
     policy_chosen, policy_rejected = sequence_logps(token_logps(session, batch), batch["labels"],
@@ -68,7 +68,7 @@ def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
 
 
 @torch.no_grad()
-def reference_logps(session: Any, batch: dict[str, Any], average: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logps(session: Session, batch: dict[str, Any], average: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's (chosen, rejected) sequence log-probs: precomputed, or a forward pass now."""
     tables = session.method_state
     if tables is not None:
@@ -77,7 +77,7 @@ def reference_logps(session: Any, batch: dict[str, Any], average: bool) -> tuple
     return sequence_logps(logps, batch["labels"], average=average).chunk(2)
 
 
-def setup(session: Any) -> None:
+def setup(session: Session) -> None:
     """With ``precompute_reference``: score every pair with the reference once, then release it."""
     if not session.method_config.precompute_reference:
         return
@@ -91,7 +91,7 @@ def setup(session: Any) -> None:
 
 
 @torch.no_grad()
-def precompute(session: Any, loader: Any, average: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def precompute(session: Session, loader: Any, average: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted dataset rows, ``[rows, 2]`` reference log-probs) for every pair of a map-style loader.
 
     Each data-parallel rank scores its own share of the dataset in order (every rank runs the

@@ -11,6 +11,7 @@
       num_iterations: 1              # optimisation passes per generation batch
       epsilon: 0.2                   # clip range; epsilon_high > epsilon is DAPO's clip-higher
       beta: 0.0                      # KL to the reference (k3); 0 builds no reference model
+      engine: builtin                # the generation engine (`posttune ls engines`)
 
 Every knob, with the paper it comes from, is in docs/grpo.md. Written against the public
 plugin surface only (``posttune.plugin``); importing this package imports neither torch nor the
@@ -19,13 +20,15 @@ reward libraries.
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from posttune.plugin import ConfigError, Method, ModelRole, configs_in, hookimpl
-from posttune_grpo.rewards import REWARDS, RewardSpec
+from posttune.plugin import ConfigError, Method, ModelRole, RunConfig, configs_in, hookimpl, resolve_engine
+from posttune_grpo.rewards import REWARDS
+from posttune_grpo.scoring import RewardSpec
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
@@ -65,15 +68,27 @@ class GRPOConfig:
     micro_batch_size: int | None = None  # completions per forward/backward; default: the rank's whole batch
     mode: Literal["sync", "async"] = "sync"  # generate in the training processes, or in Ray actors (async_options)
     async_options: AsyncOptions = field(default_factory=AsyncOptions)  # mode async: the Ray actors (docs/grpo.md)
+    engine: str = "builtin"  # the generation engine, in the learner and in each actor (`posttune ls engines`)
+    engine_options: dict = field(default_factory=dict)  # the engine's settings, checked against its options
+
+
+#: where rollouts come from, by ``method.mode``: the module whose ``validate(config, method)`` checks the
+#: mode's settings and whose ``start(session)`` makes its source (the one place the mode is read)
+ROLLOUT_SOURCES = {"sync": "posttune_grpo.in_process", "async": "posttune_grpo.ray_actors"}
+
+
+def rollout_source(mode: str) -> Any:
+    return importlib.import_module(ROLLOUT_SOURCES[mode])
 
 
 def roles(config: GRPOConfig) -> tuple[ModelRole, ...]:
-    """A reference only for the KL term; with LoRA it is the policy with its adapters disabled."""
-    return (ModelRole("reference", adapters_off=True),) if config.beta > 0 else ()
+    """A reference only for the KL term: by default from the policy's source, and with LoRA the policy
+    with its adapters disabled."""
+    return (ModelRole("reference", from_policy=True, adapters_off=True),) if config.beta > 0 else ()
 
 
-def validate(config: Any, method: GRPOConfig) -> None:
-    from posttune_grpo.rewards import resolve_rewards
+def validate(config: RunConfig, method: GRPOConfig) -> None:
+    from posttune_grpo.scoring import resolve_rewards
 
     positive = {"group_size": method.group_size, "max_new_tokens": method.max_new_tokens,
                 "num_iterations": method.num_iterations}
@@ -107,11 +122,6 @@ def validate(config: Any, method: GRPOConfig) -> None:
         raise ConfigError("train.grad_accum_steps", f"must divide the {passes} micro-batches of each generation "
                                                     f"batch (num_iterations x completions / micro_batch_size), got "
                                                     f"{config.train.grad_accum_steps}")
-    if config.data.packing:
-        raise ConfigError("data.packing", "grpo trains on its own completions, one per row; set packing to false")
-    if config.data.padding_free:
-        raise ConfigError("data.padding_free", "grpo trains on its own completions, one padded row each; set "
-                                               "padding_free to null or false")
     for plan in ("loss_parallel", "cp"):
         if plan in config.parallel.plans:
             raise ConfigError("parallel.plans", f"grpo generates completions, which '{plan}' cannot run yet; "
@@ -121,10 +131,8 @@ def validate(config: Any, method: GRPOConfig) -> None:
                                                                    "sequence parallelism cannot split over the TP "
                                                                    "ranks; set it to false")
     resolve_rewards(method.rewards)
-    if method.mode == "async":
-        from posttune_grpo.async_ray import validate_async
-
-        validate_async(config, method)
+    resolve_engine(method.engine, method.engine_options)
+    rollout_source(method.mode).validate(config, method)
 
 
 def micro_batch_tokens(config: Any, method: GRPOConfig) -> tuple[int, str]:
@@ -150,24 +158,13 @@ def micro_batch_tokens(config: Any, method: GRPOConfig) -> tuple[int, str]:
     return rows * (prompt + method.max_new_tokens), how
 
 
-def _method(name: str) -> Any:
+def _method(name: str, module: str = "method") -> Any:
+    """``posttune_grpo.<module>.<name>``, imported on the first call (importing this package imports no torch)."""
     def call(*args: Any) -> Any:
-        from posttune_grpo import method as module
-
-        return getattr(module, name)(*args)
+        return getattr(importlib.import_module(f"posttune_grpo.{module}"), name)(*args)
 
     call.__name__ = name
     return call
-
-
-def _batches(session: Any) -> Any:
-    if session.method_config.mode == "async":
-        from posttune_grpo.async_ray import batches
-
-        return batches(session)
-    from posttune_grpo.method import batches
-
-    return batches(session)
 
 
 @hookimpl
@@ -177,17 +174,18 @@ def posttune_register_methods(register):
         config=GRPOConfig,
         dataset_kind="prompt",
         data=_method("data"),
-        loss=_method("loss"),
-        batches=_batches,
+        loss=_method("loss", "loss"),
+        batches=_method("batches"),
         roles=roles,
         setup=_method("setup"),
-        evaluate=_method("evaluate"),
+        evaluate=_method("evaluate", "evaluation"),
         on_step_end=_method("on_step_end"),
         state_dict=_method("state_dict"),
         load_state_dict=_method("load_state_dict"),
         validate=validate,
         description="GRPO: group-normalised policy gradient on generated completions (sync or async on Ray)",
         micro_batch_tokens=micro_batch_tokens,
+        close=_method("close"),
     ))
 
 

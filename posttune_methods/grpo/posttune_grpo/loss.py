@@ -1,4 +1,5 @@
-"""The GRPO objective, as pure functions of tensors (docs/grpo.md has the derivations and papers).
+"""The GRPO objective: pure functions of tensors, and ``loss``, the method's callback that applies them
+to a micro-batch of rollouts and reports what GRPO users watch (docs/grpo.md has the derivations and papers).
 
 For completion i of a group (one prompt's ``G`` completions) with reward ``r_i``:
 
@@ -20,9 +21,10 @@ For completion i of a group (one prompt's ``G`` completions) with reward ``r_i``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+from posttune.plugin import LossOutput, Session
 
 ScaleRewards = Literal["group", "batch", "none"]
 Aggregation = Literal["token", "sequence", "constant"]
@@ -105,3 +107,35 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation, max
     else:
         raise ValueError(f"unknown loss aggregation {how!r}")
     return (per_sequence * weights).sum(), weights.sum()
+
+
+def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
+    """The clipped policy loss (plus KL) of a micro-batch of rollouts, aggregated, with its metrics:
+    reward sums over real completions (placeholders excluded), lengths, truncation, clipping, KL."""
+    from posttune.plugin import token_logps
+
+    config = session.method_config
+    logps = token_logps(session, batch, temperature=config.temperature)
+    mask = (batch["labels"] != -100).to(logps.dtype)
+    result = policy_loss(logps, batch.get("old_logps"), batch["advantages"], mask, epsilon=config.epsilon,
+                         epsilon_high=config.epsilon_high, ref_logps=batch.get("ref_logps"), beta=config.beta)
+    loss_sum, normaliser = aggregate(result.per_token, mask, config.loss_aggregation, config.max_new_tokens,
+                                     batch["weights"])
+    kept = (batch["weights"] > 0).to(logps.dtype)
+    tokens = (mask * kept.unsqueeze(1)).sum()
+    real = (batch["rows"] >= 0).to(logps.dtype)  # every generated completion (not placeholders), kept or not
+    metrics: dict[str, Any] = {
+        "reward": ((batch["rewards"] * real).sum(), real.sum()),
+        "reward_sq": ((batch["rewards"].square() * real).sum(), real.sum()),
+        "completion_length": ((batch["lengths"] * real).sum(), real.sum()),
+        "truncated": ((batch["truncated"] * real).sum(), real.sum()),
+        "clip_fraction": ((result.clipped * kept.unsqueeze(1)).sum(), tokens),
+    }
+    if "equal" in batch:  # rollouts saved before this metric existed have no such rows
+        metrics["frac_reward_zero_std"] = ((batch["equal"] * real).sum(), real.sum())
+    for name, values in batch["per_reward"].items():
+        metrics[f"reward/{name}"] = ((values * real).sum(), real.sum())
+    if result.kl is not None:
+        metrics["kl"] = ((result.kl * kept.unsqueeze(1)).sum(), tokens)
+    unit = "completion_tokens" if config.loss_aggregation == "token" else "completions"
+    return LossOutput(loss_sum, normaliser, tokens=batch["num_tokens"], metrics=metrics, unit=unit)

@@ -21,7 +21,9 @@ the caller's ``__main__`` (torch in a torchrun rank, Ray in an actor; an unguard
 again), and "fork" copies a process that holds torch's threads. concurrent.futures cannot kill
 one hung task, math-verify's process timeout is Windows-only and starts a process per call, and
 pebble would be a dependency for the hundred lines below. Workers start when first needed,
-are reused across steps, and ``close`` kills them (at exit: ``atexit``; no Method hook ends a run).
+are reused across steps, and ``close`` kills them: at the end of a run (GRPO's ``Method.close``,
+which the core calls on every exit, and an actor's close), else at interpreter exit (``atexit``:
+scoring outside a run, e.g. a script calling ``score``, has no other end).
 A worker whose caller dies reads end-of-file and exits; on Linux, one started from a main thread
 is also killed by the kernel (PR_SET_PDEATHSIG) if it is busy in C code at that moment.
 """
@@ -275,7 +277,7 @@ _shared_lock = threading.Lock()
 
 
 def shared_pool(warm_up: Sequence[Callable[[], Any]] = ()) -> WorkerPool:
-    """This process's pool, started on first use and killed at exit (a run has no end-of-run hook).
+    """This process's pool, started on first use and killed by ``close_shared_pool`` (a run's close) or at exit.
 
     One per process (the trainer, each Ray actor), whatever the number of runs or rewards; a
     request for a warm-up it lacks replaces it with one that has both."""

@@ -1,5 +1,9 @@
 """Rollouts: one rank's prompts, each completed ``group_size`` times, scored, and cut into micro-batches.
 
+``generate_rollouts`` makes them with a generation engine, the same code in the training process
+(sync mode) and in a Ray actor (async mode): completion g of the prompt at dataset row r samples
+with seed ``derive_seed(seed, epoch, r, g)``, so the same completions whoever generates them.
+
 The tensors are laid out for the loss as every posttune method sees its data: each completion
 is a row ``prompt + completion`` (right-padded), ``labels`` hold the completion tokens
 pre-shifted (``labels[:, t]`` is the target of position t, -100 elsewhere), and every per-token
@@ -10,12 +14,18 @@ placeholder row of weight 0, so every rank runs the same number of forward passe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
+from posttune_grpo.loss import group_advantages
+from posttune_grpo.scoring import score_batch
+from posttune.plugin import Session
+
 IGNORE_INDEX = -100
+PLACEHOLDER_ROW = -1  # the dataset row of a placeholder prompt (a rank's short share of an epoch's last batch)
 #: the per-row tensors a Rollouts keeps (and a checkpoint saves); the rest is bookkeeping
 ROW_TENSORS = ("input_ids", "labels", "behaviour_logps", "old_logps", "ref_logps", "advantages", "weights",
                "rewards", "lengths", "truncated", "rows", "versions", "equal")
@@ -87,3 +97,77 @@ def build_rows(prompts: list[torch.Tensor], completions: list[list[int]], behavi
         labels[row, start - 1:end - 1] = torch.tensor(completion, dtype=torch.long)
         logps[row, start - 1:end - 1] = logp[: len(completion)].cpu()
     return input_ids, labels, logps
+
+
+def rows_per_rank(session: Session) -> int:
+    """Completions per generation batch on this rank: ``train.batch_size x group_size``."""
+    return session.config.train.batch_size * session.method_config.group_size
+
+
+def micro_batch_size(session: Session) -> int:
+    return session.method_config.micro_batch_size or rows_per_rank(session)
+
+
+def micro_batches_per_generation(session: Session) -> int:
+    return session.method_config.num_iterations * (rows_per_rank(session) // micro_batch_size(session))
+
+
+def rollout_spec(session: Session) -> dict[str, Any]:
+    """The settings ``generate_rollouts`` reads, as plain data (what a Ray actor receives too)."""
+    config = session.method_config
+    return {
+        "generation": dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
+                           top_p=config.top_p, min_p=config.min_p),
+        "group_size": config.group_size, "batch_size": session.config.train.batch_size,
+        "seed": session.config.train.seed, "scale_rewards": config.scale_rewards,
+        "filter_equal_rewards": config.filter_equal_rewards, "reward_errors": config.reward_errors,
+    }
+
+
+@torch.no_grad()
+def generate_rollouts(engine: Any, tokenizer: Any, prompts: dict[str, Any], epoch: int, rewards: list[Any],
+                      spec: dict[str, Any], *, batch_std: Callable[..., Any] | None = None) -> Rollouts:
+    """Complete each prompt ``group_size`` times with ``engine``, score the completions, normalise within groups.
+
+    ``batch_std(rewards, real)``: the standard deviation for ``scale_rewards: batch`` over every
+    data-parallel rank (the training process's); without it, this batch's own.
+    """
+    from posttune.plugin import Sampling, derive_seed, pad_id
+
+    count, group = spec["batch_size"], spec["group_size"]
+    pad = pad_id(tokenizer)
+    prompt_ids, rows = padded_prompts(prompts, count, pad)
+    repeated = [ids for ids in prompt_ids for _ in range(group)]
+    seeds = [derive_seed(spec["seed"], epoch, max(row, 0), g) for row in rows for g in range(group)]
+    sampling = Sampling(**spec["generation"], stop_token_ids=tuple(tokenizer.eos_ids), pad_id=pad)
+    out = engine.generate(repeated, sampling, seeds)
+    completions = out.token_lists()
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
+    stops = set(tokenizer.eos_ids)
+    truncated = torch.tensor([float(not c or c[-1] not in stops) for c in completions])
+    input_ids, labels, behaviour_logps = build_rows(repeated, completions, list(out.logprobs.float().cpu()), pad)
+    real = torch.tensor([float(row >= 0) for row in rows for _ in range(group)])
+    scores = score_batch(tokenizer, rewards, spec["reward_errors"], prompts, completions, real.tolist(), group)
+    total = torch.tensor(scores.total, dtype=torch.float32)
+    std = batch_std(total, real) if spec["scale_rewards"] == "batch" and batch_std is not None else None
+    if spec["scale_rewards"] == "batch" and std is None:
+        std = total[real > 0].std() if int(real.sum()) > 1 else torch.tensor(0.0)
+    advantages, equal = group_advantages(total, group, spec["scale_rewards"], std)
+    weights = real * (~equal).float() if spec["filter_equal_rewards"] else real
+    return Rollouts(input_ids, labels, behaviour_logps, advantages, weights, total, lengths,
+                    torch.tensor([len(ids) for ids in repeated]), truncated,
+                    torch.tensor([row for row in rows for _ in range(group)], dtype=torch.long),
+                    per_reward={name: torch.tensor(values, dtype=torch.float32)
+                                for name, values in scores.per_reward.items()},
+                    reward_failures=dict(scores.failures), reward_timeouts=dict(scores.timeouts),
+                    equal=equal.float())
+
+
+def padded_prompts(prompts: dict[str, Any], count: int, pad: int) -> tuple[list[torch.Tensor], list[int]]:
+    """The batch's prompts plus placeholders up to ``count`` (a short last share of the epoch)."""
+    ids = [torch.as_tensor(p, dtype=torch.long) for p in prompts["prompt_ids"]]
+    rows = [int(row) for row in prompts["rows"]]
+    while len(ids) < count:
+        ids.append(ids[0] if ids else torch.tensor([pad], dtype=torch.long))
+        rows.append(PLACEHOLDER_ROW)
+    return ids, rows

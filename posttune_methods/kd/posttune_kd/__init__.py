@@ -6,7 +6,8 @@
       temperature: 1.0
       kd_ratio: 0.5                  # divergence weight; 1 - kd_ratio weighs cross-entropy to the labels
       on_policy_fraction: 0.0        # GKD's lambda: that share of batches are the student's own samples
-    teacher: {path: meta-llama/Llama-3.1-8B-Instruct, dtype: bf16}
+    models:
+      teacher: {path: meta-llama/Llama-3.1-8B-Instruct, dtype: bf16}   # or `teacher:` at the top level
 
 The student is the policy (full fine-tuning or LoRA/DoRA/QLoRA), the teacher a frozen ``teacher``
 model role: any installed family with the student's vocabulary, quantised and sharded by the
@@ -19,11 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from posttune.plugin import ConfigError, Method, PosttuneError, configs_in, hookimpl
+from posttune.plugin import ConfigError, Method, PosttuneError, RunConfig, configs_in, hookimpl, resolve_engine
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
@@ -40,12 +41,15 @@ class KDConfig:
     chunk_size: int | None = 512  # trained tokens projected to the vocabulary at once; null: full logits (tp)
     teacher_extra_vocab: Literal["refuse", "drop"] = "refuse"  # a teacher with more vocabulary rows (padding)
     train_on_input: bool = False  # also distil on the prompt tokens
+    packing: bool = False  # concatenate samples into rows of data.max_seq_len tokens (off-policy only)
     on_policy_fraction: float = 0.0  # GKD's lambda: share of batches replaced by the student's own samples
     max_new_tokens: int = 128  # on-policy samples: their length
     generation_temperature: float = 1.0  # on-policy samples: the student's sampling temperature
+    engine: str = "builtin"  # on-policy samples: the generation engine (`posttune ls engines`)
+    engine_options: dict = field(default_factory=dict)  # the engine's settings, checked against its options
 
 
-def validate(config: Any, method: KDConfig) -> None:
+def validate(config: RunConfig, method: KDConfig) -> None:
     for name, low, high in (("kd_ratio", 0.0, 1.0), ("beta", 0.0, 1.0), ("on_policy_fraction", 0.0, 1.0)):
         value = getattr(method, name)
         if not (math.isfinite(value) and low <= value <= high):
@@ -58,12 +62,12 @@ def validate(config: Any, method: KDConfig) -> None:
         raise ConfigError("method.chunk_size", f"expected a positive integer or null, got {method.chunk_size}")
     if method.max_new_tokens < 1:
         raise ConfigError("method.max_new_tokens", f"expected a positive integer, got {method.max_new_tokens}")
-    if config.data.padding_free:
-        raise ConfigError("data.padding_free", "kd keeps one padded row per sample (or packs with data.packing); "
-                                               "set padding_free to null or false")
-    if method.on_policy_fraction > 0 and config.data.packing:
-        raise ConfigError("data.packing", "on-policy distillation samples one completion per prompt; set packing "
-                                          "to false or on_policy_fraction to 0")
+    if method.on_policy_fraction > 0 and method.packing:
+        raise ConfigError("method.packing", "on-policy distillation samples one completion per prompt; set packing "
+                                            "to false or on_policy_fraction to 0")
+    if method.packing and config.data.group_by_length:
+        raise ConfigError("data.group_by_length", "packed rows are already full and need no grouping; set "
+                                                  "method.packing or data.group_by_length, not both")
     if method.on_policy_fraction > 0 and method.train_on_input:
         raise ConfigError("method.train_on_input", "on-policy distillation completes each row's prompt, which "
                                                    "train_on_input leaves unmarked; set one of them off")
@@ -81,6 +85,7 @@ def validate(config: Any, method: KDConfig) -> None:
         raise ConfigError("parallel.options.tp.sequence_parallel", "on-policy distillation generates one token at "
                                                                    "a time, which sequence parallelism cannot split; "
                                                                    "set it to false")
+    resolve_engine(method.engine, method.engine_options)
     check_vocabularies(config, method)
 
 
@@ -99,7 +104,7 @@ def micro_batch_tokens(config: Any, method: KDConfig) -> tuple[int, str]:
         "prompt and the student's completion, every row full: the worst case")
 
 
-def check_vocabularies(config: Any, method: KDConfig) -> None:
+def check_vocabularies(config: RunConfig, method: KDConfig) -> None:
     """Teacher and student must share their vocabulary (the teacher's extra rows may be padding to drop).
 
     Read from each model's config.json or named size; a checkpoint that cannot be read before
@@ -109,7 +114,7 @@ def check_vocabularies(config: Any, method: KDConfig) -> None:
 
     try:
         student = model_kwargs(config).get("vocab_size")
-        teacher = model_kwargs(dataclasses.replace(config, model=config.teacher)).get("vocab_size")
+        teacher = model_kwargs(dataclasses.replace(config, model=config.models["teacher"])).get("vocab_size")
     except PosttuneError:
         return
     compare_vocabularies(student, teacher, method.teacher_extra_vocab)
@@ -122,8 +127,8 @@ def compare_vocabularies(student: int | None, teacher: int | None, extra: str) -
         return
     hint = ("; if the teacher's extra rows are padding, set method.teacher_extra_vocab: drop"
             if teacher > student else "")
-    raise ConfigError("teacher", f"the teacher's vocabulary has {teacher} tokens and the student's {student}: "
-                                 f"distillation compares them token by token{hint}")
+    raise ConfigError("models.teacher", f"the teacher's vocabulary has {teacher} tokens and the student's "
+                                        f"{student}: distillation compares them token by token{hint}")
 
 
 def _method(name: str) -> Any:
@@ -141,13 +146,14 @@ def posttune_register_methods(register):
     register(Method(
         name="kd",
         config=KDConfig,
-        dataset_kind="sft",
+        dataset_kind="conversation",
         data=_method("data"),
         loss=_method("loss"),
         batches=_method("batches"),
         roles=("teacher",),
         setup=_method("setup"),
         evaluate=_method("evaluate"),
+        close=_method("close"),
         validate=validate,
         micro_batch_tokens=micro_batch_tokens,
         description="knowledge distillation: forward/reverse KL or JSD to a teacher role, chunked; on-policy (GKD)",

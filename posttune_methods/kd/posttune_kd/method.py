@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from posttune.plugin import IGNORE_INDEX, LossOutput
+from posttune.plugin import DatasetConfig, IGNORE_INDEX, LossOutput, Session
 
 from posttune_kd.chunked import Head, KDSums, Settings, chunked_kd_loss, plain_kd_loss
 
@@ -28,16 +28,17 @@ ON_POLICY_DRAW = 0x6B64
 
 # ---- data -----------------------------------------------------------------------------------------
 
-def data(session: Any, dataset: Any, split: str) -> Any:
+def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
     from posttune.plugin import SampleMaker, build_loader, dataset_format, pad_id
 
     config = session.config.data
     make = SampleMaker(dataset_format(session, split), session.tokenizer, max_seq_len=config.max_seq_len,
                        train_on_input=session.method_config.train_on_input, skip_bad_rows=config.skip_bad_rows,
                        column_map=dataset.column_map, where=f"data.{split}", system_prompt=dataset.system_prompt)
+    packing = session.method_config.packing
     collate = partial(batch_with_rows, pad=pad_id(session.tokenizer), max_seq_len=config.max_seq_len,
-                      packing=config.packing, pad_to_multiple_of=config.pad_to_multiple_of)
-    return build_loader(session, dataset, split, make=make, collate=collate, packing=config.packing)
+                      packing=packing, pad_to_multiple_of=config.pad_to_multiple_of)
+    return build_loader(session, dataset, split, make=make, collate=collate, packing=packing)
 
 
 def batch_with_rows(items: list, *, pad: int, max_seq_len: int, packing: bool,
@@ -57,7 +58,7 @@ def batch_with_rows(items: list, *, pad: int, max_seq_len: int, packing: bool,
 
 # ---- batches: off-policy as loaded, or the student's own samples ---------------------------------
 
-def batches(session: Any) -> Any:
+def batches(session: Session) -> Any:
     loader = session.train_data
     for batch in loader:
         if on_policy(session, loader.position):
@@ -65,7 +66,7 @@ def batches(session: Any) -> Any:
         yield batch
 
 
-def on_policy(session: Any, position: int) -> bool:
+def on_policy(session: Session, position: int) -> bool:
     """Whether the loader's batch at ``position`` (of the current epoch) becomes on-policy."""
     fraction = session.method_config.on_policy_fraction
     if fraction <= 0:
@@ -77,9 +78,9 @@ def on_policy(session: Any, position: int) -> bool:
 
 
 @torch.no_grad()
-def student_samples(session: Any, batch: dict[str, Any]) -> dict[str, Any]:
+def student_samples(session: Session, batch: dict[str, Any]) -> dict[str, Any]:
     """The batch's prompts completed by the student (sampled), as rows whose labels are the completions."""
-    from posttune.plugin import derive_seed, generate_batch, pad_id
+    from posttune.plugin import Sampling, derive_seed, pad_id
 
     config, tokenizer = session.method_config, session.tokenizer
     prompts, rows = [], []
@@ -89,12 +90,11 @@ def student_samples(session: Any, batch: dict[str, Any]) -> dict[str, Any]:
         prompts.append(ids[:start].tolist())
         rows.append(row if len(trained) else -1)
     seeds = [derive_seed(session.config.train.seed, session.epoch, max(row, 0), 1) for row in rows]
+    sampling = Sampling(config.max_new_tokens, temperature=config.generation_temperature,
+                        stop_token_ids=tuple(tokenizer.eos_ids), pad_id=pad_id(tokenizer))
     was_training = session.model.training
     session.model.eval()
-    generate = session.generation_engine or generate_batch
-    out = generate(session.model, prompts, max_new_tokens=config.max_new_tokens,
-                   temperature=config.generation_temperature, seeds=seeds, stop_token_ids=tokenizer.eos_ids,
-                   pad_id=pad_id(tokenizer))
+    out = student_engine(session).generate(prompts, sampling, seeds)
     session.model.train(was_training)
     completions = out.token_lists()
     length = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
@@ -110,6 +110,19 @@ def student_samples(session: Any, batch: dict[str, Any]) -> dict[str, Any]:
             "num_tokens": torch.tensor(tokens)}
 
 
+def student_engine(session: Session) -> Any:
+    """The engine that samples from the student (``method.engine``), started on the first on-policy batch
+    and brought to the current weights (version: the optimizer step) before each use."""
+    state = session.method_state
+    if state["engine"] is None:
+        from posttune.plugin import start_engine
+
+        state["engine"] = start_engine(session.method_config.engine, session.method_config.engine_options, session)
+    if state["engine"].version != session.step:
+        state["engine"].update_weights(None, session.step)
+    return state["engine"]
+
+
 def _rows(batch: dict[str, Any]) -> list[int]:
     rows = batch["rows"].tolist()
     return rows if len(rows) == batch["input_ids"].shape[0] else [-1] * batch["input_ids"].shape[0]
@@ -117,7 +130,7 @@ def _rows(batch: dict[str, Any]) -> list[int]:
 
 # ---- the loss -------------------------------------------------------------------------------------
 
-def settings(session: Any, *, on_policy_batch: bool = False) -> Settings:
+def settings(session: Session, *, on_policy_batch: bool = False) -> Settings:
     """The loss's settings; an on-policy batch is scored by the divergence alone (its labels are the
     student's own samples: cross-entropy to them would teach the student nothing)."""
     config = session.method_config
@@ -125,7 +138,7 @@ def settings(session: Any, *, on_policy_batch: bool = False) -> Settings:
                     1.0 if on_policy_batch else config.kd_ratio, session.method_state["vocab"])
 
 
-def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
+def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     sums, trained = kd_sums(session, batch, settings(session, on_policy_batch=bool(batch.get("on_policy"))))
     count = float(trained)
     metrics = {"divergence": (float(sums.divergence), count), "ce": (float(sums.ce), count),
@@ -133,7 +146,7 @@ def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
     return LossOutput(sums.loss, trained, tokens=batch["num_tokens"], metrics=metrics)
 
 
-def kd_sums(session: Any, batch: dict[str, Any], how: Settings) -> tuple[KDSums, torch.Tensor]:
+def kd_sums(session: Session, batch: dict[str, Any], how: Settings) -> tuple[KDSums, torch.Tensor]:
     """The summed loss and its terms over the batch's trained tokens, and their count."""
     labels = batch["labels"]
     keep = labels != IGNORE_INDEX
@@ -179,7 +192,7 @@ def _full(logits: torch.Tensor) -> torch.Tensor:
 
 # ---- lifecycle ------------------------------------------------------------------------------------
 
-def setup(session: Any) -> None:
+def setup(session: Session) -> None:
     """Check the two vocabularies on the built models, and choose the chunked or the plain loss.
 
     Chunked needs the native decoder contract (``forward(..., return_hidden=True)`` and an
@@ -194,7 +207,16 @@ def setup(session: Any) -> None:
     compare_vocabularies(student_vocab, teacher_vocab, config.teacher_extra_vocab)
     native = all(getattr(model, "output", None) is not None and callable(getattr(model, "hidden_states", None))
                  for model in (student, teacher))
-    session.method_state = {"vocab": student_vocab, "chunked": config.chunk_size is not None and native}
+    session.method_state = {"vocab": student_vocab, "chunked": config.chunk_size is not None and native,
+                            "engine": None}
+
+
+def close(session: Session) -> None:
+    """The on-policy engine, if one was started."""
+    engine = (session.method_state or {}).get("engine")
+    if engine is not None:
+        session.method_state["engine"] = None
+        engine.close()
 
 
 def _vocab(model: Any) -> int | None:
@@ -203,7 +225,7 @@ def _vocab(model: Any) -> int | None:
 
 
 @torch.no_grad()
-def evaluate(session: Any) -> dict[str, float]:
+def evaluate(session: Session) -> dict[str, float]:
     """The validation set's loss, divergence and cross-entropy per trained token, across ranks."""
     from posttune.plugin import step_context, sum_over_token_ranks, to_device
 
@@ -213,6 +235,6 @@ def evaluate(session: Any) -> dict[str, float]:
         with step_context(session, batch):
             sums, count = kd_sums(session, batch, settings(session))
         totals += torch.stack([sums.loss, sums.divergence, sums.ce, count.float()]).double()
-    loss_sum, divergence, ce, count = sum_over_token_ranks(totals, session.mesh).tolist()
+    loss_sum, divergence, ce, count = sum_over_token_ranks(totals, session).tolist()
     count = max(count, 1.0)
     return {"loss": loss_sum / count, "divergence": divergence / count, "ce": ce / count}

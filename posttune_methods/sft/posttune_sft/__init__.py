@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from posttune.plugin import LossOutput, Method, hookimpl
+from posttune.plugin import ConfigError, DatasetConfig, LossOutput, Method, RunConfig, Session, hookimpl
 
 POSTTUNE_PLUGIN_API = 2
 
@@ -22,42 +22,52 @@ POSTTUNE_PLUGIN_API = 2
 @dataclass(frozen=True)
 class SFTConfig:
     train_on_input: bool = False  # also learn the prompt (user/system) tokens
+    packing: bool = False  # concatenate samples into rows of data.max_seq_len tokens (docs/training.md)
+    # unpacked batches: the samples end to end in one row, no padding computed (the padded
+    # batch's loss); false: padded rows
+    padding_free: bool = True
 
 
-def data(session: Any, dataset: Any, split: str) -> Any:
+def validate(config: RunConfig, method: SFTConfig) -> None:
+    if method.packing and config.data.group_by_length:
+        raise ConfigError("data.group_by_length", "packed rows are already full and need no grouping; set "
+                                                  "method.packing or data.group_by_length, not both")
+
+
+def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
     """SFT samples of one split: one sample a row, padded per batch or packed into rows."""
     from posttune.plugin import data_rank, dataset_format
 
-    rank, world = data_rank(session.mesh)
-    train = session.config.train
+    rank, world = data_rank(session)
+    train, method = session.config.train, session.method_config
     return sft_loader(dataset, data=session.config.data, fmt=dataset_format(session, split),
                       tokenizer=session.tokenizer, batch_size=train.batch_size, seed=train.seed,
-                      shuffle=split == "train", train_on_input=session.method_config.train_on_input,
-                      rank=rank, world_size=world, where=f"data.{split}")
+                      shuffle=split == "train", train_on_input=method.train_on_input, packing=method.packing,
+                      padding_free=method.padding_free, rank=rank, world_size=world, where=f"data.{split}")
 
 
 def sft_loader(dataset: Any, *, data: Any, fmt: Any, tokenizer: Any, batch_size: int, seed: int = 0,
-               shuffle: bool = True, train_on_input: bool = False, rank: int = 0, world_size: int = 1,
-               where: str = "data.train") -> Any:
-    """SFT's loader from explicit settings (``data`` is the run's `data:` section): what ``data``
-    builds for a run, callable without one (tests, tools)."""
+               shuffle: bool = True, train_on_input: bool = False, packing: bool = False, padding_free: bool = True,
+               rank: int = 0, world_size: int = 1, where: str = "data.train") -> Any:
+    """SFT's loader from explicit settings (``data`` is the run's `data:` section; ``packing`` and
+    ``padding_free`` SFT's own): what ``data`` builds for a run, callable without one (tests, tools)."""
     from posttune.plugin import SampleMaker, flat_batch, make_loader, pad_id, packed_batch, padded_batch
 
     make = SampleMaker(fmt, tokenizer, max_seq_len=data.max_seq_len, train_on_input=train_on_input,
                        skip_bad_rows=data.skip_bad_rows, column_map=dataset.column_map, where=where,
                        system_prompt=dataset.system_prompt)
     pad = pad_id(tokenizer)
-    if data.packing:
+    if packing:
         collate = partial(packed_batch, pad_id=pad, max_seq_len=data.max_seq_len)
     else:  # padding-free unless switched off: the padded batch's loss without computing its padding
-        collate = partial(padded_batch if data.padding_free is False else flat_batch, pad_id=pad,
+        collate = partial(flat_batch if padding_free else padded_batch, pad_id=pad,
                           pad_to_multiple_of=data.pad_to_multiple_of)
     return make_loader(dataset, make=make, collate=collate, max_seq_len=data.max_seq_len, batch_size=batch_size,
-                       seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, packing=data.packing,
+                       seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, packing=packing,
                        where=where, group_by_length=data.group_by_length)
 
 
-def loss(session: Any, batch: dict[str, Any]) -> LossOutput:
+def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     from posttune.plugin import token_cross_entropy
 
     loss_sum, labelled = token_cross_entropy(session, batch)
@@ -69,8 +79,9 @@ def posttune_register_methods(register):
     register(Method(
         name="sft",
         config=SFTConfig,
-        dataset_kind="sft",
+        dataset_kind="conversation",
         data=data,
         loss=loss,
+        validate=validate,
         description="supervised fine-tuning: cross-entropy on response tokens",
     ))

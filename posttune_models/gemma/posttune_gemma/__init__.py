@@ -10,25 +10,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from posttune import hookimpl
-from posttune.plugin import configs_in
-from posttune.plugin import DECODER_LINEAR_LAYERS, CheckpointConverter, ModelFamily
+from posttune.plugin import DECODER_LINEAR_LAYERS, CheckpointConverter, ModelFamily, configs_in, registering
 from posttune_gemma import config, hf
+from posttune_gemma.model import build
 from posttune_gemma.sizes import GEMMA2_SIZES, GEMMA3_SIZES, GEMMA_SIZES
 from posttune_gemma.tp_plan import GEMMA2_TP_PLAN, GEMMA_TP_PLAN
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
-
-#: Default adapter targets: every linear layer of every block.
-LORA_TARGETS = DECODER_LINEAR_LAYERS
-
-
-def build(**kwargs: Any) -> Any:
-    """``posttune_gemma.model.build``, imported on first use."""
-    from posttune_gemma.model import build as build_model
-
-    return build_model(**kwargs)
+LORA_TARGETS = DECODER_LINEAR_LAYERS  # every linear layer of every block
+CONFIGS = Path(__file__).parent / "configs"
 
 
 def _family(name: str, sizes: Any, tp_plan: Any, description: str) -> ModelFamily:
@@ -47,30 +38,12 @@ GEMMA3 = _family("gemma3", GEMMA3_SIZES, GEMMA2_TP_PLAN,
                  "Gemma 3 text (Gemma3ForCausalLM: q/k norms, local and global RoPE)")
 FAMILIES = (GEMMA, GEMMA2, GEMMA3)
 CONVERTERS = tuple(
-    CheckpointConverter(family=family.name, format="hf", to_native=partial(hf.to_native, family=family.name),
-                        from_native=partial(hf.from_native, family=family.name),
+    CheckpointConverter(family=family.name, format="hf", to_native=hf.KEYS[family.name].to_native,
+                        from_native=hf.KEYS[family.name].from_native,
                         description=f"Hugging Face {family.name} safetensors names (no RoPE permutation needed)")
     for family in FAMILIES
 )
 
-
-@hookimpl
-def posttune_register_model_families(register):
-    for family in FAMILIES:
-        register(family)
-
-
-@hookimpl
-def posttune_register_checkpoint_converters(register):
-    for converter in CONVERTERS:
-        register(converter)
-
-
-CONFIGS = Path(__file__).parent / "configs"
-
-
-@hookimpl
-def posttune_register_configs(register):
-    """Every YAML in configs/, named by its file name; the description is its `description:` line."""
-    for bundled in configs_in(CONFIGS):
-        register(bundled)
+posttune_register_model_families = registering(FAMILIES)
+posttune_register_checkpoint_converters = registering(CONVERTERS)
+posttune_register_configs = registering(partial(configs_in, CONFIGS))  # configs/*.yaml, by file name

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from posttune.plugin import PosttuneError, refuse_unbuildable
+from posttune.plugin import PosttuneError, decoder_hf_config, decoder_kwargs
 
 ARCHITECTURES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 MODEL_TYPES = {"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
@@ -35,39 +35,21 @@ NATIVE_ACTIVATIONS = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
 
 def from_hf_config(config: Mapping[str, Any], family: str = "gemma") -> dict[str, Any]:
     """Build kwargs for ``posttune_gemma.model.build`` from a config.json dict."""
-    def need(key: str) -> Any:
-        if config.get(key) is None:
-            raise PosttuneError(f"config.json: '{key}' is missing (needed by the {family} family)")
-        return config[key]
-
-    refuse_unbuildable(config, family, windowed=family != "gemma")
     if config.get("use_bidirectional_attention"):
         raise PosttuneError(f"config.json: use_bidirectional_attention is not supported by the {family} family "
                             f"(posttune trains causal language models)")
-    hidden_size, num_heads, num_layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
-    kwargs: dict[str, Any] = {
-        "vocab_size": need("vocab_size"),
-        "hidden_size": hidden_size,
-        "intermediate_size": need("intermediate_size"),
-        "num_layers": num_layers,
-        "num_heads": num_heads,
-        "num_kv_heads": config.get("num_key_value_heads") or num_heads,
-        "head_dim": config.get("head_dim") or hidden_size // num_heads,
-        "max_position_embeddings": config.get("max_position_embeddings") or 8192,
-        "norm_eps": config.get("rms_norm_eps", 1e-6),
-        "tie_word_embeddings": bool(config.get("tie_word_embeddings", True)),
-        "attention_bias": bool(config.get("attention_bias", False)),
-        "activation": _activation(config, family),
-        **_rope(config, family),
-    }
+    kwargs = decoder_kwargs(config, family, max_position_embeddings=8192, tie_word_embeddings=True,
+                            windowed=family != "gemma")
+    kwargs.update(attention_bias=bool(config.get("attention_bias", False)), activation=_activation(config, family))
     if family == "gemma":
         return kwargs
     return {
         **kwargs,
+        **(_gemma3_rope(config) if family == "gemma3" else {}),
         "query_pre_attn_scalar": config.get("query_pre_attn_scalar") or 256,
         "post_norms": True,
         "qk_norm": family == "gemma3",
-        "layer_types": _layer_types(config, family, num_layers),
+        "layer_types": _layer_types(config, family, kwargs["num_layers"]),
         "sliding_window": config.get("sliding_window"),
         "attn_softcap": config.get("attn_logit_softcapping") if family == "gemma2" else None,
         "final_softcap": config.get("final_logit_softcapping"),
@@ -84,13 +66,11 @@ def _activation(config: Mapping[str, Any], family: str) -> str:
     return HF_ACTIVATIONS[name]
 
 
-def _rope(config: Mapping[str, Any], family: str) -> dict[str, Any]:
-    from posttune.modules.rope import split_rope_parameters  # torch is imported only when a config is read
+def _gemma3_rope(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's global and local RoPE (its own defaults: a base of 1M globally, 10k locally)."""
+    from posttune.modules import split_rope_parameters  # torch is imported only when a config is read
 
     params = config.get("rope_parameters") or None
-    if family != "gemma3":
-        theta, scaling = split_rope_parameters(params or config.get("rope_scaling"), theta=config.get("rope_theta"))
-        return {"rope_theta": theta, "rope_scaling": scaling}
     if params is not None and (FULL in params or SLIDING in params):  # transformers 5: one dict per layer type
         theta, scaling = split_rope_parameters(params.get(FULL), default_theta=GEMMA3_THETA["global"])
         local_theta, local_scaling = split_rope_parameters(params.get(SLIDING), default_theta=GEMMA3_THETA["local"])
@@ -115,32 +95,14 @@ def _layer_types(config: Mapping[str, Any], family: str, num_layers: int) -> tup
 
 
 def to_hf_config(kwargs: Mapping[str, Any], family: str = "gemma") -> dict[str, Any]:
-    """A config.json dict that ``transformers`` loads as the same architecture.
-
-    Token ids (bos/eos/pad) are not build kwargs: whoever saves a checkpoint copies them from
-    the source config.json or the tokenizer.
-    """
-    hidden_size, num_heads = kwargs["hidden_size"], kwargs["num_heads"]
+    """A config.json dict that ``transformers`` loads as the same architecture."""
     activation = kwargs.get("activation", "gelu_tanh")
     if family == "gemma" and activation != "gelu_tanh":
         raise PosttuneError("gemma: transformers' GemmaForCausalLM always uses the tanh approximation of GELU")
-    config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[family]],
-        "model_type": MODEL_TYPES[family],
-        "vocab_size": kwargs["vocab_size"],
-        "hidden_size": hidden_size,
-        "intermediate_size": kwargs["intermediate_size"],
-        "num_hidden_layers": kwargs["num_layers"],
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": kwargs.get("num_kv_heads") or num_heads,
-        "head_dim": kwargs.get("head_dim") or 256,
-        "max_position_embeddings": kwargs.get("max_position_embeddings", 8192),
-        "rms_norm_eps": kwargs.get("norm_eps", 1e-6),
-        "tie_word_embeddings": bool(kwargs.get("tie_word_embeddings", True)),
-        "attention_bias": bool(kwargs.get("attention_bias", False)),
-        "hidden_act" if family == "gemma" else "hidden_activation": NATIVE_ACTIVATIONS[activation],
-        **_hf_rope(kwargs, family),
-    }
+    config = decoder_hf_config(kwargs, ARCHITECTURES[family], MODEL_TYPES[family], max_position_embeddings=8192,
+                               norm_eps=1e-6, tie_word_embeddings=True, head_dim=256)
+    config["attention_bias"] = bool(kwargs.get("attention_bias", False))
+    config["hidden_act" if family == "gemma" else "hidden_activation"] = NATIVE_ACTIVATIONS[activation]
     if family == "gemma":
         return config
     if family == "gemma3" and kwargs.get("attn_softcap") is not None:
@@ -153,20 +115,14 @@ def to_hf_config(kwargs: Mapping[str, Any], family: str = "gemma") -> dict[str, 
         "attn_logit_softcapping": kwargs.get("attn_softcap"),
         "final_logit_softcapping": kwargs.get("final_softcap"),
     })
-    if family == "gemma3" and (every := _period(layer_types)) is not None:
-        config["sliding_window_pattern"] = every  # what transformers < 4.53 reads instead of layer_types
+    if family == "gemma3":
+        local_theta = float(kwargs.get("local_rope_theta") or GEMMA3_THETA["local"])
+        local = {"rope_type": "default", **(kwargs.get("local_rope_scaling") or {}), "rope_theta": local_theta}
+        config.update(rope_local_base_freq=local_theta,
+                      rope_parameters={FULL: config["rope_parameters"], SLIDING: local})
+        if (every := _period(layer_types)) is not None:
+            config["sliding_window_pattern"] = every  # what transformers < 4.53 reads instead of layer_types
     return config
-
-
-def _hf_rope(kwargs: Mapping[str, Any], family: str) -> dict[str, Any]:
-    theta, scaling = float(kwargs.get("rope_theta", 10000.0)), kwargs.get("rope_scaling")
-    main = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
-    legacy = {"rope_theta": theta, "rope_scaling": dict(scaling) if scaling else None}
-    if family != "gemma3":
-        return {**legacy, "rope_parameters": main}
-    local_theta = float(kwargs.get("local_rope_theta") or GEMMA3_THETA["local"])
-    local = {"rope_type": "default", **(kwargs.get("local_rope_scaling") or {}), "rope_theta": local_theta}
-    return {**legacy, "rope_local_base_freq": local_theta, "rope_parameters": {FULL: main, SLIDING: local}}
 
 
 def _period(layer_types: list[str]) -> int | None:

@@ -21,11 +21,10 @@ Native module names (what ``TP_PLAN``, ``LORA_TARGETS`` and the checkpoint conve
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from posttune.modules import Attention, Decoder, DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
+if TYPE_CHECKING:
+    from posttune.modules import Decoder
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -39,6 +38,10 @@ def build(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_laye
           attn_softcap: float | None = None, final_softcap: float | None = None,
           local_rope_theta: float | None = None, local_rope_scaling: Mapping[str, Any] | None = None) -> Decoder:
     """A Gemma-style decoder following posttune's native model contract (``posttune.modules.decoder``)."""
+    from torch import nn  # imported on the first build, not with the plugin module
+
+    from posttune.modules import Attention, Decoder, DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
+
     scale = None if query_pre_attn_scalar is None else query_pre_attn_scalar ** -0.5
 
     def norm(dim: int = hidden_size) -> RMSNorm:

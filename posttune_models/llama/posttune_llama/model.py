@@ -11,11 +11,11 @@ checkpoint converter refer to)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from posttune.modules import Decoder
 
-from posttune.modules import Attention, Decoder, DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
 
 def build(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
           num_kv_heads: int | None = None, head_dim: int | None = None, max_position_embeddings: int = 8192,
@@ -23,6 +23,10 @@ def build(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_laye
           tie_word_embeddings: bool = False, attention_bias: bool = False, mlp_bias: bool = False,
           activation: str = "silu", sliding_window: int | None = None) -> Decoder:
     """A Llama-style decoder following posttune's native model contract (``posttune.modules.decoder``)."""
+    from torch import nn  # imported on the first build, not with the plugin module
+
+    from posttune.modules import Attention, Decoder, DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
+
     head_dim = head_dim or hidden_size // num_heads
 
     def layer() -> DecoderLayer:

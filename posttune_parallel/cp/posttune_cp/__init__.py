@@ -6,29 +6,30 @@ chunks to much, so each rank gets one of each). Attention runs as flex attention
 local, keys and values are all-gathered, and a block mask maps local and gathered indices back
 to global positions (causal, packed documents). Labels are pre-shifted by the data pipeline, so
 they are split exactly like the inputs. ``fsdp2`` is required: it reduces gradients over
-``dp_shard x cp``, the ranks that see different tokens. Importing this package does not import torch.
+``dp_shard x cp``, the ranks that see different tokens (``cp`` declares that it splits the
+sequence). Importing this package does not import torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from posttune import hookimpl
-from posttune.plugin import ConfigError, ParallelPlan
+from posttune.plugin import ConfigError, MeshDim, ModelTarget, ParallelPlan, RunConfig, Session
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
 ORDER = 20  # after tp (10), before activation checkpointing (50) and fsdp2 (100)
+#: between dp_shard (10) and tp (30); its ranks hold different positions of the same rows
+MESH_DIM = MeshDim("cp", order=20, splits="sequence")
 
 
-def apply(session: Any, target: Any) -> None:
+def apply(session: Session, target: ModelTarget) -> None:
     from posttune_cp.shard import install
 
     install(session, target)
 
 
-def validate(config: Any) -> None:
+def validate(config: RunConfig) -> None:
     if config.parallel.dims.get("cp", 1) <= 1:
         return
     device = config.train.device
@@ -50,7 +51,7 @@ def _cuda_available() -> bool:
 PLAN = ParallelPlan(
     name="cp",
     apply=apply,
-    mesh_dim="cp",
+    mesh_dim=MESH_DIM,
     order=ORDER,
     requires=("fsdp2",),
     validate=validate,

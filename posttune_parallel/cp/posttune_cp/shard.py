@@ -18,9 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttune.modules import Attention, default_positions
-from posttune.modules.flex_attention import FlexMask, block_mask
-from posttune.plugin import padded_sequence
+from posttune.modules import Attention, FlexMask, block_mask, default_positions
+from posttune.plugin import ModelTarget, Session, padded_sequence
 
 MASK_ARG = 3  # Attention.forward(x, cos, sin, mask, cache)
 
@@ -88,7 +87,7 @@ def causal_mask(local: torch.Tensor, gathered: torch.Tensor, documents: torch.Te
                       kv_len=gathered.numel(), device=local.device)
 
 
-def install(session: Any, target: Any) -> None:
+def install(session: Session, target: ModelTarget) -> None:
     mesh = session.mesh["cp"]
     tp = session.mesh["tp"].size() if "tp" in (session.mesh.mesh_dim_names or ()) else 1
     state = ContextParallel(mesh, multiple=2 * mesh.size() * tp)

@@ -12,15 +12,9 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from posttune.plugin import TOKEN_DIMS, flattened
+from posttune.plugin import ModelTarget, Session, token_mesh
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def fsdp_mesh(mesh: Any) -> Any:
-    """``dp_shard``, flattened with ``cp`` when present (those ranks also hold different tokens)."""
-    dims = tuple(d for d in TOKEN_DIMS if d in (mesh.mesh_dim_names or ()))
-    return mesh[dims[0]] if len(dims) == 1 else flattened(mesh, dims)
 
 
 def mixed_precision(options: Any, model_dtype: str) -> MixedPrecisionPolicy:
@@ -30,14 +24,14 @@ def mixed_precision(options: Any, model_dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=DTYPES[options.param_dtype], reduce_dtype=DTYPES[options.reduce_dtype])
 
 
-def shard_model(session: Any, target: Any) -> None:
+def shard_model(session: Session, target: ModelTarget) -> None:
     options = session.plan.parallel_options["fsdp2"]
     model = target.model
     offload: OffloadPolicy = OffloadPolicy()
     if options.cpu_offload:
-        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        session.init_device = "cpu"  # sharded parameters live in CPU memory
-    kwargs = dict(mesh=fsdp_mesh(session.mesh), mp_policy=mixed_precision(options, target.config.dtype),
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # the plan's init_device is "cpu"
+    # ``dp_shard``, flattened with the other dimensions whose ranks hold different tokens (cp's)
+    kwargs = dict(mesh=token_mesh(session), mp_policy=mixed_precision(options, target.config.dtype),
                   offload_policy=offload)
     for layer in getattr(model, "layers", ()):  # the native model contract: Decoder.layers
         fully_shard(layer, reshard_after_forward=options.reshard_after_forward, **kwargs)

@@ -15,24 +15,24 @@ from collections.abc import Iterator
 from typing import Any
 
 from posttune import hookimpl
-from posttune.plugin import ParallelPlan
+from posttune.plugin import ModelTarget, ParallelPlan, Session
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
-ORDER = 5  # before tp (10), which reads the head's style from ``session.tp_style_overrides``
+ORDER = 5  # before tp (10)
 HEAD = "output"  # the native model contract: ``model.output`` is the head
+#: set on tp before launch: every model tp splits (frozen roles too) keeps its head's logits vocabulary-sharded
+TP_OPTIONS = {"styles": {HEAD: "colwise_vocab_sharded"}}
 
 
-def apply(session: Any, target: Any) -> None:
-    """Once, for the policy: every model tp splits afterwards (frozen roles too) keeps its head's
-    logits vocabulary-sharded, and ``token_logps``/``token_cross_entropy`` run inside the context."""
-    session.tp_style_overrides[HEAD] = "colwise_vocab_sharded"
+def apply(session: Session, target: ModelTarget) -> None:
+    """Once, for the policy: ``token_logps``/``token_cross_entropy`` run inside the context."""
     session.step_contexts.append(vocab_parallel_loss)
 
 
 @contextlib.contextmanager
-def vocab_parallel_loss(session: Any, batch: Any) -> Iterator[None]:
+def vocab_parallel_loss(session: Session, batch: Any) -> Iterator[None]:
     from torch.distributed.tensor.parallel import loss_parallel
 
     with loss_parallel():
@@ -44,6 +44,8 @@ PLAN = ParallelPlan(
     apply=apply,
     order=ORDER,
     requires=("tp",),
+    conflicts=("chunked_cross_entropy",),  # the core's technique wants the head whole; this keeps it sharded
+    adjusts={"tp": TP_OPTIONS},
     frozen="skip",  # session-wide: applied once with the policy
     description="cross-entropy over vocabulary-sharded logits (no rank holds full logits); needs tp",
 )

@@ -8,17 +8,17 @@ not import torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from posttune import hookimpl
-from posttune.plugin import ParallelPlan
-from posttune.plugin import ConfigError
+from posttune.plugin import ConfigError, MeshDim, ModelTarget, ParallelPlan, RunConfig, Session
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
-ORDER = 10  # before activation checkpointing (50) and FSDP2 (100); loss_parallel (5) sets up the head first
+ORDER = 10  # before activation checkpointing (50) and FSDP2 (100)
+#: innermost: the fastest links (within a node); every tp rank sees the same tokens
+MESH_DIM = MeshDim("tp", order=30, splits="none")
 
 
 @dataclass(frozen=True)
@@ -29,15 +29,18 @@ class TPOptions:
     #: less activation memory). Off, they are replicated, which one-token decoding steps need (generation:
     #: GRPO, on-policy distillation): a single new token cannot be split over the TP ranks.
     sequence_parallel: bool = True
+    #: module-name pattern -> style, over the family's tp_plan (loss_parallel sets the head's to
+    #: colwise_vocab_sharded: its logits stay split over the vocabulary)
+    styles: dict[str, str] = field(default_factory=dict)
 
 
-def apply(session: Any, target: Any) -> None:
+def apply(session: Session, target: ModelTarget) -> None:
     from posttune_tp.styles import apply_tp
 
     apply_tp(session, target)
 
 
-def validate(config: Any) -> None:
+def validate(config: RunConfig) -> None:
     """Every head count must split evenly over the TP degree, checked before launch."""
     degree = config.parallel.dims.get("tp", 1)
     if degree <= 1:
@@ -62,7 +65,7 @@ def validate(config: Any) -> None:
 PLAN = ParallelPlan(
     name="tp",
     apply=apply,
-    mesh_dim="tp",
+    mesh_dim=MESH_DIM,
     order=ORDER,
     validate=validate,
     config=TPOptions,

@@ -9,7 +9,8 @@ Styles, as in torchtitan's Llama plan (Megatron-LM's layout with sequence parall
                        block); on an ``nn.Embedding``, the vocabulary rows split.
 ``sequence_parallel``  ``SequenceParallel``: a norm runs on its share of the sequence.
 ``colwise_vocab_sharded``  the head's logits stay split over the vocabulary as a DTensor
-                       (``Shard(-1)``), for vocabulary-parallel cross-entropy (posttune-loss-parallel).
+                       (``Shard(-1)``), for vocabulary-parallel cross-entropy (posttune-loss-parallel
+                       sets it on the head through ``parallel.options.tp.styles``).
 
 With any ``sequence_parallel`` entry the residual stream between blocks is split over the
 sequence: rowwise layers reduce-scatter into ``Shard(1)``, and a block whose projections are
@@ -41,19 +42,20 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from posttune.plugin import LoRALinear, PosttuneError, padded_sequence, tie_groups
+from posttune.plugin import LoRALinear, ModelTarget, PosttuneError, Session, padded_sequence, tie_groups
 
 STYLES = ("colwise", "rowwise", "sequence_parallel", "colwise_vocab_sharded")
 SEQ = Shard(1)  # the sequence dimension of [batch, seq, hidden] activations
 
 
-def apply_tp(session: Any, target: Any) -> None:
+def apply_tp(session: Session, target: ModelTarget) -> None:
     mesh = session.mesh["tp"]
     model = target.model
+    options = session.plan.parallel_options["tp"]
     plan = dict(target.family.tp_plan)
-    if not session.plan.parallel_options["tp"].sequence_parallel:
+    if not options.sequence_parallel:
         plan = {pattern: style for pattern, style in plan.items() if style != "sequence_parallel"}
-    styles = resolve(model, plan, session.tp_style_overrides, target.family.name)
+    styles = resolve(model, plan, options.styles, target.family.name)
     sequence_parallel = "sequence_parallel" in styles.values()
     ties = tie_groups(model)
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}

@@ -19,7 +19,7 @@ MODEL = {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 256, "num_l
 
 def make_data() -> None:
     """The bundled tokenizer and data: prompts with answers (GRPO) and chats (the warm start)."""
-    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+    from posttune.plugin import save_tiny_tokenizer
 
     save_tiny_tokenizer(HERE / "tokenizer", template="chatml")
     rng, seen = random.Random(SEED), set()

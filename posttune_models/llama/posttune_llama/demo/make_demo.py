@@ -36,7 +36,7 @@ def row(word: str) -> dict:
 
 
 def main() -> None:
-    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+    from posttune.plugin import save_tiny_tokenizer
 
     save_tiny_tokenizer(HERE / "tokenizer", template="llama3")
     rng = random.Random(SEED)

@@ -18,7 +18,7 @@ from typing import Literal
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-Template = Literal["llama3", "chatml", "gemma"]
+Template = Literal["llama3", "chatml", "start_of_turn"]
 
 # Template texts follow the published ones of each family in structure (headers, end-of-turn
 # tokens, trimming, the role checks that raise), written here from scratch and kept short.
@@ -97,7 +97,7 @@ STYLES: dict[str | None, dict] = {
         "named": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "template": CHATML_TEMPLATE,
     },
-    "gemma": {
+    "start_of_turn": {
         "tokens": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
         "named": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"},
         "template": GEMMA_TEMPLATE,
@@ -126,9 +126,10 @@ def build_tiny_tokenizer(template: Template | None = "llama3", *, vocab_size: in
     byte-level like Llama 3's and Qwen's: both kinds of pipeline real checkpoints ship.
     """
     style = STYLES[template]
-    tokenizer = _sentencepiece_bpe(style, vocab_size) if template == "gemma" else _byte_level_bpe(style, vocab_size)
+    sentencepiece = template == "start_of_turn"
+    tokenizer = _sentencepiece_bpe(style, vocab_size) if sentencepiece else _byte_level_bpe(style, vocab_size)
     bos = style["named"].get("bos_token")
-    if template in ("llama3", "gemma"):  # like their tokenizer.json: the post-processor adds BOS
+    if template in ("llama3", "start_of_turn"):  # like their tokenizer.json: the post-processor adds BOS
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))])
     return tokenizer
@@ -170,14 +171,14 @@ def _sentencepiece_bpe(style: dict, vocab_size: int) -> Tokenizer:
 def tokenizer_config(template: Template | None, tokenizer: Tokenizer) -> dict:
     """The ``tokenizer_config.json`` a checkpoint of that style ships (loadable by AutoTokenizer)."""
     style = STYLES[template]
-    tokenizer_class = "GemmaTokenizer" if template == "gemma" else "PreTrainedTokenizerFast"
+    tokenizer_class = "GemmaTokenizer" if template == "start_of_turn" else "PreTrainedTokenizerFast"
     config: dict = {"tokenizer_class": tokenizer_class, "model_max_length": 2048,
                     "clean_up_tokenization_spaces": False, **style["named"]}
     config["added_tokens_decoder"] = {
         str(tokenizer.token_to_id(token)): {"content": token, "lstrip": False, "normalized": False,
                                             "rstrip": False, "single_word": False, "special": True}
         for token in style["tokens"]}
-    if template == "gemma":  # as Gemma ships it; transformers 5 ignores both when tokenizer.json exists
+    if template == "start_of_turn":  # as Gemma ships it; transformers 5 ignores both when tokenizer.json exists
         config.update(add_bos_token=True, add_eos_token=False)
     if style["template"] is not None:
         config["chat_template"] = style["template"]
@@ -188,7 +189,7 @@ def save_tiny_tokenizer(path: str | Path, *, template: Template | None = "llama3
                         vocab_size: int = 384) -> Path:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` of a tiny tokenizer into ``path``."""
     if template not in STYLES:
-        raise ValueError(f"unknown template style {template!r} (expected llama3, chatml, gemma or None)")
+        raise ValueError(f"unknown template style {template!r} (expected llama3, chatml, start_of_turn or None)")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(template, vocab_size=vocab_size)

@@ -1,0 +1,68 @@
+"""Generation engines, an open set: the core's own registered like a plugin's, chosen by name, started.
+
+A method that samples from the policy (GRPO, on-policy KD) names an engine in its config
+(``method.engine``, default ``builtin``: ``generate_batch`` on the training model) and starts it
+with ``start_engine``; a plugin adds one (vLLM, an engine in a Ray actor) by registering a
+``GenerationEngine`` (docs/plugins.md, "Generation engines"). Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from posttune.descriptors import EnginePolicy, GenerationEngine
+from posttune.errors import ConfigError, PosttuneError
+from posttune.plugins import PLUGIN_API, hookimpl
+
+POSTTUNE_PLUGIN_API = PLUGIN_API
+
+
+def resolve_engine(name: str, options: Mapping[str, Any] | None = None, *,
+                   where: str = "method") -> tuple[GenerationEngine, Any]:
+    """The engine registered as ``name``, and ``options`` validated against its ``config``.
+
+    For a method's ``validate``: an unknown name or a bad option is a one-line ConfigError at
+    ``{where}.engine`` or ``{where}.engine_options`` (with a did-you-mean), before launch.
+    """
+    from posttune.config.typed import from_dict
+    from posttune.plugins import get_registry
+
+    registry = get_registry()
+    try:
+        found = registry.lookup("generation_engine", name)
+    except PosttuneError as exc:
+        raise ConfigError(f"{where}.engine", str(exc)) from None
+    engine: GenerationEngine = found.descriptor
+    if engine.config is not None:
+        return engine, from_dict(engine.config, dict(options or {}), f"{where}.engine_options")
+    if options:
+        raise ConfigError(f"{where}.engine_options", f"generation engine '{name}' ({found.provenance}) takes no "
+                                                     "options")
+    return engine, None
+
+
+def start_engine(name: str, options: Mapping[str, Any] | None, policy: Any, *, where: str = "method") -> Any:
+    """The engine ``name`` started on ``policy``: an ``EnginePolicy``, or a ``Session`` for the policy
+    that trains in this process (the live model, at the session's step)."""
+    engine, settings = resolve_engine(name, options, where=where)
+    if not isinstance(policy, EnginePolicy):
+        from posttune.checkpoint.origin import origin_of
+
+        origin = origin_of(policy.model)
+        policy = EnginePolicy(origin.family, origin.build_kwargs, model=policy.model, source=origin.source,
+                              device=policy.device, version=policy.step)
+    return engine.start(dataclasses.replace(policy, options=settings))
+
+
+def _builtin(policy: EnginePolicy) -> Any:
+    from posttune.generation import BuiltinEngine
+
+    return BuiltinEngine(policy)
+
+
+@hookimpl
+def posttune_register_generation_engines(register):
+    register(GenerationEngine("builtin", _builtin, description="generate_batch on the training model itself "
+                                                               "(KV cache, any parallel plan, no copy)"))

@@ -1,0 +1,104 @@
+"""GRPO's sync mode: rollouts made in the training process(es) when the learner needs them.
+
+For each batch of prompts the loader gives this rank: the learner's engine generates
+``group_size`` completions per prompt with the current weights, they are scored and normalised
+(``scale_rewards: batch`` over every data-parallel rank), and, when the loss needs them, the
+policy's log-probs before any update and the reference's are taken. The learner waits for all
+of it: that time is the step's ``generation_s``, not training.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from posttune.plugin import RunConfig, Session, step_context, to_device, token_logps
+
+from posttune_grpo.rollouts import (
+    Rollouts,
+    generate_rollouts,
+    micro_batch_size,
+    micro_batches_per_generation,
+    rollout_spec,
+)
+from posttune_grpo.state import count_rollouts, learner_engine
+
+REFERENCE = "reference"
+
+
+def validate(config: RunConfig, method: Any) -> None:
+    """Sync mode runs with whatever the method's own checks allow."""
+
+
+def start(session: Session) -> InProcessSource:
+    return InProcessSource()
+
+
+class InProcessSource:
+    """Rollouts from the learner's own engine, one prompt batch at a time."""
+
+    def rollouts(self, session: Any) -> Iterator[Rollouts]:
+        for prompts in session.train_data:
+            yield make_rollouts(session, prompts)
+
+    def waited_s(self, session: Any) -> float:
+        """The learner's time since the last step spent not training: generating and scoring."""
+        return session.method_state.generation_seconds
+
+    def after_step(self, session: Any, record: dict[str, Any]) -> None:
+        """Nothing to add: the engine is brought to the new weights when it next generates."""
+
+    def close(self) -> None:
+        """Nothing of its own: the engine and the reward workers are the method's (method.close)."""
+
+
+def make_rollouts(session: Session, prompts: dict[str, Any]) -> Rollouts:
+    """Generate, score and normalise one rank's batch of prompts (padded to ``batch_size`` prompts)."""
+    state = session.method_state
+    started = time.perf_counter()
+    session.model.eval()
+    rollouts = generate_rollouts(learner_engine(session), session.tokenizer, prompts, session.epoch, state.rewards,
+                                 rollout_spec(session), batch_std=lambda total, real: batch_std(session, total, real))
+    wanted = []
+    if micro_batches_per_generation(session) > session.config.train.grad_accum_steps:
+        # more than one optimizer step per generation batch: every step after the first trains a policy that
+        # has moved, so the ratio needs the generating policy's log-probs (TRL records them the same way)
+        wanted.append(("old_logps", session.model))
+    if REFERENCE in session.models:
+        wanted.append(("ref_logps", session.models[REFERENCE]))
+    for name, model in wanted:
+        setattr(rollouts, name, scored_by(session, rollouts, model, micro_batch_size(session)))
+    session.model.train()
+    rollouts.seconds = time.perf_counter() - started
+    count_rollouts(state, rollouts)
+    return rollouts
+
+
+@torch.no_grad()
+def scored_by(session: Session, rollouts: Rollouts, model: Any, size: int) -> torch.Tensor:
+    """``model``'s log-probs of the completion tokens, ``size`` rows at a time, as training computes them."""
+    parts = []
+    for batch in rollouts.micro_batches(size):
+        batch = to_device(batch, session.device)
+        width = batch["input_ids"].shape[1]
+        with step_context(session, batch):  # loss parallel, TP's sequence padding: as in training
+            logps = token_logps(session, batch, model=model, temperature=session.method_config.temperature)
+        parts.append(logps[:, :width].cpu())
+    return torch.cat(parts)
+
+
+def batch_std(session: Session, rewards: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
+    """The standard deviation of every real reward of the step, over all data-parallel ranks."""
+    if session.method_config.scale_rewards != "batch":
+        return None
+    from posttune.plugin import sum_over_token_ranks
+
+    sums = torch.stack([(rewards * real).sum(), (rewards.square() * real).sum(), real.sum()]).double()
+    total, squares, count = sum_over_token_ranks(sums.to(session.device), session).tolist()
+    if count < 2:
+        return torch.tensor(0.0)
+    variance = max(squares - total * total / count, 0.0) / (count - 1)
+    return torch.tensor(math.sqrt(variance))

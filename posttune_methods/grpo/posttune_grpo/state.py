@@ -1,0 +1,55 @@
+"""What GRPO keeps between the trainer's calls, in both modes: the rollouts being trained on, where
+rollouts come from, the learner's engine, and the figures the next step's record reports.
+
+What one mode alone needs (Ray actors, staleness counts) lives in its rollout source, not here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttune_grpo.rollouts import Rollouts
+from posttune.plugin import Session
+
+
+@dataclass
+class GRPOState:
+    rewards: list[Any] = field(default_factory=list)  # the resolved reward functions
+    source: Any = None  # where rollouts come from: in_process.InProcessSource or ray_actors.RaySource
+    engine: Any = None  # the generation engine in this process (rollouts in sync mode, evaluation), once started
+    pending: Rollouts | None = None  # the generation batch being trained on
+    cursor: int = 0  # micro-batches of ``pending`` already handed out (over all iterations)
+    generation_seconds: float = 0.0  # since the last optimizer step
+    generated_tokens: int = 0
+    longest: int = 0  # the longest completion generated since the last optimizer step
+    step_started: float = field(default_factory=time.perf_counter)
+    reward_failures: dict[str, int] = field(default_factory=dict)  # scored 0 (reward_errors: zero), this step
+    reward_timeouts: dict[str, int] = field(default_factory=dict)  # of those, isolated rewards' timeouts
+
+
+def learner_engine(session: Session) -> Any:
+    """The engine that generates in this process (``method.engine``), started on the policy the first
+    time it is needed and brought to the current weights (version: the optimizer step) before each use."""
+    state: GRPOState = session.method_state
+    if state.engine is None:
+        from posttune.plugin import start_engine
+
+        config = session.method_config
+        state.engine = start_engine(config.engine, config.engine_options, session)
+    if state.engine.version != session.step:
+        state.engine.update_weights(None, session.step)
+    return state.engine
+
+
+def count_rollouts(state: GRPOState, rollouts: Rollouts) -> None:
+    """Add a batch of rollouts to the generation figures the next step record reports (both modes)."""
+    real = (rollouts.rows >= 0).long()
+    state.generation_seconds += rollouts.seconds
+    state.generated_tokens += int((rollouts.lengths * real).sum())
+    state.longest = max(state.longest, int((rollouts.lengths * real).max()))
+    for name, count in rollouts.reward_failures.items():
+        state.reward_failures[name] = state.reward_failures.get(name, 0) + count
+    for name, count in rollouts.reward_timeouts.items():
+        state.reward_timeouts[name] = state.reward_timeouts.get(name, 0) + count

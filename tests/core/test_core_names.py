@@ -1,0 +1,87 @@
+"""The core names no first-party plugin (docs/architecture.md, "The core's open sets").
+
+Every mesh dimension, model role, method, model family, parallel plan and memory technique that
+a first-party distribution registers is collected from the registry, and the core's source is
+searched for it: as a string literal of its own, quoted or in backticks inside a string
+(docstrings included), or as an attribute name (``config.teacher``). ``first_party.py`` is the one
+exception: its install hints and the old spellings configs may still use.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+import posttune
+from posttune.plugins import get_registry
+
+CORE = Path(posttune.__file__).resolve().parent
+EXEMPT = {CORE / "first_party.py"}
+#: the core's own names that a first-party plugin's happen to share: (file, name) -> what it is
+COINCIDENCES = {("cli/commands.py", "cp"): "the core's `posttune cp` command (copy a bundled config)"}
+FIRST_PARTY = ("posttune-llama", "posttune-qwen", "posttune-gemma", "posttune-sft", "posttune-dpo", "posttune-grpo",
+               "posttune-kd", "posttune-fsdp2", "posttune-tp", "posttune-cp", "posttune-loss-parallel",
+               "posttune-torchao")
+
+
+def first_party_names() -> dict[str, str]:
+    """name -> what registers it, for everything the installed first-party distributions declare."""
+    registry = get_registry()
+    names: dict[str, str] = {}
+    for kind in ("method", "model_family", "parallel_plan", "memory_technique"):
+        for entry in registry.items(kind):
+            where = entry.provenance.distribution
+            if where in FIRST_PARTY:
+                names[entry.descriptor.name] = f"{kind} of {where}"
+                if kind == "parallel_plan" and entry.descriptor.mesh_dim is not None:
+                    names[entry.descriptor.mesh_dim.name] = f"mesh dimension of {where}"
+                if kind == "method":
+                    for role in entry.descriptor.model_roles(entry.descriptor.config()):
+                        names[role.name] = f"model role of {where}"
+    return names
+
+
+def namings(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) for each way ``source`` names one of ``names`` (see the module docstring)."""
+    quoted = re.compile(r"""(?:``|`|'|")(%s)(?:``|`|'|")""" % "|".join(map(re.escape, sorted(names))))
+    found, previous = [], None
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.STRING or token.type == getattr(tokenize, "FSTRING_MIDDLE", None):
+            body = token.string
+            found += [(token.start[0], match[1]) for match in quoted.finditer(body)]
+        elif token.type == tokenize.NAME and token.string in names and previous == ".":
+            found.append((token.start[0], token.string))
+        previous = token.string if token.type == tokenize.OP else None
+    return found
+
+
+@pytest.fixture(scope="module")
+def registered():
+    names = first_party_names()
+    for needed in ("sft", "fsdp2", "dp_shard", "reference"):  # the whole first-party set is installed here
+        if needed not in names:
+            pytest.skip(f"{needed!r} is not registered: the first-party distributions are not all installed")
+    return names
+
+
+def test_the_core_source_names_no_first_party_name(registered):
+    offences = []
+    for path in sorted(CORE.rglob("*.py")):
+        if path in EXEMPT:
+            continue
+        for line, name in namings(path.read_text(), set(registered)):
+            if (path.relative_to(CORE).as_posix(), name) in COINCIDENCES:
+                continue
+            offences.append(f"{path.relative_to(CORE.parent)}:{line}: {name!r} ({registered[name]})")
+    assert not offences, "\n".join(offences)
+
+
+def test_the_search_finds_each_way_of_naming():
+    names = {"tp", "teacher", "grpo"}
+    source = 'DIM = "tp"\ndef f(config):\n    """Reads ``teacher``."""\n    return config.teacher, f"{1} \'grpo\'"\n'
+    assert sorted(namings(source, names)) == [(1, "tp"), (3, "teacher"), (4, "grpo"), (4, "teacher")]
+    assert namings('"""A teacher and a grpo run; stp, tpx."""\nteacher = 1\n', names) == []

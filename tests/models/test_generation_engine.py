@@ -1,0 +1,70 @@
+"""The core's generation engine, ``builtin``, through the engine protocol: on the live policy it is
+``generate_batch`` on that very model; started without one (as in a Ray actor) it builds the
+architecture, has no weights (version -1) until ``update_weights`` gives them, then generates what
+the model it was given the weights of does; a state dict that does not fit is one line; and the
+sampling settings are checked when they are made."""
+
+from __future__ import annotations
+
+import posttune_llama
+import pytest
+import torch
+from posttune.generation import Sampling, SamplingError, generate_batch
+from posttune.plugin import EnginePolicy, PosttuneError, build_model, start_engine
+
+PROMPTS = [[5, 17, 300, 42], [9, 4], [7, 7, 7]]
+SAMPLING = Sampling(6, temperature=1.0, top_k=50, stop_token_ids=(2,), pad_id=0)
+SEEDS = [11, 12, 13]
+
+
+@pytest.fixture
+def policy(register_plugin) -> torch.nn.Module:
+    """A tiny Llama with seeded random weights, as `posttune train` builds the policy (with its origin)."""
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    model = build_model("llama", "tiny", vocab_size=384)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def expected(model: torch.nn.Module) -> list[list[int]]:
+    return generate_batch(model, PROMPTS, max_new_tokens=6, temperature=1.0, top_k=50, seeds=SEEDS,
+                          stop_token_ids=(2,), pad_id=0).token_lists()
+
+
+def test_on_the_live_policy_it_is_generate_batch_on_that_model(policy):
+    origin = policy.posttune_origin
+    engine = start_engine("builtin", None, EnginePolicy(origin.family, origin.build_kwargs, model=policy, version=4))
+    out = engine.generate(PROMPTS, SAMPLING, SEEDS)
+    assert out.token_lists() == expected(policy) and out.logprobs.dtype == torch.float32
+    engine.update_weights(None, 5)  # the live model moved on: nothing to copy
+    assert engine.version == 5 and engine.model is policy
+    engine.close()
+
+
+def test_without_a_live_policy_it_builds_one_and_takes_the_weights_it_is_given(policy):
+    origin = policy.posttune_origin
+    engine = start_engine("builtin", {}, EnginePolicy(origin.family, origin.build_kwargs, version=-1))
+    assert engine.version == -1 and engine.model is not policy  # no weights yet: a caller must not use it
+    engine.update_weights(policy.state_dict(), 3)
+    assert engine.version == 3
+    assert engine.generate(PROMPTS, SAMPLING, SEEDS).token_lists() == expected(policy)
+
+
+def test_weights_that_do_not_fit_are_one_line(policy):
+    origin = policy.posttune_origin
+    engine = start_engine("builtin", None, EnginePolicy(origin.family, origin.build_kwargs, version=-1))
+    with pytest.raises(PosttuneError, match=r"^generation engine 'builtin': the weights do not fit its model "
+                                            r"\(missing \[.*\], unexpected \['head.weight'\]\)$"):
+        engine.update_weights({"head.weight": torch.zeros(1)}, 1)
+    assert engine.version == -1
+
+
+@pytest.mark.parametrize(("setting", "value"), [("temperature", -1.0), ("top_k", 0), ("top_p", 0.0),
+                                                ("min_p", 1.5)])
+def test_sampling_settings_out_of_range_are_refused_when_made(setting, value):
+    with pytest.raises(SamplingError, match=f"^{setting} must be "):
+        Sampling(8, **{setting: value})
+    assert Sampling(8, stop_token_ids=[2, 3]).stop_token_ids == (2, 3)  # any iterable, kept as a tuple
