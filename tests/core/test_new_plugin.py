@@ -28,8 +28,8 @@ from posttune.version import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
 #: kind -> what `posttune ls` lists it under
-LISTED = {"family": "families", "method": "methods", "reward": "rewards", "dataset": "datasets",
-          "command": None, "technique": "memory", "plan": "plans", "tracker": "loggers"}
+LISTED = {"family": "families", "method": "methods", "preference": "methods", "reward": "rewards",
+          "dataset": "datasets", "command": None, "technique": "memory", "plan": "plans", "tracker": "loggers"}
 
 
 def generate(kind: str, name: str, out: Path) -> Path:
@@ -137,7 +137,7 @@ def test_the_generated_pyproject_is_ready_to_publish_once_the_placeholders_are_f
 
 def test_the_shipped_tokenizer_is_the_tiny_chatml_tokenizer(tmp_path):
     """The template's tokenizer files are what posttune.testing builds (rebuild them if this fails)."""
-    from posttune.testing.tiny_tokenizer import save_tiny_tokenizer
+    from posttune.tiny_tokenizer import save_tiny_tokenizer
 
     fresh = save_tiny_tokenizer(tmp_path / "tok", template="chatml")
     files = sorted(path.name for path in (TEMPLATES / "tokenizer").iterdir())

@@ -3,7 +3,7 @@
 The templates live next to this module (``templates/<kind>/`` plus ``templates/common/``) and
 are package data, so the command works from a wheel. Kinds whose bundled config builds a
 model from scratch also get ``templates/tokenizer/``: a tiny byte-level BPE tokenizer with a
-ChatML template (384 ids, made by ``posttune.testing.tiny_tokenizer.save_tiny_tokenizer(
+ChatML template (384 ids, made by ``posttune.plugin.save_tiny_tokenizer(
 template="chatml")``; a test keeps the copy identical), so the config trains with no download.
 
 A file ending in ``.j2`` is rendered with jinja2 (``StrictUndefined``: a misspelt variable fails
@@ -55,6 +55,9 @@ KINDS: dict[str, ScaffoldKind] = {kind.name: kind for kind in (
                  "checkpoint converter", ("train.jsonl", "validation.jsonl"), tokenizer=True),
     ScaffoldKind("method", "method", "a training method (token cross-entropy with label smoothing and z-loss) "
                  "that builds its own loader", ("train.jsonl", "validation.jsonl"), tokenizer=True),
+    ScaffoldKind("preference", "method", "a preference method (IPO: a squared loss on the margin of chosen over "
+                 "rejected log probability ratios to a frozen reference model)",
+                 ("prefs_train.jsonl", "prefs_validation.jsonl"), tokenizer=True),
     ScaffoldKind("reward", "reward_function", "a reward function for GRPO (partial credit per matching "
                  "character), with options", ("prompts_train.jsonl", "prompts_validation.jsonl")),
     ScaffoldKind("dataset", "dataset_format", "a dataset format (question/answer rows with an optional "
@@ -63,7 +66,7 @@ KINDS: dict[str, ScaffoldKind] = {kind.name: kind for kind in (
     ScaffoldKind("technique", "memory_technique", "a memory technique (freeze the embedding and the first decoder "
                  "layers: no gradients or optimizer state for them), with options"),
     ScaffoldKind("plan", "parallel_plan", "a parallel plan (plain data parallelism: a whole model per rank, "
-                 "gradients averaged over dp_shard), with options"),
+                 "gradients averaged over a mesh dimension of its own), with options"),
     ScaffoldKind("tracker", "metric_logger", "an experiment tracker (each metrics record as a line of a JSON-lines "
                  "file, trimmed on resume), with options"),
 )}
@@ -173,6 +176,13 @@ def _prompts(count: int, seed: int) -> list[dict]:
     return [{"prompt": f"Reverse: {word}", "answer": word[::-1]} for word in _words(count, seed)]
 
 
+def _pairs(count: int, seed: int) -> list[dict]:
+    """Preference rows: the reversal is chosen over the word copied unchanged. Palindromes are left
+    out: their two responses would be the same, a pair with nothing to prefer."""
+    words = [word for word in _words(2 * count, seed) if word != word[::-1]][:count]
+    return [{"prompt": f"Reverse: {word}", "chosen": word[::-1], "rejected": word} for word in words]
+
+
 def _qa(count: int, seed: int) -> list[dict]:
     rows = []
     for index, word in enumerate(_words(count, seed)):
@@ -189,4 +199,6 @@ DATA_MAKERS: dict[str, Callable[[], list[dict]]] = {
     "prompts_train.jsonl": lambda: _prompts(256, seed=0),
     "prompts_validation.jsonl": lambda: _prompts(32, seed=1),
     "qa_train.jsonl": lambda: _qa(256, seed=0),
+    "prefs_train.jsonl": lambda: _pairs(32, seed=0),  # few: the bundled config fits them (see its comment)
+    "prefs_validation.jsonl": lambda: _pairs(16, seed=1),
 }
