@@ -304,7 +304,7 @@ EXAMPLES = {
     "cp": ("posttune cp llama-demo-reverse my-run.yaml", "posttune cp llama3.2-1b-lora configs/ --force"),
     "config": ("posttune config keys train", "posttune config show llama-demo-reverse train.lr=1e-3"),
     "validate": ("posttune validate my-run.yaml", "posttune validate llama-demo-reverse train.max_steps=10"),
-    "plan": ("posttune plan my-run.yaml", "posttune plan --nproc-per-node 8 llama3.2-1b-lora parallel.plans=[fsdp2]"),
+    "plan": ("posttune plan my-run.yaml", "posttune plan --nproc-per-node 8 my-run.yaml train.batch_size=4"),
     "train": ("posttune train llama-demo-reverse", "posttune train --nproc-per-node 2 my-run.yaml train.lr=1e-4"),
     "plot": ("posttune plot runs/demo", "posttune plot runs/demo --out loss.png"),
     "download": ("posttune download Qwen/Qwen2.5-0.5B-Instruct",

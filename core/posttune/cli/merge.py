@@ -2,7 +2,7 @@
 
 The merged folder needs neither PEFT nor posttune to load (``AutoModelForCausalLM``, vLLM, llama.cpp's
 converters); it is what ``checkpoint.save_merged`` writes at the end of a run, for an adapter saved
-without it, or trained under fsdp2/tp where the run refuses to merge (see docs/parallel.md).
+without it, or trained under a sharding plan (FSDP2, TP), where the run refuses to merge (see docs/parallel.md).
 """
 
 from __future__ import annotations

@@ -287,7 +287,7 @@ TECHNIQUES = (
         conflicts=("activation_offloading",),
         saves="mostly time (fused kernels); the compiled loss need not keep a float32 copy of the logits",
         validate=validate_compile, config=CompileConfig,
-        description="torch.compile each decoder layer's training forward (after checkpointing, before fsdp2) "
+        description="torch.compile each decoder layer's training forward (after checkpointing, before FSDP2) "
                     "and the plain cross-entropy",
     ),
 )

@@ -38,7 +38,7 @@ def apply(session: Any, target: Any) -> None:
     if any(distributed.is_dtensor(p) for p in session.model.parameters()):
         # FSDP2 would call the hooks after its reduce-scatter, but sharded (DCP) checkpoints
         # read a plain optimizer; until that is wired and tested, refuse rather than half-work.
-        raise PosttuneError("memory: optimizer_in_backward does not support sharded (fsdp2/tp) models yet; "
+        raise PosttuneError("memory: optimizer_in_backward does not support sharded (FSDP2, TP) models yet; "
                             "drop it or run on one device")
     optimizer = InBackwardOptimizer(session.optimizer, dict(session.model.named_parameters()))
     session.optimizer = optimizer
