@@ -4,28 +4,16 @@ in the mesh, shards the data and trains on 2 gloo ranks exactly like one process
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from install_support import install
 
 from posttune.plugins import hookimpl
 from posttune_thirdparty import mesh
-
-HERE = Path(__file__).resolve().parent
-ENTRY = """from posttune.plugins import hookimpl
-from posttune_thirdparty import mesh
-
-POSTTUNE_PLUGIN_API = 2
-
-
-@hookimpl
-def posttune_register_parallel_plans(register):
-    mesh.register_parallel_plans(register)
-"""
 
 
 class MeshPlugin:
@@ -75,19 +63,6 @@ def test_the_plan_owns_its_dimension_and_the_core_sizes_it(plugins, posttune_cli
     assert wrong.stderr == "posttune: error: config: parallel.dims: rep=3 does not fit the 2 processes launched\n"
 
 
-def installed(site: Path) -> dict[str, str]:
-    """An environment where posttune_thirdparty's plan is an installed entry point (torchrun's workers
-    find plugins only that way): a ``.dist-info`` on PYTHONPATH, as pip would leave it."""
-    info = site / "posttune_thirdparty_mesh-0.1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: posttune-thirdparty-mesh\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text("[posttune]\nthirdparty_mesh = thirdparty_mesh_entry\n")
-    (site / "thirdparty_mesh_entry.py").write_text(ENTRY)
-    path = os.pathsep.join([str(site), str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false"}
-
-
 def train(config: Path, env: dict[str, str], *launch: str) -> list[dict]:
     command = [sys.executable, "-m", "posttune.cli.main", "train", str(config), *launch]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
@@ -106,7 +81,7 @@ def test_two_replicas_train_exactly_like_one_process_with_the_whole_batch(tmp_pa
 
     for module in ("posttune_llama", "posttune_sft"):
         pytest.importorskip(module)
-    env = installed(tmp_path / "site")
+    env = install(tmp_path / "site")  # the whole posttune-thirdparty: the run lists only its plan
     want = train(write_run(tmp_path / "single", batch_size=8, plans=[]), env)
     got = train(write_run(tmp_path / "replicas", batch_size=4, plans=["replicas"]), env,
                 "--nproc-per-node", "2", "--standalone")
