@@ -65,7 +65,7 @@ def _swap_into_place(tmp: Path, target: Path) -> None:
         if old is not None:
             os.rename(old, target)
         raise
-    fsync_dir(target.parent)
+    _fsync_entry(target.parent)  # the renames; the files were flushed before (not the parent's other files)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
