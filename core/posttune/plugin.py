@@ -68,7 +68,8 @@ _LAZY: dict[str, str] = {
     "LayeredKeyMap": "posttune.checkpoint.keymap",
     "Join": "posttune.checkpoint.convert",
     # the Hugging Face names and config.json fields of posttune.modules' decoder, for Llama-like families
-    **dict.fromkeys(["decoder_hf_config", "decoder_keys", "decoder_kwargs"], "posttune.checkpoint.hf_decoder"),
+    **dict.fromkeys(["ExpertKeys", "decoder_hf_config", "decoder_keys", "decoder_kwargs"],
+                    "posttune.checkpoint.hf_decoder"),
     "tie_groups": "posttune.checkpoint.materialize",
     # adapters
     **dict.fromkeys(["LoRALinear", "adapter_base", "adapted_modules", "load_peft_adapter", "merge_adapters"],

@@ -9,9 +9,12 @@ adds only what it does differently. Torch-free: a family's plugin module imports
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from posttune.checkpoint.convert import Join
 from posttune.checkpoint.hf_config_check import refuse_unbuildable
 from posttune.checkpoint.keymap import LayeredKeyMap
 from posttune.errors import PosttuneError
@@ -83,3 +86,72 @@ def decoder_hf_config(kwargs: Mapping[str, Any], architecture: str, model_type: 
         "rope_theta": theta, "rope_scaling": dict(scaling) if scaling else None,
         "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": theta},
     }
+
+
+#: ``posttune.modules.Experts``' stacked parameters, each one nn.Linear-shaped slab per expert
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _stack(parts: list[Any]) -> Any:
+    import torch
+
+    return torch.stack(parts)
+
+
+@dataclass(frozen=True)
+class ExpertKeys:
+    """A converter's two functions for a mixture-of-experts decoder: per-expert HF tensors
+    (``model.layers.N.<block>.experts.E.<name>.weight``) stack into ``layers.N.mlp.experts.<native>``
+    on load (a ``Join``: each held until its last expert arrives) and split back on save; every
+    other tensor goes through ``keys`` (which maps the router, shared experts and dense layers).
+
+    ``names``: HF name -> native stacked parameter (``{"w1": "gate_proj", "w3": "up_proj",
+    "w2": "down_proj"}`` for Mixtral); ``count_fields``: where config.json gives the expert count
+    (the first present wins).
+    """
+
+    keys: LayeredKeyMap
+    count_fields: tuple[str, ...] = ("num_experts",)
+    block: str = "mlp"  # the HF submodule of a layer that holds ``experts``
+    names: Mapping[str, str] = field(default_factory=lambda: {name: name for name in EXPERT_WEIGHTS})
+    _hf: re.Pattern = field(init=False, repr=False)
+    _native: re.Pattern = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        hf = re.escape(f"{self.keys.hf_layers}") + r"(\d+)\." + re.escape(self.block) + r"\.experts\.(\d+)\.(\w+)\.weight"
+        native = re.escape(self.keys.native_layers) + r"(\d+)\.mlp\.experts\.(\w+)"
+        object.__setattr__(self, "_hf", re.compile(hf))
+        object.__setattr__(self, "_native", re.compile(native))
+
+    def count(self, hf_config: Mapping[str, Any]) -> int:
+        count = next((hf_config[f] for f in self.count_fields if hf_config.get(f) is not None), None)
+        if not isinstance(count, int) or count < 1:
+            raise PosttuneError(f"config.json: '{self.count_fields[0]}' must be the number of experts, got {count!r}")
+        return count
+
+    def hf_key(self, layer: str, expert: int, native: str) -> str:
+        hf_name = next(hf for hf, name in self.names.items() if name == native)
+        return f"{self.keys.hf_layers}{layer}.{self.block}.experts.{expert}.{hf_name}.weight"
+
+    def to_native(self, key: str, tensor: Any, hf_config: Mapping[str, Any]) -> Any:
+        match = self._hf.fullmatch(key)
+        if match is None or match.group(3) not in self.names:
+            return self.keys.to_native(key, tensor, hf_config)
+        layer, expert, name = match.groups()
+        count, native = self.count(hf_config), self.names[name]
+        if int(expert) >= count:
+            raise PosttuneError(f"checkpoint tensor '{key}': expert {expert} of a model with {count} experts "
+                                f"(config.json '{self.count_fields[0]}')")
+        parts = tuple(self.hf_key(layer, e, native) for e in range(count))
+        return Join(f"{self.keys.native_layers}{layer}.mlp.experts.{native}", parts, _stack), tensor
+
+    def from_native(self, key: str, tensor: Any, hf_config: Mapping[str, Any]) -> Any:
+        match = self._native.fullmatch(key)
+        if match is None or match.group(2) not in self.names.values():
+            return self.keys.from_native(key, tensor, hf_config)
+        layer, native = match.groups()
+        return self._split(layer, native, tensor)
+
+    def _split(self, layer: str, native: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+        for expert in range(tensor.shape[0]):
+            yield self.hf_key(layer, expert, native), tensor[expert]

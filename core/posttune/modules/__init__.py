@@ -1,4 +1,5 @@
-"""Building blocks shared by model families: norms, RoPE, attention, MLPs, the decoder, the KV cache.
+"""Building blocks shared by model families: norms, RoPE, attention, MLPs, mixtures of experts, the
+decoder, the KV cache.
 
 A family plugin assembles these in its ``build``; it never subclasses them.
 """
@@ -12,6 +13,7 @@ from posttune.modules.decoder import Decoder, DecoderLayer, default_positions
 from posttune.modules.flex_attention import FlexMask, block_mask
 from posttune.modules.kv_cache import KVCache, LayerCache
 from posttune.modules.mlp import GatedMLP
+from posttune.modules.moe import Experts, MoE, Router, expert_linear
 from posttune.modules.rmsnorm import RMSNorm
 from posttune.modules.rope import (ROPE_TYPES, RotaryEmbedding, apply_rotary, rope_frequencies, rope_type,
                                    split_rope_parameters)
@@ -33,8 +35,8 @@ def init_buffers(model: nn.Module) -> nn.Module:
 
 
 __all__ = [
-    "ROPE_TYPES", "Attention", "Decoder", "DecoderLayer", "FlexMask", "GatedMLP", "KVCache", "LayerCache", "RMSNorm",
-    "RotaryEmbedding", "apply_rotary", "attention_mask", "block_mask", "default_positions", "explicit_attention",
-    "init_buffers",
+    "ROPE_TYPES", "Attention", "Decoder", "DecoderLayer", "Experts", "FlexMask", "GatedMLP", "KVCache", "LayerCache",
+    "MoE", "RMSNorm", "Router", "RotaryEmbedding", "apply_rotary", "attention_mask", "block_mask", "default_positions",
+    "expert_linear", "explicit_attention", "init_buffers",
     "rope_frequencies", "rope_type", "soft_cap", "split_rope_parameters",
 ]

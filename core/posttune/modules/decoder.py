@@ -29,6 +29,10 @@ Options a family switches on (each off by default, so a plain pre-norm decoder p
   ``model.output`` alone is only right when ``model.logit_softcap`` is None.
 - ``DecoderLayer`` post-norms: ``attn_post_norm`` / ``mlp_post_norm`` normalise a block's output
   before it joins the residual ("sandwich" norms); identities by default.
+
+Auxiliary losses: ``model.aux_loss()`` returns the weighted auxiliary loss of the forwards run
+with gradients since its last call (a mixture of experts' load balancing, ``modules/moe.py``) and
+its parts as metrics, or None (a dense model). The trainer adds it to every method's loss.
 """
 
 from __future__ import annotations
@@ -147,6 +151,13 @@ class Decoder(nn.Module):
         if logits_to_keep is not None:
             hidden = hidden[:, -logits_to_keep:]
         return self.logits(hidden)
+
+    def aux_loss(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """The weighted auxiliary loss recorded since the last call, and its parts; None if there is none."""
+        from posttune.modules.moe import MoE, pop_aux_loss
+
+        layers = [module for module in self.modules() if isinstance(module, MoE)]
+        return pop_aux_loss(layers) if layers else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over (some of) ``hidden_states``' rows, soft-capped if the model caps logits."""

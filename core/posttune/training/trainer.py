@@ -2,6 +2,7 @@
 
     for each micro-batch of method.batches(session):
         out = method.loss(session, batch)     # LossOutput(loss_sum, normaliser, tokens, metrics)
+        out += the model's auxiliary loss     # an MoE's load balancing, times this batch's normaliser
         out.loss_sum.backward()               # gradients of the *sum*
     at the accumulation boundary (or the end of an epoch):
         n = all-reduce(sum of normalisers)    # across micro-batches and ranks: tokens, pairs, ...
@@ -20,6 +21,7 @@ extend the loop only through the session's typed fields (``step_contexts``,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -103,7 +105,8 @@ def train(session: Session) -> dict[str, Any]:
                 batch = distributed.to_device(batch, session.device)
                 # Plans' contexts (loss parallel, context parallel, sequence padding) wrap forward and backward.
                 with distributed.step_context(session, batch):
-                    out = method.loss(session, batch)
+                    pop_aux_loss(session.model)  # what forwards outside the loss recorded is not this batch's
+                    out = with_aux_loss(session.model, method.loss(session, batch))
                     for hook in session.before_backward:
                         hook(session, out)
                     out.loss_sum.backward()
@@ -125,6 +128,23 @@ def train(session: Session) -> dict[str, Any]:
         probation.finish(session)
         return _summary(session, log, steps_run=session.step - first_step, tokens=run_tokens,
                         seconds=time.perf_counter() - run_start)
+
+
+def pop_aux_loss(model: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """The model's auxiliary loss since the last call (``Decoder.aux_loss``), or None (a dense model)."""
+    aux_loss = getattr(model, "aux_loss", None)
+    return aux_loss() if callable(aux_loss) else None
+
+
+def with_aux_loss(model: Any, out: Any) -> Any:
+    """``out`` with the model's auxiliary loss added, times the micro-batch's normaliser, and its parts
+    in the metrics: after the step's one division by the global normaliser, the loss gains the
+    auxiliary loss's mean over the step's units, as transformers adds it to a mean loss."""
+    aux = pop_aux_loss(model)
+    if aux is None:
+        return out
+    loss, metrics = aux
+    return dataclasses.replace(out, loss_sum=out.loss_sum + loss * out.normaliser, metrics={**out.metrics, **metrics})
 
 
 def _stop_if_asked(session: Session, log: MetricsLog, probation: nonfinite.Probation | None = None) -> None:

@@ -42,3 +42,35 @@ QWEN3_SIZES: dict[str, dict[str, Any]] = {
     "8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_layers": 36, "num_heads": 32,
            "tie_word_embeddings": False},  # Qwen3-8B
 }
+
+_MOE_TINY: dict[str, Any] = {
+    **_TINY2, "intermediate_size": 96, "num_experts": 8, "top_k": 2, "moe_intermediate_size": 32,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": (), "aux_loss_coef": 0.001,
+    "tie_word_embeddings": False,
+}
+_QWEN3_MOE: dict[str, Any] = {
+    **_QWEN3, "num_kv_heads": 4, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": (),
+    "aux_loss_coef": 0.001, "tie_word_embeddings": False, "top_k": 8,
+}
+
+QWEN3_MOE_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {**_MOE_TINY, "head_dim": 32, "attention_bias": False},
+    "30b-a3b": {**_QWEN3_MOE, "hidden_size": 2048, "intermediate_size": 6144, "num_layers": 48, "num_heads": 32,
+                "num_experts": 128, "moe_intermediate_size": 768},  # Qwen3-30B-A3B
+    "235b-a22b": {**_QWEN3_MOE, "hidden_size": 4096, "intermediate_size": 12288, "num_layers": 94, "num_heads": 64,
+                  "num_experts": 128, "moe_intermediate_size": 1536},  # Qwen3-235B-A22B
+}
+
+QWEN2_MOE_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {**_MOE_TINY, "shared_expert_intermediate_size": 64, "norm_topk_prob": False, "attention_bias": True},
+    "a2.7b": {**_QWEN25, "hidden_size": 2048, "intermediate_size": 5632, "num_layers": 24, "num_heads": 16,
+              "num_kv_heads": 16, "head_dim": 128, "tie_word_embeddings": False, "num_experts": 60, "top_k": 4,
+              "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
+              "decoder_sparse_step": 1, "mlp_only_layers": (), "aux_loss_coef": 0.001, "max_position_embeddings": 8192,
+              "attention_bias": True},  # Qwen1.5-MoE-A2.7B
+    "57b-a14b": {**_QWEN25, "hidden_size": 3584, "intermediate_size": 18944, "num_layers": 28, "num_heads": 28,
+                 "num_kv_heads": 4, "head_dim": 128, "tie_word_embeddings": False, "num_experts": 64, "top_k": 8,
+                 "moe_intermediate_size": 2560, "shared_expert_intermediate_size": 20480, "norm_topk_prob": False,
+                 "decoder_sparse_step": 1, "mlp_only_layers": (), "aux_loss_coef": 0.001,
+                 "attention_bias": True},  # Qwen2-57B-A14B
+}

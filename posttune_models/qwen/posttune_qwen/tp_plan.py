@@ -15,3 +15,7 @@ from __future__ import annotations
 from posttune.plugin import DECODER_TP_PLAN
 
 TP_PLAN: dict[str, str] = dict(DECODER_TP_PLAN)
+
+#: MoE families: attention, embedding, head and norms as above; the experts stay whole on each rank
+#: (the expert-parallel plan shards them), and so do the router and shared experts
+MOE_TP_PLAN: dict[str, str] = {pattern: style for pattern, style in TP_PLAN.items() if ".mlp." not in pattern}

@@ -1,0 +1,218 @@
+"""Mixture-of-experts feed-forward: a top-k router, stacked experts run with grouped GEMM, optional
+shared experts, and the load-balancing loss exactly as transformers computes it.
+
+    moe = MoE(Router(hidden, num_experts=8, top_k=2, normalize=True), Experts(8, hidden, 64),
+              aux_loss_coef=0.001)
+    y = moe(x)  # [batch, seq, hidden]; dropless: every token reaches each of its top_k experts
+
+The experts are three stacked parameters laid out as ``nn.Linear`` weights, one slab per expert
+(``gate_proj``/``up_proj`` ``[experts, intermediate, hidden]``, ``down_proj`` ``[experts,
+hidden, intermediate]``), so per-expert Hugging Face tensors stack into them unchanged. Token
+slots are sorted by expert; each expert's contiguous group multiplies its slab in one
+``torch._grouped_mm`` call, or in a loop over experts where grouped GEMM does not apply (the
+loop is also the reference the tests hold it to). ``Experts.forward(x, weights, experts)`` is the
+seam an expert-parallel plan replaces to send each group to the rank that holds its expert.
+
+Routing statistics feed the auxiliary loss. They are recorded only by forwards that build a
+graph (``torch.is_grad_enabled()``), so a frozen reference or a generation adds nothing, and
+``Decoder.aux_loss`` takes them (docs/architecture.md, "Auxiliary losses").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posttune.modules.mlp import GatedMLP, get_activation
+
+
+class Router(nn.Module):
+    """``softmax(x W^T)`` over the experts (in fp32), its top ``k``; ``normalize``: the k weights sum to 1.
+
+    Returns (logits [n, experts], probabilities [n, experts] fp32, weights [n, k] in x's dtype,
+    expert indices [n, k]).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, normalize: bool):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be between 1 and the {num_experts} experts, got {top_k}")
+        self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, probs, weights.to(logits.dtype), experts
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}"
+
+
+def grouped_mm_applies(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs for ``x``: on CPU any float dtype (torch 2.13); on CUDA bf16
+    with 16-byte aligned rows (its kernels' requirement); else the loop runs."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return x.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0
+
+
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, grouped: bool = True) -> torch.Tensor:
+    """Rows of ``x`` sorted by expert times each expert's ``weight[e]^T`` (``weight``: [experts, out, in]).
+
+    ``counts[e]`` rows belong to expert e, in order. Grouped GEMM takes the groups' end offsets;
+    the loop (``grouped=False``, or where grouped GEMM does not apply) is the reference.
+    """
+    if grouped and grouped_mm_applies(x) and weight.dtype == x.dtype:
+        offsets = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    pieces = torch.split(x, counts.tolist())
+    return torch.cat([piece @ weight[e].T for e, piece in enumerate(pieces)]) if pieces else x.new_zeros(0, weight.shape[1])
+
+
+class Experts(nn.Module):
+    """``num_experts`` gated MLPs (``down(act(gate(x)) * up(x))``) stored stacked.
+
+    ``forward(x [n, hidden], weights [n, k], experts [n, k]) -> [n, hidden]``: each token's
+    experts' outputs, weighted and summed. ``grouped=False`` runs the loop over experts instead.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str = "silu",
+                 grouped: bool = True):
+        super().__init__()
+        self.num_experts, self.activation, self.grouped = num_experts, activation, grouped
+        self.act = get_activation(activation)
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.reset_parameters()
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        order, counts = sort_by_expert(experts, self.num_experts)
+        tokens = order // experts.shape[-1]
+        out = self.compute(x[tokens], counts) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts on rows already grouped by expert (``counts[e]`` rows each, in order)."""
+        gate = expert_linear(x, self.gate_proj, counts, grouped=self.grouped)
+        up = expert_linear(x, self.up_proj, counts, grouped=self.grouped)
+        return expert_linear(self.act(gate) * up, self.down_proj, counts, grouped=self.grouped)
+
+    def reset_parameters(self) -> None:
+        for weight in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(weight, std=0.02)
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.down_proj.shape[-1]
+
+    def extra_repr(self) -> str:
+        experts, intermediate, hidden = self.gate_proj.shape
+        return f"experts={experts}, hidden={hidden}, intermediate={intermediate}, activation={self.activation}"
+
+
+def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the flat token-slot indices sorted by expert, stable; the slot count per expert)."""
+    flat = experts.reshape(-1)
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
+
+
+@dataclass
+class Routing:
+    """What one MoE layer's recorded forwards add up to, for the auxiliary losses."""
+
+    counts: torch.Tensor  # [experts] fp32: token slots routed to each expert (no gradient)
+    probs: torch.Tensor  # [experts] fp32: router probabilities summed over tokens (with gradient)
+    rows: int  # tokens routed
+    z_sum: torch.Tensor | None  # sum over tokens of logsumexp(logits)^2, when a z-loss is asked for
+
+
+class MoE(nn.Module):
+    """Router + experts (+ a shared expert, optionally gated by ``sigmoid(shared_gate(x))``, as Qwen2-MoE).
+
+    ``aux_loss_coef`` weighs the load-balancing loss, ``z_loss_coef`` the router z-loss
+    (``mean(logsumexp(logits)^2)``, ST-MoE); both are applied by ``Decoder.aux_loss``.
+    """
+
+    def __init__(self, router: Router, experts: Experts, *, shared_expert: GatedMLP | None = None,
+                 shared_gate: nn.Linear | None = None, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
+        super().__init__()
+        self.router, self.experts = router, experts
+        self.shared_expert, self.shared_gate = shared_expert, shared_gate
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.routing: Routing | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits, probs, weights, experts = self.router(flat)
+        if torch.is_grad_enabled():
+            self.record(logits, probs, experts)
+        out = self.experts(flat, weights, experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
+        return out.reshape(x.shape)
+
+    def record(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> None:
+        counts = torch.bincount(experts.reshape(-1), minlength=self.router.num_experts).float()
+        z_sum = torch.logsumexp(logits.float(), dim=-1).square().sum() if self.z_loss_coef else None
+        step = Routing(counts, probs.sum(dim=0), probs.shape[0], z_sum)
+        if self.routing is not None:  # several forwards before the loss (DPO's chosen and rejected)
+            old = self.routing
+            z = None if z_sum is None else z_sum + old.z_sum
+            step = Routing(old.counts + step.counts, old.probs + step.probs, old.rows + step.rows, z)
+        self.routing = step
+
+    @property
+    def intermediate_per_token(self) -> int:
+        """The intermediate width one token goes through (top-k experts and the shared one): the
+        activation estimate's MLP width."""
+        shared = self.shared_expert.down_proj.in_features if self.shared_expert is not None else 0
+        return self.router.top_k * self.experts.intermediate_size + shared
+
+
+def pop_aux_loss(layers: list[MoE]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """The weighted auxiliary loss of the forwards ``layers`` recorded since the last call, and its
+    parts (unweighted) as metrics; the records are cleared. None when nothing was recorded.
+
+    The load-balancing loss is transformers' ``load_balancing_loss_func`` (Switch Transformer,
+    eqs. 4-6, over every layer's tokens at once): ``experts * sum_e f_e * P_e`` with ``f_e`` the
+    share of top-k slots routed to expert e and ``P_e`` its mean router probability, both taken
+    over all layers' tokens together; its minimum, ``top_k``, is perfect balance.
+    """
+    records = [(layer, layer.routing) for layer in layers if layer.routing is not None]
+    for layer in layers:
+        layer.routing = None
+    if not records:
+        return None
+    first = records[0][0]
+    experts = first.router.num_experts
+    rows = sum(r.rows for _, r in records)
+    counts = torch.stack([r.counts for _, r in records])  # [layers, experts]
+    probs = torch.stack([r.probs for _, r in records]).sum(dim=0)
+    balance = experts * torch.sum((counts.sum(dim=0) / rows) * (probs / rows))
+    loss = first.aux_loss_coef * balance
+    # token slots per (layer, expert): a starved expert shows as a min of 0; dropless, nothing is dropped
+    metrics = {"aux_loss": balance.detach(), "expert_tokens_min": counts.min(), "expert_tokens_mean": counts.mean(),
+               "expert_tokens_max": counts.max(),
+               "expert_tokens_dropped": first.router.top_k * rows - counts.sum()}
+    if first.z_loss_coef:
+        z_loss = sum(r.z_sum for _, r in records) / rows
+        loss = loss + first.z_loss_coef * z_loss
+        metrics["router_z_loss"] = z_loss.detach()
+    return loss, metrics
