@@ -332,11 +332,16 @@ def decoder_shape(model: Any, rank: int) -> Shape | None:
         return None
     layer = layers[0]
     attn, mlp = getattr(layer, "attn", None), getattr(layer, "mlp", None)
-    if attn is None or mlp is None or not hasattr(attn, "num_heads") or not hasattr(mlp, "down_proj"):
-        return None  # any MLP with a down projection (a family's own, e.g. with a fused gate_up_proj)
+    # any MLP with a down projection (a family's own, e.g. with a fused gate_up_proj), or one that
+    # says how wide a token's path through it is (a mixture of experts: top-k experts + shared)
+    width = getattr(mlp, "intermediate_per_token", None)
+    if width is None:
+        width = getattr(getattr(mlp, "down_proj", None), "in_features", None)
+    if attn is None or not hasattr(attn, "num_heads") or width is None:
+        return None
     from posttune.adapters.lora import LoRALinear
 
     adapted = sum(isinstance(m, LoRALinear) for m in layer.modules())
     vocab, hidden = embed.weight.shape
-    return Shape(hidden, mlp.down_proj.in_features, len(layers), attn.num_heads, attn.num_kv_heads,
+    return Shape(hidden, width, len(layers), attn.num_heads, attn.num_kv_heads,
                  attn.head_dim, vocab, adapted, rank if adapted else 0)

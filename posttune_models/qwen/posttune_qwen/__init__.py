@@ -29,10 +29,12 @@ QK_NORMS = {"self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"
 #: MoE layers' router and (qwen2_moe) shared expert; dense layers keep Llama's mlp names
 MOE_MODULES = {"mlp.gate": "mlp.router", "mlp.shared_expert_gate": "mlp.shared_gate",
                **{f"mlp.shared_expert.{name}": f"mlp.shared_expert.{name}" for name in ("gate_proj", "up_proj", "down_proj")}}
-#: LoRA on the attention of every layer, the dense layers' MLPs and the shared experts; the stacked
-#: experts are parameters, not linear layers, and are trained in full or frozen (docs/moe.md)
-MOE_LORA_TARGETS = (*DECODER_LINEAR_LAYERS, *(f"layers.*.mlp.shared_expert.{name}" for name in ("gate_proj", "up_proj",
-                                                                                                  "down_proj")))
+#: LoRA on the attention projections and (qwen2_moe) the shared expert: every default target must
+#: match a linear layer, and the stacked experts are parameters, not linear layers (docs/moe.md)
+ATTENTION = DECODER_LINEAR_LAYERS[:4]
+MOE_LORA_TARGETS = {"qwen3_moe": ATTENTION,
+                    "qwen2_moe": (*ATTENTION, *(f"layers.*.mlp.shared_expert.{name}"
+                                                for name in ("gate_proj", "up_proj", "down_proj")))}
 
 
 def _builder(name: str) -> Any:
@@ -54,7 +56,7 @@ def _qwen(name: str, sizes: Any, description: str) -> tuple[ModelFamily, Checkpo
     family = ModelFamily(name=name, architectures=(config.ARCHITECTURES[name],), build=_builder(name),
                          from_hf_config=partial(config.from_hf_config, family=name),
                          to_hf_config=partial(config.to_hf_config, family=name), sizes=sizes,
-                         tp_plan=MOE_TP_PLAN if moe else TP_PLAN, lora_targets=MOE_LORA_TARGETS if moe else LORA_TARGETS,
+                         tp_plan=MOE_TP_PLAN if moe else TP_PLAN, lora_targets=MOE_LORA_TARGETS.get(name, LORA_TARGETS),
                          description=description)
     what = "per-expert tensors stacked" if moe else "no RoPE permutation needed"
     return family, CheckpointConverter(family=name, format="hf", to_native=keys.to_native,

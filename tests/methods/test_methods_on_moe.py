@@ -1,0 +1,80 @@
+"""Every method runs unchanged on a mixture-of-experts family (tiny qwen3_moe): the trainer adds the
+model's load-balancing loss to the method's with its coefficient and logs it apart (docs/moe.md).
+
+SFT's first loss is pinned to transformers' own (``output_router_logits=True`` adds
+``router_aux_loss_coef * aux_loss`` to the mean cross-entropy); DPO, GRPO and on-policy-free KD
+train a few steps and log the routing metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+from run_support import compose_run, dpo_config, grpo_config, kd_config, save_hf_teacher, sft_config
+
+import posttune_dpo
+import posttune_grpo
+import posttune_kd
+import posttune_llama
+import posttune_qwen
+import posttune_sft
+from posttune.testing.tiny import TINY, tiny_hf_model
+from posttune.training.trainer import with_aux_loss
+
+MOE_MODEL = {"family": "qwen3_moe", "size": "tiny", "build_overrides": {"vocab_size": 384}}
+ROUTING = ("aux_loss", "expert_tokens_min", "expert_tokens_mean", "expert_tokens_max", "expert_tokens_dropped")
+
+
+@pytest.fixture
+def plugins(register_plugin):
+    for module, name in [(posttune_qwen, "qwen"), (posttune_llama, "llama"), (posttune_sft, "sft"),
+                         (posttune_dpo, "dpo"), (posttune_grpo, "grpo"), (posttune_kd, "kd")]:
+        register_plugin(module, distribution=f"posttune-{name}", version="0.1.0")
+
+
+def _records(config: dict) -> list[dict]:
+    path = Path(config["checkpoint"]["output_dir"]) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_sft_loss_is_transformers_loss_with_its_aux_term(plugins, tmp_path):
+    hf_model = tiny_hf_model(transformers.Qwen3MoeConfig(**{
+        **TINY, "vocab_size": 384, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True, "router_aux_loss_coef": 0.02}))
+    hf_model.save_pretrained(tmp_path / "moe")
+    config = sft_config(tmp_path, model={"path": str(tmp_path / "moe")}, train={"batch_size": 1})
+    config["model"].pop("family"), config["model"].pop("size"), config["model"].pop("build_overrides")
+    session = compose_run(config)
+    session.model.train()
+    batch = next(iter(session.train_data))
+    out = with_aux_loss(session.model, posttune_sft.loss(session, batch))
+    ids = batch["input_ids"]
+    labels = torch.cat([torch.full_like(ids[:, :1], -100), batch["labels"][:, :-1]], dim=1)  # unshift
+    expected = hf_model(ids, labels=labels, output_router_logits=True)
+    torch.testing.assert_close(out.loss_sum / out.normaliser, expected.loss, atol=1e-5, rtol=1e-5)
+    assert abs(out.metrics["aux_loss"].item() - expected.aux_loss.item()) <= 1e-6
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo", "grpo", "kd"])
+def test_each_method_trains_on_moe_and_logs_routing(plugins, posttune_cli, tmp_path, method):
+    if method == "kd":
+        config = kd_config(tmp_path, save_hf_teacher(tmp_path / "teacher"), rows=8)
+    else:
+        config = {"sft": sft_config, "dpo": dpo_config, "grpo": grpo_config}[method](tmp_path, rows=8)
+    config["model"] = dict(MOE_MODEL)
+    config["train"]["max_steps"] = 2
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    result = posttune_cli("train", str(tmp_path / "run.yaml"))
+    assert result.exit_code == 0, result.stderr
+    steps = [r for r in _records(config) if "loss" in r]
+    assert len(steps) == 2
+    for record in steps:
+        assert all(key in record for key in ROUTING), sorted(record)
+        assert record["expert_tokens_dropped"] == 0
+        assert record["aux_loss"] >= 2.0 - 1e-6  # top_k is its minimum: perfect balance
+        assert torch.isfinite(torch.tensor(record["loss"]))
