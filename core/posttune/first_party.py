@@ -14,6 +14,9 @@ NAMES: dict[str, dict[str, str]] = {
         "mistral": "posttune-llama",
         "qwen2": "posttune-qwen",
         "qwen3": "posttune-qwen",
+        "qwen2_moe": "posttune-qwen",
+        "qwen3_moe": "posttune-qwen",
+        "mixtral": "posttune-llama",
         "gemma": "posttune-gemma",
         "gemma2": "posttune-gemma",
         "gemma3": "posttune-gemma",
@@ -28,6 +31,7 @@ NAMES: dict[str, dict[str, str]] = {
         "fsdp2": "posttune-fsdp2",
         "tp": "posttune-tp",
         "cp": "posttune-cp",
+        "ep": "posttune-ep",
         "loss_parallel": "posttune-loss-parallel",
     },
     "reward_function": {

@@ -43,7 +43,7 @@ def rows(count: int, seed: int = 0, *, kind: str = "sft") -> list[dict]:
 
 def write_config(directory: Path, *, batch_size: int, parallel: dict | None = None, adapter: dict | None = None,
                  checkpoint: dict | None = None, steps: int = STEPS, method: dict | None = None,
-                 teacher: dict | None = None) -> Path:
+                 teacher: dict | None = None, model: dict | None = None) -> Path:
     """A tiny Llama run: SFT by default; a ``method`` named dpo trains on preference pairs, grpo on prompts
     (kd on the SFT chats, from the ``teacher`` section)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -52,7 +52,7 @@ def write_config(directory: Path, *, batch_size: int, parallel: dict | None = No
     data = directory / "train.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows(ROWS, kind=kind)))
     config = {
-        "model": {"family": "llama", "size": "tiny", "build_overrides": {"vocab_size": 384}},
+        "model": model or {"family": "llama", "size": "tiny", "build_overrides": {"vocab_size": 384}},
         "tokenizer": {"path": TOKENIZER},
         "method": method,
         "data": {"train": {"path": str(data), "format": {"sft": "chat"}.get(kind, kind)}, "max_seq_len": 48},

@@ -52,7 +52,7 @@ def test_sft_loss_is_transformers_loss_with_its_aux_term(plugins, tmp_path):
     session = compose_run(config)
     session.model.train()
     batch = next(iter(session.train_data))
-    out = with_aux_loss(session.model, posttune_sft.loss(session, batch))
+    out = with_aux_loss(session, posttune_sft.loss(session, batch))
     ids = batch["input_ids"]
     labels = torch.cat([torch.full_like(ids[:, :1], -100), batch["labels"][:, :-1]], dim=1)  # unshift
     expected = hf_model(ids, labels=labels, output_router_logits=True)

@@ -37,7 +37,7 @@ its parts as metrics, or None (a dense model). The trainer adds it to every meth
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -152,12 +152,14 @@ class Decoder(nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         return self.logits(hidden)
 
-    def aux_loss(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-        """The weighted auxiliary loss recorded since the last call, and its parts; None if there is none."""
+    def aux_loss(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """The weighted auxiliary loss recorded since the last call, and its parts; None if there is none.
+        ``reduce``: sums a statistic over the data-parallel ranks (``moe.pop_aux_loss``)."""
         from posttune.modules.moe import MoE, pop_aux_loss
 
         layers = [module for module in self.modules() if isinstance(module, MoE)]
-        return pop_aux_loss(layers) if layers else None
+        return pop_aux_loss(layers, reduce) if layers else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over (some of) ``hidden_states``' rows, soft-capped if the model caps logits."""

@@ -10,8 +10,9 @@ The experts are three stacked parameters laid out as ``nn.Linear`` weights, one 
 hidden, intermediate]``), so per-expert Hugging Face tensors stack into them unchanged. Token
 slots are sorted by expert; each expert's contiguous group multiplies its slab in one
 ``torch._grouped_mm`` call, or in a loop over experts where grouped GEMM does not apply (the
-loop is also the reference the tests hold it to). ``Experts.forward(x, weights, experts)`` is the
-seam an expert-parallel plan replaces to send each group to the rank that holds its expert.
+loop is also the reference the tests hold it to). An expert-parallel plan sets ``Experts.dispatch``
+to send each token to the rank that holds its expert and back; ``Experts.compute`` runs whichever
+experts a rank holds.
 
 Routing statistics feed the auxiliary loss. They are recorded only by forwards that build a
 graph (``torch.is_grad_enabled()``), so a frozen reference or a generation adds nothing, and
@@ -20,7 +21,9 @@ graph (``torch.is_grad_enabled()``), so a frozen reference or a generation adds 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +44,7 @@ class Router(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be between 1 and the {num_experts} experts, got {top_k}")
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.reset_parameters()
+        self.weight = nn.Parameter(nn.init.normal_(torch.empty(num_experts, hidden_size), std=0.02))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
@@ -51,9 +53,6 @@ class Router(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, probs, weights.to(logits.dtype), experts
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=0.02)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}"
@@ -87,33 +86,37 @@ class Experts(nn.Module):
 
     ``forward(x [n, hidden], weights [n, k], experts [n, k]) -> [n, hidden]``: each token's
     experts' outputs, weighted and summed. ``grouped=False`` runs the loop over experts instead.
+    ``dispatch(module, rows sorted by expert, counts per expert) -> their outputs``, when a plan
+    sets it, replaces ``compute`` (expert parallelism: the rows travel to their experts' ranks).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str = "silu",
                  grouped: bool = True):
         super().__init__()
         self.num_experts, self.activation, self.grouped = num_experts, activation, grouped
+        self.dispatch: Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.act = get_activation(activation)
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.reset_parameters()
+        for weight in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(weight, std=0.02)  # a run's random init redraws them, seeded (compose.random_init)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         order, counts = sort_by_expert(experts, self.num_experts)
         tokens = order // experts.shape[-1]
-        out = self.compute(x[tokens], counts) * weights.reshape(-1)[order, None]
+        run = self.compute if self.dispatch is None else partial(self.dispatch, self)
+        out = run(x[tokens], counts) * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
 
-    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The experts on rows already grouped by expert (``counts[e]`` rows each, in order)."""
-        gate = expert_linear(x, self.gate_proj, counts, grouped=self.grouped)
-        up = expert_linear(x, self.up_proj, counts, grouped=self.grouped)
-        return expert_linear(self.act(gate) * up, self.down_proj, counts, grouped=self.grouped)
-
-    def reset_parameters(self) -> None:
-        for weight in (self.gate_proj, self.up_proj, self.down_proj):
-            nn.init.normal_(weight, std=0.02)
+    def compute(self, x: torch.Tensor, counts: torch.Tensor,
+                weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The experts on rows already grouped by expert (``counts[e]`` rows each, in order);
+        ``weights``: the (gate, up, down) slabs to use instead of this module's (a rank's own experts)."""
+        gate_w, up_w, down_w = weights or (self.gate_proj, self.up_proj, self.down_proj)
+        gate = expert_linear(x, gate_w, counts, grouped=self.grouped)
+        up = expert_linear(x, up_w, counts, grouped=self.grouped)
+        return expert_linear(self.act(gate) * up, down_w, counts, grouped=self.grouped)
 
     @property
     def intermediate_size(self) -> int:
@@ -186,9 +189,14 @@ class MoE(nn.Module):
         return self.router.top_k * self.experts.intermediate_size + shared
 
 
-def pop_aux_loss(layers: list[MoE]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+def pop_aux_loss(layers: list[MoE], reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
     """The weighted auxiliary loss of the forwards ``layers`` recorded since the last call, and its
     parts (unweighted) as metrics; the records are cleared. None when nothing was recorded.
+
+    ``reduce`` sums a tensor over the data-parallel ranks, gradients included (the trainer passes
+    one): the statistics are then those of the global batch, so every rank computes the loss one
+    process computes over all the tokens, and its gradient reaches every rank's router.
 
     The load-balancing loss is transformers' ``load_balancing_loss_func`` (Switch Transformer,
     eqs. 4-6, over every layer's tokens at once): ``experts * sum_e f_e * P_e`` with ``f_e`` the
@@ -202,17 +210,21 @@ def pop_aux_loss(layers: list[MoE]) -> tuple[torch.Tensor, dict[str, torch.Tenso
         return None
     first = records[0][0]
     experts = first.router.num_experts
-    rows = sum(r.rows for _, r in records)
     counts = torch.stack([r.counts for _, r in records])  # [layers, experts]
     probs = torch.stack([r.probs for _, r in records]).sum(dim=0)
+    z_sum = sum(r.z_sum for _, r in records) if first.z_loss_coef else None
+    rows = torch.tensor(float(sum(r.rows for _, r in records)), device=counts.device)
+    if reduce is not None:
+        counts, probs, rows = reduce(counts), reduce(probs), reduce(rows)
+        z_sum = reduce(z_sum) if z_sum is not None else None
     balance = experts * torch.sum((counts.sum(dim=0) / rows) * (probs / rows))
     loss = first.aux_loss_coef * balance
     # token slots per (layer, expert): a starved expert shows as a min of 0; dropless, nothing is dropped
     metrics = {"aux_loss": balance.detach(), "expert_tokens_min": counts.min(), "expert_tokens_mean": counts.mean(),
                "expert_tokens_max": counts.max(),
                "expert_tokens_dropped": first.router.top_k * rows - counts.sum()}
-    if first.z_loss_coef:
-        z_loss = sum(r.z_sum for _, r in records) / rows
+    if z_sum is not None:
+        z_loss = z_sum / rows
         loss = loss + first.z_loss_coef * z_loss
         metrics["router_z_loss"] = z_loss.detach()
     return loss, metrics

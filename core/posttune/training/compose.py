@@ -283,7 +283,8 @@ def init_from_adapter(model: nn.Module, adapter: Any) -> None:
 
 @torch.no_grad()
 def random_init(model: nn.Module, seed: int) -> None:
-    """Linear and Embedding weights ~ N(0, 0.02), biases 0, norms their own reset; seeded.
+    """Linear and Embedding weights ~ N(0, 0.02), biases 0, norms their own reset, any other parameter
+    (a router's, stacked experts) ~ N(0, 0.02); seeded.
 
     Every rank draws the same full tensors and a sharded (DTensor) weight keeps its own shard,
     so a sharded model starts exactly where the single-process one does. Adapters are skipped
@@ -305,7 +306,10 @@ def random_init(model: nn.Module, seed: int) -> None:
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
         elif callable(getattr(module, "reset_parameters", None)) and not list(module.children()):
-            module.reset_parameters()
+            module.reset_parameters()  # norms: ones or zeros, nothing random
+        elif not isinstance(module, LoRALinear):  # parameters held directly (a router, stacked experts)
+            for param in module.parameters(recurse=False):
+                copy_into(param, torch.randn(param.shape, generator=generator, dtype=torch.float32) * INIT_STD)
 
 
 # ---- data and steps ----------------------------------------------------------------------------

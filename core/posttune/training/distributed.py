@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +62,17 @@ def all_reduce_max(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     if active():
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
+
+
+def summing(group: Any = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function that sums a tensor over ``group`` (None: the world), out of place and differentiable:
+    the gradient of every rank's use of the sum reaches every rank's input."""
+    import torch.distributed._functional_collectives as collectives
+
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        return collectives.all_reduce(tensor, "sum", group if group is not None else dist.group.WORLD)
+
+    return reduce
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:

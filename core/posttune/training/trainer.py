@@ -105,8 +105,8 @@ def train(session: Session) -> dict[str, Any]:
                 batch = distributed.to_device(batch, session.device)
                 # Plans' contexts (loss parallel, context parallel, sequence padding) wrap forward and backward.
                 with distributed.step_context(session, batch):
-                    pop_aux_loss(session.model)  # what forwards outside the loss recorded is not this batch's
-                    out = with_aux_loss(session.model, method.loss(session, batch))
+                    pop_aux_loss(session)  # what forwards outside the loss recorded is not this batch's
+                    out = with_aux_loss(session, method.loss(session, batch))
                     for hook in session.before_backward:
                         hook(session, out)
                     out.loss_sum.backward()
@@ -130,17 +130,21 @@ def train(session: Session) -> dict[str, Any]:
                         seconds=time.perf_counter() - run_start)
 
 
-def pop_aux_loss(model: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-    """The model's auxiliary loss since the last call (``Decoder.aux_loss``), or None (a dense model)."""
-    aux_loss = getattr(model, "aux_loss", None)
-    return aux_loss() if callable(aux_loss) else None
+def pop_aux_loss(session: Session) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """The policy's auxiliary loss since the last call (``Decoder.aux_loss``), its statistics summed
+    over the ranks that hold different tokens; None for a model without one (a dense decoder)."""
+    aux_loss = getattr(session.model, "aux_loss", None)
+    if not callable(aux_loss):
+        return None
+    group, size = distributed.token_group(session)
+    return aux_loss(distributed.summing(group) if size > 1 else None)
 
 
-def with_aux_loss(model: Any, out: Any) -> Any:
-    """``out`` with the model's auxiliary loss added, times the micro-batch's normaliser, and its parts
+def with_aux_loss(session: Session, out: Any) -> Any:
+    """``out`` with the policy's auxiliary loss added, times the micro-batch's normaliser, and its parts
     in the metrics: after the step's one division by the global normaliser, the loss gains the
-    auxiliary loss's mean over the step's units, as transformers adds it to a mean loss."""
-    aux = pop_aux_loss(model)
+    auxiliary loss of the step's batch, as transformers adds it to a mean loss."""
+    aux = pop_aux_loss(session)
     if aux is None:
         return out
     loss, metrics = aux

@@ -1,38 +1,101 @@
-"""config.json <-> build kwargs for the llama and mistral families.
+"""config.json <-> build kwargs for the llama, mistral and mixtral families.
 
 The fields every Llama-like decoder shares (sizes, both RoPE spellings) are read and written by
 ``posttune.plugin.decoder_kwargs`` / ``decoder_hf_config``; here is what Llama adds: biases, the
-activation, and Mistral's sliding window.
+activation, Mistral's sliding window, and Mixtral's mixture of experts.
+
+Mixtral's ``intermediate_size`` is each expert's width. Its routing fields become the build
+kwargs ``num_experts`` (``num_local_experts``), ``top_k`` (``num_experts_per_tok``),
+``aux_loss_coef`` (``router_aux_loss_coef``) and ``z_loss_coef`` (``router_z_loss_coef``, not a
+transformers field: 0 unless a config.json sets it). ``output_router_logits`` is ignored: it
+only asks transformers to return the router logits, and posttune records the routing of every
+forward that builds a graph. ``router_jitter_noise`` (transformers multiplies each MoE input by
+uniform noise while training) is refused unless 0: posttune adds no jitter, and fine-tuning a
+checkpoint without the noise its config.json asks for should be a choice made by editing the
+file, not a silent difference.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from posttune.plugin import PosttuneError, decoder_hf_config, decoder_kwargs
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
+#: what ``build_mixtral`` defaults to, which are MixtralConfig's own defaults (4096 * 32 positions, RMSNorm
+#: eps 1e-5, RoPE base 1e6): a config.json read or written without one of these fields means the same model
+MIXTRAL_DEFAULTS: dict[str, Any] = {"max_position_embeddings": 131072, "rope_theta": 1000000.0, "rope_scaling": None,
+                                    "norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None,
+                                    "activation": "silu", "aux_loss_coef": 0.001, "z_loss_coef": 0.0}
+#: config.json's mixture-of-experts fields -> build kwargs, with the default for an absent field (None: required,
+#: as the expert count also tells the converter how many tensors to stack)
+MOE_FIELDS = {"num_local_experts": ("num_experts", None), "num_experts_per_tok": ("top_k", None),
+              "router_aux_loss_coef": ("aux_loss_coef", 0.001), "router_z_loss_coef": ("z_loss_coef", 0.0)}
 
 
 def from_hf_config(config: Mapping[str, Any], family: str = "llama") -> dict[str, Any]:
-    """Build kwargs for ``posttune_llama.model.build`` from a config.json dict."""
-    kwargs = decoder_kwargs(config, family, max_position_embeddings=2048, windowed=family == "mistral")
-    act = config.get("hidden_act", "silu")
-    if act not in HF_ACTIVATIONS:
-        raise PosttuneError(f"config.json: hidden_act '{act}' is not supported by the {family} family "
-                            f"(supported: {', '.join(sorted(HF_ACTIVATIONS))})")
+    """Build kwargs for ``posttune_llama.model.build`` (``build_mixtral`` for mixtral) from a config.json dict."""
+    kwargs = decoder_kwargs(config, family, max_position_embeddings=2048, windowed=family != "llama")
+    kwargs["activation"] = read_activation(config, family)
+    if family == "mixtral":
+        return {**kwargs, **mixtral_defaults(config), **read_moe(config),
+                "sliding_window": config.get("sliding_window")}
     kwargs.update(attention_bias=bool(config.get("attention_bias", False)),
-                  mlp_bias=bool(config.get("mlp_bias", False)), activation=HF_ACTIVATIONS[act])
+                  mlp_bias=bool(config.get("mlp_bias", False)))
     if family == "mistral":
         kwargs["sliding_window"] = config.get("sliding_window")
     return kwargs
 
 
+def read_activation(config: Mapping[str, Any], family: str) -> str:
+    """The native name of config.json's ``hidden_act`` (the MLP's, or every expert's)."""
+    act = config.get("hidden_act", "silu")
+    if act not in HF_ACTIVATIONS:
+        raise PosttuneError(f"config.json: hidden_act '{act}' is not supported by the {family} family "
+                            f"(supported: {', '.join(sorted(HF_ACTIVATIONS))})")
+    return HF_ACTIVATIONS[act]
+
+
+def mixtral_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """MixtralConfig's defaults where ``decoder_kwargs``' differ, for the fields config.json leaves out."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    found = {"max_position_embeddings": config.get("max_position_embeddings"), "norm_eps": config.get("rms_norm_eps"),
+             "rope_theta": config.get("rope_theta") or rope.get("rope_theta")}
+    return {kwarg: MIXTRAL_DEFAULTS[kwarg] for kwarg, value in found.items() if value is None}
+
+
+def read_moe(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Mixtral's mixture-of-experts build kwargs, each field checked (one line naming it) before any build."""
+    if config.get("router_jitter_noise"):
+        raise PosttuneError(f"config.json: router_jitter_noise: posttune's mixtral router adds no jitter noise, got "
+                            f"{config['router_jitter_noise']!r} (set it to 0 to fine-tune without it)")
+    kwargs = {}
+    for field, (kwarg, default) in MOE_FIELDS.items():
+        value = config.get(field, default)
+        if value is None:
+            raise PosttuneError(f"config.json: '{field}' is missing (needed by the mixtral family)")
+        kwargs[kwarg] = value
+    for field in ("num_local_experts", "num_experts_per_tok"):
+        if isinstance(config[field], bool) or not isinstance(config[field], int) or config[field] < 1:
+            raise PosttuneError(f"config.json: {field} must be a positive integer, got {config[field]!r}")
+    if kwargs["top_k"] > kwargs["num_experts"]:
+        raise PosttuneError(f"config.json: num_experts_per_tok must be between 1 and num_local_experts "
+                            f"({kwargs['num_experts']}), got {kwargs['top_k']}")
+    for field in ("router_aux_loss_coef", "router_z_loss_coef"):
+        value = config.get(field, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise PosttuneError(f"config.json: {field} must be a finite number >= 0, got {value!r}")
+    return kwargs
+
+
 def to_hf_config(kwargs: Mapping[str, Any], family: str = "llama") -> dict[str, Any]:
     """A config.json dict that ``transformers`` loads as the same architecture."""
+    if family == "mixtral":
+        return mixtral_hf_config({**MIXTRAL_DEFAULTS, **kwargs})
     config = decoder_hf_config(kwargs, ARCHITECTURES[family], family, max_position_embeddings=8192, norm_eps=1e-5)
     config["hidden_act"] = NATIVE_ACTIVATIONS[kwargs.get("activation", "silu")]
     if family == "llama":
@@ -42,4 +105,15 @@ def to_hf_config(kwargs: Mapping[str, Any], family: str = "llama") -> dict[str, 
         raise PosttuneError("mistral: transformers' MistralForCausalLM has no attention or MLP bias")
     else:
         config["sliding_window"] = kwargs.get("sliding_window")
+    return config
+
+
+def mixtral_hf_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json for ``build_mixtral``'s kwargs (defaults filled in): no jitter, no returned router logits."""
+    config = decoder_hf_config(kwargs, ARCHITECTURES["mixtral"], "mixtral",
+                               max_position_embeddings=MIXTRAL_DEFAULTS["max_position_embeddings"],
+                               norm_eps=MIXTRAL_DEFAULTS["norm_eps"])
+    config.update({field: kwargs[kwarg] for field, (kwarg, _) in MOE_FIELDS.items()},
+                  hidden_act=NATIVE_ACTIVATIONS[kwargs["activation"]], sliding_window=kwargs["sliding_window"],
+                  router_jitter_noise=0.0, output_router_logits=False)
     return config

@@ -1,5 +1,6 @@
 """Named sizes (complete build kwargs). ``tiny`` is for tests and demos; override ``vocab_size``
-to match a tiny tokenizer. The others are the released checkpoints' shapes."""
+to match a tiny tokenizer. The others are the released checkpoints' shapes (Mixtral's: config.json
+of the Instruct releases, whose ``intermediate_size`` is each expert's width)."""
 
 from __future__ import annotations
 
@@ -40,4 +41,19 @@ MISTRAL_SIZES: dict[str, dict[str, Any]] = {
     "tiny": {**_TINY, "tie_word_embeddings": False, "sliding_window": 16},
     "7b": _MISTRAL7B,  # Mistral-7B-v0.3 (full attention)
     "7b-v0.1": {**_MISTRAL7B, "vocab_size": 32000, "rope_theta": 10000.0, "sliding_window": 4096},
+}
+
+_EXPERTS: dict[str, Any] = {"activation": "silu", "num_experts": 8, "top_k": 2, "z_loss_coef": 0.0,
+                            "tie_word_embeddings": False, "sliding_window": None}  # every Mixtral release
+_MIXTRAL: dict[str, Any] = {**_EXPERTS, "num_kv_heads": 8, "head_dim": 128, "rope_theta": 1000000.0,
+                            "rope_scaling": None, "norm_eps": 1e-5}
+
+MIXTRAL_SIZES: dict[str, dict[str, Any]] = {
+    # 8 experts of width 32, 2 per token (as the qwen MoE families' tiny size)
+    "tiny": {**_TINY, **_EXPERTS, "intermediate_size": 32, "aux_loss_coef": 0.001},
+    "8x7b": {**_MIXTRAL, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_layers": 32,
+             "num_heads": 32, "max_position_embeddings": 32768, "aux_loss_coef": 0.02},  # Mixtral-8x7B-Instruct-v0.1
+    "8x22b": {**_MIXTRAL, "vocab_size": 32768, "hidden_size": 6144, "intermediate_size": 16384, "num_layers": 56,
+              "num_heads": 48, "max_position_embeddings": 65536,
+              "aux_loss_coef": 0.001},  # Mixtral-8x22B-Instruct-v0.1
 }
