@@ -154,3 +154,26 @@ def test_tiny_sizes_build_and_route(family):
     model(torch.randint(0, 512, (2, 8)))
     loss, metrics = model.aux_loss()
     assert torch.isfinite(loss) and metrics["expert_tokens_mean"].item() == pytest.approx(2 * 8 * 2 / 8)
+
+
+@pytest.mark.parametrize("target", ["layers.*.mlp.experts", "experts.gate_proj", "layers.0.mlp.experts.down_proj"])
+def test_lora_on_stacked_experts_is_refused_with_the_reason(target):
+    from posttune.adapters import apply_adapters
+
+    model = posttune.build_model("qwen3_moe", "tiny")
+    with pytest.raises(PosttuneError, match=rf"^adapters: target '{target}' names stacked expert weights "
+                                            r"\(layers\.\*\.mlp\.experts\.\w+\), which LoRA does not adapt yet"):
+        apply_adapters(model, targets=["attn.q_proj", target])
+
+
+def test_default_lora_targets_adapt_attention_and_shared_experts():
+    from posttune.adapters import adapted_modules, apply_adapters
+    from posttune.plugin import lookup
+
+    for family, shared in (("qwen3_moe", False), ("qwen2_moe", True)):
+        model = posttune.build_model(family, "tiny")
+        apply_adapters(model, targets=lookup("model_family", family).lora_targets)
+        names = {name.split(".", 2)[2] for name in adapted_modules(model)}
+        expected = {f"attn.{p}_proj" for p in "qkvo"} | ({f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")}
+                                                        if shared else set())
+        assert names == expected

@@ -73,3 +73,12 @@ def test_the_estimate_splits_every_weight_over_dp_shard_times_ep(plugins):
 def test_importing_the_plugin_does_not_import_torch():
     code = "import sys, posttune_ep; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_tp_on_a_mixture_of_experts_is_refused_until_it_splits_one(register_plugin, plugins):
+    import posttune_tp
+
+    register_plugin(posttune_tp, distribution="posttune-tp", version="0.1.0")
+    with pytest.raises(ConfigError, match=r"^config: parallel\.plans: tp does not split a mixture of experts' "
+                                          r"layers yet \(qwen3_moe\); use fsdp2 with ep instead"):
+        plan_for(2, {"plans": ["tp"]})

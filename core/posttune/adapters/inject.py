@@ -44,7 +44,7 @@ def apply_adapters(model: nn.Module, *, targets: Sequence[str], rank: int = 8, a
     for pattern in targets:
         found = [name for name in linears if matches(name, pattern)]
         if not found:
-            raise PosttuneError(_unmatched(pattern, linears))
+            raise PosttuneError(_stacked(model, pattern) or _unmatched(pattern, linears))
         chosen.extend(name for name in found if name not in chosen)
     chosen.sort(key=list(linears).index)
     for name in chosen:
@@ -81,6 +81,18 @@ def _unmatched(pattern: str, linears: Iterable[str]) -> str:
     shapes = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in linears))
     listed = ", ".join(shapes[:SHOWN]) + (f" and {len(shapes) - SHOWN} more" if len(shapes) > SHOWN else "")
     return f"adapters: target '{pattern}' matches no linear layer (linear layers: {listed or 'none'})"
+
+
+def _stacked(model: nn.Module, pattern: str) -> str | None:
+    """The reason a pattern that names stacked (3-D) parameters, a mixture of experts' experts, is refused."""
+    stacked = [name for name, param in model.named_parameters() if param.dim() == 3]
+    named = [name for name in stacked if matches(name, pattern) or matches(name.rpartition(".")[0], pattern)]
+    if not named:
+        return None
+    shape = re.sub(r"\.\d+\.", ".*.", named[0])
+    return (f"adapters: target '{pattern}' names stacked expert weights ({shape}), which LoRA does not adapt yet "
+            "(PEFT's target_parameters layout is not written); target the attention and shared experts, or train "
+            "the experts in full without an adapter")
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
