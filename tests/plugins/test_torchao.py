@@ -139,3 +139,29 @@ def test_impossible_settings_are_refused_in_one_line(plugins, posttune_cli, tmp_
     result = cli_validate(posttune_cli, tmp_path, **sections)
     assert result.exit_code != 0
     assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_qlora_stores_a_mixture_of_experts_stacked_experts_as_nf4(plugins, register_plugin, tmp_path):
+    import posttune_qwen
+    from posttune_torchao.qlora import unpack_nf4
+
+    register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
+    config = sft_config(tmp_path, adapter={"rank": 4, "alpha": 8}, memory=["qlora_nf4"],
+                        train={"max_steps": 2, "lr": 1e-2}, checkpoint={"save_merged": True})
+    config["model"] = {"family": "qwen3_moe", "size": "tiny", "build_overrides": {"vocab_size": 384}}
+    session = compose_run(config)
+    quantized = nf4_weights(session.model)
+    stacks = sorted(n for n in quantized if ".mlp.experts." in n)
+    assert stacks == sorted(f"layers.{i}.mlp.experts.{p}_proj" for i in range(2) for p in ("gate", "up", "down"))
+    experts = session.model.layers[0].mlp.experts
+    dense = unpack_nf4(experts.num_experts, experts.gate_proj)
+    assert dense.shape == (8, 32, 64)  # [experts, intermediate, hidden] for the compute
+    train(session)
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.no_grad():
+        expected = session.model(ids)  # NF4 experts and attention bases + adapters, as trained
+    save_final(session)
+    assert not nf4_weights(session.model) and session.model.layers[0].mlp.experts.unpack is None
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, expected, atol=1e-4, rtol=1e-4)

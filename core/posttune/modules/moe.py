@@ -88,6 +88,8 @@ class Experts(nn.Module):
     experts' outputs, weighted and summed. ``grouped=False`` runs the loop over experts instead.
     ``dispatch(module, rows sorted by expert, counts per expert) -> their outputs``, when a plan
     sets it, replaces ``compute`` (expert parallelism: the rows travel to their experts' ranks).
+    ``unpack(weight) -> [experts, out, in]``, when a technique stores the frozen stacks another way
+    (QLoRA's NF4), gives each in the compute dtype, once per forward.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str = "silu",
@@ -95,6 +97,7 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts, self.activation, self.grouped = num_experts, activation, grouped
         self.dispatch: Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.unpack: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.act = get_activation(activation)
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
@@ -114,6 +117,8 @@ class Experts(nn.Module):
         """The experts on rows already grouped by expert (``counts[e]`` rows each, in order);
         ``weights``: the (gate, up, down) slabs to use instead of this module's (a rank's own experts)."""
         gate_w, up_w, down_w = weights or (self.gate_proj, self.up_proj, self.down_proj)
+        if self.unpack is not None:
+            gate_w, up_w, down_w = (self.unpack(w) for w in (gate_w, up_w, down_w))
         gate = expert_linear(x, gate_w, counts, grouped=self.grouped)
         up = expert_linear(x, up_w, counts, grouped=self.grouped)
         return expert_linear(self.act(gate) * up, down_w, counts, grouped=self.grouped)
@@ -123,8 +128,9 @@ class Experts(nn.Module):
         return self.down_proj.shape[-1]
 
     def extra_repr(self) -> str:
-        experts, intermediate, hidden = self.gate_proj.shape
-        return f"experts={experts}, hidden={hidden}, intermediate={intermediate}, activation={self.activation}"
+        hidden = self.gate_proj.shape[-1]
+        return (f"experts={self.num_experts}, hidden={hidden}, intermediate={self.intermediate_size}, "
+                f"activation={self.activation}")
 
 
 def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,7 +44,8 @@ def with_import(est: Estimate) -> Estimate:
 
 
 def nf4_values(model: Any) -> int:
-    """Values qlora_nf4 stores as NF4 in ``model``: frozen nn.Linear weights inside ``model.layers``."""
+    """Values qlora_nf4 stores as NF4 in ``model``: frozen nn.Linear weights and frozen stacked experts
+    (3-D parameters) inside ``model.layers``."""
     from torch import nn
 
     layers = getattr(model, "layers", None)
@@ -52,6 +53,7 @@ def nf4_values(model: Any) -> int:
         return 0
     weights = {id(m.weight): m.weight for m in layers.modules()
                if isinstance(m, nn.Linear) and not m.weight.requires_grad}
+    weights.update({id(p): p for p in layers.parameters() if p.dim() == 3 and not p.requires_grad})
     return sum(w.numel() for w in weights.values())
 
 
