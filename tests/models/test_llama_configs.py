@@ -6,6 +6,7 @@ import pytest
 
 import posttune_llama
 import posttune_sft
+import posttune_torchao
 
 NAMES = sorted(path.stem for path in posttune_llama.CONFIGS.glob("*.yaml"))
 
@@ -14,10 +15,25 @@ NAMES = sorted(path.stem for path in posttune_llama.CONFIGS.glob("*.yaml"))
 def plugins(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    register_plugin(posttune_torchao, distribution="posttune-torchao", version="0.1.0")  # mixtral-8x7b-qlora
 
 
 def test_every_size_family_has_configs():
-    assert {"llama-demo-reverse", "llama3.2-1b-sft", "llama3.2-1b-lora", "mistral-7b-lora"} <= set(NAMES)
+    assert {"llama-demo-reverse", "llama3.2-1b-sft", "llama3.2-1b-lora", "mistral-7b-lora", "mixtral-tiny-reverse",
+            "mixtral-8x7b-qlora"} <= set(NAMES)
+
+
+def test_plan_counts_every_expert_of_mixtral_8x7b(plugins, posttune_cli):
+    """Mixtral 8x7B has 46,702,792,704 parameters (its model card's 46.7B): NF4 stores the frozen layers'
+    weights, experts included, in about 0.53 bytes each, so the weights estimate is far below bf16's 87 GiB."""
+    result = posttune_cli("plan", "mixtral-tiny-reverse", "~model.build_overrides", "model.size=8x7b",
+                          "model.dtype=bf16", "adapter.rank=16", "memory=[qlora_nf4]")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    params = next(line for line in lines if line.startswith("parameters: "))
+    assert params.startswith("parameters: 46,7") and "(13,631,488 trainable)" in params, params
+    weights = next(line for line in lines if line.startswith("  policy: weights "))
+    assert 20 < float(weights.split()[2]) < 30, weights  # GiB: NF4 experts and attention, bf16 embeddings
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -207,7 +207,7 @@ def pop_aux_loss(layers: list[MoE], reduce: Callable[[torch.Tensor], torch.Tenso
     The load-balancing loss is transformers' ``load_balancing_loss_func`` (Switch Transformer,
     eqs. 4-6, over every layer's tokens at once): ``experts * sum_e f_e * P_e`` with ``f_e`` the
     share of top-k slots routed to expert e and ``P_e`` its mean router probability, both taken
-    over all layers' tokens together; its minimum, ``top_k``, is perfect balance.
+    over all layers' tokens together; it is ``top_k`` when the load is uniform.
     """
     records = [(layer, layer.routing) for layer in layers if layer.routing is not None]
     for layer in layers:
