@@ -167,3 +167,17 @@ def test_shared_expert_is_gated_by_a_sigmoid():
     expected = layer.experts(flat, weights, chosen) + torch.sigmoid(gate(flat)) * shared(flat)
     with torch.no_grad():
         assert (layer(x) - expected.reshape(x.shape)).abs().max().item() <= 1e-6
+
+
+def test_grouped_gemm_takes_a_broadcast_gradient():
+    """``.sum().backward()`` hands grouped GEMM an expanded gradient, which torch 2.13 refuses as is."""
+    from posttune.modules.moe import grouped_mm_applies
+
+    x = torch.randn(7, HIDDEN, requires_grad=True)
+    w = torch.randn(EXPERTS, 4, HIDDEN, requires_grad=True)
+    counts = torch.tensor([2, 0, 5, 0])
+    assert grouped_mm_applies(x, w) and not grouped_mm_applies(x, w[:, :3])  # rows of 16 bytes
+    expert_linear(x, w, counts, grouped=True).sum().backward()
+    loop_x, loop_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    expert_linear(loop_x, loop_w, counts, grouped=False).sum().backward()
+    assert (x.grad - loop_x.grad).abs().max().item() <= 1e-6 and (w.grad - loop_w.grad).abs().max().item() <= 1e-6

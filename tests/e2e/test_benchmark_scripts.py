@@ -48,3 +48,29 @@ def test_compare_quick_full_sft_runs_both_sides_on_the_same_batches(tmp_path):
     assert summary["tokens_per_s_ratio"] > 0 and summary["peak_rss_ratio"] > 0
     assert summary["same_batches"] is True
     assert summary["max_step_loss_difference"] < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (the HF side)")
+def test_moe_quick_times_every_contender_on_the_same_weights(tmp_path):
+    """benchmarks/moe.py --quick: posttune (grouped and loop) and transformers (default and eager
+    experts) train the same tiny Qwen3-MoE checkpoint; every contender has timed rounds, the two
+    libraries' logits and first losses agree, and the peak-RSS children report."""
+    out = tmp_path / "moe.json"
+    run_python(str(BENCHMARKS / "moe.py"), "--quick", "--out", str(out), timeout=600)
+    report = json.loads(out.read_text())
+    assert report["settings"]["quick"] is True and report["settings"]["dtypes"] == ["fp32"]
+    result = report["results"]["fp32"]
+    assert set(result["contenders"]) == {"posttune", "posttune-loop", "hf", "hf-eager"}
+    for name, row in result["contenders"].items():
+        assert len(row["tokens_per_s_rounds"]) == report["settings"]["rounds"], name
+        assert row["tokens_per_s_median"] > 0, name
+    for side in ("posttune", "hf"):
+        row = result["contenders"][side]
+        assert row["peak_rss_mib"] >= row["loaded_rss_mib"] >= row["import_rss_mib"] > 0, side
+    for name in ("posttune/hf", "posttune/hf-eager", "posttune/posttune-loop", "peak_rss posttune/hf"):
+        assert result["ratios"][name] > 0, name
+    assert result["hf_experts_implementation"] == {"hf": "grouped_mm", "hf-eager": "eager"}
+    assert result["logits_max_abs_diff"] < 1e-4
+    losses = list(result["first_step_loss"].values())
+    assert max(losses) - min(losses) < 1e-4

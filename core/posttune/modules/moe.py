@@ -58,14 +58,15 @@ class Router(nn.Module):
         return f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}"
 
 
-def grouped_mm_applies(x: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` runs for ``x``: on CPU any float dtype (torch 2.13); on CUDA bf16
-    with 16-byte aligned rows (its kernels' requirement); else the loop runs."""
-    if not hasattr(torch, "_grouped_mm"):
+def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs for ``x @ weight[e]^T``: on CPU in fp32/bf16/fp16, on CUDA in
+    bf16 (torch 2.13), and on both only with rows of 16-byte multiples (its backward needs them);
+    otherwise the loop runs."""
+    if not hasattr(torch, "_grouped_mm") or weight.dtype != x.dtype:
         return False
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    return x.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if x.device.type == "cpu" else (torch.bfloat16,)
+    aligned = all(size * x.element_size() % 16 == 0 for size in weight.shape[1:])
+    return x.dtype in dtypes and aligned
 
 
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, grouped: bool = True) -> torch.Tensor:
@@ -74,11 +75,26 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *
     ``counts[e]`` rows belong to expert e, in order. Grouped GEMM takes the groups' end offsets;
     the loop (``grouped=False``, or where grouped GEMM does not apply) is the reference.
     """
-    if grouped and grouped_mm_applies(x) and weight.dtype == x.dtype:
+    if grouped and grouped_mm_applies(x, weight):
         offsets = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
     pieces = torch.split(x, counts.tolist())
-    return torch.cat([piece @ weight[e].T for e, piece in enumerate(pieces)]) if pieces else x.new_zeros(0, weight.shape[1])
+    # unbind, not weight[e]: each index's backward would add a zero gradient the size of the whole stack
+    slabs = weight.unbind(0)
+    return torch.cat([piece @ slab.T for piece, slab in zip(pieces, slabs)]) if pieces else x.new_zeros(0, weight.shape[1])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; hands grouped GEMM's backward a contiguous gradient (it refuses a broadcast one, such
+    as ``.sum()``'s, with "Invalid strides/sizes" in torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx: object, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 class Experts(nn.Module):
