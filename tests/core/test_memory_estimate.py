@@ -393,3 +393,21 @@ def test_frozen_roles_keep_their_own_lines(register_plugin, posttune_plugins, tm
     assert f"  reference (frozen, {full.parameters:,} parameters): weights" in "\n".join(full.lines())
     lora = estimate(resolve_plan(validate(dpo_config(tmp_path / "b", adapter={"rank": 4})), registry))
     assert "  reference: the policy with adapters disabled, no extra memory" in lora.lines()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
+@pytest.mark.parametrize("case", ["full", "lora"])
+def test_mixture_of_experts_estimate_is_within_15_percent_of_a_measured_training_peak(registry, tmp_path, case):
+    """A 13M-parameter Mixtral (hidden 256, 4 layers of 8 experts of width 256, top-2, vocab 8192) at
+    4 x 256 tokens: every expert's weights, gradients and AdamW state (full fine-tuning), or the
+    frozen experts under LoRA on attention, and a token's path through two experts as the MLP width."""
+    model = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 256, "num_layers": 4, "num_heads": 8,
+             "num_kv_heads": 4, "head_dim": 32, "num_experts": 8, "top_k": 2}
+    adapter = {"adapter": {"rank": 16, "alpha": 32}} if case == "lora" else {}
+    config = text_config(tmp_path, model, batch=4, seq=256, **adapter)
+    config["model"]["family"] = "mixtral"
+    est = estimate(resolve_plan(validate(config), registry))
+    assert est.models[0].parameters > 8 * 4 * 3 * 256 * 256  # the experts are counted
+    peak = min(measured_peak(config), measured_peak(config))
+    assert abs(est.total / peak - 1) < 0.15, f"estimate {est.total / MIB:.0f} MiB, measured {peak / MIB:.0f} MiB"
