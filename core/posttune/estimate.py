@@ -125,6 +125,14 @@ class Estimate:
     def total(self) -> int:
         return sum(self.components().values())
 
+    def sharded(self, degree: int) -> Estimate:
+        """This estimate with 1/``degree`` of the weights, gradients and optimizer state of every model the
+        run's plans act on (``run_plans``) on each process: a plan's term for what it shards."""
+        models = tuple(replace(m, weights_bytes=m.weights_bytes // degree, gradient_bytes=m.gradient_bytes // degree,
+                               optimizer_bytes=m.optimizer_bytes // degree) if m.run_plans else m
+                       for m in self.models)
+        return replace(self, models=models, shards=self.shards * degree)
+
     def lines(self) -> list[str]:
         per = f"per process ({self.shards} shards)" if self.shards > 1 else "per process"
         parts = self.components()

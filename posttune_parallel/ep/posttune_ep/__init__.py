@@ -53,11 +53,9 @@ def validate(config: RunConfig) -> None:
 def estimate(est: Estimate, plan: Any) -> Estimate:
     """Each ``ep`` rank holds 1/ep of the experts, and FSDP2 shards the rest over ``dp_shard x ep``:
     together, 1/ep of what FSDP2's own term left (which divides by ``dp_shard``)."""
-    degree = plan.mesh.get(MESH_DIM.name, 1)
-    models = tuple(replace(m, weights_bytes=m.weights_bytes // degree, gradient_bytes=m.gradient_bytes // degree,
-                           optimizer_bytes=m.optimizer_bytes // degree) if m.run_plans else m for m in est.models)
-    notes = est.notes + ("ep's all-to-all buffers (each rank's routed rows, twice per MoE layer) are not counted",)
-    return replace(est, models=models, shards=est.shards * degree, notes=notes)
+    est = est.sharded(plan.mesh.get(MESH_DIM.name, 1))
+    note = "ep's all-to-all buffers (each rank's routed rows, twice per MoE layer) are not counted"
+    return replace(est, notes=(*est.notes, note))
 
 
 PLAN = ParallelPlan(

@@ -54,13 +54,11 @@ def init_device(options: FSDP2Options) -> str | None:
 def estimate(est: Estimate, plan: Any) -> Estimate:
     """`posttune plan`'s memory estimate: each process holds 1/degree of every model's weights, gradients
     and optimizer state (of this plan's mesh dimension; frozen roles are sharded the same way)."""
-    degree = plan.mesh.get(MESH_DIM.name, 1)
-    models = tuple(replace(m, weights_bytes=m.weights_bytes // degree, gradient_bytes=m.gradient_bytes // degree,
-                           optimizer_bytes=m.optimizer_bytes // degree) if m.run_plans else m for m in est.models)
-    notes = est.notes
+    est = est.sharded(plan.mesh.get(MESH_DIM.name, 1))
     if plan.parallel_options["fsdp2"].cpu_offload and est.device != "cpu":  # not measured: counted as if on the GPU
-        notes += ("fsdp2's cpu_offload keeps the sharded weights, gradients and optimizer state above in CPU memory",)
-    return replace(est, models=models, shards=est.shards * degree, notes=notes)
+        note = "fsdp2's cpu_offload keeps the sharded weights, gradients and optimizer state above in CPU memory"
+        est = replace(est, notes=(*est.notes, note))
+    return est
 
 
 PLAN = ParallelPlan(
