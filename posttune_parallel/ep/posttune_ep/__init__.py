@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from posttune import hookimpl
-from posttune.plugin import ConfigError, Estimate, MeshDim, ModelTarget, ParallelPlan, RunConfig, Session
+from posttune.plugin import (ConfigError, Estimate, MeshDim, ModelTarget, ParallelPlan, RunConfig, Session,
+                             registering)
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
@@ -69,7 +69,4 @@ PLAN = ParallelPlan(
     description="expert parallelism: each MoE layer's experts split over ep, tokens sent to them with all-to-all",
 )
 
-
-@hookimpl
-def posttune_register_parallel_plans(register):
-    register(PLAN)
+posttune_register_parallel_plans = registering((PLAN,))
