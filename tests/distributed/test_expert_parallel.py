@@ -1,5 +1,5 @@
-"""Expert parallelism (posttune-ep) trains exactly like one process, resumes after a kill -9, and
-refuses what it cannot split (gloo on CPU, fp32; docs/moe.md).
+"""Expert parallelism (posttune-ep), and tensor parallelism on a mixture of experts, train exactly like
+one process; an EP run resumes after a kill -9 (gloo on CPU, fp32; docs/moe.md).
 
 The checkpoint is a tiny Qwen3-MoE whose routing is skewed on purpose: every token's two
 experts are experts 0 and 1, so with ep=2 rank 1 (experts 4-7) and with ep=4 ranks 1-3 receive
@@ -26,12 +26,21 @@ from posttune.testing.tiny import TINY, tiny_hf_model
 pytestmark = pytest.mark.slow
 
 TOL = 1e-5
+#: saved weights under TP: its all-reduces sum in another order, and Adam's division by the root of
+#: the second moment magnifies that rounding where a gradient is near zero (1.1e-5 seen on q_proj
+#: after 3 steps); losses and gradient norms still agree within TOL
+TP_WEIGHTS_TOL = 5e-5
 EP = {"plans": ["fsdp2", "ep"]}
 LORA = {"rank": 4, "alpha": 8}
 RUNS = {
     "ep2": dict(nproc=2, batch_size=4, parallel={**EP, "dims": {"ep": 2}}),
     "ep4": dict(nproc=4, batch_size=2, parallel={**EP, "dims": {"ep": 4}}),
     "ep2_x_dp_shard2": dict(nproc=4, batch_size=2, parallel={**EP, "dims": {"ep": 2, "dp_shard": 2}}),
+    # TP splits the attention (Qwen3's per-head q/k norms included); each MoE layer runs whole per TP rank
+    "tp2": dict(nproc=2, batch_size=8, parallel={"plans": ["tp"]}),
+    "tp2_no_sequence_parallel": dict(nproc=2, batch_size=8, parallel={"plans": ["tp"], "options": {
+        "tp": {"sequence_parallel": False}}}),
+    "ep2_x_tp2": dict(nproc=4, batch_size=4, parallel={"plans": ["fsdp2", "ep", "tp"], "dims": {"ep": 2, "tp": 2}}),
 }
 
 
@@ -73,7 +82,7 @@ def ep_runs(skewed, tmp_path_factory):
     return run
 
 
-def assert_same_run(run: Path, reference: Path, weights: str) -> None:
+def assert_same_run(run: Path, reference: Path, weights: str, weights_tol: float = TOL) -> None:
     got, want = metrics(run), metrics(reference)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
     for a, b in zip(got, want):
@@ -84,7 +93,7 @@ def assert_same_run(run: Path, reference: Path, weights: str) -> None:
     saved, expected = load_file(run / weights), load_file(reference / weights)
     assert saved.keys() == expected.keys()
     for key, tensor in expected.items():
-        assert (saved[key] - tensor).abs().max().item() <= TOL, key
+        assert (saved[key] - tensor).abs().max().item() <= weights_tol, key
 
 
 def test_routing_is_skewed_onto_two_experts(skewed):
@@ -99,7 +108,8 @@ def test_routing_is_skewed_onto_two_experts(skewed):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_full_finetuning_matches_one_process(ep_runs, name):
     reference = ep_runs("single", batch_size=8)
-    assert_same_run(ep_runs(name, **RUNS[name]), reference, "model/model.safetensors")
+    tol = TP_WEIGHTS_TOL if "tp" in RUNS[name]["parallel"]["plans"] else TOL
+    assert_same_run(ep_runs(name, **RUNS[name]), reference, "model/model.safetensors", tol)
 
 
 def test_lora_matches_one_process(ep_runs):

@@ -89,3 +89,18 @@ def test_lora_adapter_from_a_sharded_run_loads_in_peft(runs):
     for key, tensor in saved.items():
         peft_key = key.replace(".weight", ".default.weight")
         assert torch.equal(loaded[peft_key], tensor), key
+
+
+QWEN3 = {"family": "qwen3", "size": "tiny", "build_overrides": {"vocab_size": 384}}
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_qwen3_tp_sums_its_per_head_norm_gradients_and_matches_one_process(runs, sequence_parallel):
+    """Qwen3's q/k norms act on each head, so each TP rank's gradient for their (replicated) weight
+    covers its own heads only: summed over the ranks, the run matches one process."""
+    reference = runs("qwen3_single", batch_size=8, model=QWEN3)
+    options = {"tp": {"sequence_parallel": sequence_parallel}}
+    run = runs(f"qwen3_tp_sp{int(sequence_parallel)}", nproc=2, batch_size=8, model=QWEN3,
+               parallel={"plans": ["tp"], "options": options})
+    assert_same_curve(metrics(run), metrics(reference))
+    assert_same_tensors(run / "model" / "model.safetensors", reference / "model" / "model.safetensors")

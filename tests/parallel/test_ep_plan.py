@@ -39,7 +39,8 @@ def test_ep_sits_inside_dp_shard_and_splits_the_batch(plugins):
     plan = plan_for(8, {"plans": ["ep", "fsdp2"], "dims": {"ep": 4}})
     assert list(plan.mesh.items()) == [("dp_shard", 2), ("ep", 4)]
     assert plan.mesh_dims["ep"].splits == "batch"
-    assert [p.descriptor.name for p in plan.parallel] == ["ep", "fsdp2"]  # experts split before FSDP2 wraps
+    # the parallelize stage runs them by order: the experts are split before FSDP2 wraps them
+    assert [p.descriptor.name for p in sorted(plan.parallel, key=lambda r: r.descriptor.order)] == ["ep", "fsdp2"]
 
 
 def test_ep_must_divide_the_expert_count(plugins):
@@ -75,10 +76,13 @@ def test_importing_the_plugin_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_tp_on_a_mixture_of_experts_is_refused_until_it_splits_one(register_plugin, plugins):
+def test_ep_splits_the_experts_before_tp_splits_the_attention(register_plugin, plugins):
     import posttune_tp
 
     register_plugin(posttune_tp, distribution="posttune-tp", version="0.1.0")
-    with pytest.raises(ConfigError, match=r"^config: parallel\.plans: tp does not split a mixture of experts' "
-                                          r"layers yet \(qwen3_moe\); use fsdp2 with ep instead"):
-        plan_for(2, {"plans": ["tp"]})
+    plan = plan_for(8, {"plans": ["tp", "fsdp2", "ep"], "dims": {"ep": 2, "tp": 2}})
+    assert list(plan.mesh.items()) == [("dp_shard", 2), ("ep", 2), ("tp", 2)]
+    assert [p.descriptor.name for p in sorted(plan.parallel, key=lambda r: r.descriptor.order)] == ["ep", "tp", "fsdp2"]
+    styles = posttune_qwen.QWEN3_MOE.tp_plan
+    assert styles["layers.*.mlp"] == "replicated" and styles["layers.*.attn.q_norm"] == "per_head"
+    assert not any(".mlp." in pattern for pattern in styles)

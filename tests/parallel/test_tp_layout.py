@@ -115,7 +115,8 @@ def test_without_sequence_parallelism_norms_replicate_and_one_token_steps_work(t
     reference = tiny()
     model = tiny()
     session = apply(session_for(model, tp_mesh, sequence_parallel=False))
-    assert not isinstance(model.layers[0].attn_norm.weight, DTensor)  # the norm is left alone
+    norm = model.layers[0].attn_norm.weight  # the norm runs whole on each rank, its weight a replicated DTensor
+    assert isinstance(norm, DTensor) and tuple(norm.placements) == (Replicate(),)
     assert session.step_contexts == []  # no sequence padding either
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     got = generate_batch(model, prompts, max_new_tokens=4).tokens

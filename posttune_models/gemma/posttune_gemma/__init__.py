@@ -14,7 +14,7 @@ from posttune.plugin import DECODER_LINEAR_LAYERS, CheckpointConverter, ModelFam
 from posttune_gemma import config, hf
 from posttune_gemma.model import build
 from posttune_gemma.sizes import GEMMA2_SIZES, GEMMA3_SIZES, GEMMA_SIZES
-from posttune_gemma.tp_plan import GEMMA2_TP_PLAN, GEMMA_TP_PLAN
+from posttune_gemma.tp_plan import GEMMA2_TP_PLAN, GEMMA3_TP_PLAN, GEMMA_TP_PLAN
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
@@ -34,7 +34,7 @@ def _family(name: str, sizes: Any, tp_plan: Any, description: str) -> ModelFamil
 GEMMA = _family("gemma", GEMMA_SIZES, GEMMA_TP_PLAN, "Gemma 2B, 7B (GemmaForCausalLM)")
 GEMMA2 = _family("gemma2", GEMMA2_SIZES, GEMMA2_TP_PLAN,
                  "Gemma 2 (Gemma2ForCausalLM: soft-capping, alternating sliding-window layers)")
-GEMMA3 = _family("gemma3", GEMMA3_SIZES, GEMMA2_TP_PLAN,
+GEMMA3 = _family("gemma3", GEMMA3_SIZES, GEMMA3_TP_PLAN,
                  "Gemma 3 text (Gemma3ForCausalLM: q/k norms, local and global RoPE)")
 FAMILIES = (GEMMA, GEMMA2, GEMMA3)
 CONVERTERS = tuple(

@@ -4,7 +4,7 @@ The Llama plan (q/k/v and gate/up colwise, o/down rowwise, norms sequence-parall
 rowwise and output colwise over the vocabulary) plus Gemma 2/3's post-norms, which sit between
 a rowwise projection and the residual and so run sequence-parallel like the pre-norms.
 Gemma 3's q/k norms act on whole heads after the colwise split: each rank normalises its own
-heads with the full (replicated) weight, so they need no style. Soft-capping and the explicit
+heads with the full (replicated) weight, whose gradient is summed over the ranks (``per_head``). Soft-capping and the explicit
 attention path are per-head and per-token, so a head shard runs them unchanged.
 """
 
@@ -20,3 +20,7 @@ GEMMA2_TP_PLAN: dict[str, str] = {
     "layers.*.attn_post_norm": "sequence_parallel",
     "layers.*.mlp_post_norm": "sequence_parallel",
 }
+
+#: Gemma 3: the same, plus its per-head q/k norms
+GEMMA3_TP_PLAN: dict[str, str] = {**GEMMA2_TP_PLAN, "layers.*.attn.q_norm": "per_head",
+                                  "layers.*.attn.k_norm": "per_head"}

@@ -19,7 +19,7 @@ from posttune.plugin import (DECODER_LINEAR_LAYERS, CheckpointConverter, ExpertK
                              decoder_keys, registering)
 from posttune_qwen import config
 from posttune_qwen.sizes import QWEN2_MOE_SIZES, QWEN2_SIZES, QWEN3_MOE_SIZES, QWEN3_SIZES
-from posttune_qwen.tp_plan import MOE_TP_PLAN, TP_PLAN
+from posttune_qwen.tp_plan import TP_PLANS
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
@@ -56,7 +56,7 @@ def _qwen(name: str, sizes: Any, description: str) -> tuple[ModelFamily, Checkpo
     family = ModelFamily(name=name, architectures=(config.ARCHITECTURES[name],), build=_builder(name),
                          from_hf_config=partial(config.from_hf_config, family=name),
                          to_hf_config=partial(config.to_hf_config, family=name), sizes=sizes,
-                         tp_plan=MOE_TP_PLAN if moe else TP_PLAN, lora_targets=MOE_LORA_TARGETS.get(name, LORA_TARGETS),
+                         tp_plan=TP_PLANS[name], lora_targets=MOE_LORA_TARGETS.get(name, LORA_TARGETS),
                          description=description)
     what = "per-expert tensors stacked" if moe else "no RoPE permutation needed"
     return family, CheckpointConverter(family=name, format="hf", to_native=keys.to_native,

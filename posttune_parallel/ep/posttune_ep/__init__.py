@@ -22,7 +22,7 @@ from posttune.plugin import (ConfigError, Estimate, MeshDim, ModelTarget, Parall
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
-ORDER = 25  # after TP (10) and CP (20), before activation checkpointing (50) and FSDP2 (100), which wraps the shards
+ORDER = 8  # before TP (10), which leaves the experts to it, and before FSDP2 (100), which wraps the shards
 #: inside dp_shard (10): the all-to-all of every MoE layer wants faster links than the gradient reduce
 MESH_DIM = MeshDim("ep", order=15, splits="batch")
 

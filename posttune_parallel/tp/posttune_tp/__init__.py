@@ -48,9 +48,6 @@ def validate(config: RunConfig) -> None:
     from posttune.plugin import model_kwargs
 
     kwargs = model_kwargs(config)
-    if kwargs.get("num_experts"):  # a mixture of experts (the families' build kwargs name their expert count)
-        raise ConfigError("parallel.plans", f"tp does not split a mixture of experts' layers yet "
-                                            f"({config.model.family or 'this model'}); use fsdp2 with ep instead")
     heads = kwargs.get("num_heads")
     kv_heads = kwargs.get("num_kv_heads") or heads
     for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):

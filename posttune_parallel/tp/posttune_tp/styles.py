@@ -11,6 +11,13 @@ Styles, as in torchtitan's Llama plan (Megatron-LM's layout with sequence parall
 ``colwise_vocab_sharded``  the head's logits stay split over the vocabulary as a DTensor
                        (``Shard(-1)``), for vocabulary-parallel cross-entropy (posttune-loss-parallel
                        sets it on the head through ``parallel.options.tp.styles``).
+``replicated``         a block TP does not split (a mixture of experts) runs whole on every TP
+                       rank: its input gathered, its parameters replicated DTensors used as local
+                       tensors, its output split again. Every rank computes the same output and
+                       the same gradients, so nothing is reduced.
+``per_head``           a module acting on each attention head alone (Qwen3's and Gemma 3's q/k
+                       norms) runs on the rank's own heads with its replicated weight; the
+                       weight's gradient is summed over the TP ranks, since each saw other heads.
 
 With any ``sequence_parallel`` entry the residual stream between blocks is split over the
 sequence: rowwise layers reduce-scatter into ``Shard(1)``, and a block whose projections are
@@ -32,8 +39,9 @@ import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -44,7 +52,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from posttune.plugin import LoRALinear, ModelTarget, PosttuneError, Session, padded_sequence, tie_groups
 
-STYLES = ("colwise", "rowwise", "sequence_parallel", "colwise_vocab_sharded")
+STYLES = ("colwise", "rowwise", "sequence_parallel", "colwise_vocab_sharded", "replicated", "per_head")
 SEQ = Shard(1)  # the sequence dimension of [batch, seq, hidden] activations
 
 
@@ -53,8 +61,8 @@ def apply_tp(session: Session, target: ModelTarget) -> None:
     model = target.model
     options = session.plan.parallel_options["tp"]
     plan = dict(target.family.tp_plan)
-    if not options.sequence_parallel:
-        plan = {pattern: style for pattern, style in plan.items() if style != "sequence_parallel"}
+    if not options.sequence_parallel:  # the norms run whole on every rank; their weights stay DTensors like the rest
+        plan = {pattern: "replicated" if style == "sequence_parallel" else style for pattern, style in plan.items()}
     styles = resolve(model, plan, options.styles, target.family.name)
     sequence_parallel = "sequence_parallel" in styles.values()
     ties = tie_groups(model)
@@ -101,6 +109,10 @@ def resolve(model: nn.Module, plan: Mapping[str, str], overrides: Mapping[str, s
 
 def torch_style(style: str, module: nn.Module, sequence_parallel: bool, *, top_level: bool) -> ParallelStyle:
     between_blocks = SEQ if sequence_parallel else Replicate()  # layout of the residual stream
+    if style == "replicated":
+        return RunWhole(between_blocks)
+    if style == "per_head":
+        return RunWhole(None)
     if style == "sequence_parallel":
         return SequenceParallel()
     if style == "rowwise":
@@ -148,6 +160,72 @@ class Replicated(ParallelStyle):
             return output.to_local() if self.use_local_output else output
 
         return distribute_module(module, device_mesh, None, input_fn, output_fn)
+
+
+class RunWhole(ParallelStyle):
+    """The ``replicated`` and ``per_head`` styles (see the module docstring): the module's own forward,
+    unchanged, on local tensors. ``torch.func.functional_call`` hands it the local parts of its
+    replicated parameters, so their gradients flow back to the DTensors. ``between_blocks``: the
+    residual stream's layout, gathered on entry and restored on exit (``replicated``); None for a
+    module on the rank's own heads (``per_head``), whose gradients are then summed over the ranks."""
+
+    def __init__(self, between_blocks: Any):
+        super().__init__()
+        self.between_blocks = between_blocks
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        for owner in module.modules():
+            for name, param in list(owner.named_parameters(recurse=False)):
+                if isinstance(param, DTensor):  # another plan's split (experts over ep): used as its local part
+                    continue
+                replicated = distribute_tensor(param.data, device_mesh, [Replicate()])
+                setattr(owner, name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        layout, running, group = self.between_blocks, {"inside": False}, device_mesh.get_group()
+        own_forward = type(module).forward
+
+        def local(param: torch.Tensor) -> torch.Tensor:
+            if not isinstance(param, DTensor):
+                return param
+            if layout is not None or device_mesh.mesh_dim_names != param.device_mesh.mesh_dim_names:
+                return param.to_local()
+            return _SumGrad.apply(param.to_local(), group)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if running["inside"]:  # functional_call's own call of the module
+                return own_forward(module, *args, **kwargs)
+            first = args[0]
+            if layout is not None:
+                if not isinstance(first, DTensor):
+                    first = DTensor.from_local(first, device_mesh, [layout], run_check=False)
+                first = first.redistribute(device_mesh, [Replicate()]).to_local()
+            params = {name: local(p) for name, p in module.named_parameters()}
+            running["inside"] = True
+            try:
+                out = torch.func.functional_call(module, params, (first, *args[1:]), kwargs)
+            finally:
+                running["inside"] = False
+            if layout is None:
+                return out
+            out = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
+            return out.redistribute(device_mesh, [layout]).to_local()
+
+        module.forward = forward
+        return module
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity; the gradient summed over ``group`` (a weight each rank applied to its own heads)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def gather_sequence_on_entry(block: nn.Module, mesh: Any) -> None:
