@@ -38,12 +38,12 @@ def assert_same_curve(run: list[dict], reference: list[dict]) -> None:
         assert abs(got["grad_norm"] - want["grad_norm"]) <= TOL * max(1.0, want["grad_norm"]), got["step"]
 
 
-def assert_same_tensors(path, reference_path) -> None:
+def assert_same_tensors(path, reference_path, tol: float = TOL) -> None:
     got, want = load_file(path), load_file(reference_path)
     assert got.keys() == want.keys()
     for key, tensor in want.items():
         assert got[key].shape == tensor.shape, key
-        assert (got[key] - tensor).abs().max().item() <= TOL, key
+        assert (got[key] - tensor).abs().max().item() <= tol, key
 
 
 @pytest.mark.parametrize("name", list(FULL_RUNS))
@@ -91,16 +91,20 @@ def test_lora_adapter_from_a_sharded_run_loads_in_peft(runs):
         assert torch.equal(loaded[peft_key], tensor), key
 
 
-QWEN3 = {"family": "qwen3", "size": "tiny", "build_overrides": {"vocab_size": 384}}
+TP_FAMILIES = [("qwen3", True), ("qwen3", False), ("gemma2", True), ("gemma3", True)]
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_qwen3_tp_sums_its_per_head_norm_gradients_and_matches_one_process(runs, sequence_parallel):
-    """Qwen3's q/k norms act on each head, so each TP rank's gradient for their (replicated) weight
-    covers its own heads only: summed over the ranks, the run matches one process."""
-    reference = runs("qwen3_single", batch_size=8, model=QWEN3)
+@pytest.mark.parametrize(("family", "sequence_parallel"), TP_FAMILIES)
+def test_tp_on_per_head_norms_and_post_norms_matches_one_process(runs, family, sequence_parallel):
+    """Qwen3's and Gemma 3's q/k norms act on each head, so each TP rank's gradient for their replicated
+    weight covers its own heads only (summed over the ranks); Gemma 2/3's post-norms join the
+    residual stream as its sequence shard. Both used to fail or drift; each matches one process."""
+    model = {"family": family, "size": "tiny", "build_overrides": {"vocab_size": 384}}
+    reference = runs(f"{family}_single", batch_size=8, model=model)
     options = {"tp": {"sequence_parallel": sequence_parallel}}
-    run = runs(f"qwen3_tp_sp{int(sequence_parallel)}", nproc=2, batch_size=8, model=QWEN3,
+    run = runs(f"{family}_tp_sp{int(sequence_parallel)}", nproc=2, batch_size=8, model=model,
                parallel={"plans": ["tp"], "options": options})
     assert_same_curve(metrics(run), metrics(reference))
-    assert_same_tensors(run / "model" / "model.safetensors", reference / "model" / "model.safetensors")
+    # Adam's division by the root of the second moment magnifies the all-reduces' other summation
+    # order where a gradient is near zero (2e-5 seen on Gemma 2 after 4 steps); losses agree within TOL
+    assert_same_tensors(run / "model" / "model.safetensors", reference / "model" / "model.safetensors", 5e-5)

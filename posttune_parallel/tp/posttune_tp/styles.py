@@ -113,8 +113,8 @@ def torch_style(style: str, module: nn.Module, sequence_parallel: bool, *, top_l
         return RunWhole(between_blocks)
     if style == "per_head":
         return RunWhole(None)
-    if style == "sequence_parallel":
-        return SequenceParallel()
+    if style == "sequence_parallel":  # local output: a post-norm's joins the residual stream, a plain tensor
+        return SequenceParallel(use_local_output=True)
     if style == "rowwise":
         if isinstance(module, nn.Embedding):
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
