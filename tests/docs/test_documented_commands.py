@@ -125,6 +125,10 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
     "a new plugin (docs/plugins.md)": [
         ("posttune new plugin my-loss --kind method", ""),
     ],
+    "the mixture-of-experts recipes (docs/moe.md)": [
+        # Mixtral 8x7B from the hub on a GPU: validated as documented, not trained
+        ("posttune train mixtral-8x7b-qlora", "VALIDATE"),
+    ],
     "the qwen3 GSM8K recipe's overrides (docs/grpo.md)": [
         # a 0.6B hub model on GPUs: validated with the documented overrides, not trained
         ("posttune train qwen3-0.6b-grpo-gsm8k method.micro_batch_size=8 train.grad_accum_steps=8 "
@@ -140,6 +144,9 @@ NOT_RUN: dict[str, str] = {
     "posttune train my.yaml --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 "
     "--rdzv-id my-run": "two machines",
     "python -m posttune_grpo.example make-data": "rewrites the package's bundled files in place",
+    "posttune train qwen3-30b-a3b-lora --nproc-per-node 8 --standalone":
+        "8 GPUs and a hub checkpoint; tests/models/test_qwen_configs.py validates the recipe and "
+        "tests/distributed/test_expert_parallel.py runs fsdp2 + ep under the launcher",
     "posttune eval --model runs/sft/model --tasks arc_easy,hellaswag --limit 200 --output eval.json":
         "hub datasets; tests/lmeval compares local tasks with lm-eval's HF model",
     "posttune eval --adapter runs/lora/adapter --tasks arc_easy --num-fewshot 5 --batch-size 16":
@@ -148,6 +155,7 @@ NOT_RUN: dict[str, str] = {
 #: documented commands another test runs: command -> (test file, a string that file must hold)
 ELSEWHERE: dict[str, tuple[str, str]] = {
     "posttune train rank.yaml": ("plugins/template/tests/test_template.py", "toy_rank"),
+    "posttune train mixtral-tiny-reverse": ("tests/models/test_moe_example.py", '"mixtral-tiny-reverse"'),
     "posttune validate rank.yaml method.scale=-1": ("plugins/template/tests/test_template.py", "method.scale=-1"),
 }
 
