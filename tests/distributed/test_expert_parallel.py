@@ -134,3 +134,18 @@ def test_kill_9_and_resume_is_bitwise_the_uninterrupted_run(ep_runs, skewed, tmp
     train(config, "checkpoint.resume=latest", nproc=2)
     keys = ("step", "loss", "grad_norm", "aux_loss")
     assert [[r[k] for k in keys] for r in metrics(out)] == [[r[k] for k in keys] for r in metrics(straight)]
+
+
+def test_the_aux_loss_joins_a_loss_parallel_loss(runs):
+    """Under loss parallelism the loss is a replicated DTensor; the aux loss joins it as one (a random
+    tiny Qwen3-MoE: the skewed checkpoint's large logits round differently in the vocabulary-split loss)."""
+    model = {"family": "qwen3_moe", "size": "tiny", "build_overrides": {"vocab_size": 384}}
+    reference = runs("qwen3_moe_single", batch_size=8, model=model)
+    run = runs("qwen3_moe_tp2_loss_parallel", nproc=2, batch_size=8, model=model,
+               parallel={"plans": ["tp", "loss_parallel"]})
+    got, want = metrics(run), metrics(reference)
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want):
+        assert abs(a["loss"] - b["loss"]) <= TOL, a["step"]
+        # a random router has near-ties: rounding may move one token's second expert (2e-4 of aux seen)
+        assert abs(a["aux_loss"] - b["aux_loss"]) <= 1e-3, a["step"]

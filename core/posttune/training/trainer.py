@@ -148,6 +148,11 @@ def with_aux_loss(session: Session, out: Any) -> Any:
     if aux is None:
         return out
     loss, metrics = aux
+    if distributed.is_dtensor(out.loss_sum):  # loss parallel: a replicated DTensor (every rank's aux is the same)
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = out.loss_sum.device_mesh
+        loss = DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return dataclasses.replace(out, loss_sum=out.loss_sum + loss * out.normaliser, metrics={**out.metrics, **metrics})
 
 
