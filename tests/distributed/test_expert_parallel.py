@@ -145,7 +145,10 @@ def test_the_aux_loss_joins_a_loss_parallel_loss(runs):
                parallel={"plans": ["tp", "loss_parallel"]})
     got, want = metrics(run), metrics(reference)
     assert len(got) == len(want) == 4
+    # a random router has near-ties: after the first update, rounding in the vocabulary-split loss may
+    # move one token's second expert (2e-4 of aux, then 3e-5 of loss by step 4 seen); the skewed runs
+    # above hold 1e-5 throughout because their routing has no ties
     for a, b in zip(got, want):
-        assert abs(a["loss"] - b["loss"]) <= TOL, a["step"]
-        # a random router has near-ties: rounding may move one token's second expert (2e-4 of aux seen)
-        assert abs(a["aux_loss"] - b["aux_loss"]) <= 1e-3, a["step"]
+        tol = TOL if a["step"] == 1 else 1e-4
+        assert abs(a["loss"] - b["loss"]) <= tol, a["step"]
+        assert abs(a["aux_loss"] - b["aux_loss"]) <= 10 * tol, a["step"]
