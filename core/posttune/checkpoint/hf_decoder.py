@@ -106,7 +106,7 @@ class ExpertKeys:
     other tensor goes through ``keys`` (which maps the router, shared experts and dense layers).
 
     ``names``: HF name -> native stacked parameter (``{"w1": "gate_proj", "w3": "up_proj",
-    "w2": "down_proj"}`` for Mixtral); ``count_fields``: where config.json gives the expert count
+    "w2": "down_proj"}`` for a family with its own names); ``count_fields``: where config.json gives the expert count
     (the first present wins).
     """
 
@@ -116,12 +116,16 @@ class ExpertKeys:
     names: Mapping[str, str] = field(default_factory=lambda: {name: name for name in EXPERT_WEIGHTS})
     _hf: re.Pattern = field(init=False, repr=False)
     _native: re.Pattern = field(init=False, repr=False)
+    _hf_names: dict[str, str] = field(init=False, repr=False)  # native stacked parameter -> HF name
+    _parts: dict[tuple[str, str, int], tuple[str, ...]] = field(init=False, repr=False)  # built once per stack
 
     def __post_init__(self) -> None:
         hf = re.escape(f"{self.keys.hf_layers}") + r"(\d+)\." + re.escape(self.block) + r"\.experts\.(\d+)\.(\w+)\.weight"
         native = re.escape(self.keys.native_layers) + r"(\d+)\.mlp\.experts\.(\w+)"
         object.__setattr__(self, "_hf", re.compile(hf))
         object.__setattr__(self, "_native", re.compile(native))
+        object.__setattr__(self, "_hf_names", {native: hf for hf, native in self.names.items()})
+        object.__setattr__(self, "_parts", {})
 
     def count(self, hf_config: Mapping[str, Any]) -> int:
         count = next((hf_config[f] for f in self.count_fields if hf_config.get(f) is not None), None)
@@ -130,8 +134,7 @@ class ExpertKeys:
         return count
 
     def hf_key(self, layer: str, expert: int, native: str) -> str:
-        hf_name = next(hf for hf, name in self.names.items() if name == native)
-        return f"{self.keys.hf_layers}{layer}.{self.block}.experts.{expert}.{hf_name}.weight"
+        return f"{self.keys.hf_layers}{layer}.{self.block}.experts.{expert}.{self._hf_names[native]}.weight"
 
     def to_native(self, key: str, tensor: Any, hf_config: Mapping[str, Any]) -> Any:
         match = self._hf.fullmatch(key)
@@ -142,7 +145,9 @@ class ExpertKeys:
         if int(expert) >= count:
             raise PosttuneError(f"checkpoint tensor '{key}': expert {expert} of a model with {count} experts "
                                 f"(config.json '{self.count_fields[0]}')")
-        parts = tuple(self.hf_key(layer, e, native) for e in range(count))
+        parts = self._parts.get((layer, native, count))
+        if parts is None:  # every expert's tensor names the same parts: build them once, not once per expert
+            parts = self._parts[layer, native, count] = tuple(self.hf_key(layer, e, native) for e in range(count))
         return Join(f"{self.keys.native_layers}{layer}.mlp.experts.{native}", parts, _stack), tensor
 
     def from_native(self, key: str, tensor: Any, hf_config: Mapping[str, Any]) -> Any:

@@ -15,7 +15,7 @@ to send each token to the rank that holds its expert and back; ``Experts.compute
 experts a rank holds.
 
 Routing statistics feed the auxiliary loss. They are recorded only by forwards that build a
-graph (``torch.is_grad_enabled()``), so a frozen reference or a generation adds nothing, and
+graph (``torch.is_grad_enabled()``), so a frozen model or a generation adds nothing, and
 ``Decoder.aux_loss`` takes them (docs/architecture.md, "Auxiliary losses").
 """
 
@@ -105,7 +105,7 @@ class Experts(nn.Module):
     ``dispatch(module, rows sorted by expert, counts per expert) -> their outputs``, when a plan
     sets it, replaces ``compute`` (expert parallelism: the rows travel to their experts' ranks).
     ``unpack(weight) -> [experts, out, in]``, when a technique stores the frozen stacks another way
-    (QLoRA's NF4), gives each in the compute dtype, once per forward.
+    (a 4-bit format), gives each in the compute dtype, once per forward.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str = "silu",
@@ -166,7 +166,7 @@ class Routing:
 
 
 class MoE(nn.Module):
-    """Router + experts (+ a shared expert, optionally gated by ``sigmoid(shared_gate(x))``, as Qwen2-MoE).
+    """Router + experts (+ a shared expert, optionally gated by ``sigmoid(shared_gate(x))``, as some families do).
 
     ``aux_loss_coef`` weighs the load-balancing loss, ``z_loss_coef`` the router z-loss
     (``mean(logsumexp(logits)^2)``, ST-MoE); both are applied by ``Decoder.aux_loss``.
@@ -197,7 +197,7 @@ class MoE(nn.Module):
         counts = torch.bincount(experts.reshape(-1), minlength=self.router.num_experts).float()
         z_sum = torch.logsumexp(logits.float(), dim=-1).square().sum() if self.z_loss_coef else None
         step = Routing(counts, probs.sum(dim=0), probs.shape[0], z_sum)
-        if self.routing is not None:  # several forwards before the loss (DPO's chosen and rejected)
+        if self.routing is not None:  # several forwards before one loss
             old = self.routing
             z = None if z_sum is None else z_sum + old.z_sum
             step = Routing(old.counts + step.counts, old.probs + step.probs, old.rows + step.rows, z)
