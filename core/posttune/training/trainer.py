@@ -105,7 +105,8 @@ def train(session: Session) -> dict[str, Any]:
                 batch = distributed.to_device(batch, session.device)
                 # Plans' contexts (loss parallel, context parallel, sequence padding) wrap forward and backward.
                 with distributed.step_context(session, batch):
-                    pop_aux_loss(session)  # what forwards outside the loss recorded is not this batch's
+                    # drop what forwards outside the loss recorded (a checkpointed layer's recompute in backward)
+                    pop_aux_loss(session, summed=False)
                     out = with_aux_loss(session, method.loss(session, batch))
                     for hook in session.before_backward:
                         hook(session, out)
@@ -130,13 +131,14 @@ def train(session: Session) -> dict[str, Any]:
                         seconds=time.perf_counter() - run_start)
 
 
-def pop_aux_loss(session: Session) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+def pop_aux_loss(session: Session, *, summed: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
     """The policy's auxiliary loss since the last call (``Decoder.aux_loss``), its statistics summed
-    over the ranks that hold different tokens; None for a model without one (a dense decoder)."""
+    over the ranks that hold different tokens (``summed``; records only being dropped need no
+    collective); None for a model without one (a dense decoder)."""
     aux_loss = getattr(session.model, "aux_loss", None)
     if not callable(aux_loss):
         return None
-    group, size = distributed.token_group(session)
+    group, size = distributed.token_group(session) if summed else (None, 1)
     return aux_loss(distributed.summing(group) if size > 1 else None)
 
 
