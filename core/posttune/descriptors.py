@@ -359,6 +359,7 @@ class EnginePolicy:
     device: Any = None  # where to generate; None: the model's device (CPU for a built copy)
     version: int = 0  # the version of the weights it starts with (the learner's optimizer steps); -1: none yet
     options: Any = None  # the validated `engine_options` (an instance of ``GenerationEngine.config``), or None
+    sampling: Any = None  # the method's non-greedy ``Sampling`` (rollouts), for an engine that fixes settings at start
 
 
 @dataclass(frozen=True)
@@ -375,6 +376,9 @@ class GenerationEngine:
     start: Callable[[EnginePolicy], Any]
     config: type | None = None  # dataclass validated from the method's `engine_options`; given as ``policy.options``
     description: str = ""
+    #: ``check(options, sampling)`` before launch: raise a one-line error for a sampling setting the engine
+    #: cannot honour (``options`` as validated, or None; ``sampling`` the method's ``Sampling``)
+    check: Callable[[Any, Any], None] | None = None
 
 
 @dataclass(frozen=True)

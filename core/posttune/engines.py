@@ -19,12 +19,13 @@ from posttune.plugins import PLUGIN_API, hookimpl
 POSTTUNE_PLUGIN_API = PLUGIN_API
 
 
-def resolve_engine(name: str, options: Mapping[str, Any] | None = None, *,
-                   where: str = "method") -> tuple[GenerationEngine, Any]:
+def resolve_engine(name: str, options: Mapping[str, Any] | None = None, *, where: str = "method",
+                   sampling: Any = None) -> tuple[GenerationEngine, Any]:
     """The engine registered as ``name``, and ``options`` validated against its ``config``.
 
     For a method's ``validate``: an unknown name or a bad option is a one-line ConfigError at
-    ``{where}.engine`` or ``{where}.engine_options`` (with a did-you-mean), before launch.
+    ``{where}.engine`` or ``{where}.engine_options`` (with a did-you-mean), before launch; so is a
+    ``sampling`` (the method's ``Sampling``) that the engine's ``check`` refuses.
     """
     from posttune.config.typed import from_dict
     from posttune.plugins import get_registry
@@ -36,24 +37,33 @@ def resolve_engine(name: str, options: Mapping[str, Any] | None = None, *,
         raise ConfigError(f"{where}.engine", str(exc)) from None
     engine: GenerationEngine = found.descriptor
     if engine.config is not None:
-        return engine, from_dict(engine.config, dict(options or {}), f"{where}.engine_options")
-    if options:
+        settings = from_dict(engine.config, dict(options or {}), f"{where}.engine_options")
+    elif options:
         raise ConfigError(f"{where}.engine_options", f"generation engine '{name}' ({found.provenance}) takes no "
                                                      "options")
-    return engine, None
+    else:
+        settings = None
+    if sampling is not None and engine.check is not None:
+        try:
+            engine.check(settings, sampling)
+        except PosttuneError as exc:
+            raise ConfigError(f"{where}.engine", f"generation engine '{name}': {exc}") from None
+    return engine, settings
 
 
-def start_engine(name: str, options: Mapping[str, Any] | None, policy: Any, *, where: str = "method") -> Any:
+def start_engine(name: str, options: Mapping[str, Any] | None, policy: Any, *, where: str = "method",
+                 sampling: Any = None) -> Any:
     """The engine ``name`` started on ``policy``: an ``EnginePolicy``, or a ``Session`` for the policy
-    that trains in this process (the live model, at the session's step)."""
-    engine, settings = resolve_engine(name, options, where=where)
+    that trains in this process (the live model, at the session's step). ``sampling``: the method's
+    non-greedy ``Sampling``, for an engine that fixes settings when it starts (``EnginePolicy.sampling``)."""
+    engine, settings = resolve_engine(name, options, where=where, sampling=sampling)
     if not isinstance(policy, EnginePolicy):
         from posttune.checkpoint.origin import origin_of
 
         origin = origin_of(policy.model)
         policy = EnginePolicy(origin.family, origin.build_kwargs, model=policy.model, source=origin.source,
                               device=policy.device, version=policy.step)
-    return engine.start(dataclasses.replace(policy, options=settings))
+    return engine.start(dataclasses.replace(policy, options=settings, sampling=sampling or policy.sampling))
 
 
 def _builtin(policy: EnginePolicy) -> Any:

@@ -43,6 +43,9 @@ NAMES: dict[str, dict[str, str]] = {
     "quantized_format": {
         "torchao": "posttune-torchao",
     },
+    "generation_engine": {
+        "vllm": "posttune-vllm",
+    },
     "memory_technique": {
         "qlora_nf4": "posttune-torchao",
         "qat": "posttune-torchao",

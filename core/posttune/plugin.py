@@ -70,10 +70,11 @@ _LAZY: dict[str, str] = {
     # the Hugging Face names and config.json fields of posttune.modules' decoder, for Llama-like families
     **dict.fromkeys(["ExpertKeys", "decoder_hf_config", "decoder_keys", "decoder_kwargs"],
                     "posttune.checkpoint.hf_decoder"),
+    "hf_tensors": "posttune.checkpoint.hf_save",  # a native state dict under HF names, for an engine's copy
     "tie_groups": "posttune.checkpoint.materialize",
     # adapters
-    **dict.fromkeys(["LoRALinear", "adapter_base", "adapted_modules", "load_peft_adapter", "merge_adapters"],
-                    "posttune.adapters"),
+    **dict.fromkeys(["LoRALinear", "adapter_base", "adapted_modules", "load_peft_adapter", "merge_adapters",
+                     "plain_state_dict", "save_peft_adapter"], "posttune.adapters"),
     # optimisation and heads: the head's effective (weight, bias), LoRA/DoRA folded in, for chunked losses
     "build_scheduler": "posttune.training.optim",
     "head_weight": "posttune.memory.linear_cross_entropy",

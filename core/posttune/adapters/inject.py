@@ -105,6 +105,35 @@ def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
 
 
+def plain_state_dict(model: nn.Module, *, device: torch.device | str = "cpu",
+                     adapters: bool = True) -> dict[str, torch.Tensor]:
+    """The weights as a plain model of the family holds them, on ``device``: each adapter (LoRA, DoRA)
+    folded into its base weight under the base name (``adapters=False``: left out, the base weights
+    alone), each sharded (DTensor) tensor gathered whole.
+
+    What an engine that keeps its own copy of the policy receives (``update_weights``). Gathering
+    is a collective under FSDP2 or TP: call it on every rank.
+    """
+    from posttune.training.distributed import is_dtensor
+
+    def whole(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        return (tensor.full_tensor() if is_dtensor(tensor) else tensor).to(device)
+
+    adapted = adapted_modules(model)
+    state = {}
+    with torch.no_grad():
+        for key, tensor in model.state_dict().items():
+            module, _, leaf = key.rpartition(".")
+            owner = module.removesuffix(f".{BASE}") if module.endswith(f".{BASE}") else None
+            if owner in adapted:
+                merge = adapters and leaf == "weight"
+                state[f"{owner}.{leaf}"] = whole(adapted[owner].merged_weight() if merge else tensor)
+            elif not any(key.startswith(f"{name}.") for name in adapted):
+                state[key] = whole(tensor)
+    return state
+
+
 def is_adapter_key(key: str, model: nn.Module) -> bool:
     """Whether a state-dict key of ``model`` is an adapter tensor (not a base tensor)."""
     return key in _adapter_keys(model)

@@ -139,6 +139,18 @@ def generation_config_for(origin: ModelOrigin, config: Mapping[str, Any]) -> dic
     return derived
 
 
+def hf_tensors(family: str, state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for a plain native state dict of ``family`` (``plain_state_dict``), made one at
+    a time by the family's converter (splits and joins included): for an engine that loads a
+    family's weights under Hugging Face names (vLLM), with no checkpoint written."""
+    from posttune.plugins import get_registry
+
+    converter: CheckpointConverter = get_registry().get("checkpoint_converter", f"{family}:{FORMAT}")
+    for _, hf_key, tensor in converted(state, converter, hf_config):
+        yield hf_key, tensor
+
+
 def converted(tensors: Mapping[str, torch.Tensor], converter: CheckpointConverter,
               config: Mapping[str, Any]) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(native key, HF key, tensor) for every HF tensor, in a fixed order, made one at a time."""

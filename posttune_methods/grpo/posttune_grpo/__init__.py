@@ -131,7 +131,11 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
                                                                    "sequence parallelism cannot split over the TP "
                                                                    "ranks; set it to false")
     resolve_rewards(method.rewards)
-    resolve_engine(method.engine, method.engine_options)
+    from posttune.plugin import Sampling  # torch: imported when a run is validated, not at plugin discovery
+
+    resolve_engine(method.engine, method.engine_options,
+                   sampling=Sampling(method.max_new_tokens, temperature=method.temperature, top_k=method.top_k,
+                                     top_p=method.top_p, min_p=method.min_p))
     rollout_source(method.mode).validate(config, method)
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from posttune.plugin import ConfigError, PosttuneError, RunConfig, Session
+from posttune.plugin import ConfigError, PosttuneError, RunConfig, Session, plain_state_dict
 
 from posttune_grpo.rollouts import Rollouts
 from posttune_grpo.state import count_rollouts
@@ -210,22 +210,6 @@ def start_pool(session: Session) -> tuple[ActorPool, bool]:
 
 
 @torch.no_grad()
-def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The policy's weights as a plain model holds them: LoRA/DoRA folded in, under base names."""
-    from posttune.plugin import adapted_modules
-
-    adapted = adapted_modules(model)
-    state = {}
-    for key, tensor in model.state_dict().items():
-        module, _, leaf = key.rpartition(".")
-        owner = module.removesuffix(".base") if module.endswith(".base") else None
-        if owner in adapted:
-            state[f"{owner}.{leaf}"] = (adapted[owner].merged_weight() if leaf == "weight" else tensor).detach().cpu()
-        elif not any(key.startswith(f"{name}.") for name in adapted):
-            state[key] = tensor.detach().cpu()
-    return state
-
-
 def actor_spec(session: Session) -> dict[str, Any]:
     """What an actor needs to rebuild the policy and generate as the learner would."""
     from posttune_grpo.rollouts import rollout_spec
@@ -235,7 +219,7 @@ def actor_spec(session: Session) -> dict[str, Any]:
     return {
         **rollout_spec(session),
         "family": origin.family, "build_kwargs": dict(origin.build_kwargs),
-        "engine": config.engine, "engine_options": dict(config.engine_options),
+        "engine": config.engine, "engine_options": dict(config.engine_options), "source": origin.source,
         "tokenizer": _absolute(session.config.tokenizer.path or session.config.model.path),
         "rewards": [dict(name=r.name, weight=r.weight, options=dict(r.options), timeout_s=r.timeout_s,
                          budget_s=r.budget_s) for r in config.rewards],
@@ -265,6 +249,7 @@ class Generator:
     def __init__(self, spec: dict[str, Any]):
         from posttune.plugin import EnginePolicy, load_tokenizer, start_engine
 
+        from posttune_grpo.rollouts import rollout_sampling
         from posttune_grpo.scoring import RewardSpec, resolve_rewards
 
         torch.set_num_threads(spec["threads"])
@@ -272,7 +257,9 @@ class Generator:
         self.tokenizer = load_tokenizer(spec["tokenizer"])
         # no weights yet (version -1): the learner's come by set_weights before any work
         self.engine = start_engine(spec["engine"], spec["engine_options"],
-                                   EnginePolicy(spec["family"], spec["build_kwargs"], version=-1))
+                                   EnginePolicy(spec["family"], spec["build_kwargs"], source=spec["source"],
+                                                version=-1),
+                                   sampling=rollout_sampling(spec, self.tokenizer))
         self.rewards = resolve_rewards([RewardSpec(**r) for r in spec["rewards"]])
 
     def set_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:

@@ -124,6 +124,13 @@ def rollout_spec(session: Session) -> dict[str, Any]:
     }
 
 
+def rollout_sampling(spec: dict[str, Any], tokenizer: Any) -> Any:
+    """How rollouts are sampled: the method's settings, the tokenizer's end-of-turn ids as stop tokens."""
+    from posttune.plugin import Sampling, pad_id
+
+    return Sampling(**spec["generation"], stop_token_ids=tuple(tokenizer.eos_ids), pad_id=pad_id(tokenizer))
+
+
 @torch.no_grad()
 def generate_rollouts(engine: Any, tokenizer: Any, prompts: dict[str, Any], epoch: int, rewards: list[Any],
                       spec: dict[str, Any], *, batch_std: Callable[..., Any] | None = None) -> Rollouts:
@@ -132,14 +139,14 @@ def generate_rollouts(engine: Any, tokenizer: Any, prompts: dict[str, Any], epoc
     ``batch_std(rewards, real)``: the standard deviation for ``scale_rewards: batch`` over every
     data-parallel rank (the training process's); without it, this batch's own.
     """
-    from posttune.plugin import Sampling, derive_seed, pad_id
+    from posttune.plugin import derive_seed, pad_id
 
     count, group = spec["batch_size"], spec["group_size"]
     pad = pad_id(tokenizer)
     prompt_ids, rows = padded_prompts(prompts, count, pad)
     repeated = [ids for ids in prompt_ids for _ in range(group)]
     seeds = [derive_seed(spec["seed"], epoch, max(row, 0), g) for row in rows for g in range(group)]
-    sampling = Sampling(**spec["generation"], stop_token_ids=tuple(tokenizer.eos_ids), pad_id=pad)
+    sampling = rollout_sampling(spec, tokenizer)
     out = engine.generate(repeated, sampling, seeds)
     completions = out.token_lists()
     lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)

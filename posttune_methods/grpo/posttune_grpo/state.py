@@ -36,8 +36,11 @@ def learner_engine(session: Session) -> Any:
     if state.engine is None:
         from posttune.plugin import start_engine
 
+        from posttune_grpo.rollouts import rollout_sampling, rollout_spec
+
         config = session.method_config
-        state.engine = start_engine(config.engine, config.engine_options, session)
+        state.engine = start_engine(config.engine, config.engine_options, session,
+                                    sampling=rollout_sampling(rollout_spec(session), session.tokenizer))
     if state.engine.version != session.step:
         state.engine.update_weights(None, session.step)
     return state.engine

@@ -85,7 +85,10 @@ def validate(config: RunConfig, method: KDConfig) -> None:
         raise ConfigError("parallel.options.tp.sequence_parallel", "on-policy distillation generates one token at "
                                                                    "a time, which sequence parallelism cannot split; "
                                                                    "set it to false")
-    resolve_engine(method.engine, method.engine_options)
+    from posttune.plugin import Sampling  # torch: imported when a run is validated, not at plugin discovery
+
+    resolve_engine(method.engine, method.engine_options,
+                   sampling=Sampling(method.max_new_tokens, temperature=method.generation_temperature))
     check_vocabularies(config, method)
 
 

@@ -115,9 +115,11 @@ def student_engine(session: Session) -> Any:
     and brought to the current weights (version: the optimizer step) before each use."""
     state = session.method_state
     if state["engine"] is None:
-        from posttune.plugin import start_engine
+        from posttune.plugin import Sampling, start_engine
 
-        state["engine"] = start_engine(session.method_config.engine, session.method_config.engine_options, session)
+        config = session.method_config
+        sampling = Sampling(config.max_new_tokens, temperature=config.generation_temperature)
+        state["engine"] = start_engine(config.engine, config.engine_options, session, sampling=sampling)
     if state["engine"].version != session.step:
         state["engine"].update_weights(None, session.step)
     return state["engine"]
