@@ -1,17 +1,21 @@
-"""Generation throughput: posttune's ``generate_batch`` vs transformers' ``generate``, on CPU.
+"""Generation throughput: posttune's ``builtin`` engine (``generate_batch``), the ``vllm`` engine
+(posttune-vllm, when vLLM is installed) and transformers' ``generate``, on CPU.
 
     python benchmarks/generation.py                        # greedy and sampled, 3 runs each, JSON to stdout
     python benchmarks/generation.py --modes greedy --runs 5 --max-new-tokens 32 --out result.json
+    python benchmarks/generation.py --hidden 1024 --layers 16 --prompts 64   # a larger model and batch
 
-Both complete the same 16 prompts of mixed lengths (16 to 128 tokens) in one left-padded batch
-with the same randomly initialised Llama-shaped model (hidden 512, 8 layers, 8 query / 4 kv
-heads, vocab 32000, fp32; transformers with its default SDPA attention), KV-cached, torch
-threads 2. Sampled: temperature 0.8, top-k 50, top-p 0.95. tokens/s = generated tokens (each
-row's tokens up to and including its first EOS; padding not counted) / wall time of the call,
-after a short warm-up call. Each measurement runs in a fresh subprocess; the two libraries
-alternate (and swap which goes first each round); the report gives the medians and
-``ratio`` = posttune / transformers. ``same_greedy_tokens`` says whether the greedy runs
-produced identical tokens (near-uniform logits of a random model can flip a near tie).
+All complete the same prompts of mixed lengths (16 to 128 tokens; 16 by default) with the same
+randomly initialised Llama-shaped model (hidden 512, 8 layers, heads of 64 with 4 kv heads, vocab
+32000, fp32; transformers with its default SDPA attention), KV-cached, torch threads 2. posttune
+and transformers run one left-padded batch; vLLM schedules the rows itself (through the engine's
+``generate``, weights handed over in memory first, not timed). Sampled: temperature 1.0, top-k
+50, top-p 0.95 (temperature 1: the setting for which the vllm engine's log-probs are exact with
+filters on). tokens/s = generated tokens (each row's tokens up to and including its first EOS;
+padding not counted) / wall time of the call, after a short warm-up call. Each measurement runs
+in a fresh subprocess; the implementations alternate (the order rotates each round); the report
+gives the medians and the ratios to transformers. ``same_greedy_tokens`` says whether the greedy
+runs produced identical tokens (near-uniform logits of a random model can flip a near tie).
 
 Each run also records the 1-minute load average before and after its timed call: on a shared
 2-core machine another busy process slows a 2-thread run by 10x or more (threads wait on each
@@ -33,18 +37,20 @@ torch.set_num_threads(2)
 import transformers
 
 spec = json.loads(sys.argv[1])
-config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-                                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+hidden, layers = spec["hidden"], spec["layers"]
+config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=3 * hidden,
+                                  num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=4,
+                                  max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                  tie_word_embeddings=False)
 torch.manual_seed(0)
 hf_model = transformers.LlamaForCausalLM(config).float().eval()
 gen = torch.Generator().manual_seed(1)
-lengths = torch.randint(16, 129, (16,), generator=gen).tolist()
+lengths = torch.randint(16, 129, (spec["prompts"],), generator=gen).tolist()
 prompts = [torch.randint(3, 32000, (n,), generator=gen).tolist() for n in lengths]
-sampling = {"temperature": 0.8, "top_k": 50, "top_p": 0.95} if spec["mode"] == "sampled" else {}
+sampling = {"temperature": 1.0, "top_k": 50, "top_p": 0.95} if spec["mode"] == "sampled" else {}
 EOS, PAD = 2, 0
 
-if spec["impl"] == "posttune":
+if spec["impl"] in ("posttune", "vllm"):
     import posttune_llama
     from posttune.generation import generate_batch
     from posttune.testing.tiny import native_from_hf
@@ -52,9 +58,27 @@ if spec["impl"] == "posttune":
     model = native_from_hf(hf_model, posttune_llama.LLAMA, converter).eval()
     del hf_model
 
+def start_vllm():
+    from posttune.checkpoint.origin import ModelOrigin, attach
+    from posttune.generation import Sampling
+    from posttune.plugin import EnginePolicy, start_engine
+    hf_config = {**config.to_dict(), "architectures": ["LlamaForCausalLM"]}
+    kwargs = posttune_llama.LLAMA.from_hf_config(hf_config)
+    attach(model, ModelOrigin("llama", kwargs, hf_config=hf_config))
+    policy = EnginePolicy("llama", kwargs, model=model, version=0)
+    return start_engine("vllm", {"kv_cache_gib": 2}, policy, sampling=Sampling(1, **sampling))
+
+if spec["impl"] == "posttune":
     def run(rows, new):
         out = generate_batch(model, rows, max_new_tokens=new, seed=0, stop_token_ids=(EOS,), pad_id=PAD, **sampling)
         return out.token_lists()
+elif spec["impl"] == "vllm":
+    from posttune.generation import Sampling, derive_seed
+    engine = start_vllm()
+
+    def run(rows, new):
+        settings = Sampling(new, stop_token_ids=(EOS,), pad_id=PAD, **sampling)
+        return engine.generate(rows, settings, [derive_seed(0, i) for i in range(len(rows))]).token_lists()
 else:
     def run(rows, new):
         longest = max(map(len, rows))
@@ -76,29 +100,39 @@ print(json.dumps({"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens /
                   "load_before": load, "load_after": os.getloadavg()[0]}))
 '''
 
-IMPLS = ("posttune", "transformers")
+def available() -> tuple[str, ...]:
+    """posttune and transformers always; vllm when vLLM and posttune-vllm are installed here."""
+    import importlib.util
+
+    has_vllm = all(importlib.util.find_spec(name) is not None for name in ("vllm", "posttune_vllm"))
+    return ("posttune", "transformers", *(("vllm",) if has_vllm else ()))
 
 
-def measure(impl: str, mode: str, max_new_tokens: int) -> dict:
-    spec = {"impl": impl, "mode": mode, "max_new_tokens": max_new_tokens}
+def measure(impl: str, mode: str, args: argparse.Namespace) -> dict:
+    spec = {"impl": impl, "mode": mode, "max_new_tokens": args.max_new_tokens, "hidden": args.hidden,
+            "layers": args.layers, "prompts": args.prompts}
     return run_child(CHILD, spec)
 
 
-def compare(mode: str, runs: int, max_new_tokens: int) -> dict:
-    results: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
-    for round_ in range(runs):
-        for impl in IMPLS if round_ % 2 == 0 else IMPLS[::-1]:
-            results[impl].append(measure(impl, mode, max_new_tokens))
+def compare(mode: str, args: argparse.Namespace) -> dict:
+    impls = available()
+    results: dict[str, list[dict]] = {impl: [] for impl in impls}
+    for round_ in range(args.runs):
+        for impl in impls[round_ % len(impls):] + impls[:round_ % len(impls)]:
+            results[impl].append(measure(impl, mode, args))
             print(f"{mode} {impl}: {results[impl][-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
-    medians = {impl: statistics.median(r["tokens_per_s"] for r in results[impl]) for impl in IMPLS}
+    medians = {impl: statistics.median(r["tokens_per_s"] for r in results[impl]) for impl in impls}
     report = {
-        **{f"{impl}_tokens_per_s_median": round(medians[impl], 1) for impl in IMPLS},
+        **{f"{impl}_tokens_per_s_median": round(medians[impl], 1) for impl in impls},
         "ratio": round(medians["posttune"] / medians["transformers"], 3),
+        **({"vllm_ratio": round(medians["vllm"] / medians["transformers"], 3)} if "vllm" in impls else {}),
         "runs": {impl: [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
-                        for r in results[impl]] for impl in IMPLS},
+                        for r in results[impl]] for impl in impls},
     }
     if mode == "greedy":
-        report["same_greedy_tokens"] = len({r["digest"] for impl in IMPLS for r in results[impl]}) == 1
+        report["same_greedy_tokens"] = {impl: len({r["digest"] for r in results[impl]} |
+                                                  {r["digest"] for r in results["transformers"]}) == 1
+                                        for impl in impls if impl != "transformers"}
     return report
 
 
@@ -107,9 +141,13 @@ def main() -> None:
     parser.add_argument("--modes", nargs="*", default=["greedy", "sampled"], choices=["greedy", "sampled"])
     parser.add_argument("--runs", type=int, default=3, help="measurements per library and mode")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=512, help="model width (heads of 64)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
-    report = {mode: compare(mode, args.runs, args.max_new_tokens) for mode in args.modes}
+    report = {"model": {"hidden": args.hidden, "layers": args.layers, "prompts": args.prompts},
+              **{mode: compare(mode, args) for mode in args.modes}}
     emit(report, args.out)
 
 

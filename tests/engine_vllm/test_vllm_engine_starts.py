@@ -113,3 +113,12 @@ def test_a_sampling_vllm_cannot_report_is_refused_before_launch():
         resolve_engine("vllm", {"kv_cache_gib": 0}, sampling=Sampling(8, temperature=1.0))
     with pytest.raises(ConfigError, match=r"^config: method.engine_options.lora: "):
         resolve_engine("vllm", {"lora": "folded"}, sampling=Sampling(8, temperature=1.0))
+
+
+def test_heads_vllm_cpu_does_not_run_are_refused_before_it_starts():
+    from posttune.plugin import build_model
+
+    policy = build_model("llama", "tiny", vocab_size=384)  # heads of 16
+    with pytest.raises(PosttuneError, match=r"^generation engine 'vllm': vLLM's CPU attention does not run heads of "
+                                            r"16 \(it runs 32, 64, .*\); use the builtin engine for this model$"):
+        start_engine("vllm", None, live(policy, 0))

@@ -67,6 +67,8 @@ class VLLMEngine:
         self.lora: Any = None  # the vLLM LoRARequest of the current version (lora: adapter)
         self.lora_ids = 0
         self.cuda = _device(policy).type == "cuda"
+        if not self.cuda:
+            _check_cpu_head_size(self.hf_config)
         self.sleeping = False
         self.workdir = Path(tempfile.mkdtemp(prefix="posttune-vllm-"))
         (self.workdir / "config.json").write_text(_json(self.hf_config), encoding="utf-8")
@@ -248,6 +250,22 @@ def _completions(outputs: list[Any], pad_id: int) -> Completions:
                                                                                               strict=True)])
         mask[row, :len(ids)] = True
     return Completions(tokens, logprobs, mask)
+
+
+def _check_cpu_head_size(hf_config: dict[str, Any]) -> None:
+    """vLLM's CPU attention runs a few head sizes only; refuse the others here, before vLLM starts, rather than
+    at the first generation deep inside its kernels."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):  # another vLLM layout: let vLLM decide
+        return
+    heads = hf_config.get("num_attention_heads")
+    size = hf_config.get("head_dim") or (hf_config.get("hidden_size", 0) // heads if heads else None)
+    if size is not None and size not in supported:
+        raise PosttuneError(f"generation engine 'vllm': vLLM's CPU attention does not run heads of {size} (it runs "
+                            f"{', '.join(map(str, supported))}); use the builtin engine for this model")
 
 
 def _device(policy: Any) -> torch.device:
