@@ -137,3 +137,26 @@ def run_python(*args: str, timeout: int) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def prepare_grpo_example(out: Path) -> Path:
+    """The GRPO CPU example's warm start (``python -m posttune_grpo.example prepare``), saved at ``out``."""
+    run_python("-m", "posttune_grpo.example", "prepare", "--out", str(out), timeout=900)
+    return out
+
+
+def check_grpo_example_rises(warm_start: Path, out: Path, *overrides: str) -> None:
+    """``posttune train grpo-tiny-reverse`` from ``warm_start`` (with ``overrides``) raises the mean reward:
+    the last 20 steps' mean beats the first 20's by the margin the config states, and the model is saved."""
+    import statistics
+
+    import posttune_grpo
+
+    config = posttune_grpo.CONFIGS / "grpo-tiny-reverse.yaml"
+    run_python("-m", "posttune.cli.main", "train", "grpo-tiny-reverse", f"model.path={warm_start}",
+               f"checkpoint.output_dir={out}", *overrides, timeout=1800)
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first = statistics.mean(r["reward"] for r in steps[:20])
+    last = statistics.mean(r["reward"] for r in steps[-20:])
+    assert last >= first + stated_number(config, "reward rise"), (first, last)
+    assert (out / "model" / "config.json").is_file()

