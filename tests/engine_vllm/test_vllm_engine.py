@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="posttune-vllm's tests run in the `vllm` tox 
 
 import torch  # noqa: E402
 from posttune.adapters import apply_adapters  # noqa: E402
-from posttune.plugin import PosttuneError, generate_batch, load_model, start_engine  # noqa: E402
+from posttune.plugin import PosttuneError, Sampling, generate_batch, load_model, start_engine  # noqa: E402
 from vllm_support import GREEDY, PROMPTS, SAMPLED, SEEDS, STOP, assert_logprobs_match, live  # noqa: E402
 
 
@@ -43,6 +43,12 @@ def test_greedy_tokens_equal_builtin_and_transformers(checkpoint, engine_on):
         assert tokens == reference
     assert out.tokens.shape == out.logprobs.shape == out.mask.shape and out.logprobs.dtype == torch.float32
     assert torch.allclose(out.logprobs, builtin.logprobs, atol=1e-4, rtol=0)
+
+
+def test_no_new_tokens_is_an_empty_completion_per_row(engine_on):
+    _, engine = engine_on
+    out = engine.generate(PROMPTS, Sampling(0, temperature=1.0), SEEDS)
+    assert out.tokens.shape == out.logprobs.shape == out.mask.shape == (len(PROMPTS), 0)
 
 
 def test_behaviour_logprobs_equal_the_learners_recomputed_ones(engine_on):

@@ -122,3 +122,14 @@ def test_heads_vllm_cpu_does_not_run_are_refused_before_it_starts():
     with pytest.raises(PosttuneError, match=r"^generation engine 'vllm': vLLM's CPU attention does not run heads of "
                                             r"16 \(it runs 32, 64, .*\); use the builtin engine for this model$"):
         start_engine("vllm", None, live(policy, 0))
+
+
+def test_a_start_whose_first_weights_do_not_fit_closes_what_it_opened(checkpoint):
+    _, path = checkpoint
+    policy = load_model(path)
+    origin = policy.posttune_origin
+    wrong = EnginePolicy(origin.family, {**origin.build_kwargs, "num_layers": 1}, model=policy, source=str(path),
+                         version=0)  # the architecture says one layer, the live model has two
+    with pytest.raises(PosttuneError, match=r"do not fit the policy's architecture \(unexpected \[.*layers\.1\."):
+        start_engine("vllm", None, wrong)
+    start_engine("vllm", None, live(policy, 0)).close()  # nothing was left open: another engine starts

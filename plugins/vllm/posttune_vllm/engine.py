@@ -83,7 +83,11 @@ class VLLMEngine:
         _open.append(self)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         if policy.model is not None and policy.version >= 0:
-            self.update_weights(None, policy.version)
+            try:
+                self.update_weights(None, policy.version)
+            except BaseException:
+                self.close()  # nothing half-started stays open in this process
+                raise
 
     # ---- the contract ------------------------------------------------------------------------------
 
@@ -97,6 +101,8 @@ class VLLMEngine:
         rows = [prompt.tolist() if isinstance(prompt, torch.Tensor) else [int(t) for t in prompt]
                 for prompt in prompts]
         self._check_call(rows, sampling, seeds)
+        if sampling.max_new_tokens == 0:  # vLLM generates at least one token; the contract allows none
+            return _completions([], sampling.pad_id, rows=len(rows))
         if seeds is None:  # unseeded: follow torch's global generator, as generate_batch does
             base = int(torch.randint(0, 2**62, (1,)).item())
             seeds = [derive_seed(base, row) for row in range(len(rows))]
@@ -239,12 +245,14 @@ class VLLMEngine:
             self.sleeping = True
 
 
-def _completions(outputs: list[Any], pad_id: int) -> Completions:
-    """The contract's [rows, T] tokens / float32 log-probs / mask from vLLM's completion outputs."""
+def _completions(outputs: list[Any], pad_id: int, rows: int | None = None) -> Completions:
+    """The contract's [rows, T] tokens / float32 log-probs / mask from vLLM's completion outputs (``rows``
+    empty ones when there are no outputs)."""
+    count = len(outputs) if rows is None else rows
     width = max((len(out.token_ids) for out in outputs), default=0)
-    tokens = torch.full((len(outputs), width), pad_id, dtype=torch.long)
-    logprobs = torch.zeros((len(outputs), width), dtype=torch.float32)
-    mask = torch.zeros((len(outputs), width), dtype=torch.bool)
+    tokens = torch.full((count, width), pad_id, dtype=torch.long)
+    logprobs = torch.zeros((count, width), dtype=torch.float32)
+    mask = torch.zeros((count, width), dtype=torch.bool)
     for row, out in enumerate(outputs):
         ids = list(out.token_ids)
         tokens[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
