@@ -112,7 +112,7 @@ def plain_state_dict(model: nn.Module, *, device: torch.device | str = "cpu",
     alone), each sharded (DTensor) tensor gathered whole.
 
     What an engine that keeps its own copy of the policy receives (``update_weights``). Gathering
-    is a collective under FSDP2 or TP: call it on every rank.
+    is a collective when parameters are sharded (DTensors): call it on every rank.
     """
     from posttune.training.distributed import is_dtensor
 

@@ -143,7 +143,7 @@ def hf_tensors(family: str, state: Mapping[str, torch.Tensor], hf_config: Mappin
                ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for a plain native state dict of ``family`` (``plain_state_dict``), made one at
     a time by the family's converter (splits and joins included): for an engine that loads a
-    family's weights under Hugging Face names (vLLM), with no checkpoint written."""
+    family's weights under Hugging Face names (an inference engine's copy), with no checkpoint written."""
     from posttune.plugins import get_registry
 
     converter: CheckpointConverter = get_registry().get("checkpoint_converter", f"{family}:{FORMAT}")

@@ -105,7 +105,7 @@ def train(session: Session) -> dict[str, Any]:
                 batch = distributed.to_device(batch, session.device)
                 # Plans' contexts (loss parallel, context parallel, sequence padding) wrap forward and backward.
                 with distributed.step_context(session, batch):
-                    # drop what forwards outside the loss recorded (a checkpointed layer's recompute in backward)
+                    # drop what forwards outside the loss recorded (a layer recomputed in backward)
                     pop_aux_loss(session, summed=False)
                     out = with_aux_loss(session, method.loss(session, batch))
                     for hook in session.before_backward:

@@ -68,7 +68,8 @@ class VLLMEngine:
         self.adapters = self._adapter_layers()
         self.lora: Any = None  # the vLLM LoRARequest of the current version (lora: adapter)
         self.lora_ids = 0
-        self.cuda = _device(policy).type == "cuda"
+        self.device = _device(policy)
+        self.cuda = self.device.type == "cuda"
         if not self.cuda:
             _check_cpu_head_size(self.hf_config)
         self.sleeping = False
@@ -125,10 +126,10 @@ class VLLMEngine:
                                     "engine was started without one; pass the weights")
             if self.adapters:
                 if self.version < 0:  # the base weights once; each version then brings its adapter alone
-                    self._load(plain_state_dict(model, device=_device(self.policy), adapters=False), version)
+                    self._load(plain_state_dict(model, device=self.device, adapters=False), version)
                 self._load_adapter(model, version)
             else:
-                self._load(plain_state_dict(model, device=_device(self.policy)), version)
+                self._load(plain_state_dict(model, device=self.device), version)
         else:
             self._load(weights, version)
         self.version = version

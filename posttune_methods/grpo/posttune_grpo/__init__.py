@@ -133,9 +133,9 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
     resolve_rewards(method.rewards)
     from posttune.plugin import Sampling  # torch: imported when a run is validated, not at plugin discovery
 
-    resolve_engine(method.engine, method.engine_options,
-                   sampling=Sampling(method.max_new_tokens, temperature=method.temperature, top_k=method.top_k,
-                                     top_p=method.top_p, min_p=method.min_p))
+    from posttune_grpo.rollouts import generation_settings
+
+    resolve_engine(method.engine, method.engine_options, sampling=Sampling(**generation_settings(method)))
     rollout_source(method.mode).validate(config, method)
 
 

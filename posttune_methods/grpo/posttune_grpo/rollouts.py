@@ -116,12 +116,17 @@ def rollout_spec(session: Session) -> dict[str, Any]:
     """The settings ``generate_rollouts`` reads, as plain data (what a Ray actor receives too)."""
     config = session.method_config
     return {
-        "generation": dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-                           top_p=config.top_p, min_p=config.min_p),
+        "generation": generation_settings(config),
         "group_size": config.group_size, "batch_size": session.config.train.batch_size,
         "seed": session.config.train.seed, "scale_rewards": config.scale_rewards,
         "filter_equal_rewards": config.filter_equal_rewards, "reward_errors": config.reward_errors,
     }
+
+
+def generation_settings(config: Any) -> dict[str, Any]:
+    """The method's sampling settings (``Sampling``'s fields but the stop tokens and pad id)."""
+    return dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
+                top_p=config.top_p, min_p=config.min_p)
 
 
 def rollout_sampling(spec: dict[str, Any], tokenizer: Any) -> Any:

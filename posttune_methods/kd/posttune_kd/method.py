@@ -94,7 +94,7 @@ def student_samples(session: Session, batch: dict[str, Any]) -> dict[str, Any]:
                         stop_token_ids=tuple(tokenizer.eos_ids), pad_id=pad_id(tokenizer))
     was_training = session.model.training
     session.model.eval()
-    out = student_engine(session).generate(prompts, sampling, seeds)
+    out = student_engine(session, sampling).generate(prompts, sampling, seeds)
     session.model.train(was_training)
     completions = out.token_lists()
     length = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
@@ -110,15 +110,14 @@ def student_samples(session: Session, batch: dict[str, Any]) -> dict[str, Any]:
             "num_tokens": torch.tensor(tokens)}
 
 
-def student_engine(session: Session) -> Any:
-    """The engine that samples from the student (``method.engine``), started on the first on-policy batch
-    and brought to the current weights (version: the optimizer step) before each use."""
+def student_engine(session: Session, sampling: Any) -> Any:
+    """The engine that samples from the student (``method.engine``) with ``sampling``, started on the first
+    on-policy batch and brought to the current weights (version: the optimizer step) before each use."""
     state = session.method_state
     if state["engine"] is None:
-        from posttune.plugin import Sampling, start_engine
+        from posttune.plugin import start_engine
 
         config = session.method_config
-        sampling = Sampling(config.max_new_tokens, temperature=config.generation_temperature)
         state["engine"] = start_engine(config.engine, config.engine_options, session, sampling=sampling)
     if state["engine"].version != session.step:
         state["engine"].update_weights(None, session.step)
