@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from posttune_grpo.loss import STD_EPS, aggregate, group_advantages, policy_loss
+from posttune_grpo.loss import STD_EPS, aggregate, group_advantages, policy_loss, tis_weights
 
 TOL = 1e-6
 G = 4
@@ -64,8 +64,10 @@ def fixed_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def direct_loss(logps, old, ref, mask, advantages, *, epsilon, epsilon_high, beta, how, max_new_tokens, weights):
-    """Token by token, as the papers write it (a Python loop, no shared code with posttune_grpo)."""
+def direct_loss(logps, old, ref, mask, advantages, *, epsilon, epsilon_high, beta, how, max_new_tokens, weights,
+                behaviour=None, cap=None):
+    """Token by token, as the papers write it (a Python loop, no shared code with posttune_grpo); with
+    ``behaviour``, each surrogate times the truncated importance weight min(pi_old / pi_behaviour, cap)."""
     total, normaliser = 0.0, 0.0
     for i in range(logps.shape[0]):
         per_sequence = 0.0
@@ -77,6 +79,8 @@ def direct_loss(logps, old, ref, mask, advantages, *, epsilon, epsilon_high, bet
             surrogate = ratio * advantages[i]
             clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantages[i]
             term = -torch.minimum(surrogate, clipped)
+            if behaviour is not None:
+                term = term * min(math.exp(float(old[i, t] - behaviour[i, t])), cap)
             if ref is not None and beta:
                 term = term + beta * (torch.exp(ref[i, t] - logps[i, t]) - (ref[i, t] - logps[i, t]) - 1)
             per_sequence = per_sequence + term
@@ -140,3 +144,28 @@ def test_clipping_keeps_the_gradient_only_where_the_ratio_is_inside_its_range():
     # positive advantage: a ratio above 1.2 is clipped (no gradient); one below 0.8 is not (min keeps it)
     assert result.clipped.tolist() == [[0.0, 1.0, 0.0, 1.0]]
     assert logps.grad[0, 1] == 0 and logps.grad[0, 3] == 0 and logps.grad[0, 0] != 0 and logps.grad[0, 2] != 0
+
+
+@pytest.mark.parametrize("how", ["token", "sequence"])
+def test_truncated_importance_weights_scale_each_surrogate_as_the_formula(how):
+    """Rollouts from a stale engine: clip against pi_old, each token's surrogate times min(pi_old / pi_b, cap)."""
+    inputs = fixed_inputs()
+    generator = torch.Generator().manual_seed(3)
+    behaviour = inputs["old"] + torch.randn(inputs["old"].shape, generator=generator) * 0.8  # some weights > cap
+    weights = torch.ones(len(LENGTHS))
+    settings = dict(epsilon=0.2, epsilon_high=0.28, beta=0.04)
+    ours_logps = inputs["logps"].clone().requires_grad_()
+    is_weights = tis_weights(inputs["old"], behaviour, inputs["mask"], 2.0)
+    result = policy_loss(ours_logps, inputs["old"], inputs["advantages"], inputs["mask"], ref_logps=inputs["ref"],
+                         is_weights=is_weights, **settings)
+    loss_sum, normaliser = aggregate(result.per_token, inputs["mask"], how, 8, weights)
+    (loss_sum / normaliser).backward()
+
+    theirs_logps = inputs["logps"].clone().requires_grad_()
+    expected = direct_loss(theirs_logps, inputs["old"], inputs["ref"], inputs["mask"], inputs["advantages"], how=how,
+                           max_new_tokens=8, weights=weights, behaviour=behaviour, cap=2.0, **settings)
+    expected.backward()
+    torch.testing.assert_close(loss_sum / normaliser, expected.detach(), atol=TOL, rtol=0)
+    torch.testing.assert_close(ours_logps.grad, theirs_logps.grad, atol=TOL, rtol=0)
+    capped = (torch.exp(inputs["old"] - behaviour) > 2.0) & (inputs["mask"] > 0)
+    assert capped.any() and (~capped & (inputs["mask"] > 0)).any()  # the cap was active on some tokens, not all

@@ -213,6 +213,22 @@ def test_a_reward_that_cannot_score_stops_the_run_in_one_line_unless_told_to_cou
                                        "(installed: builtin) (did you mean 'builtin'?)"),
     ({"data": {"train": {"path": "x.jsonl", "format": "chat"}}},
      "config: data.train.format: 'chat' gives conversation rows; method 'grpo' needs prompt rows"),
+    ({"method": {"mode": "async", "generation": "local"}}, "config: method.generation: mode async overlaps "
+                                                           "generation with training, which needs Ray actors"),
+    ({"method": {"mode": "sync", "generation": "ray", "ray_options": {"max_staleness": 1}}},
+     "config: method.ray_options.max_staleness: mode sync trains only on rollouts of the current weights (0), got 1"),
+    ({"method": {"mode": "async", "ray_options": {"max_staleness": 2}}},
+     "config: method.ray_options.max_staleness: mode async overlaps one batch (at most 1), got 2; use mode "
+     "off_policy"),
+    ({"method": {"mode": "off_policy", "ray_options": {"max_staleness": -1}}},
+     "config: method.ray_options.max_staleness: expected an integer >= 0, got -1"),
+    ({"method": {"mode": "async", "ray_options": {"sync_every": 3}}},
+     "config: method.ray_options.sync_every: weights pushed every 3 steps lag up to 2 versions, more than "
+     "max_staleness 1; use at most 2"),
+    ({"method": {"mode": "async", "ray_options": {"actors": 0}}},
+     "config: method.ray_options.actors: expected a positive integer, got 0"),
+    ({"method": {"mode": "off_policy", "ray_options": {"tis_cap": 0.5}}},
+     "config: method.ray_options.tis_cap: expected a number >= 1 (or null), got 0.5"),
 ])
 def test_impossible_grpo_runs_are_refused_by_validate(llama_grpo, posttune_cli, tmp_path, sections, message):
     config = vowel_config(tmp_path)

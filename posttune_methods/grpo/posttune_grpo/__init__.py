@@ -36,16 +36,23 @@ __version__ = "0.1.0"
 CONFIGS = Path(__file__).parent / "configs"
 
 
-@dataclass(frozen=True)
-class AsyncOptions:
-    """`method.async_options`: generation in Ray actors (``mode: async``, pip install 'posttune-grpo[ray]')."""
+#: the staleness bound each mode uses when ``ray_options.max_staleness`` is not set
+DEFAULT_STALENESS = {"sync": 0, "async": 1, "off_policy": 2}
 
-    actors: int = 1  # generation actors, each holding its own copy of the policy
+
+@dataclass(frozen=True)
+class RayOptions:
+    """`method.ray_options`: rollouts made by Ray actors (``generation: ray``; pip install 'posttune-grpo[ray]')."""
+
+    actors: int = 1  # engine actors in all, split evenly over the learner ranks
+    scorers: int = 1  # reward actors per learner rank (scoring runs beside generation, not in it)
     sync_every: int = 1  # optimizer steps between weight pushes to the actors
-    max_staleness: int = 2  # rollouts from a policy more than this many versions old are dropped
-    queue_size: int = 2  # generation batches in flight (being generated or ready) ahead of the learner
+    max_staleness: int | None = None  # versions a rollout may lag the weights it trains; default by mode
+    queue_size: int = 4  # generation batches handed out and not yet trained on, per learner rank
+    tis_cap: float | None = 2.0  # truncated importance weight min(pi_old / pi_behaviour, cap); None: none
     ray_address: str | None = None  # an existing Ray cluster; default: a local one (ray.init())
     threads_per_actor: int = 1  # torch threads in each actor
+    gpus_per_actor: float = 0.0  # Ray GPUs each engine actor holds (vllm on GPU nodes)
 
 
 @dataclass(frozen=True)
@@ -66,19 +73,25 @@ class GRPOConfig:
     beta: float = 0.0  # weight of the per-token KL to the reference model; 0 builds no reference
     filter_equal_rewards: bool = False  # leave out groups whose rewards are all equal (they teach nothing)
     micro_batch_size: int | None = None  # completions per forward/backward; default: the rank's whole batch
-    mode: Literal["sync", "async"] = "sync"  # generate in the training processes, or in Ray actors (async_options)
-    async_options: AsyncOptions = field(default_factory=AsyncOptions)  # mode async: the Ray actors (docs/grpo.md)
+    mode: Literal["sync", "async", "off_policy"] = "sync"  # alternate, overlap (staleness <= 1), or bounded lag
+    generation: Literal["local", "ray"] | None = None  # where rollouts are made; default local for sync, else ray
+    ray_options: RayOptions = field(default_factory=RayOptions)  # generation ray: the actors (docs/grpo.md)
     engine: str = "builtin"  # the generation engine, in the learner and in each actor (`posttune ls engines`)
     engine_options: dict = field(default_factory=dict)  # the engine's settings, checked against its options
 
 
-#: where rollouts come from, by ``method.mode``: the module whose ``validate(config, method)`` checks the
-#: mode's settings and whose ``start(session)`` makes its source (the one place the mode is read)
-ROLLOUT_SOURCES = {"sync": "posttune_grpo.in_process", "async": "posttune_grpo.ray_actors"}
+#: where rollouts come from, by ``method.generation``: the module whose ``validate(config, method)`` checks
+#: its settings and whose ``start(session)`` makes the source (the one place ``generation`` is read)
+ROLLOUT_SOURCES = {"local": "posttune_grpo.in_process", "ray": "posttune_grpo.ray_actors"}
 
 
-def rollout_source(mode: str) -> Any:
-    return importlib.import_module(ROLLOUT_SOURCES[mode])
+def generation_of(method: GRPOConfig) -> str:
+    """Where rollouts are made: as set, else in the learner for ``mode: sync`` and in Ray actors otherwise."""
+    return method.generation or ("local" if method.mode == "sync" else "ray")
+
+
+def rollout_source(method: GRPOConfig) -> Any:
+    return importlib.import_module(ROLLOUT_SOURCES[generation_of(method)])
 
 
 def roles(config: GRPOConfig) -> tuple[ModelRole, ...]:
@@ -136,7 +149,7 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
     from posttune_grpo.rollouts import generation_settings
 
     resolve_engine(method.engine, method.engine_options, sampling=Sampling(**generation_settings(method)))
-    rollout_source(method.mode).validate(config, method)
+    rollout_source(method).validate(config, method)
 
 
 def micro_batch_tokens(config: Any, method: GRPOConfig) -> tuple[int, str]:

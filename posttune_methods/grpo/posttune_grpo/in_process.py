@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from posttune.plugin import RunConfig, Session, step_context, to_device, token_logps
+from posttune.plugin import ConfigError, RunConfig, Session, step_context, to_device, token_logps
 
 from posttune_grpo.rollouts import (
     Rollouts,
@@ -30,7 +30,10 @@ REFERENCE = "reference"
 
 
 def validate(config: RunConfig, method: Any) -> None:
-    """Sync mode runs with whatever the method's own checks allow."""
+    """Generation in the learner alternates with training: ``mode: sync`` only."""
+    if method.mode != "sync":
+        raise ConfigError("method.generation", f"mode {method.mode} overlaps generation with training, which "
+                                               "needs Ray actors: generation: ray (or leave it unset)")
 
 
 def start(session: Session) -> InProcessSource:
@@ -62,19 +65,28 @@ def make_rollouts(session: Session, prompts: dict[str, Any]) -> Rollouts:
     session.model.eval()
     rollouts = generate_rollouts(learner_engine(session), session.tokenizer, prompts, session.epoch, state.rewards,
                                  rollout_spec(session), batch_std=lambda total, real: batch_std(session, total, real))
-    wanted = []
-    if micro_batches_per_generation(session) > session.config.train.grad_accum_steps:
-        # more than one optimizer step per generation batch: every step after the first trains a policy that
-        # has moved, so the ratio needs the generating policy's log-probs (TRL records them the same way)
-        wanted.append(("old_logps", session.model))
-    if REFERENCE in session.models:
-        wanted.append(("ref_logps", session.models[REFERENCE]))
-    for name, model in wanted:
-        setattr(rollouts, name, scored_by(session, rollouts, model, micro_batch_size(session)))
     session.model.train()
+    # more than one optimizer step per generation batch: every step after the first trains a policy that
+    # has moved, so the ratio needs the generating policy's log-probs (TRL records them the same way)
+    several_steps = micro_batches_per_generation(session) > session.config.train.grad_accum_steps
+    add_learner_logps(session, rollouts, old=several_steps)
     rollouts.seconds = time.perf_counter() - started
     count_rollouts(state, rollouts)
     return rollouts
+
+
+def add_learner_logps(session: Session, rollouts: Rollouts, *, old: bool) -> None:
+    """Score ``rollouts`` in the learner: the policy's own log-probs before any update (``old``) and the
+    reference's (when the run has one), as training computes them."""
+    wanted = [("old_logps", session.model)] if old else []
+    if REFERENCE in session.models:
+        wanted.append(("ref_logps", session.models[REFERENCE]))
+    if not wanted:
+        return
+    session.model.eval()
+    for name, model in wanted:
+        setattr(rollouts, name, scored_by(session, rollouts, model, micro_batch_size(session)))
+    session.model.train()
 
 
 @torch.no_grad()

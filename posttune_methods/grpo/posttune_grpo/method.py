@@ -1,8 +1,8 @@
 """GRPO's lifecycle callbacks (plugin API 2): the prompt loader, the epoch's micro-batches, setup,
 the step record, checkpoint state and close.
 
-    setup: resolve the rewards; choose the rollout source once, by method.mode
-           (sync: in_process.py, the learner's engine; async: ray_actors.py, Ray actors)
+    setup: resolve the rewards; choose the rollout source once, by method.generation
+           (local: in_process.py, the learner's engine; ray: ray_actors.py, Ray actors)
     for each epoch (``batches``):
         for each batch of rollouts the source makes (generated, scored, normalised):
             for each of num_iterations passes:
@@ -69,7 +69,7 @@ def setup(session: Session) -> None:
 
     config = session.method_config
     session.method_state = GRPOState(rewards=resolve_rewards(config.rewards))
-    session.method_state.source = rollout_source(config.mode).start(session)
+    session.method_state.source = rollout_source(config).start(session)
 
 
 def batches(session: Session) -> Any:
@@ -117,14 +117,21 @@ def on_step_end(session: Session, record: dict[str, Any]) -> None:
 
 
 def state_dict(session: Session) -> dict[str, Any]:
+    """The rollouts being trained on and where in them; with Ray actors, the batches handed out and not yet
+    trained on too (ray_actors.RaySource.state_dict)."""
     state: GRPOState = session.method_state
-    return {"pending": None if state.pending is None else state.pending.state_dict(), "cursor": state.cursor}
+    saved = {"pending": None if state.pending is None else state.pending.state_dict(), "cursor": state.cursor}
+    if hasattr(state.source, "state_dict"):
+        saved["handed_out"] = state.source.state_dict()
+    return saved
 
 
 def load_state_dict(session: Session, saved: dict[str, Any]) -> None:
     state: GRPOState = session.method_state
     state.pending = None if saved["pending"] is None else Rollouts.from_state(saved["pending"])
     state.cursor = int(saved["cursor"])
+    if saved.get("handed_out") and hasattr(state.source, "load_state_dict"):
+        state.source.load_state_dict(saved["handed_out"])
 
 
 def close(session: Session) -> None:

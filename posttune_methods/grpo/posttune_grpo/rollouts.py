@@ -1,7 +1,8 @@
 """Rollouts: one rank's prompts, each completed ``group_size`` times, scored, and cut into micro-batches.
 
 ``generate_rollouts`` makes them with a generation engine, the same code in the training process
-(sync mode) and in a Ray actor (async mode): completion g of the prompt at dataset row r samples
+(``generation: local``) and in Ray actors (``generation: ray``: an engine actor runs
+``generate_completions``, a reward actor ``score_completions``): completion g of the prompt at dataset row r samples
 with seed ``derive_seed(seed, epoch, r, g)``, so the same completions whoever generates them.
 
 The tensors are laid out for the loss as every posttune method sees its data: each completion
@@ -27,8 +28,8 @@ from posttune.plugin import Session
 IGNORE_INDEX = -100
 PLACEHOLDER_ROW = -1  # the dataset row of a placeholder prompt (a rank's short share of an epoch's last batch)
 #: the per-row tensors a Rollouts keeps (and a checkpoint saves); the rest is bookkeeping
-ROW_TENSORS = ("input_ids", "labels", "behaviour_logps", "old_logps", "ref_logps", "advantages", "weights",
-               "rewards", "lengths", "truncated", "rows", "versions", "equal")
+ROW_TENSORS = ("input_ids", "labels", "behaviour_logps", "old_logps", "ref_logps", "is_weights", "advantages",
+               "weights", "rewards", "lengths", "truncated", "rows", "versions", "equal")
 
 
 @dataclass
@@ -46,7 +47,8 @@ class Rollouts:
     per_reward: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N] unweighted values
     old_logps: torch.Tensor | None = None  # [N, S] recomputed before the first update (num_iterations > 1)
     ref_logps: torch.Tensor | None = None  # [N, S] the reference's (beta > 0)
-    versions: torch.Tensor | None = None  # [N] the policy version that generated each row (async mode)
+    versions: torch.Tensor | None = None  # [N] the policy version that generated each row (Ray actors)
+    is_weights: torch.Tensor | None = None  # [N, S] truncated pi_old / pi_behaviour per token (Ray actors, TIS)
     equal: torch.Tensor | None = None  # [N] 1.0 where the row's group scored all alike (zero advantage)
     seconds: float = 0.0  # generation time
     reward_failures: dict[str, int] = field(default_factory=dict)
@@ -144,20 +146,37 @@ def generate_rollouts(engine: Any, tokenizer: Any, prompts: dict[str, Any], epoc
     ``batch_std(rewards, real)``: the standard deviation for ``scale_rewards: batch`` over every
     data-parallel rank (the training process's); without it, this batch's own.
     """
+    generated = generate_completions(engine, tokenizer, prompts, epoch, spec)
+    return score_completions(tokenizer, rewards, prompts, generated, spec, batch_std=batch_std)
+
+
+@torch.no_grad()
+def generate_completions(engine: Any, tokenizer: Any, prompts: dict[str, Any], epoch: int,
+                         spec: dict[str, Any]) -> dict[str, Any]:
+    """The ``group_size`` completions of each prompt and their behaviour log-probs, unscored (plain data:
+    what a Ray engine actor hands to a reward actor)."""
     from posttune.plugin import derive_seed, pad_id
 
     count, group = spec["batch_size"], spec["group_size"]
-    pad = pad_id(tokenizer)
-    prompt_ids, rows = padded_prompts(prompts, count, pad)
+    prompt_ids, rows = padded_prompts(prompts, count, pad_id(tokenizer))
     repeated = [ids for ids in prompt_ids for _ in range(group)]
     seeds = [derive_seed(spec["seed"], epoch, max(row, 0), g) for row in rows for g in range(group)]
-    sampling = rollout_sampling(spec, tokenizer)
-    out = engine.generate(repeated, sampling, seeds)
-    completions = out.token_lists()
+    out = engine.generate(repeated, rollout_sampling(spec, tokenizer), seeds)
+    return {"prompt_ids": repeated, "rows": rows, "completions": out.token_lists(),
+            "logprobs": list(out.logprobs.float().cpu())}
+
+
+def score_completions(tokenizer: Any, rewards: list[Any], prompts: dict[str, Any], generated: dict[str, Any],
+                      spec: dict[str, Any], *, batch_std: Callable[..., Any] | None = None) -> Rollouts:
+    """Score ``generate_completions``' output and normalise the rewards into advantages: the Rollouts."""
+    from posttune.plugin import pad_id
+
+    group, rows, completions = spec["group_size"], generated["rows"], generated["completions"]
+    repeated = generated["prompt_ids"]
     lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
     stops = set(tokenizer.eos_ids)
     truncated = torch.tensor([float(not c or c[-1] not in stops) for c in completions])
-    input_ids, labels, behaviour_logps = build_rows(repeated, completions, list(out.logprobs.float().cpu()), pad)
+    input_ids, labels, behaviour_logps = build_rows(repeated, completions, generated["logprobs"], pad_id(tokenizer))
     real = torch.tensor([float(row >= 0) for row in rows for _ in range(group)])
     scores = score_batch(tokenizer, rewards, spec["reward_errors"], prompts, completions, real.tolist(), group)
     total = torch.tensor(scores.total, dtype=torch.float32)
