@@ -2,7 +2,8 @@
 and without KL and several passes; a whole job killed by SIGKILL resumes with every prompt trained
 exactly once and no rollout over the staleness bound; killed engine actors are replaced and the run
 completes; a killed learner rank ends the job within 60 s in one line, and the run resumes; the
-method's close leaves no Ray actor, Ray process or reward worker behind."""
+method's close leaves no Ray actor, Ray process or reward worker behind, also on SIGTERM (which leaves
+a checkpoint); a run joins the cluster at ``ray_address`` and leaves it running."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import collections
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -210,3 +212,59 @@ def test_the_run_closes_its_actors_ray_and_reward_workers(register_plugin, postt
     assert len(workers) >= 2 and len(started) > len(workers)  # the reward actors scored in workers; Ray ran processes
     _, alive = psutil.wait_procs(list(started), timeout=30)
     assert not alive, [started[child][:200] for child in alive]
+
+
+def _descendants(pid: int) -> dict:
+    import psutil
+
+    found = {}
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            found[child] = " ".join(child.cmdline())
+    return found
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_every_actor_and_ray_process(tmp_path):
+    import psutil
+
+    path = write(tmp_path, "async", rows=32, method={"mode": "async", "ray_options": {"actors": 2}},
+                 train={"max_steps": 200, "lr": 1e-3})
+    process = subprocess.Popen([sys.executable, "-m", "posttune.cli.main", "train", str(path)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "async" / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert process.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
+        time.sleep(0.2)
+    started = _descendants(process.pid)
+    assert any("ray::EngineActor" in command for command in started.values()), list(started.values())
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr[-3000:]
+    checkpoints = sorted((tmp_path / "async" / "out" / "checkpoints").glob("step-*"))
+    assert checkpoints, stderr[-3000:]
+    _, alive = psutil.wait_procs(list(started), timeout=30)
+    assert not alive, [started[child][:200] for child in alive]
+
+
+def test_a_run_joins_the_ray_cluster_at_ray_address_and_leaves_it_running(tmp_path):
+    ray_cli = Path(sys.executable).with_name("ray")
+    # token authentication, said explicitly (Ray 2.5x's default for a new cluster): `ray start` makes the token
+    # if ~/.ray/auth_token has none, and a driver joining by address must be told the cluster uses one
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    start = subprocess.run([str(ray_cli), "start", "--head", "--port", "6391", "--num-cpus", "2",
+                            "--include-dashboard", "false", "--disable-usage-stats"], capture_output=True, text=True,
+                           timeout=120, env=env)
+    assert start.returncode == 0, start.stderr[-2000:]
+    try:
+        path = write(tmp_path, "joined", method={"mode": "async", "ray_options": {"ray_address": "127.0.0.1:6391"}},
+                     train={"max_steps": 3})
+        result = subprocess.run([sys.executable, "-m", "posttune.cli.main", "train", str(path)], capture_output=True,
+                                text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert [r["step"] for r in records(tmp_path / "joined")] == [1, 2, 3]
+        status = subprocess.run([str(ray_cli), "status", "--address", "127.0.0.1:6391"], capture_output=True,
+                                text=True, timeout=60, env=env)
+        assert status.returncode == 0, status.stderr[-2000:]  # the run disconnected; the cluster is still up
+    finally:
+        subprocess.run([str(ray_cli), "stop", "--force"], capture_output=True, timeout=120, env=env)

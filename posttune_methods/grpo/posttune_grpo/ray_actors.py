@@ -38,6 +38,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,6 +348,27 @@ def learner_rank() -> tuple[int, int]:
 def connect_ray(address: str | None, rank: int) -> bool:
     """Join ``address``, or (rank 0) start a local cluster that the other ranks join; False if this process
     was connected already (the caller's own ``ray.init``: left as it is on close)."""
+    with sigterm_kept():
+        return _connect_ray(address, rank)
+
+
+@contextmanager
+def sigterm_kept() -> Iterator[None]:
+    """Keep this process's SIGTERM handler through ``ray.init``: Ray's core worker installs a C++ handler for
+    it that prints a stack and aborts, which would replace posttune's (finish the step, save, exit 143)."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _connect_ray(address: str | None, rank: int) -> bool:
     import torch.distributed as dist
 
     auth: dict[str, str] = {}
