@@ -196,7 +196,7 @@ class RaySource:
             record["staleness_max"] = max(self.staleness)
             for value in sorted(set(self.staleness)):
                 record[f"staleness/{value}"] = self.staleness.count(value)
-            record["prompt_rows"] = sorted(all_ranks(self.rows))
+            record["prompt_rows"] = sorted(all_ranks(session, self.rows))
         record["policy_version"] = self.pool.version
         record["rollout_wait_s"] = self.wait_s
         record["rollouts_ready"] = self.ready_when_asked
@@ -230,15 +230,17 @@ class RaySource:
             pool.close()
 
 
-def all_ranks(rows: list[int]) -> list[int]:
-    """``rows`` from every learner rank (the record is written by rank 0)."""
+def all_ranks(session: Any, rows: list[int]) -> list[int]:
+    """``rows`` from every data-parallel rank (the record is written by rank 0); the ranks of one TP group
+    hold the same prompts, so each data-parallel rank's rows count once."""
     import torch.distributed as dist
+    from posttune.plugin import data_rank
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return rows
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, rows)
-    return [row for part in gathered for row in part]
+    dist.all_gather_object(gathered, (data_rank(session)[0], rows))
+    return [row for part in dict(gathered).values() for row in part]
 
 
 def portable(prompts: dict[str, Any]) -> dict[str, Any]:
