@@ -62,7 +62,7 @@ def test_a_stopped_run_leaves_no_process_behind(tmp_path, stop):
                          train={"max_steps": 200})
     metrics = tmp_path / "out" / "metrics.jsonl"
     run = subprocess.Popen([sys.executable, "-m", "posttune.cli.main", "train", _write(tmp_path, config)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_on)
     try:
         deadline = time.monotonic() + 600
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -80,3 +80,9 @@ def test_a_stopped_run_leaves_no_process_behind(tmp_path, stop):
     else:
         assert code == -signal.SIGKILL
     assert not psutil.pid_exists(run.pid) or psutil.Process(run.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _ctrl_c_on() -> None:
+    """In the child before exec: SIGINT back to its default, so that Python makes it KeyboardInterrupt even when
+    this test runs in a background job (a shell starts those with SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

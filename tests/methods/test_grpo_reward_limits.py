@@ -278,7 +278,7 @@ def test_no_worker_outlives_its_caller(stop):
     """Ctrl-C: the pool is killed at exit (atexit). SIGKILL: no cleanup runs; the idle worker reads
     end-of-file, the busy one (deaf to its own timer) is killed by the kernel with its parent."""
     child = subprocess.Popen([sys.executable, "-c", ORPHAN, json.dumps(sys.path)], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True)
+                             stderr=subprocess.DEVNULL, text=True, preexec_fn=_ctrl_c_on)
     try:
         pids = json.loads(child.stdout.readline())
         assert len(pids) == min(2, reward_workers.default_size()) and all(_running(pid) for pid in pids)
@@ -394,3 +394,9 @@ def test_adversarial_latex_is_bounded_in_a_ray_actor_too():
     values, timeouts, seconds = json.loads(result.stdout.strip().splitlines()[-1])
     assert values == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0] and timeouts == 4
     assert seconds < 4 * (1 + KILL_GRACE_S) + 15
+
+
+def _ctrl_c_on() -> None:
+    """In the child before exec: SIGINT back to its default, so that Python makes it KeyboardInterrupt even when
+    this test runs in a background job (a shell starts those with SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
