@@ -105,8 +105,7 @@ class Handout:
 
     prompts: dict[str, Any]  # as plain lists (``portable``)
     epoch: int
-    scored: Any = None  # ObjectRef of the reward actor's result
-    generated: Any = None  # ObjectRef of the engine actor's result
+    scored: Any = None  # ObjectRef of the reward actor's result (on the engine actor's, which Ray keeps alive)
     result: dict[str, Any] | None = None  # once arrived (or restored from a checkpoint)
 
 
@@ -203,7 +202,7 @@ class RaySource:
         record["buffer_depth"] = self.depth_when_asked
         record["engine_idle_s"] = self.engine_idle_s
         record["dropped_rollouts"] = self.pool.dropped
-        record["actor_restarts"] = self.pool.restarts
+        record["actor_restarts"] = self.pool.dropped  # an actor death is noticed through the batch it lost
         self.staleness, self.rows, self.wait_s, self.engine_idle_s = [], [], 0.0, 0.0
 
     def state_dict(self) -> list[dict[str, Any]]:
@@ -258,16 +257,15 @@ class ActorPool:
     started_ray: bool  # this run connected to Ray (started a local cluster or joined one): it disconnects on close
     weights: Any = None  # ObjectRef of the newest weights
     version: int = -1
-    restarts: int = 0
-    dropped: int = 0  # batches lost with an actor that died, handed out again
+    dropped: int = 0  # batches lost with an actor that died (Ray restarts it), handed out again
     turn: int = 0
 
     def submit(self, handout: Handout) -> None:
         turn, self.turn = self.turn, self.turn + 1
         engine = self.engines[turn % len(self.engines)]
         scorer = self.scorers[turn % len(self.scorers)]
-        handout.generated = engine.generate.remote(handout.prompts, handout.epoch, self.version, [self.weights])
-        handout.scored = scorer.score.remote(handout.prompts, handout.generated)
+        generated = engine.generate.remote(handout.prompts, handout.epoch, self.version, [self.weights])
+        handout.scored = scorer.score.remote(handout.prompts, generated)
 
     def ready(self, handouts: Any) -> int:
         import ray
@@ -284,7 +282,6 @@ class ActorPool:
             try:
                 handout.result = ray.get(handout.scored)
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
-                self.restarts += 1
                 self.dropped += 1
                 self.submit(handout)
             except ray.exceptions.RayTaskError as error:

@@ -50,9 +50,6 @@ class EngineActor:
         self.idle_since = time.perf_counter()
         return {**generated, "version": version, "engine_idle_s": idle, "seconds": self.idle_since - started}
 
-    def ping(self) -> bool:
-        return True
-
     def close(self) -> None:
         """Release the engine: the learner kills the actor next."""
         self.engine.close()
@@ -79,9 +76,6 @@ class RewardActor:
         rollouts.versions = torch.full((len(rollouts),), generated["version"], dtype=torch.long)
         rollouts.seconds = generated["seconds"]
         return {"rollouts": rollouts.state_dict(), "engine_idle_s": generated["engine_idle_s"]}
-
-    def ping(self) -> bool:
-        return True
 
     def close(self) -> None:
         """Stop this process's isolated reward workers: the learner kills the actor next."""
