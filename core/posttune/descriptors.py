@@ -173,6 +173,9 @@ class ModelRole:
     methods that will need it; refused before launch for now, since only the policy trains.
     ``run_plans``: the run's parallel plans and memory techniques that act on frozen models act
     on this one too (false: none does; it is built whole on every rank).
+    ``score``: the role returns one value per token instead of logits (a reward or value model:
+    its source's ``score`` head, or a fresh one replacing a causal LM's; ``checkpoint/score_head.py``).
+    A source saved as a sequence classifier gets its score head whatever this says.
     """
 
     name: str
@@ -180,6 +183,7 @@ class ModelRole:
     adapters_off: bool = False
     trained: bool = False
     run_plans: bool = True
+    score: bool = False
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,8 @@ class Method:
       default (None): ``train.batch_size x data.max_seq_len``, right for one sequence per row,
       wrong for a method that puts several in one forward (DPO's chosen and rejected) or sizes
       its rows from its own settings (GRPO's completions).
+    - ``score_head``: the policy returns one value per token instead of logits (a reward model):
+      a fresh head replaces a causal checkpoint's, and it saves as a sequence classifier.
     - ``close(session)``: releases what the method opened (engines, Ray actors, worker processes,
       files). The core calls it once on every way out of a run that reached ``setup`` (success,
       an error, Ctrl-C, SIGTERM), also after a ``setup`` that raised, so it must cope with a
@@ -231,6 +237,7 @@ class Method:
     description: str = ""
     micro_batch_tokens: Callable[[RunConfig, Any], tuple[int, str]] | None = None
     close: Callable[[Session], None] | None = None  # releases what the method opened; see above
+    score_head: bool = False  # the policy is a reward model: see above
 
     @property
     def dataset_kinds(self) -> tuple[DatasetKind, ...]:

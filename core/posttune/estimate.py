@@ -236,7 +236,8 @@ def estimate(plan: Any) -> Estimate:
     from posttune.training.compose import build_model
 
     config = plan.config
-    policy = build_model(ModelTarget("policy", plan.family.descriptor, config.model))
+    policy = build_model(ModelTarget("policy", plan.family.descriptor, config.model,
+                                     score=plan.method.descriptor.score_head))
     adapter = config.adapter
     if adapter is not None:
         from posttune.adapters import apply_adapters
@@ -249,7 +250,8 @@ def estimate(plan: Any) -> Estimate:
         if role.shares_policy:
             shared.append(name)
             continue
-        model = build_model(ModelTarget(name, role.family.descriptor, role.config)).requires_grad_(False)
+        model = build_model(ModelTarget(name, role.family.descriptor, role.config,
+                                        score=role.role.score)).requires_grad_(False)
         models.append(counted(name, model, BYTES[role.config.dtype], None, role.role.run_plans))
     device = run_device(config.train.device)
     tokens, assumed = micro_batch_tokens(plan)
@@ -351,5 +353,6 @@ def decoder_shape(model: Any, rank: int) -> Shape | None:
 
     adapted = sum(isinstance(m, LoRALinear) for m in layer.modules())
     vocab, hidden = embed.weight.shape
+    vocab = getattr(getattr(model, "output", None), "out_features", vocab)  # a score head: a value or a few
     return Shape(hidden, width, len(layers), attn.num_heads, attn.num_kv_heads,
                  attn.head_dim, vocab, adapted, rank if adapted else 0)

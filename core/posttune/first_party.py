@@ -24,6 +24,7 @@ NAMES: dict[str, dict[str, str]] = {
     "method": {
         "sft": "posttune-sft",
         "dpo": "posttune-dpo",
+        "reward_model": "posttune-rm",
         "grpo": "posttune-grpo",
         "kd": "posttune-kd",
     },

@@ -55,6 +55,7 @@ class ModelTarget:
     config: ModelConfig
     model: torch.nn.Module | None = None
     trainable: bool = False
+    score: bool = False  # a score head replaces the logits (``ModelRole.score``, ``Method.score_head``)
 
 
 @dataclass(eq=False)

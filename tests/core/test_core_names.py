@@ -25,7 +25,7 @@ EXEMPT = {CORE / "first_party.py"}
 #: the core's own names that a first-party plugin's happen to share: (file, name) -> what it is
 COINCIDENCES = {("cli/commands.py", "cp"): "the core's `posttune cp` command (copy a bundled config)"}
 FIRST_PARTY = ("posttune-llama", "posttune-qwen", "posttune-gemma", "posttune-sft", "posttune-dpo", "posttune-grpo",
-               "posttune-kd", "posttune-fsdp2", "posttune-tp", "posttune-cp", "posttune-ep", "posttune-loss-parallel",
+               "posttune-kd", "posttune-rm", "posttune-fsdp2", "posttune-tp", "posttune-cp", "posttune-ep", "posttune-loss-parallel",
                "posttune-torchao")
 
 

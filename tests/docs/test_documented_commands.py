@@ -156,6 +156,7 @@ NOT_RUN: dict[str, str] = {
 ELSEWHERE: dict[str, tuple[str, str]] = {
     "posttune train rank.yaml": ("plugins/template/tests/test_template.py", "toy_rank"),
     "posttune train mixtral-tiny-reverse": ("tests/models/test_moe_example.py", '"mixtral-tiny-reverse"'),
+    "posttune train rm-tiny-reverse": ("tests/methods/test_rm_example.py", '"rm-tiny-reverse"'),
     "posttune validate rank.yaml method.scale=-1": ("plugins/template/tests/test_template.py", "method.scale=-1"),
 }
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from posttune.checkpoint import materialize as mat
 from posttune.checkpoint.convert import Joiner, first_key
 from posttune.checkpoint.keymap import BASE, base_key
 from posttune.checkpoint.materialize import copy_into
-from posttune.checkpoint import source
+from posttune.checkpoint import score_head, source
 from posttune.checkpoint.origin import ModelOrigin, attach
 from posttune.checkpoint.safetensors_io import Entry, fits, iter_tensors, read_header
 from posttune.descriptors import CheckpointConverter, ModelFamily, QuantizedFormat
@@ -57,6 +57,11 @@ def load_hf(path_or_id: str | Path, *, dtype: torch.dtype | str | None = None,
     kwargs = ckpt.family.from_hf_config(ckpt.hf_config)
     dtype = mat.resolve_dtype(dtype, ckpt.hf_config)
     model = mat.build(ckpt.family.build, kwargs, dtype, "meta")
+    attach(model, ModelOrigin(ckpt.family.name, kwargs, ckpt.hf_config, source=ckpt.where))
+    labels = score_head.checkpoint_labels(ckpt.hf_config)
+    if labels is not None:
+        score_head.add_score_head(model, labels)
+        ckpt.converter = score_head.score_converter(ckpt.converter)
     if ckpt.quantized is not None:  # a plugin rebuilds the quantized tensors (checkpoint/quantized.py)
         ckpt.fetch()
         _load_quantized(model, ckpt.quantized, list(ckpt.headers), ckpt.converter, ckpt.hf_config, dtype,
@@ -67,27 +72,35 @@ def load_hf(path_or_id: str | Path, *, dtype: torch.dtype | str | None = None,
         mat.materialize(model, device or "cpu")
         loader.load(ckpt.headers)
         mat.init_buffers(model)
+    extra = {score_head.LABELS: labels} if labels is not None else {}
     attach(model, ModelOrigin(ckpt.family.name, kwargs, ckpt.hf_config, _generation_config(ckpt.directory),
-                              ckpt.where))
+                              ckpt.where, extra))
     return model.eval()
 
 
-def load_into(model: nn.Module, path_or_id: str | Path, *, family: str | None = None) -> nn.Module:
+def load_into(model: nn.Module, path_or_id: str | Path, *, family: str | None = None) -> dict[str, torch.Tensor]:
     """Fill an already materialised model with a checkpoint's weights, in place.
 
     For the trainer, which builds, adapts and shards the model before loading (docs/architecture.md, "Composition"):
     adapter tensors (LoRA/DoRA) are not expected from the checkpoint and an adapted layer's
     ``base`` receives the base weight; DTensor (FSDP2/TP) parameters receive their own shard.
-    Non-persistent buffers are the caller's (``posttune.modules.init_buffers``).
+    Non-persistent buffers are the caller's (``posttune.modules.init_buffers``). A model with a score
+    head (``checkpoint/score_head.py``) takes a sequence classifier's ``score``, or from a causal
+    checkpoint nothing for its head: returned, the native names the caller must initialise.
     """
     ckpt = _open(path_or_id, family)
+    fresh: set[str] = set()
+    if score_head.score_labels(model) is not None:
+        ckpt.converter = score_head.score_converter(ckpt.converter)
+        if score_head.checkpoint_labels(ckpt.hf_config) is None:
+            fresh.add(score_head.HEAD)
     if ckpt.quantized is not None:
         raise PosttuneError(f"{ckpt.where}: a '{ckpt.quantized.name}'-quantized checkpoint is for inference "
                             f"(load_model, posttune generate); train from the float checkpoint it was exported from")
-    loader = _Loader(model, ckpt.converter, ckpt.hf_config, ckpt.where)
+    loader = _Loader(model, ckpt.converter, ckpt.hf_config, ckpt.where, fresh)
     loader.precheck(ckpt.fetch())
     loader.load(ckpt.headers)
-    return model
+    return {name: loader.targets[name] for name in fresh}
 
 
 @dataclass
@@ -153,6 +166,7 @@ class _Loader:
     converter: CheckpointConverter
     hf_config: Mapping[str, Any]
     where: str
+    fresh: set[str] = field(default_factory=set)  # native names the caller initialises (a new score head)
 
     def __post_init__(self) -> None:
         self.targets = checkpoint_targets(self.model)
@@ -238,7 +252,7 @@ class _Loader:
                                 f"{list(value.shape)}; the model expects {list(want)}")
 
     def _check_missing(self, filled: set[str]) -> None:
-        missing = sorted({self._key(name) for name in self.targets} - filled)
+        missing = sorted({self._key(name) for name in self.targets} - filled - self.fresh)
         if missing:
             labels = [_label(hf_name(self.converter, key, self.targets[key], self.hf_config), key) for key in missing]
             raise PosttuneError(f"{self.where}: missing tensor {_names(labels)}: the checkpoint does not "

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttune.checkpoint import score_head
 from posttune.checkpoint.atomic import atomic_dir
 from posttune.checkpoint.convert import Joiner
 from posttune.checkpoint.hf_load import FORMAT, GENERATION_CONFIG, INDEX_FILE, SINGLE_FILE
@@ -56,6 +57,10 @@ def save_hf(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None,
     converter: CheckpointConverter = registry.get("checkpoint_converter", f"{origin.family}:{FORMAT}")
     tensors = native_tensors(model, state_dict)
     config = hf_config_for(origin, family, tensors.values())
+    labels = origin.extra.get(score_head.LABELS)
+    if labels is not None:  # a reward or value model: saved as transformers' sequence classifier
+        converter = score_head.score_converter(converter)
+        config = score_head.score_config(config, labels, _pad_id(tokenizer))
     planned = _plan(tensors, converter, config)
     shards = split_shards(planned, parse_size(max_shard_size))
     stream = converted(tensors, converter, config)  # shards are written in plan order
@@ -206,6 +211,14 @@ def _index(shards: list[list[Planned]], names: list[str]) -> dict[str, Any]:
     total = sum(item.nbytes for shard in shards for item in shard)
     weight_map = {item.name: name for name, shard in zip(names, shards, strict=True) for item in shard}
     return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def _pad_id(tokenizer: Any) -> int | None:
+    if tokenizer is None:
+        return None
+    from posttune.data import pad_id
+
+    return pad_id(tokenizer)
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

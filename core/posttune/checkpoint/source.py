@@ -110,7 +110,9 @@ def family_for(hf_config: Mapping[str, Any], registry: Registry, where: str) -> 
     Looked up through what plugins registered, never by name in the core; a miss names the
     installed readers and, for a first-party architecture, the `pip install` line.
     """
-    architectures = list(hf_config.get("architectures") or [])
+    from posttune.checkpoint.score_head import causal_architectures
+
+    architectures = causal_architectures(hf_config.get("architectures"))  # a reward model reads as its LM
     for item in registry.items("model_family"):
         if set(architectures) & set(item.descriptor.architectures):
             return item

@@ -28,6 +28,7 @@ from torch import nn
 
 from posttune.checkpoint import materialize as mat
 from posttune.checkpoint.origin import ModelOrigin, attach
+from posttune.checkpoint.score_head import add_score_head, checkpoint_labels
 from posttune.errors import ConfigError, PosttuneError, first_line
 from posttune.plan import Plan, applies_to_frozen, build_kwargs
 from posttune.registry import Registered
@@ -128,7 +129,8 @@ def load_tokenizer(session: Session) -> Any:
 def build_policy(session: Session) -> None:
     """The model that trains: build -> adapt -> quantize -> parallelize -> load."""
     config = session.config
-    target = ModelTarget("policy", session.plan.family.descriptor, config.model, trainable=True)
+    target = ModelTarget("policy", session.plan.family.descriptor, config.model, trainable=True,
+                         score=session.plan.method.descriptor.score_head)
     session.targets["policy"] = target
     target.model = build_model(target)
     run_stage(session, "build", target)
@@ -155,7 +157,7 @@ def build_roles(session: Session) -> None:
         if role.shares_policy:
             session.models[name] = AdaptersOff(session.model)
             continue
-        target = ModelTarget(name, role.family.descriptor, role.config, trainable=False)
+        target = ModelTarget(name, role.family.descriptor, role.config, trainable=False, score=role.role.score)
         session.targets[name] = target
         target.model = build_model(target).requires_grad_(False)  # frozen before any stage sees it
         for stage in ("build", "quantize", "parallelize"):
@@ -185,6 +187,9 @@ def build_model(target: ModelTarget) -> nn.Module:
         raise ConfigError(f"{section}.build_overrides.{unknown[0]}",
                           f"family '{family.name}' builds with no argument '{unknown[0]}'") from None
     attach(model, ModelOrigin(family.name, kwargs, hf_config, source=config.path))
+    labels = checkpoint_labels(hf_config) if hf_config is not None else None
+    if labels is not None or target.score:
+        add_score_head(model, labels or 1)
     return model
 
 
@@ -235,7 +240,11 @@ def load_weights(session: Session, target: ModelTarget) -> None:
     else:
         from posttune.checkpoint.hf_load import load_into
 
-        load_into(model, source, family=target.family.name)
+        fresh = load_into(model, source, family=target.family.name)
+        if fresh:  # a new score head on a causal checkpoint: drawn as random_init would
+            generator = torch.Generator(device="cpu").manual_seed(config.train.seed)
+            for _, weight in sorted(fresh.items()):
+                mat.copy_into(weight, torch.randn(weight.shape, generator=generator) * INIT_STD)
     from posttune.modules import init_buffers
 
     init_buffers(model)

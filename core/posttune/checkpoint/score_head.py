@@ -1,0 +1,99 @@
+"""Score heads: a decoder that returns a few values per token instead of vocabulary logits.
+
+Reward models and value models are the family's decoder with its output head replaced by
+``Linear(hidden, num_labels)`` (docs/checkpoints.md, "Score heads"). Hugging Face stores such a
+model as ``<Arch>ForSequenceClassification``: the same backbone names, the head as
+``score.weight``, ``num_labels`` in config.json. A sequence's score is the head's value at its
+last token that is not the pad id, transformers' rule (``sequence_scores``), so a model scored
+here and in transformers agrees on the same ids.
+
+Only the head's names differ from the causal checkpoint, so any family's converter serves: the
+head is renamed around it (``score_converter``) and a causal LM's ``lm_head`` is dropped when a
+fresh score head replaces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttune.checkpoint.origin import attach, origin_of
+from posttune.descriptors import CheckpointConverter
+
+CAUSAL, SEQUENCE_CLASSIFICATION = "ForCausalLM", "ForSequenceClassification"
+HEAD = "output.weight"  # the native head (posttune.modules.Decoder.output)
+HF_LM_HEAD, HF_SCORE = "lm_head.weight", "score.weight"
+LABELS = "score_labels"  # ModelOrigin.extra's key: how many values the head gives per token
+
+
+def add_score_head(model: nn.Module, num_labels: int = 1) -> nn.Module:
+    """Replace ``model.output`` by a fresh ``Linear(hidden, num_labels)`` (no bias, untied, no soft-cap)."""
+    old = model.output.weight
+    model.output = nn.Linear(old.shape[1], num_labels, bias=False, device=old.device, dtype=old.dtype)
+    model.tie_word_embeddings = False
+    model.logit_softcap = None  # transformers' sequence-classification heads are not capped
+    origin = origin_of(model)
+    attach(model, replace(origin, extra={**origin.extra, LABELS: num_labels}))
+    return model
+
+
+def score_labels(model: Any) -> int | None:
+    """The values per token of a model with a score head, or None for a language model."""
+    origin = getattr(model, "posttune_origin", None)
+    return None if origin is None else origin.extra.get(LABELS)
+
+
+def checkpoint_labels(hf_config: Mapping[str, Any]) -> int | None:
+    """``num_labels`` of a sequence-classification checkpoint's config.json, None for a causal one."""
+    if not any(str(name).endswith(SEQUENCE_CLASSIFICATION) for name in hf_config.get("architectures") or ()):
+        return None
+    labels = hf_config.get("id2label")
+    return len(labels) if isinstance(labels, Mapping) and labels else int(hf_config.get("num_labels", 2))
+
+
+def causal_architectures(architectures: Any) -> list[str]:
+    """The causal-LM names of ``architectures`` (what families register), sequence classifiers mapped back."""
+    return [str(name).removesuffix(SEQUENCE_CLASSIFICATION) + CAUSAL if str(name).endswith(SEQUENCE_CLASSIFICATION)
+            else str(name) for name in architectures or ()]
+
+
+def score_converter(converter: CheckpointConverter) -> CheckpointConverter:
+    """``converter`` with the head named ``score.weight``; a checkpoint's ``lm_head.weight`` is dropped."""
+
+    def to_native(key: str, tensor: torch.Tensor, hf_config: Mapping[str, Any]) -> Any:
+        if key == HF_SCORE:
+            return HEAD, tensor
+        return None if key == HF_LM_HEAD else converter.to_native(key, tensor, hf_config)
+
+    def from_native(key: str, tensor: torch.Tensor, hf_config: Mapping[str, Any]) -> Any:
+        return (HF_SCORE, tensor) if key == HEAD else converter.from_native(key, tensor, hf_config)
+
+    return replace(converter, to_native=to_native, from_native=from_native)
+
+
+def score_config(config: Mapping[str, Any], num_labels: int, pad_id: int | None) -> dict[str, Any]:
+    """config.json of a score model: ``<Arch>ForSequenceClassification``, its labels and a pad id
+    (transformers cannot find a row's last token in a batch without one)."""
+    config = dict(config)
+    config["architectures"] = [name.removesuffix(CAUSAL) + SEQUENCE_CLASSIFICATION if name.endswith(CAUSAL)
+                               else name for name in causal_architectures(config.get("architectures"))]
+    config["num_labels"] = num_labels
+    config["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+    config["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    config["tie_word_embeddings"] = False
+    if pad_id is not None:  # the id the scores were pooled by in training
+        config["pad_token_id"] = pad_id
+    return config
+
+
+def sequence_scores(scores: torch.Tensor, input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """``[batch, labels]``: each row's score at its last token that is not ``pad_id`` (position 0 if none),
+    as transformers' sequence classifiers pool."""
+    real = (input_ids != pad_id).to(torch.long)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * real).argmax(-1)
+    return scores[torch.arange(scores.shape[0], device=scores.device), last.to(scores.device)]

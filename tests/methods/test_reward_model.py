@@ -1,0 +1,156 @@
+"""posttune-rm: the Bradley-Terry loss equals TRL's, and a reward model round-trips with transformers.
+
+- The loss (with margin and reward centring) is TRL's ``RewardTrainer.compute_loss`` on the same
+  rewards (1e-6), driven through its own code on a stand-in model that returns the rewards.
+- A reward model trained here from a causal checkpoint saves as ``LlamaForSequenceClassification``
+  and transformers scores padded rows exactly as posttune does (1e-5); a sequence classifier
+  written by transformers (Qwen2: biases, another family) loads here with equal scores.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+import yaml
+from run_support import dpo_config
+
+import posttune_llama
+import posttune_qwen
+import posttune_rm
+from posttune.testing.tiny import TINY, save_tiny_hf_checkpoint, tiny_llama_config
+
+TOL = 1e-6
+
+
+@pytest.fixture
+def llama_rm(register_plugin):
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
+    register_plugin(posttune_rm, distribution="posttune-rm", version="0.1.0")
+
+
+def rm_config(tmp_path: Path, **sections) -> dict:
+    config = dpo_config(tmp_path, **sections)
+    config["method"] = {"name": "reward_model", **sections.get("method", {})}
+    return config
+
+
+def write(tmp_path: Path, config: dict) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("margin, center", [(0.0, None), (0.5, 0.01)])
+def test_bradley_terry_equals_trl_reward_trainer(margin, center):
+    trl = pytest.importorskip("trl")
+    from posttune_rm.losses import bradley_terry
+
+    generator = torch.Generator().manual_seed(0)
+    chosen, rejected = torch.randn(6, generator=generator), torch.randn(6, generator=generator)
+    logits = torch.cat([chosen, rejected]).unsqueeze(-1)  # TRL: chosen rows, then rejected, one score each
+    accelerator = SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x)
+    trainer = SimpleNamespace(model=SimpleNamespace(training=False), accelerator=accelerator, _tp_size=1,
+                              args=SimpleNamespace(center_rewards_coefficient=center),
+                              _metrics={"eval": __import__("collections").defaultdict(list)}, _total_train_tokens=0)
+    inputs = {"input_ids": torch.zeros(12, 3, dtype=torch.long), "attention_mask": torch.ones(12, 3)}
+    if margin:
+        inputs["margin"] = torch.full((6,), margin)
+    expected = trl.RewardTrainer.compute_loss(trainer, lambda **_: SimpleNamespace(logits=logits), inputs)
+    ours = bradley_terry(chosen, rejected, margin=margin, center_coefficient=center).mean()
+    assert abs(float(ours) - float(expected)) <= TOL
+    assert trainer._metrics["eval"]["accuracy"] == [pytest.approx(float((chosen > rejected).float().mean()))]
+
+
+def hf_scores(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert model.config.pad_token_id is not None
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=(ids != model.config.pad_token_id).long()).logits
+
+
+def our_scores(model_dir: Path, ids: torch.Tensor, pad: int) -> torch.Tensor:
+    from posttune.plugin import load_model, sequence_scores
+
+    model = load_model(model_dir, dtype="fp32")
+    with torch.no_grad():
+        return sequence_scores(model(ids), ids, pad)
+
+
+def padded_ids(pad: int, vocab: int = 300) -> torch.Tensor:
+    ids = torch.randint(5, vocab, (4, 11), generator=torch.Generator().manual_seed(1))
+    ids[ids == pad] = pad + 1
+    ids[1, 7:] = pad
+    ids[3, 4:] = pad
+    return ids
+
+
+def test_a_reward_model_trained_from_a_causal_checkpoint_scores_the_same_in_transformers(llama_rm, posttune_cli,
+                                                                                         tmp_path):
+    source = tmp_path / "causal"
+    save_tiny_hf_checkpoint(source, tiny_llama_config(vocab_size=384, tie_word_embeddings=True))
+    config = rm_config(tmp_path, rows=12, method={"center_rewards_coefficient": 0.01},
+                       train={"epochs": 2, "eval_every": 3})
+    config["model"] = {"path": str(source), "family": "llama"}
+    config["data"]["validation"] = dict(config["data"]["train"])
+    result = posttune_cli("train", str(write(tmp_path, config)))
+    assert result.exit_code == 0, result.stderr
+    out = Path(config["checkpoint"]["output_dir"])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(r["pairs"] == 4 for r in records)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "rewards/mean",
+                "rewards/std"):
+        assert key in records[-1] and f"val_{key}" in records[2]
+    saved = json.loads((out / "model" / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForSequenceClassification"] and saved["num_labels"] == 1
+    assert not saved["tie_word_embeddings"]  # the embedding stays; the LM head it was tied to is gone
+    ids = padded_ids(saved["pad_token_id"])
+    ours, theirs = our_scores(out / "model", ids, saved["pad_token_id"]), hf_scores(out / "model", ids)
+    assert ours.shape == theirs.shape == (4, 1)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours, theirs)
+    assert theirs.std() > 0  # the rows are told apart: a constant score would pass trivially
+
+
+def test_a_transformers_sequence_classifier_loads_with_equal_scores(llama_rm, tmp_path):
+    config = transformers.Qwen2Config(**{**TINY, "num_labels": 1, "pad_token_id": 3})
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(tmp_path / "rm")
+    ids = padded_ids(3)
+    assert torch.allclose(our_scores(tmp_path / "rm", ids, 3), hf_scores(tmp_path / "rm", ids), atol=1e-5, rtol=0)
+
+
+def test_the_saved_reward_model_resaves_and_reloads_unchanged(llama_rm, tmp_path):
+    from posttune.plugin import load_model, save_model
+
+    config = transformers.LlamaConfig(**{**TINY, "num_labels": 1})
+    torch.manual_seed(0)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(tmp_path / "a")
+    save_model(load_model(tmp_path / "a", dtype="fp32"), tmp_path / "b")
+    ids = padded_ids(0)
+    assert torch.equal(hf_scores(tmp_path / "a", ids), hf_scores(tmp_path / "b", ids))
+
+
+@pytest.mark.parametrize("section, value, field", [
+    ("method", {"margin": -1.0}, "method.margin"),
+    ("method", {"center_rewards_coefficient": -0.1}, "method.center_rewards_coefficient"),
+    ("adapter", {"rank": 4}, "adapter"),
+    ("parallel", {"plans": ["tp"]}, "parallel.plans"),
+])
+def test_bad_settings_are_refused_in_one_line(llama_rm, posttune_cli, tmp_path, section, value, field):
+    config = rm_config(tmp_path, **{section: value})
+    if section == "method":
+        config["method"].update(value)
+    result = posttune_cli("validate", str(write(tmp_path, config)))
+    assert result.exit_code == 2
+    assert field in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
