@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from posttune.plugin import ConfigError, Method, ModelRole, RunConfig, configs_in, hookimpl, resolve_engine
+from posttune_grpo.model_reward import NAME as MODEL_REWARD
+from posttune_grpo.model_reward import REWARD as MODEL_REWARD_FUNCTION
+from posttune_grpo.model_reward import ROLE as REWARD_ROLE
 from posttune_grpo.rewards import REWARDS
 from posttune_grpo.scoring import RewardSpec
 
@@ -96,8 +99,14 @@ def rollout_source(method: GRPOConfig) -> Any:
 
 def roles(config: GRPOConfig) -> tuple[ModelRole, ...]:
     """A reference only for the KL term: by default from the policy's source, and with LoRA the policy
-    with its adapters disabled."""
-    return (ModelRole("reference", from_policy=True, adapters_off=True),) if config.beta > 0 else ()
+    with its adapters disabled; a reward model (``models.reward``) for the ``reward_model`` reward."""
+    reference = (ModelRole("reference", from_policy=True, adapters_off=True),) if config.beta > 0 else ()
+    scored = any(_spec_name(spec) == MODEL_REWARD for spec in config.rewards)
+    return reference + ((ModelRole(REWARD_ROLE, score=True),) if scored else ())
+
+
+def _spec_name(spec: Any) -> Any:
+    return spec.get("name") if isinstance(spec, dict) else getattr(spec, "name", None)
 
 
 def validate(config: RunConfig, method: GRPOConfig) -> None:
@@ -144,6 +153,10 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
                                                                    "sequence parallelism cannot split over the TP "
                                                                    "ranks; set it to false")
     resolve_rewards(method.rewards)
+    scored = [i for i, spec in enumerate(method.rewards) if _spec_name(spec) == MODEL_REWARD]
+    if scored and generation_of(method) != "local":
+        raise ConfigError(f"method.rewards[{scored[0]}].name", f"'{MODEL_REWARD}' scores in the learner process; "
+                                                               "it runs with generation: local (mode: sync) for now")
     from posttune.plugin import Sampling  # torch: imported when a run is validated, not at plugin discovery
 
     from posttune_grpo.rollouts import generation_settings
@@ -208,7 +221,7 @@ def posttune_register_methods(register):
 
 @hookimpl
 def posttune_register_reward_functions(register):
-    for reward in REWARDS:
+    for reward in (*REWARDS, MODEL_REWARD_FUNCTION):
         register(reward)
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from posttune_grpo.rollouts import padded_prompts
+from posttune_grpo.in_process import learner_scorer
+from posttune_grpo.rollouts import add_in_learner, padded_prompts
 from posttune_grpo.scoring import score_batch
 from posttune_grpo.state import learner_engine
 from posttune.plugin import Session
@@ -28,13 +29,16 @@ def evaluate(session: Session) -> dict[str, float]:
         prompt_ids, rows = padded_prompts(prompts, session.config.train.batch_size, pad_id(tokenizer))
         completions = engine.generate(prompt_ids, greedy).token_lists()
         real = torch.tensor([float(row >= 0) for row in rows])
-        scores = score_batch(tokenizer, session.method_state.rewards, config.reward_errors, prompts, completions,
-                             real.tolist(), 1)
-        values = {"reward": scores.total, **{f"reward/{n}": v for n, v in scores.per_reward.items()},
+        rewards = session.method_state.rewards
+        scores = score_batch(tokenizer, rewards, config.reward_errors, prompts, completions, real.tolist(), 1)
+        per_reward = {name: torch.tensor(values) for name, values in scores.per_reward.items()}
+        total = add_in_learner(tokenizer, rewards, prompts, completions, 1, real, torch.tensor(scores.total),
+                               per_reward, learner_scorer(session))
+        values = {"reward": total, **{f"reward/{n}": v for n, v in per_reward.items()},
                   "completion_length": [float(len(c)) for c in completions]}
         for name, column in values.items():
             sums = totals.setdefault(name, [0.0, 0.0])
-            sums[0] += float((torch.tensor(column) * real).sum())
+            sums[0] += float((torch.as_tensor(column, dtype=torch.float32) * real).sum())
             sums[1] += float(real.sum())
     keys = sorted(totals)
     if not keys:

@@ -58,13 +58,21 @@ class InProcessSource:
         """Nothing of its own: the engine and the reward workers are the method's (method.close)."""
 
 
+def learner_scorer(session: Session) -> Any:
+    """``(reward, prompts, completions) -> [n]`` for the rewards GRPO scores itself (model_reward.py)."""
+    from posttune_grpo.model_reward import model_scores
+
+    return lambda reward, prompts, texts: model_scores(session, prompts, texts, reward.options.batch_size)
+
+
 def make_rollouts(session: Session, prompts: dict[str, Any]) -> Rollouts:
     """Generate, score and normalise one rank's batch of prompts (padded to ``batch_size`` prompts)."""
     state = session.method_state
     started = time.perf_counter()
     session.model.eval()
     rollouts = generate_rollouts(learner_engine(session), session.tokenizer, prompts, session.epoch, state.rewards,
-                                 rollout_spec(session), batch_std=lambda total, real: batch_std(session, total, real))
+                                 rollout_spec(session), batch_std=lambda total, real: batch_std(session, total, real),
+                                 in_learner=learner_scorer(session))
     session.model.train()
     # more than one optimizer step per generation batch: every step after the first trains a policy that
     # has moved, so the ratio needs the generating policy's log-probs (TRL records them the same way)

@@ -69,6 +69,10 @@ def setup(session: Session) -> None:
 
     config = session.method_config
     session.method_state = GRPOState(rewards=resolve_rewards(config.rewards))
+    if any(reward.in_learner for reward in session.method_state.rewards):
+        from posttune_grpo.model_reward import load_reward_tokenizer
+
+        session.method_state.reward_tokenizer = load_reward_tokenizer(session)
     session.method_state.source = rollout_source(config).start(session)
 
 

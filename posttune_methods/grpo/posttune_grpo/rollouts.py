@@ -140,14 +140,17 @@ def rollout_sampling(spec: dict[str, Any], tokenizer: Any) -> Any:
 
 @torch.no_grad()
 def generate_rollouts(engine: Any, tokenizer: Any, prompts: dict[str, Any], epoch: int, rewards: list[Any],
-                      spec: dict[str, Any], *, batch_std: Callable[..., Any] | None = None) -> Rollouts:
+                      spec: dict[str, Any], *, batch_std: Callable[..., Any] | None = None,
+                      in_learner: Callable[..., Any] | None = None) -> Rollouts:
     """Complete each prompt ``group_size`` times with ``engine``, score the completions, normalise within groups.
 
     ``batch_std(rewards, real)``: the standard deviation for ``scale_rewards: batch`` over every
-    data-parallel rank (the training process's); without it, this batch's own.
+    data-parallel rank (the training process's); without it, this batch's own. ``in_learner(reward,
+    prompts, completions) -> [n]``: the values of a reward the method scores itself (a reward model).
     """
     generated = generate_completions(engine, tokenizer, prompts, epoch, spec)
-    return score_completions(tokenizer, rewards, prompts, generated, spec, batch_std=batch_std)
+    return score_completions(tokenizer, rewards, prompts, generated, spec, batch_std=batch_std,
+                             in_learner=in_learner)
 
 
 @torch.no_grad()
@@ -167,7 +170,8 @@ def generate_completions(engine: Any, tokenizer: Any, prompts: dict[str, Any], e
 
 
 def score_completions(tokenizer: Any, rewards: list[Any], prompts: dict[str, Any], generated: dict[str, Any],
-                      spec: dict[str, Any], *, batch_std: Callable[..., Any] | None = None) -> Rollouts:
+                      spec: dict[str, Any], *, batch_std: Callable[..., Any] | None = None,
+                      in_learner: Callable[..., Any] | None = None) -> Rollouts:
     """Score ``generate_completions``' output and normalise the rewards into advantages: the Rollouts."""
     from posttune.plugin import pad_id
 
@@ -180,6 +184,8 @@ def score_completions(tokenizer: Any, rewards: list[Any], prompts: dict[str, Any
     real = torch.tensor([float(row >= 0) for row in rows for _ in range(group)])
     scores = score_batch(tokenizer, rewards, spec["reward_errors"], prompts, completions, real.tolist(), group)
     total = torch.tensor(scores.total, dtype=torch.float32)
+    per_reward = {name: torch.tensor(values, dtype=torch.float32) for name, values in scores.per_reward.items()}
+    total = add_in_learner(tokenizer, rewards, prompts, completions, group, real, total, per_reward, in_learner)
     std = batch_std(total, real) if spec["scale_rewards"] == "batch" and batch_std is not None else None
     if spec["scale_rewards"] == "batch" and std is None:
         std = total[real > 0].std() if int(real.sum()) > 1 else torch.tensor(0.0)
@@ -188,10 +194,27 @@ def score_completions(tokenizer: Any, rewards: list[Any], prompts: dict[str, Any
     return Rollouts(input_ids, labels, behaviour_logps, advantages, weights, total, lengths,
                     torch.tensor([len(ids) for ids in repeated]), truncated,
                     torch.tensor([row for row in rows for _ in range(group)], dtype=torch.long),
-                    per_reward={name: torch.tensor(values, dtype=torch.float32)
-                                for name, values in scores.per_reward.items()},
+                    per_reward=per_reward,
                     reward_failures=dict(scores.failures), reward_timeouts=dict(scores.timeouts),
                     equal=equal.float())
+
+
+def add_in_learner(tokenizer: Any, rewards: list[Any], prompts: dict[str, Any], completions: list[list[int]],
+                   group: int, real: torch.Tensor, total: torch.Tensor, per_reward: dict[str, torch.Tensor],
+                   in_learner: Callable[..., Any] | None) -> torch.Tensor:
+    """``total`` plus the rewards the method scores itself (a reward model), each put in ``per_reward``.
+
+    Every row is scored, placeholders too (with a real prompt), so that each rank runs the same
+    forwards; ``real`` then zeroes the placeholders.
+    """
+    for reward in (r for r in rewards if r.in_learner):
+        raw = list(prompts["prompts"])
+        raw += [raw[0] if raw else ""] * (len(completions) // group - len(raw))
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        values = in_learner(reward, [raw[i // group] for i in range(len(completions))], texts) * real
+        per_reward[reward.name] = values
+        total = total + reward.weight * values
+    return total
 
 
 def padded_prompts(prompts: dict[str, Any], count: int, pad: int) -> tuple[list[torch.Tensor], list[int]]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from posttune.plugin import ConfigError, PosttuneError, RewardFunction, first_line, from_dict, lookup, provenance
+from posttune_grpo.model_reward import scored_in_learner
 from posttune_grpo.reward_workers import Call, RemoteError, shared_pool
 from posttune_grpo.rewards import WARM_UPS
 
@@ -63,6 +64,7 @@ class ResolvedReward:
     isolated: bool = False  # scored one completion at a time in worker processes, under the two limits
     timeout_s: float = DEFAULT_TIMEOUT_S
     budget_s: float = BUDGET_PER_TIMEOUT * DEFAULT_TIMEOUT_S
+    in_learner: bool = False  # scored by the method with a model role, not by ``fn`` (model_reward.py)
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields: Any) -> Any:
         if self.options is not None:
@@ -118,7 +120,8 @@ def _resolve(spec: RewardSpec, at: str) -> ResolvedReward:
             if getattr(spec, name) is not None:
                 raise ConfigError(f"{at}.{name}", f"reward '{spec.name}' ({provider}) runs in the training process "
                                                   "(its plugin does not isolate it), so it has no time limit to set")
-        return ResolvedReward(spec.name, float(spec.weight), reward.fn, options, provider)
+        return ResolvedReward(spec.name, float(spec.weight), reward.fn, options, provider,
+                              in_learner=reward.fn is scored_in_learner)
     timeout_s, budget_s = _limits(spec, at)
     _check_portable(reward.fn, options, f"reward '{spec.name}' ({provider})", at)
     return ResolvedReward(spec.name, float(spec.weight), reward.fn, options, provider, True, timeout_s, budget_s)
@@ -187,6 +190,8 @@ def score(rewards: Sequence[ResolvedReward], prompts: Sequence[str], completions
     failures: dict[str, int] = {}
     timeouts: dict[str, int] = {}
     for reward in rewards:
+        if reward.in_learner:  # added by the method after this (rollouts.score_completions)
+            continue
         values, failed, timed_out = _run(reward, prompts, completions, kwargs, on_error, warm_up)
         per_reward[reward.name], failures[reward.name] = values, failed
         if reward.isolated:

@@ -27,6 +27,7 @@ class GRPOState:
     step_started: float = field(default_factory=time.perf_counter)
     reward_failures: dict[str, int] = field(default_factory=dict)  # scored 0 (reward_errors: zero), this step
     reward_timeouts: dict[str, int] = field(default_factory=dict)  # of those, isolated rewards' timeouts
+    reward_tokenizer: Any = None  # the reward model's tokenizer, when a reward model scores (model_reward.py)
 
 
 def learner_engine(session: Session) -> Any:

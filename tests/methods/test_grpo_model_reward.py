@@ -1,0 +1,103 @@
+"""GRPO's ``reward_model`` reward: completions scored by a reward model role, as transformers scores them.
+
+The reference is independent of posttune: transformers' tokenizer renders each prompt and its
+completion with the chat template, and transformers' ``LlamaForSequenceClassification`` scores
+the rendered ids; GRPO's per-completion ``reward_model`` values must equal those (1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import posttune_grpo
+import posttune_llama
+import posttune_rm
+import pytest
+import torch
+import transformers
+import yaml
+from run_support import TOKENIZER, compose_run, grpo_config, prompt_rows
+
+from posttune.testing.tiny import TINY
+
+PAD = 4  # the demo tokenizer's pad id
+
+
+@pytest.fixture
+def grpo_rm(register_plugin):
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
+    register_plugin(posttune_rm, distribution="posttune-rm", version="0.1.0")
+
+
+def save_reward_model(path: Path) -> None:
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 384, "num_labels": 1, "pad_token_id": PAD})
+    torch.manual_seed(0)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(path)
+
+
+def rm_run(tmp_path: Path, **method) -> dict:
+    save_reward_model(tmp_path / "rm")
+    config = grpo_config(tmp_path, method={"rewards": [{"name": "reward_model", "options": {"batch_size": 3}}],
+                                           "temperature": 1.0, **method}, train={"eval_every": 3})
+    config["models"] = {"reward": {"path": str(tmp_path / "rm")}}
+    config["data"]["validation"] = dict(config["data"]["train"])
+    return config
+
+
+def test_completions_are_scored_as_transformers_scores_them(grpo_rm, tmp_path):
+    from posttune_grpo.method import batches
+
+    session = compose_run(rm_run(tmp_path))
+    assert session.models["reward"].output.out_features == 1
+    next(iter(batches(session)))
+    rollouts = session.method_state.pending
+    ours = rollouts.per_reward["reward_model"]
+    assert torch.equal(rollouts.rewards, ours)  # the only reward, weight 1
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    prompts = [row["prompt"] for row in prompt_rows(8)]
+    expected = []
+    for labels, row in zip(rollouts.labels, rollouts.rows.tolist(), strict=True):
+        completion = tokenizer.decode(labels[labels != -100].tolist(), skip_special_tokens=True)
+        messages = [{"role": "user", "content": prompts[row]}, {"role": "assistant", "content": completion}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        with torch.no_grad():
+            expected.append(float(model(input_ids=torch.tensor([rendered])).logits[0, 0]))
+    assert len(set(expected)) > 1  # completions told apart: equal scores would pass trivially
+    torch.testing.assert_close(ours, torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_a_grpo_run_with_a_reward_model_trains_and_logs_its_reward(grpo_rm, posttune_cli, tmp_path):
+    config = rm_run(tmp_path)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in (Path(config["checkpoint"]["output_dir"]) / "metrics.jsonl").open()]
+    assert len(records) == 3 and all(r["reward/reward_model"] == r["reward"] for r in records)
+    assert records[-1]["val_reward/reward_model"] == records[-1]["val_reward"] != 0
+    plan = posttune_cli("plan", str(path))
+    assert plan.exit_code == 0 and "reward: frozen 'llama' model" in plan.stdout, plan.stdout
+
+
+def test_a_reward_model_with_ray_generation_is_refused_in_one_line(grpo_rm, posttune_cli, tmp_path):
+    config = rm_run(tmp_path, mode="async")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = posttune_cli("validate", str(path))
+    assert result.exit_code == 2 and "method.rewards[0].name" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_reward_model_role_is_required(grpo_rm, posttune_cli, tmp_path):
+    config = rm_run(tmp_path)
+    del config["models"]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = posttune_cli("validate", str(path))
+    assert result.exit_code == 2 and "reward" in result.stderr, result.stderr
+
+
