@@ -141,10 +141,54 @@ def test_the_saved_reward_model_resaves_and_reloads_unchanged(llama_rm, tmp_path
     assert torch.equal(hf_scores(tmp_path / "a", ids), hf_scores(tmp_path / "b", ids))
 
 
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_a_lora_reward_model_loads_in_peft_with_its_score_head_and_resumes(llama_rm, posttune_cli, tmp_path, kind):
+    peft = pytest.importorskip("peft")
+    source = tmp_path / "causal"
+    save_tiny_hf_checkpoint(source, tiny_llama_config(vocab_size=384))
+    config = rm_config(tmp_path, rows=12, train={"epochs": 2},
+                       checkpoint={"save_every": 3, "keep_last": 3, "save_merged": True},
+                       adapter={"rank": 4, "alpha": 8, "kind": kind})
+    config["model"] = {"path": str(source), "family": "llama"}
+    result = posttune_cli("train", str(write(tmp_path, config)))
+    assert result.exit_code == 0, result.stderr
+    out = Path(config["checkpoint"]["output_dir"])
+    saved = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert saved["task_type"] == "SEQ_CLS" and saved["modules_to_save"] == ["score"]
+
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, dtype=torch.float32)
+    base.config.pad_token_id = 4  # the demo tokenizer's pad id, which training pooled by
+    model = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    ids = padded_ids(4)
+    with torch.no_grad():
+        theirs = model(input_ids=ids, attention_mask=(ids != 4).long()).logits
+
+    from posttune.plugin import load_peft_adapter, load_model, sequence_scores
+    from posttune.checkpoint.score_head import add_score_head
+
+    ours_model = add_score_head(load_model(source, dtype="fp32"))
+    load_peft_adapter(ours_model, out / "adapter")
+    with torch.no_grad():
+        ours = sequence_scores(ours_model.eval()(ids), ids, 4)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours, theirs)
+    merged = hf_scores(out / "model", ids)  # save_merged: the sequence classifier with the adapters folded in
+    assert torch.allclose(merged, theirs, atol=1e-5, rtol=0), (merged, theirs)
+    drawn = torch.randn(1, TINY["hidden_size"], generator=torch.Generator().manual_seed(0)) * 0.02  # train.seed 0
+    assert (ours_model.output.weight - drawn).abs().max() > 1e-4  # the head trained beside the adapters
+
+    # resume from step 3 of 6: the adapter and the head come back, the rest of the run is the same
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    resumed = {**config, "checkpoint": {**config["checkpoint"], "output_dir": str(tmp_path / "again"),
+                                        "resume": str(out / "checkpoints" / "step-00000003")}}
+    result = posttune_cli("train", str(write(tmp_path, resumed)))
+    assert result.exit_code == 0, result.stderr
+    again = [json.loads(line) for line in (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in again if r["step"] > 3] == [r["loss"] for r in records if r["step"] > 3]
+
+
 @pytest.mark.parametrize("section, value, field", [
     ("method", {"margin": -1.0}, "method.margin"),
     ("method", {"center_rewards_coefficient": -0.1}, "method.center_rewards_coefficient"),
-    ("adapter", {"rank": 4}, "adapter"),
     ("parallel", {"plans": ["tp"]}, "parallel.plans"),
 ])
 def test_bad_settings_are_refused_in_one_line(llama_rm, posttune_cli, tmp_path, section, value, field):

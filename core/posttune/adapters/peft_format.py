@@ -32,6 +32,7 @@ from posttune.checkpoint.atomic import atomic_dir
 from posttune.checkpoint.peft_config import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, UNSUPPORTED, adapter_base, read_config,
                                              saved_settings, settings_of)
 from posttune.checkpoint.safetensors_io import Planned, iter_tensors, write_file
+from posttune.checkpoint.score_head import HEAD, HF_SCORE, score_labels
 from posttune.errors import PosttuneError
 
 PREFIX = "base_model.model."
@@ -69,14 +70,21 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
             tensor = state_dict[f"{name}.{suffix}"] if state_dict is not None else tensor
             value = rows(tensor) if suffix in ROW_INDEXED else tensor
             tensors[f"{PREFIX}{hf_names[name]}.{PEFT_SUFFIX[suffix]}"] = value.detach().to("cpu").contiguous()
+    task = "CAUSAL_LM"
+    if score_labels(model) is not None:  # the score head, trained whole: PEFT's modules_to_save of SEQ_CLS
+        head = state_dict[HEAD] if state_dict is not None else model.get_parameter(HEAD)
+        tensors[f"{PREFIX}{HF_SCORE.removesuffix('.weight')}.weight"] = head.detach().to("cpu").contiguous()
+        task = "SEQ_CLS"
     config = {
-        **UNSUPPORTED, "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        **UNSUPPORTED, "peft_type": "LORA", "task_type": task,
         "base_model_name_or_path": base_model_name_or_path or origin.source,
         "r": settings["rank"], "lora_alpha": settings["alpha"], "lora_dropout": settings["dropout_p"],
         "use_dora": settings["kind"] == "dora",
         "target_modules": peft_targets([hf_names[n] for n in layers], hf_names.values()),
         "exclude_modules": None, "init_lora_weights": True, "inference_mode": True, "revision": None,
     }
+    if task == "SEQ_CLS":
+        config["modules_to_save"] = [HF_SCORE.removesuffix(".weight")]
     planned = [Planned(key, t.dtype, tuple(t.shape)) for key, t in sorted(tensors.items())]
     with atomic_dir(out_dir, replaceable=(ADAPTER_CONFIG, ADAPTER_WEIGHTS)) as tmp:
         write_file(tmp / ADAPTER_WEIGHTS, planned, tensors.__getitem__)
@@ -106,7 +114,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
                        dropout=settings["dropout_p"], kind=settings["kind"])
         layers = adapted_modules(model)
     _check_same(directory, layers, targets, settings)
-    _copy_tensors(directory, layers, hf_names, converter.to_native, hf_config)
+    _copy_tensors(model, directory, layers, hf_names, converter.to_native, hf_config)
     return list(layers)
 
 
@@ -192,6 +200,10 @@ def _family_io(model: nn.Module) -> tuple[Any, Any, dict[str, Any]]:
     registry = get_registry()
     family = registry.get("model_family", origin.family)
     converter = registry.get("checkpoint_converter", f"{origin.family}:hf")
+    if score_labels(model) is not None:
+        from posttune.checkpoint.score_head import score_converter
+
+        converter = score_converter(converter)
     return origin, converter, hf_config_for(origin, family, ())
 
 
@@ -255,13 +267,18 @@ def _check_same(directory: Path, layers: Mapping[str, LoRALinear], targets: list
 
 
 @torch.no_grad()
-def _copy_tensors(directory: Path, layers: Mapping[str, LoRALinear], hf_names: Mapping[str, str],
+def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALinear], hf_names: Mapping[str, str],
                   to_native: Convert, hf_config: Mapping[str, Any]) -> None:
     native_of = {hf: native for native, hf in hf_names.items() if native in layers}
     expected = {(name, suffix) for name, layer in layers.items() for suffix in _layer_tensors(layer)}
     filled = set()
+    score = score_labels(model) is not None
     for entry, tensor in iter_tensors(directory / ADAPTER_WEIGHTS):
         key = entry.name.removeprefix(PREFIX)
+        if score and key == HF_SCORE:  # a score head saved whole (modules_to_save)
+            _copy_whole(model.get_parameter(HEAD), tensor, directory, entry.name)
+            filled.add((HEAD, ""))
+            continue
         hf_module, suffix = _split_peft_key(key)
         name = native_of.get(hf_module)
         native_suffix = NATIVE_SUFFIX.get(suffix)
@@ -277,10 +294,22 @@ def _copy_tensors(directory: Path, layers: Mapping[str, LoRALinear], hf_names: M
                                 f"the model's adapter {list(target.shape)}")
         target.copy_(tensor)
         filled.add((name, native_suffix))
+    if score:
+        expected.add((HEAD, ""))
     missing = sorted(expected - filled)
     if missing:
         shown = ", ".join(f"{name}.{suffix}" for name, suffix in missing[:3])
         raise PosttuneError(f"{directory / ADAPTER_WEIGHTS}: missing {len(missing)} adapter tensors ({shown}...)")
+
+
+def _copy_whole(target: torch.Tensor, tensor: torch.Tensor, directory: Path, name: str) -> None:
+    from posttune.checkpoint.materialize import copy_into
+
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise PosttuneError(f"{directory / ADAPTER_WEIGHTS}: '{name}' has shape {list(tensor.shape)}, "
+                            f"the model's score head {list(target.shape)}")
+    with torch.no_grad():
+        copy_into(target, tensor)
 
 
 def _split_peft_key(key: str) -> tuple[str, str]:

@@ -34,6 +34,9 @@ def read_config(directory: Path) -> dict[str, Any]:
     if config.get("peft_type") != "LORA":
         raise PosttuneError(f"{path}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
     for key, default in UNSUPPORTED.items():
+        if key == "modules_to_save" and config.get("task_type") == "SEQ_CLS" \
+                and set(config.get(key) or ()) <= {"score", "classifier"}:
+            continue  # a reward model's score head, saved whole (checkpoint/score_head.py)
         if config.get(key, default) not in (default, None, {}, [], False):
             raise PosttuneError(f"{path}: {key}={config[key]!r} is not supported by posttune's adapters")
     if not (directory / ADAPTER_WEIGHTS).is_file():

@@ -203,6 +203,8 @@ def inject_adapters(session: Session, model: nn.Module) -> None:
                                              "targets; list module-name patterns")
     apply_adapters(model, targets=targets, rank=adapter.rank, alpha=adapter.alpha,
                    dropout=adapter.dropout, kind=adapter.kind)
+    if session.targets["policy"].score:  # a new head learns whole beside the adapters (PEFT's modules_to_save)
+        model.output.requires_grad_(True)
 
 
 def run_stage(session: Session, stage: str, target: ModelTarget) -> None:

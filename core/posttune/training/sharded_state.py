@@ -87,4 +87,10 @@ def gather_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             tensor = distributed.full_value(layer.get_parameter(param_name).detach())
             if distributed.is_main():
                 gathered[f"{name}.{param_name}"] = tensor.cpu()
+    from posttune.checkpoint.score_head import HEAD, score_labels
+
+    if score_labels(model) is not None:  # a score head trains whole beside the adapters and is saved with them
+        tensor = distributed.full_value(model.get_parameter(HEAD).detach())
+        if distributed.is_main():
+            gathered[HEAD] = tensor.cpu()
     return gathered

@@ -45,9 +45,6 @@ def validate(config: RunConfig, method: RewardModelConfig) -> None:
         if plan in config.parallel.plans:
             raise ConfigError("parallel.plans", f"reward_model does not run under '{plan}' (a one-value head, "
                                                 "pooled at each row's last token); shard it with fsdp2")
-    if config.adapter is not None:
-        raise ConfigError("adapter", "reward_model trains its score head and backbone fully; LoRA/DoRA reward "
-                                     "models are not supported yet (remove adapter:)")
 
 
 def micro_batch_tokens(config: Any, method: RewardModelConfig) -> tuple[int, str]:
