@@ -107,6 +107,26 @@ def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoad
     return BatchLoader(num_items=len(items), get_item=items.__getitem__, lengths=lengths, **common)
 
 
+def pair_loader(session: Any, dataset: DatasetConfig, split: str, *,
+                collate: Callable[[list[list[Sample]]], dict[str, Any]] | None = None) -> BatchLoader:
+    """Preference pairs (``PairMaker`` with the run's data settings), batched by ``pair_batch`` (the chosen
+    rows, then the rejected) unless ``collate`` is given: what DPO and reward models read."""
+    from posttune.data.collate import pad_id, pair_batch
+    from posttune.data.preference import PairMaker
+
+    config = session.config.data
+    make = PairMaker(dataset_format(session, split), session.tokenizer, max_seq_len=config.max_seq_len,
+                     max_prompt_len=config.max_prompt_len, skip_bad_rows=config.skip_bad_rows,
+                     column_map=dataset.column_map, where=f"data.{split}", system_prompt=dataset.system_prompt)
+    if collate is None:
+        pad = pad_id(session.tokenizer)
+
+        def collate(rows: list[list[Sample]]) -> dict[str, Any]:
+            return pair_batch(rows, pad_id=pad, pad_to_multiple_of=config.pad_to_multiple_of)
+
+    return build_loader(session, dataset, split, make=make, collate=collate)
+
+
 def dataset_format(session: Any, split: str) -> Any:
     """The registered ``DatasetFormat`` the config names for ``split`` (resolved before launch)."""
     return session.plan.datasets[split].descriptor

@@ -24,20 +24,16 @@ REFERENCE = "reference"
 
 
 def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
-    from posttune.plugin import PairMaker, build_loader, dataset_format, pad_id, pair_batch
+    from posttune.plugin import pad_id, pair_batch, pair_loader
 
-    config = session.config.data
-    make = PairMaker(dataset_format(session, split), session.tokenizer, max_seq_len=config.max_seq_len,
-                     max_prompt_len=config.max_prompt_len, skip_bad_rows=config.skip_bad_rows,
-                     column_map=dataset.column_map, where=f"data.{split}", system_prompt=dataset.system_prompt)
-    pad = pad_id(session.tokenizer)
+    pad, multiple = pad_id(session.tokenizer), session.config.data.pad_to_multiple_of
 
     def collate(rows: list) -> dict[str, Any]:
-        batch = pair_batch(rows, pad_id=pad, pad_to_multiple_of=config.pad_to_multiple_of)
+        batch = pair_batch(rows, pad_id=pad, pad_to_multiple_of=multiple)
         batch["split"] = split  # which precomputed reference table holds these pairs
         return batch
 
-    return build_loader(session, dataset, split, make=make, collate=collate)
+    return pair_loader(session, dataset, split, collate=collate)
 
 
 def loss(session: Session, batch: dict[str, Any]) -> LossOutput:

@@ -1,8 +1,8 @@
 """The reward model as a posttune method: preference pairs in, one forward, Bradley-Terry loss.
 
-- ``data``: preference pairs through the core's toolkit (``PairMaker``: the checkpoint's chat
-  template, the prompt masked, its tail kept under ``max_prompt_len``), batched by
-  ``pair_batch``: the chosen rows, then the rejected ones, in one forward pass.
+- ``data``: preference pairs through the core's toolkit (``pair_loader``: the checkpoint's chat
+  template, the prompt's tail kept under ``max_prompt_len``), the chosen rows then the rejected
+  ones in one forward pass.
 - ``loss``: the score head's value at each row's last token that is not padding
   (``sequence_scores``, transformers' pooling, so the exported model scores the same), the
   per-pair loss summed, normalised by the trainer over the pairs of the whole step.
@@ -19,15 +19,9 @@ from posttune_rm.losses import bradley_terry
 
 
 def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
-    from posttune.plugin import PairMaker, build_loader, dataset_format, pair_batch
+    from posttune.plugin import pair_loader
 
-    config = session.config.data
-    make = PairMaker(dataset_format(session, split), session.tokenizer, max_seq_len=config.max_seq_len,
-                     max_prompt_len=config.max_prompt_len, skip_bad_rows=config.skip_bad_rows,
-                     column_map=dataset.column_map, where=f"data.{split}", system_prompt=dataset.system_prompt)
-    pad = pad_id(session.tokenizer)
-    return build_loader(session, dataset, split, make=make,
-                        collate=lambda rows: pair_batch(rows, pad_id=pad, pad_to_multiple_of=config.pad_to_multiple_of))
+    return pair_loader(session, dataset, split)
 
 
 def rewards(session: Session, batch: dict[str, Any], model: Any = None) -> torch.Tensor:
