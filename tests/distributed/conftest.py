@@ -43,7 +43,7 @@ def rows(count: int, seed: int = 0, *, kind: str = "sft") -> list[dict]:
 
 def write_config(directory: Path, *, batch_size: int, parallel: dict | None = None, adapter: dict | None = None,
                  checkpoint: dict | None = None, steps: int = STEPS, method: dict | None = None,
-                 teacher: dict | None = None, model: dict | None = None) -> Path:
+                 teacher: dict | None = None, model: dict | None = None, models: dict | None = None) -> Path:
     """A tiny Llama run: SFT by default; a ``method`` named dpo trains on preference pairs, grpo on prompts
     (kd on the SFT chats, from the ``teacher`` section)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -64,6 +64,8 @@ def write_config(directory: Path, *, batch_size: int, parallel: dict | None = No
         config["adapter"] = adapter
     if teacher is not None:
         config["teacher"] = teacher
+    if models is not None:
+        config["models"] = models
     path = directory / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -38,3 +38,27 @@ def test_sync_grpo_on_two_ranks_matches_one_process(runs, name):
         for key in KEYS:
             assert abs(a[key] - b[key]) <= TOL * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
     assert any(r["loss"] != 0 for r in want) and len({r["reward"] for r in want}) > 1  # a real run
+
+
+def test_a_reward_model_role_sharded_on_two_ranks_scores_like_one_process(runs, tmp_path_factory):
+    """GRPO's ``reward_model`` reward with the reward model a role that FSDP2 shards: the same rewards
+    and updates as one process (every rank runs the same scoring forwards)."""
+    import torch
+    import transformers
+
+    from posttune.testing.tiny import TINY
+
+    rm = tmp_path_factory.mktemp("reward_model")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 384, "num_labels": 1, "pad_token_id": 4})
+    transformers.LlamaForSequenceClassification(config).save_pretrained(rm)
+    method = {**GRPO, "rewards": [{"name": "reward_model", "options": {"batch_size": 3}}]}
+    common = dict(method=method, models={"reward": {"path": str(rm)}}, overrides=("train.lr=5e-3",))
+    single = runs("grpo_rm_single", batch_size=4, **common)
+    split = runs("grpo_rm_fsdp2", nproc=2, batch_size=2, parallel={"plans": ["fsdp2"]}, **common)
+    got, want = metrics(split), metrics(single)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
+    for a, b in zip(got, want):
+        for key in (*KEYS, "reward/reward_model"):
+            assert abs(a[key] - b[key]) <= TOL * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
+    assert len({r["reward"] for r in want}) > 1 and all(r["reward"] == r["reward/reward_model"] for r in want)
