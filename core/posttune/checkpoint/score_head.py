@@ -23,6 +23,7 @@ from torch import nn
 
 from posttune.checkpoint.origin import attach, origin_of
 from posttune.descriptors import CheckpointConverter
+from posttune.errors import PosttuneError
 
 CAUSAL, SEQUENCE_CLASSIFICATION = "ForCausalLM", "ForSequenceClassification"
 HEAD = "output.weight"  # the native head (posttune.modules.Decoder.output)
@@ -32,6 +33,9 @@ LABELS = "score_labels"  # ModelOrigin.extra's key: how many values the head giv
 
 def add_score_head(model: nn.Module, num_labels: int = 1) -> nn.Module:
     """Replace ``model.output`` by a fresh ``Linear(hidden, num_labels)`` (no bias, untied, no soft-cap)."""
+    if not isinstance(getattr(model, "output", None), nn.Linear):
+        raise PosttuneError(f"{type(model).__name__} has no output head `output` (posttune.modules.Decoder's "
+                            "contract): a score head cannot replace it")
     old = model.output.weight
     model.output = nn.Linear(old.shape[1], num_labels, bias=False, device=old.device, dtype=old.dtype)
     model.tie_word_embeddings = False
