@@ -73,7 +73,7 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
     task = "CAUSAL_LM"
     if score_labels(model) is not None:  # the score head, trained whole: PEFT's modules_to_save of SEQ_CLS
         head = state_dict[HEAD] if state_dict is not None else model.get_parameter(HEAD)
-        tensors[f"{PREFIX}{HF_SCORE.removesuffix('.weight')}.weight"] = head.detach().to("cpu").contiguous()
+        tensors[f"{PREFIX}{HF_SCORE}"] = head.detach().to("cpu").contiguous()
         task = "SEQ_CLS"
     config = {
         **UNSUPPORTED, "peft_type": "LORA", "task_type": task,
@@ -308,8 +308,7 @@ def _copy_whole(target: torch.Tensor, tensor: torch.Tensor, directory: Path, nam
     if tuple(tensor.shape) != tuple(target.shape):
         raise PosttuneError(f"{directory / ADAPTER_WEIGHTS}: '{name}' has shape {list(tensor.shape)}, "
                             f"the model's score head {list(target.shape)}")
-    with torch.no_grad():
-        copy_into(target, tensor)
+    copy_into(target, tensor)  # under _copy_tensors' no_grad
 
 
 def _split_peft_key(key: str) -> tuple[str, str]:

@@ -38,7 +38,7 @@ from posttune.checkpoint.convert import Joiner, first_key
 from posttune.checkpoint.keymap import BASE, base_key
 from posttune.checkpoint.materialize import copy_into
 from posttune.checkpoint import score_head, source
-from posttune.checkpoint.origin import ModelOrigin, attach
+from posttune.checkpoint.origin import ModelOrigin, attach, origin_of
 from posttune.checkpoint.safetensors_io import Entry, fits, iter_tensors, read_header
 from posttune.descriptors import CheckpointConverter, ModelFamily, QuantizedFormat
 from posttune.errors import PosttuneError
@@ -72,9 +72,8 @@ def load_hf(path_or_id: str | Path, *, dtype: torch.dtype | str | None = None,
         mat.materialize(model, device or "cpu")
         loader.load(ckpt.headers)
         mat.init_buffers(model)
-    extra = {score_head.LABELS: labels} if labels is not None else {}
     attach(model, ModelOrigin(ckpt.family.name, kwargs, ckpt.hf_config, _generation_config(ckpt.directory),
-                              ckpt.where, extra))
+                              ckpt.where, origin_of(model).extra))  # keeps the score head's labels
     return model.eval()
 
 
@@ -86,7 +85,7 @@ def load_into(model: nn.Module, path_or_id: str | Path, *, family: str | None = 
     ``base`` receives the base weight; DTensor (FSDP2/TP) parameters receive their own shard.
     Non-persistent buffers are the caller's (``posttune.modules.init_buffers``). A model with a score
     head (``checkpoint/score_head.py``) takes a sequence classifier's ``score``, or from a causal
-    checkpoint nothing for its head: returned, the native names the caller must initialise.
+    checkpoint nothing for its head: returned, those tensors by native name, for the caller to initialise.
     """
     ckpt = _open(path_or_id, family)
     fresh: set[str] = set()

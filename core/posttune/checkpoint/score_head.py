@@ -46,9 +46,12 @@ def add_score_head(model: nn.Module, num_labels: int = 1) -> nn.Module:
 
 
 def score_labels(model: Any) -> int | None:
-    """The values per token of a model with a score head, or None for a language model."""
-    origin = getattr(model, "posttune_origin", None)
-    return None if origin is None else origin.extra.get(LABELS)
+    """The values per token of a model with a score head, or None for a language model (or one posttune
+    did not build); found through wrappers (``torch.compile``) as ``origin_of`` finds it."""
+    try:
+        return origin_of(model).extra.get(LABELS)
+    except PosttuneError:
+        return None
 
 
 def checkpoint_labels(hf_config: Mapping[str, Any]) -> int | None:

@@ -246,7 +246,7 @@ def load_weights(session: Session, target: ModelTarget) -> None:
         if fresh:  # a new score head on a causal checkpoint: drawn as random_init would
             generator = torch.Generator(device="cpu").manual_seed(config.train.seed)
             for _, weight in sorted(fresh.items()):
-                mat.copy_into(weight, torch.randn(weight.shape, generator=generator) * INIT_STD)
+                draw_normal(weight, generator)
     from posttune.modules import init_buffers
 
     init_buffers(model)
@@ -303,7 +303,6 @@ def random_init(model: nn.Module, seed: int) -> None:
     a frozen role built from the same seed is exactly the policy's base.
     """
     from posttune.adapters import LoRALinear
-    from posttune.checkpoint.materialize import copy_into
 
     adapters = {id(part) for layer in model.modules() if isinstance(layer, LoRALinear)
                 for part in (layer.lora_A, layer.lora_B)}
@@ -312,15 +311,20 @@ def random_init(model: nn.Module, seed: int) -> None:
         if id(module) in adapters:
             continue
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            weight = module.weight
-            copy_into(weight, torch.randn(weight.shape, generator=generator, dtype=torch.float32) * INIT_STD)
+            draw_normal(module.weight, generator)
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
         elif callable(getattr(module, "reset_parameters", None)) and not list(module.children()):
             module.reset_parameters()  # norms: ones or zeros, nothing random
         elif not isinstance(module, LoRALinear):  # parameters held directly (a router, stacked experts)
             for param in module.parameters(recurse=False):
-                copy_into(param, torch.randn(param.shape, generator=generator, dtype=torch.float32) * INIT_STD)
+                draw_normal(param, generator)
+
+
+@torch.no_grad()
+def draw_normal(weight: torch.Tensor, generator: torch.Generator) -> None:
+    """``weight`` ~ N(0, INIT_STD), the whole tensor drawn on every rank (a shard keeps its part)."""
+    mat.copy_into(weight, torch.randn(weight.shape, generator=generator, dtype=torch.float32) * INIT_STD)
 
 
 # ---- data and steps ----------------------------------------------------------------------------

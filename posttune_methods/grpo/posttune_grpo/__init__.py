@@ -101,12 +101,8 @@ def roles(config: GRPOConfig) -> tuple[ModelRole, ...]:
     """A reference only for the KL term: by default from the policy's source, and with LoRA the policy
     with its adapters disabled; a reward model (``models.reward``) for the ``reward_model`` reward."""
     reference = (ModelRole("reference", from_policy=True, adapters_off=True),) if config.beta > 0 else ()
-    scored = any(_spec_name(spec) == MODEL_REWARD for spec in config.rewards)
+    scored = any(spec.name == MODEL_REWARD for spec in config.rewards)
     return reference + ((ModelRole(REWARD_ROLE, score=True),) if scored else ())
-
-
-def _spec_name(spec: Any) -> Any:
-    return spec.get("name") if isinstance(spec, dict) else getattr(spec, "name", None)
 
 
 def validate(config: RunConfig, method: GRPOConfig) -> None:
@@ -153,7 +149,7 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
                                                                    "sequence parallelism cannot split over the TP "
                                                                    "ranks; set it to false")
     resolve_rewards(method.rewards)
-    scored = [i for i, spec in enumerate(method.rewards) if _spec_name(spec) == MODEL_REWARD]
+    scored = [i for i, spec in enumerate(method.rewards) if spec.name == MODEL_REWARD]
     if scored and generation_of(method) != "local":
         raise ConfigError(f"method.rewards[{scored[0]}].name", f"'{MODEL_REWARD}' scores in the learner process; "
                                                                "it runs with generation: local (mode: sync) for now")

@@ -207,11 +207,15 @@ def add_in_learner(tokenizer: Any, rewards: list[Any], prompts: dict[str, Any], 
     Every row is scored, placeholders too (with a real prompt), so that each rank runs the same
     forwards; ``real`` then zeroes the placeholders.
     """
-    for reward in (r for r in rewards if r.in_learner):
-        raw = list(prompts["prompts"])
-        raw += [raw[0] if raw else ""] * (len(completions) // group - len(raw))
-        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        values = in_learner(reward, [raw[i // group] for i in range(len(completions))], texts) * real
+    scored = [r for r in rewards if r.in_learner]
+    if not scored:
+        return total
+    raw = list(prompts["prompts"])
+    raw += [raw[0] if raw else ""] * (len(completions) // group - len(raw))
+    row_prompts = [raw[i // group] for i in range(len(completions))]
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+    for reward in scored:
+        values = in_learner(reward, row_prompts, texts) * real
         per_reward[reward.name] = values
         total = total + reward.weight * values
     return total
