@@ -110,7 +110,7 @@ def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoad
 def pair_loader(session: Any, dataset: DatasetConfig, split: str, *,
                 collate: Callable[[list[list[Sample]]], dict[str, Any]] | None = None) -> BatchLoader:
     """Preference pairs (``PairMaker`` with the run's data settings), batched by ``pair_batch`` (the chosen
-    rows, then the rejected) unless ``collate`` is given: what DPO and reward models read."""
+    rows, then the rejected) unless ``collate`` is given: what preference methods read."""
     from posttune.data.collate import pad_id, pair_batch
     from posttune.data.preference import PairMaker
 
