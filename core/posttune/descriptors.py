@@ -169,8 +169,10 @@ class ModelRole:
     (its checkpoint, or the same seeded random init); and with ``adapters_off`` in a LoRA/DoRA run,
     the policy itself with its adapters disabled (no second copy in memory; implies ``from_policy``).
 
-    ``trained``: the role learns alongside the policy (e.g. PPO's value model). Declared for the
-    methods that will need it; refused before launch for now, since only the policy trains.
+    ``trained``: the role learns alongside the policy (e.g. PPO's value model): built as the policy
+    is (the run's adapters, plans and techniques), stepped by the same optimizer and clipped with
+    it (one gradient norm over both), saved in checkpoints (``models/<name>/``) and exported beside
+    the policy (``<name>/``, or ``<name>-adapter/``). Not with ``adapters_off`` or without ``run_plans``.
     ``run_plans``: the run's parallel plans and memory techniques that act on frozen models act
     on this one too (false: none does; it is built whole on every rank).
     ``score``: the role returns one value per token instead of logits (a reward or value model:

@@ -46,7 +46,7 @@ HEAP_RETAINED = 2 / 3
 
 @dataclass(frozen=True)
 class ModelEstimate:
-    """One model of the run: the policy (trainable) or a frozen role."""
+    """One model of the run: the policy, a trained role (gradients, optimizer state) or a frozen role."""
 
     role: str
     parameters: int
@@ -116,9 +116,10 @@ class Estimate:
         return sum(self.baselines.values())
 
     def components(self) -> dict[str, int]:
-        policy = self.models[0]
-        return {"weights": sum(m.weights_bytes for m in self.models), "gradients": policy.gradient_bytes,
-                "optimizer": policy.optimizer_bytes, "activations": self.activations, "logits_loss": self.logits,
+        return {"weights": sum(m.weights_bytes for m in self.models),
+                "gradients": sum(m.gradient_bytes for m in self.models),
+                "optimizer": sum(m.optimizer_bytes for m in self.models),
+                "activations": self.activations, "logits_loss": self.logits,
                 "allocator": self.allocator, "baseline": self.baseline}
 
     @property
@@ -236,22 +237,32 @@ def estimate(plan: Any) -> Estimate:
     from posttune.training.compose import build_model
 
     config = plan.config
-    policy = build_model(ModelTarget("policy", plan.family.descriptor, config.model,
-                                     score=plan.method.descriptor.score_head))
     adapter = config.adapter
-    if adapter is not None:
-        from posttune.adapters import apply_adapters
 
-        apply_adapters(policy, targets=adapter.targets or list(plan.family.descriptor.lora_targets),
-                       rank=adapter.rank, alpha=adapter.alpha, dropout=adapter.dropout, kind=adapter.kind)
+    def trained(target: ModelTarget) -> Any:  # built as the run builds a model the optimizer steps
+        model = build_model(target)
+        if adapter is not None:
+            from posttune.adapters import apply_adapters
+
+            apply_adapters(model, targets=adapter.targets or list(target.family.lora_targets),
+                           rank=adapter.rank, alpha=adapter.alpha, dropout=adapter.dropout, kind=adapter.kind)
+            if target.score:
+                model.output.requires_grad_(True)
+        return model
+
+    policy = trained(ModelTarget("policy", plan.family.descriptor, config.model,
+                                 score=plan.method.descriptor.score_head))
     models = [counted("policy", policy, BYTES[config.model.dtype], config.train.optimizer)]
     shared = []
     for name, role in plan.roles.items():
         if role.shares_policy:
             shared.append(name)
             continue
-        model = build_model(ModelTarget(name, role.family.descriptor, role.config,
-                                        score=role.role.score)).requires_grad_(False)
+        target = ModelTarget(name, role.family.descriptor, role.config, score=role.role.score)
+        if role.role.trained:
+            models.append(counted(name, trained(target), BYTES[role.config.dtype], config.train.optimizer))
+            continue
+        model = build_model(target).requires_grad_(False)
         models.append(counted(name, model, BYTES[role.config.dtype], None, role.role.run_plans))
     device = run_device(config.train.device)
     tokens, assumed = micro_batch_tokens(plan)

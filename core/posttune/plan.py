@@ -191,8 +191,10 @@ def _roles(plan: Plan, registry: Registry) -> None:
         who = f"method '{method.name}' ({plan.method.provenance}) declares model role {role.name!r}"
         if role.name in wanted or role.name in ("", "policy"):
             raise ConfigError("method", who + (" twice" if role.name in wanted else ": not a role name"))
-        if role.trained:  # a second trained model needs the trainer, optimizer and checkpoints to know it
-            raise ConfigError("method", f"{who} as trained; posttune trains only the policy so far")
+        if role.trained and (role.adapters_off or not role.run_plans):  # it trains as the policy does
+            why = "adapters_off" if role.adapters_off else "without the run plans"
+            raise ConfigError("method", f"{who} as trained and {why}: a trained role is its own model, built like "
+                                        "the policy")
         wanted[role.name] = role
     for name in config.models:
         if name not in wanted:
@@ -406,10 +408,12 @@ def _steps(plan: Plan) -> list[Step]:
             add("roles", f"{name}: the policy with its adapters disabled (no copy)", core)
             continue
         source = role.config.path or f"random init, size {role.config.size}"
-        frozen = [item.descriptor.name for item in plan.parallel + plan.memory
-                  if role.role.run_plans and applies_to_frozen(item.descriptor)]
-        how = f", with {', '.join(frozen)}" if frozen else ""
-        add("roles", f"{name}: frozen '{role.family.descriptor.name}' model ({source}){how}", role.family.provenance)
+        trained = role.role.trained
+        applied = [item.descriptor.name for item in plan.parallel + plan.memory
+                   if trained or (role.role.run_plans and applies_to_frozen(item.descriptor))]
+        how = f", with {', '.join(applied)}" if applied else ""
+        kind = f"trained{' (' + config.adapter.kind + ')' if config.adapter is not None else ''}" if trained else "frozen"
+        add("roles", f"{name}: {kind} '{role.family.descriptor.name}' model ({source}){how}", role.family.provenance)
     for split, fmt in plan.datasets.items():
         add("data", f"{split}: {getattr(config.data, split).path} as '{fmt.descriptor.name}'", fmt.provenance)
     optimizer = config.train.optimizer

@@ -43,7 +43,7 @@ class LossKernel:
 
 @dataclass(eq=False)
 class ModelTarget:
-    """One model of the run as the model stages build it: the policy, or a frozen role.
+    """One model of the run as the model stages build it: the policy, or another role (frozen or trained).
 
     Parallel plans and memory techniques receive it in ``apply(session, target)`` and act on
     ``target.model`` (they may replace it). ``family`` is the role's own family (a role may be of
@@ -71,6 +71,9 @@ class Session:
     tokenizer: Any = None
     model: torch.nn.Module | None = None  # the policy: the model that trains
     models: dict[str, torch.nn.Module] = field(default_factory=dict)  # the method's roles, by role name
+    #: every model the optimizer steps: the policy alone, or an ``nn.ModuleDict`` of the policy and the
+    #: method's trained roles (``ModelRole.trained``), keyed ``policy`` and by role name
+    trainable: torch.nn.Module | None = None
     targets: dict[str, ModelTarget] = field(default_factory=dict)  # every model as the stages built it
     # -- data, steps, optimisation -----------------------------------------------------------------
     train_data: Any = None  # what ``Method.data(session, config.data.train, "train")`` returned

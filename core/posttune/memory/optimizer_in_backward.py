@@ -35,12 +35,12 @@ from posttune.errors import PosttuneError
 from posttune.training import distributed
 
 def apply(session: Any, target: Any) -> None:
-    if any(distributed.is_dtensor(p) for p in session.model.parameters()):
+    if any(distributed.is_dtensor(p) for p in session.trainable.parameters()):
         # FSDP2 would call the hooks after its reduce-scatter, but sharded (DCP) checkpoints
         # read a plain optimizer; until that is wired and tested, refuse rather than half-work.
         raise PosttuneError("memory: optimizer_in_backward does not support sharded (FSDP2, TP) models yet; "
                             "drop it or run on one device")
-    optimizer = InBackwardOptimizer(session.optimizer, dict(session.model.named_parameters()))
+    optimizer = InBackwardOptimizer(session.optimizer, dict(session.trainable.named_parameters()))
     session.optimizer = optimizer
     session.scheduler = InBackwardScheduler(session.scheduler, optimizer)
     session.before_backward.append(optimizer.set_scale)

@@ -110,29 +110,23 @@ def sample(session: Any) -> list[tuple[str, str]]:
 
 
 def save_final(session: Any) -> dict[str, str]:
-    """The trained model (or adapter, and the merged model if asked), and the loss plot."""
+    """The trained model (or adapter, and the merged model if asked), each trained role's beside it
+    (``<role>/``, or ``<role>-adapter/``), and the loss plot."""
     from posttune.training import distributed, nonfinite
-    from posttune.training.state import save_model_or_adapter
-    from posttune.training.write_errors import writing
+    from posttune.training.state import trained_models
 
     out = Path(session.config.checkpoint.output_dir)
-    outputs: dict[str, str] = {}
     name = "adapter" if session.config.adapter is not None else "model"
     nonfinite.check_weights(session, f"the final {name} {out / name}")  # a good model there stays
     # Techniques that trained a stand-in for the exported model put the real one back first
     # (QLoRA dequantises its NF4 base, QAT swaps in its quantised weights).
     for prepare in session.before_final_save:
         prepare(session)
-    with writing(out / name, "model"):
-        saved = save_model_or_adapter(session, out / name)  # every rank: a sharded model is gathered first
-    outputs[name] = str(saved) if distributed.is_main() else ""
-    if session.config.adapter is not None and session.config.checkpoint.save_merged and distributed.is_main():
-        from posttune.adapters import merge_adapters
-        from posttune.checkpoint.hf_save import save_hf
-
-        merge_adapters(session.model)  # training is over: fold the adapters in, in place
-        with writing(out / "model", "model"):
-            outputs["model"] = str(save_hf(session.model, out / "model", tokenizer=session.tokenizer))
+    outputs: dict[str, str] = {}
+    for role, model in trained_models(session).items():
+        model_name = "model" if role == "policy" else role
+        outputs.update(_save_trained(session, model, out, model_name, "adapter" if role == "policy" else
+                                     f"{role}-adapter"))
     if distributed.is_main():
         outputs["metrics"] = str(out / "metrics.jsonl")
         try:
@@ -141,6 +135,27 @@ def save_final(session: Any) -> dict[str, str]:
             outputs["plot"] = str(plot_losses(out))
         except Exception as exc:  # noqa: BLE001 - the plot is a convenience; training succeeded
             outputs["plot"] = f"(not written: {exc})"
+    return outputs
+
+
+def _save_trained(session: Any, model: Any, out: Path, model_name: str, adapter_name: str) -> dict[str, str]:
+    """One trained model's export: ``out/model_name`` (full), or ``out/adapter_name`` and, with
+    ``save_merged``, the merged model in ``out/model_name``; every rank calls it (a sharded model is gathered)."""
+    from posttune.training import distributed
+    from posttune.training.state import save_model_or_adapter
+    from posttune.training.write_errors import writing
+
+    name = adapter_name if session.config.adapter is not None else model_name
+    with writing(out / name, "model"):
+        saved = save_model_or_adapter(session, out / name, model)
+    outputs = {name: str(saved) if distributed.is_main() else ""}
+    if session.config.adapter is not None and session.config.checkpoint.save_merged and distributed.is_main():
+        from posttune.adapters import merge_adapters
+        from posttune.checkpoint.hf_save import save_hf
+
+        merge_adapters(model)  # training is over: fold the adapters in, in place
+        with writing(out / model_name, "model"):
+            outputs[model_name] = str(save_hf(model, out / model_name, tokenizer=session.tokenizer))
     return outputs
 
 

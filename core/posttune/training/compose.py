@@ -3,7 +3,7 @@
     distributed -> tokenizer
     -> policy: build (meta device) -> adapt -> quantize -> parallelize -> load
     -> model roles the method declares: build -> quantize -> parallelize -> load, frozen; or
-       the policy with its adapters disabled
+       the policy with its adapters disabled; or trained: every stage, as the policy
     -> data: method.data(session, dataset, split) for train and validation
     -> step count -> optimizer, LR schedule -> ``optimizer`` and ``loss`` techniques
     -> method.setup -> resume
@@ -56,7 +56,7 @@ def compose(plan: Plan) -> Session:
     build_roles(session)
     build_data(session)
     session.total_steps = total_steps(session)
-    session.optimizer = build_optimizer(session.model.named_parameters(), plan.config.train)
+    session.optimizer = build_optimizer(session.trainable.named_parameters(), plan.config.train)
     session.scheduler = build_scheduler(session.optimizer, plan.config.train, session.total_steps)
     policy = session.targets["policy"]
     run_stage(session, "optimizer", policy)
@@ -128,36 +128,47 @@ def load_tokenizer(session: Session) -> Any:
 
 def build_policy(session: Session) -> None:
     """The model that trains: build -> adapt -> quantize -> parallelize -> load."""
-    config = session.config
-    target = ModelTarget("policy", session.plan.family.descriptor, config.model, trainable=True,
+    target = ModelTarget("policy", session.plan.family.descriptor, session.config.model, trainable=True,
                          score=session.plan.method.descriptor.score_head)
-    session.targets["policy"] = target
+    session.model = build_trained(session, target)
+    session.trainable = session.model
+
+
+def build_trained(session: Session, target: ModelTarget) -> nn.Module:
+    """A model the optimizer steps (the policy, or a trained role): every stage, adapters included."""
+    session.targets[target.role] = target
     target.model = build_model(target)
     run_stage(session, "build", target)
-    if config.adapter is not None:
-        inject_adapters(session, target.model)
-    run_stage(session, "adapt", target)
-    run_stage(session, "quantize", target)
-    run_stage(session, "parallelize", target)
+    if session.config.adapter is not None:
+        inject_adapters(session, target)
+    for stage in ("adapt", "quantize", "parallelize"):
+        run_stage(session, stage, target)
     load_weights(session, target)
     run_stage(session, "load", target)
-    session.model = target.model
+    return target.model
 
 
 def build_roles(session: Session) -> None:
-    """Each model role the method declared, frozen: ``session.models[name]``.
+    """Each model role the method declared: ``session.models[name]``.
 
-    A role with its own source goes through the policy's model stages minus adapters (and only
-    the plans and techniques that apply to frozen models, none if its ``run_plans`` is false);
-    a role that may be the policy without its adapters costs no memory at all.
+    A frozen role with its own source goes through the policy's model stages minus adapters (and
+    only the plans and techniques that apply to frozen models, none if its ``run_plans`` is false);
+    a role that may be the policy without its adapters costs no memory at all. A trained role is
+    built exactly as the policy is (adapters too, in a LoRA/DoRA run) and joins it in
+    ``session.trainable``, what the optimizer, gradient clipping and checkpoints see.
     """
     from posttune.adapters import AdaptersOff
 
+    trained: dict[str, nn.Module] = {}
     for name, role in session.plan.roles.items():
         if role.shares_policy:
             session.models[name] = AdaptersOff(session.model)
             continue
-        target = ModelTarget(name, role.family.descriptor, role.config, trainable=False, score=role.role.score)
+        target = ModelTarget(name, role.family.descriptor, role.config, trainable=role.role.trained,
+                             score=role.role.score)
+        if target.trainable:
+            session.models[name] = trained[name] = build_trained(session, target)
+            continue
         session.targets[name] = target
         target.model = build_model(target).requires_grad_(False)  # frozen before any stage sees it
         for stage in ("build", "quantize", "parallelize"):
@@ -166,6 +177,8 @@ def build_roles(session: Session) -> None:
         run_stage(session, "load", target)
         target.model.requires_grad_(False)
         session.models[name] = target.model.eval()
+    if trained:
+        session.trainable = nn.ModuleDict({"policy": session.model, **trained})
 
 
 def build_model(target: ModelTarget) -> nn.Module:
@@ -193,18 +206,18 @@ def build_model(target: ModelTarget) -> nn.Module:
     return model
 
 
-def inject_adapters(session: Session, model: nn.Module) -> None:
+def inject_adapters(session: Session, target: ModelTarget) -> None:
     from posttune.adapters import apply_adapters
 
     adapter = session.config.adapter
-    targets = adapter.targets or list(session.plan.family.descriptor.lora_targets)
+    targets = adapter.targets or list(target.family.lora_targets)
     if not targets:
-        raise ConfigError("adapter.targets", f"family '{session.plan.family.descriptor.name}' names no default "
+        raise ConfigError("adapter.targets", f"family '{target.family.name}' names no default "
                                              "targets; list module-name patterns")
-    apply_adapters(model, targets=targets, rank=adapter.rank, alpha=adapter.alpha,
+    apply_adapters(target.model, targets=targets, rank=adapter.rank, alpha=adapter.alpha,
                    dropout=adapter.dropout, kind=adapter.kind)
-    if session.targets["policy"].score:  # a new head learns whole beside the adapters (PEFT's modules_to_save)
-        model.output.requires_grad_(True)
+    if target.score:  # a new head learns whole beside the adapters (PEFT's modules_to_save)
+        target.model.output.requires_grad_(True)
 
 
 def run_stage(session: Session, stage: str, target: ModelTarget) -> None:
@@ -227,16 +240,16 @@ def applies_to(session: Session, item: Registered, target: ModelTarget) -> bool:
 def load_weights(session: Session, target: ModelTarget) -> None:
     """Materialise the target and fill it: checkpoint weights, or a seeded random initialisation.
 
-    The policy resumes its own weights (full fine-tuning) or adapter from the checkpoint; a
-    frozen role always loads its source (a seeded random init draws what the policy drew).
+    The policy and trained roles resume their own weights (full fine-tuning) or adapters from the
+    checkpoint; a frozen role always loads its source (a seeded random init draws what the policy drew).
     """
     model, config = target.model, session.config
     mat.materialize(model, init_device(session, target))
-    resume_from = session.resume_from if target.trainable else None
+    saved = session.resume_from / state.model_dir(target.role) if target.trainable and session.resume_from else None
     # A sharded checkpoint restores its weights later, with the optimizer (state.load_trainer_state).
-    resumes_hf = resume_from is not None and (resume_from / "model").is_dir()
+    resumes_hf = saved is not None and saved.is_dir()
     adapted = target.trainable and config.adapter is not None
-    source = str(resume_from / "model") if resumes_hf and not adapted else target.config.path
+    source = str(saved) if resumes_hf and not adapted else target.config.path
     if source is None:
         random_init(model, config.train.seed)
     else:
@@ -255,7 +268,7 @@ def load_weights(session: Session, target: ModelTarget) -> None:
 
         init_adapters(model)
         if resumes_hf:
-            load_peft_adapter(model, resume_from / "model")
+            load_peft_adapter(model, saved)
         elif config.adapter.init_from is not None:
             init_from_adapter(model, config.adapter)
     model.train()

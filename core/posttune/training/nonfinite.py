@@ -153,7 +153,7 @@ def check_weights(session: Any, before: str) -> None:
     from posttune.training import distributed
 
     finite = torch.ones((), dtype=torch.bool, device=session.device)
-    for param in session.model.parameters():
+    for param in session.trainable.parameters():
         if param.requires_grad:  # frozen weights do not change
             local = param.detach().to_local() if distributed.is_dtensor(param) else param.detach()
             finite &= torch.isfinite(local).all().to(finite.device)  # one sync at the end, not one per tensor

@@ -1,7 +1,8 @@
 """Resumable checkpoints of a sharded model (FSDP2, TP): torch.distributed.checkpoint (DCP).
 
     OUTPUT_DIR/checkpoints/step-00000040/
-        sharded/           DCP: model and optimizer state, each rank writing its own shards
+        sharded/           DCP: model and optimizer state, each rank writing its own shards (with
+                           trained roles, every trained model's, keyed ``policy.`` and by role name)
         scheduler.pt       LR scheduler state dict        (rank 0, as in state.py)
         rng.pt             torch and Python RNG states
         trainer_state.json step, epoch, data position
@@ -46,7 +47,7 @@ def save(session: Session, target: Path, write_rest: Any, replaceable: tuple[str
         shared = [str(tmp) if tmp is not None else None]
         if distributed.active():
             dist.broadcast_object_list(shared, src=0)
-        model_state, optim_state = get_state_dict(session.model, session.optimizer)
+        model_state, optim_state = get_state_dict(session.trainable, session.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=Path(shared[0]) / SHARDED)
         if write_each_rank is not None:
             write_each_rank(Path(shared[0]))
@@ -66,10 +67,10 @@ def load(session: Session, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optim_state = get_state_dict(session.model, session.optimizer)
+    model_state, optim_state = get_state_dict(session.trainable, session.optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=path / SHARDED, no_dist=not distributed.active())
-    set_state_dict(session.model, session.optimizer, model_state_dict=state["model"],
+    set_state_dict(session.trainable, session.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
 
 

@@ -2,6 +2,7 @@
 
     OUTPUT_DIR/checkpoints/step-00000040/
         model/             HF checkpoint (full fine-tuning) or PEFT adapter (LoRA/DoRA)
+        models/<role>/     the same for each trained model role (``ModelRole.trained``, e.g. a value model)
         optimizer.pt       optimizer state dict
         scheduler.pt       LR scheduler state dict
         rng.pt             torch and Python RNG states
@@ -43,6 +44,17 @@ from posttune.training.output_dir import (CHECKPOINTS, STATE_FILE, STEP_DIR, che
 from posttune.training.write_errors import torch_write_failed, writing
 
 METHOD_FILE = "method-{rank:05d}.pt"
+
+
+def model_dir(role: str) -> str:
+    """Where a checkpoint keeps a trained model's weights: ``model`` for the policy, ``models/<role>`` else."""
+    return "model" if role == "policy" else f"models/{role}"
+
+
+def trained_models(session: Session) -> dict[str, torch.nn.Module]:
+    """Every model the optimizer steps, by role: the policy first, then the method's trained roles."""
+    trainable = session.trainable if session.trainable is not None else session.model
+    return dict(trainable.items()) if isinstance(trainable, torch.nn.ModuleDict) else {"policy": trainable}
 
 
 def checkpoint_root(session: Session) -> Path:
@@ -88,7 +100,8 @@ def _write_checkpoint(session: Session, target: Path) -> None:
                            write_each_rank=write_method_state)
     elif distributed.is_main():
         with atomic_dir(target, replaceable=(STATE_FILE, MANIFEST)) as tmp:
-            save_model_or_adapter(session, tmp / "model")
+            for role, model in trained_models(session).items():
+                save_model_or_adapter(session, tmp / model_dir(role), model)
             save_torch(session.optimizer.state_dict(), tmp / "optimizer.pt")
             write_method_state(tmp)
             write_trainer_state(tmp)
@@ -102,28 +115,30 @@ def save_torch(obj: Any, path: Path) -> None:
         raise torch_write_failed(exc, path) from None
 
 
-def save_model_or_adapter(session: Session, directory: Path) -> Path:
-    """The model as the run trains it: a PEFT adapter with LoRA/DoRA, else the full HF checkpoint.
+def save_model_or_adapter(session: Session, directory: Path, model: torch.nn.Module | None = None) -> Path:
+    """``model`` (the policy by default) as the run trains it: a PEFT adapter with LoRA/DoRA, else the
+    full HF checkpoint.
 
     A sharded model (FSDP2, TP) is gathered to rank 0 first, so every rank must call this
     (collective); only rank 0 writes. A whole model on every rank (a plan that replicates it) is
     written by rank 0 alone too: ranks writing one directory at once would race for its rename.
     """
+    model = session.model if model is None else model
     gathered = None
-    if distributed.is_sharded(session.model):
+    if distributed.is_sharded(model):
         from posttune.training.sharded_state import gather_adapters
 
-        gathered = (gather_adapters(session.model) if session.config.adapter is not None
-                    else distributed.full_state_dict(session.model))
+        gathered = (gather_adapters(model) if session.config.adapter is not None
+                    else distributed.full_state_dict(model))
     if not distributed.is_main():
         return Path(directory)
     if session.config.adapter is not None:
         from posttune.adapters.peft_format import save_peft_adapter
 
-        return save_peft_adapter(session.model, directory, state_dict=gathered)
+        return save_peft_adapter(model, directory, state_dict=gathered)
     from posttune.checkpoint.hf_save import save_hf
 
-    return save_hf(session.model, directory, tokenizer=session.tokenizer, state_dict=gathered)
+    return save_hf(model, directory, tokenizer=session.tokenizer, state_dict=gathered)
 
 
 def rng_state() -> dict[str, Any]:

@@ -95,7 +95,7 @@ def train(session: Session) -> dict[str, Any]:
     log = MetricsLog(Path(session.config.checkpoint.output_dir), total_steps=session.total_steps,
                      initial_step=session.step, enabled=distributed.is_main(), log_every=config.log_every)
     first_step = session.step
-    session.model.train()
+    session.trainable.train()
     window = Window()
     run_start, run_tokens = time.perf_counter(), 0.0
     probation = nonfinite.Probation(session, read_metrics(log.path.parent) if session.resume_from else ())
@@ -188,7 +188,7 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
     ``probation`` judges the newest checkpoint by this step, which runs on its weights (nonfinite.py).
     """
     config = session.config.train
-    params = [p for p in session.model.parameters() if p.requires_grad]
+    params = [p for p in session.trainable.parameters() if p.requires_grad]
     max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
     # Data-parallel plans average gradients over the ranks with different tokens; ``group_size`` undoes that mean.
     group_size = distributed.token_group(session)[1]
@@ -267,12 +267,12 @@ def _save(session: Session, log: MetricsLog, probation: nonfinite.Probation | No
 def evaluate(session: Session) -> dict[str, float]:
     """The method's evaluation, or the default: its loss and metrics over the validation loader."""
     method = session.plan.method.descriptor
-    was_training = session.model.training
-    session.model.eval()
+    was_training = session.trainable.training
+    session.trainable.eval()
     try:
         return dict(method.evaluate(session)) if method.evaluate is not None else validation_loss(session)
     finally:
-        session.model.train(was_training)
+        session.trainable.train(was_training)
 
 
 @torch.no_grad()
