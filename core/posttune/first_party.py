@@ -27,6 +27,7 @@ NAMES: dict[str, dict[str, str]] = {
         "reward_model": "posttune-rm",
         "grpo": "posttune-grpo",
         "kd": "posttune-kd",
+        "ppo": "posttune-ppo",
     },
     "parallel_plan": {
         "fsdp2": "posttune-fsdp2",

@@ -23,9 +23,20 @@ from posttune.plugins import get_registry
 CORE = Path(posttune.__file__).resolve().parent
 EXEMPT = {CORE / "first_party.py"}
 #: the core's own names that a first-party plugin's happen to share: (file, name) -> what it is
-COINCIDENCES = {("cli/commands.py", "cp"): "the core's `posttune cp` command (copy a bundled config)"}
+COINCIDENCES = {
+    ("cli/commands.py", "cp"): "the core's `posttune cp` command (copy a bundled config)",
+    # PPO's roles `value` and `reward` are also plain words and attributes
+    ("builtin/datasets.py", "value"): "ShareGPT rows' message key",
+    ("cli/config_keys.py", "value"): "a parameter's name in a docstring",
+    ("config/typed.py", "value"): "a parameter's name in a docstring",
+    ("generation.py", "value"): "an attribute of the core's own error",
+    ("plugins.py", "value"): "importlib's EntryPoint.value",
+    ("template_limits.py", "value"): "an ast node's value",
+    ("scaffold/__init__.py", "reward"): "`posttune new reward`: the scaffold of a reward function",
+    ("training/plot.py", "reward"): "the logged metric `reward` (any RL method's), drawn in its own panel",
+}
 FIRST_PARTY = ("posttune-llama", "posttune-qwen", "posttune-gemma", "posttune-sft", "posttune-dpo", "posttune-grpo",
-               "posttune-kd", "posttune-rm", "posttune-fsdp2", "posttune-tp", "posttune-cp", "posttune-ep", "posttune-loss-parallel",
+               "posttune-kd", "posttune-rm", "posttune-ppo", "posttune-fsdp2", "posttune-tp", "posttune-cp", "posttune-ep", "posttune-loss-parallel",
                "posttune-torchao")
 
 

@@ -48,7 +48,7 @@ def write_config(directory: Path, *, batch_size: int, parallel: dict | None = No
     (kd on the SFT chats, from the ``teacher`` section)."""
     directory.mkdir(parents=True, exist_ok=True)
     method = method or {"name": "sft"}
-    kind = {"dpo": "preference", "grpo": "prompt"}.get(method["name"], "sft")
+    kind = {"dpo": "preference", "grpo": "prompt", "ppo": "prompt"}.get(method["name"], "sft")
     data = directory / "train.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows(ROWS, kind=kind)))
     config = {

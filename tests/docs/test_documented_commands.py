@@ -156,7 +156,10 @@ NOT_RUN: dict[str, str] = {
 ELSEWHERE: dict[str, tuple[str, str]] = {
     "posttune train rank.yaml": ("plugins/template/tests/test_template.py", "toy_rank"),
     "posttune train mixtral-tiny-reverse": ("tests/models/test_moe_example.py", '"mixtral-tiny-reverse"'),
-    "posttune train rm-tiny-reverse": ("tests/methods/test_rm_example.py", '"rm-tiny-reverse"'),
+    "posttune train rm-tiny-reverse": ("tests/methods/test_rlhf_example.py", '"rm-tiny-reverse"'),
+    "posttune train ppo-tiny-reverse": ("tests/methods/test_rlhf_example.py", '"ppo-tiny-reverse"'),
+    "python -m posttune_grpo.example prepare --steps 150 --out outputs/ppo-tiny-start/model":
+        ("tests/methods/test_rlhf_example.py", '"--steps", "150"'),
     "posttune validate rank.yaml method.scale=-1": ("plugins/template/tests/test_template.py", "method.scale=-1"),
 }
 

@@ -1,0 +1,148 @@
+"""PPO's lifecycle callbacks (plugin API 2): the prompt loader, setup, the epoch's micro-batches, the loss,
+the step record and checkpoint state.
+
+    for each prompt batch of the epoch (``batches``):
+        experience = make_experience(...)                 (experience.py: rollouts, values, GAE)
+        for each of ppo_epochs passes, rows reshuffled:
+            for each micro-batch: yield it                (num_mini_batches optimizer steps per pass)
+
+The shuffle of pass p of the batch made at optimizer step s is seeded by (train.seed, s, p), and
+the experience not yet trained on is the method's checkpoint state: a run killed between two
+micro-batches resumes on exactly the rows, in exactly the order, it would have trained on.
+Evaluation (greedy completions scored by the rewards) and ``close`` are posttune-grpo's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttune.plugin import DatasetConfig, LossOutput, Session, token_logps
+from posttune_grpo.state import GRPOState
+from posttune_ppo import micro_batch_size, rows_per_rank
+from posttune_ppo.advantages import policy_loss, value_loss
+from posttune_ppo.experience import completion_mask, make_experience, micro_batches, token_values
+
+
+@dataclass
+class PPOState(GRPOState):
+    """GRPO's state (rewards, engine, generation figures), with ``pending`` an experience dict and the
+    step it was made at (it seeds the shuffles)."""
+
+    made_at: int = 0
+
+
+class LearnerSource:
+    """Rollouts are made in the learner, between optimizer steps (what GRPO's step record reads)."""
+
+    def waited_s(self, session: Session) -> float:
+        return session.method_state.generation_seconds
+
+    def after_step(self, session: Session, record: dict[str, Any]) -> None:
+        """Nothing: the engine is brought to the new weights when it next generates."""
+
+    def close(self) -> None:
+        """Nothing of its own: the engine is the method's."""
+
+
+def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
+    from posttune.plugin import prompt_loader
+
+    from posttune_grpo.method import RolloutLoader
+
+    prompts = prompt_loader(session, dataset, split)
+    if split != "train":
+        return prompts
+    config, method = session.config, session.method_config
+    per_batch = method.ppo_epochs * (rows_per_rank(config, method) // micro_batch_size(config, method))
+    return RolloutLoader(prompts, per_batch)
+
+
+def setup(session: Session) -> None:
+    from posttune_grpo.scoring import resolve_rewards
+
+    state = PPOState(rewards=resolve_rewards(session.method_config.rewards), source=LearnerSource())
+    session.method_state = state
+    if any(reward.in_learner for reward in state.rewards):
+        from posttune_grpo.model_reward import load_reward_tokenizer
+
+        state.reward_tokenizer = load_reward_tokenizer(session)
+
+
+def batches(session: Session) -> Any:
+    """One epoch of micro-batches: the pending experience's rest first (after a resume), then new ones."""
+    state: PPOState = session.method_state
+    if state.pending is not None:
+        yield from _train_on(session, state)
+    for prompts in session.train_data:
+        state.pending, state.cursor, state.made_at = make_experience(session, prompts), 0, session.step
+        yield from _train_on(session, state)
+
+
+def _train_on(session: Session, state: PPOState) -> Any:
+    from posttune.plugin import derive_seed
+
+    size = micro_batch_size(session.config, session.method_config)
+    rows = state.pending["input_ids"].shape[0]
+    per_pass = rows // size
+    while state.cursor < session.method_config.ppo_epochs * per_pass:
+        ppo_epoch, index = divmod(state.cursor, per_pass)
+        generator = torch.Generator().manual_seed(derive_seed(session.config.train.seed, state.made_at, ppo_epoch))
+        order = torch.randperm(rows, generator=generator)
+        piece = micro_batches(state.pending, order[index * size:(index + 1) * size], size)[0]
+        state.cursor += 1  # before yielding: a checkpoint taken now must not train on this one again
+        yield piece
+    state.pending = None
+
+
+def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
+    """Clipped policy loss + ``vf_coef`` x clipped value loss, summed over completion tokens (the trainer
+    divides by the step's token count: the anchors' token means over each mini-batch), with the metrics."""
+    config = session.method_config
+    logps = token_logps(session, batch, temperature=config.temperature)
+    values = token_values(session, batch)
+    mask = completion_mask(batch)
+    policy, policy_clipped = policy_loss(logps, batch["old_logps"], batch["advantages"], mask, config.cliprange)
+    value, value_clipped = value_loss(values, batch["values"], batch["returns"], mask, config.cliprange_value)
+    tokens = mask.sum()
+    real = (batch["rows"] >= 0).float()
+    rows = real.sum()
+    log_ratio = torch.where(mask, logps.detach() - batch["old_logps"], 0.0)
+    metrics: dict[str, Any] = {
+        "reward": ((batch["rewards"] * real).sum(), rows),
+        "reward_sq": ((batch["rewards"].square() * real).sum(), rows),
+        "score": ((batch["scores"] * real).sum(), rows),
+        "kl": ((batch["kl"] * mask).sum(), rows),  # per completion, summed over its tokens (the anchors' objective/kl)
+        "non_score_reward": (((batch["token_rewards"] * mask).sum() - (batch["scores"] * real).sum()), rows),
+        "completion_length": ((batch["lengths"] * real).sum(), rows),
+        "truncated": ((batch["truncated"] * real).sum(), rows),
+        "policy_loss": (policy.detach().sum(), tokens),
+        "value_loss": (value.detach().sum(), tokens),
+        "clip_fraction": ((policy_clipped * mask).sum(), tokens),
+        "value_clip_fraction": ((value_clipped * mask).sum(), tokens),
+        "approx_kl": ((0.5 * log_ratio.square()).sum(), tokens),  # policy vs the rollout's, this pass
+        "value_mean": ((batch["values"] * mask).sum(), tokens),
+        "returns_mean": ((batch["returns"] * mask).sum(), tokens),
+    }
+    for name, values_of in batch["per_reward"].items():
+        metrics[f"reward/{name}"] = ((values_of * real).sum(), rows)
+    loss_sum = policy.sum() + config.vf_coef * value.sum()
+    return LossOutput(loss_sum, tokens, tokens=batch["num_tokens"], metrics=metrics, unit="completion_tokens")
+
+
+def on_step_end(session: Session, record: dict[str, Any]) -> None:
+    from posttune_grpo.method import on_step_end as grpo_step_end
+
+    grpo_step_end(session, record)  # reward spread, completion lengths, generation time and throughput
+
+
+def state_dict(session: Session) -> dict[str, Any]:
+    state: PPOState = session.method_state
+    return {"pending": state.pending, "cursor": state.cursor, "made_at": state.made_at}
+
+
+def load_state_dict(session: Session, saved: dict[str, Any]) -> None:
+    state: PPOState = session.method_state
+    state.pending, state.cursor, state.made_at = saved["pending"], int(saved["cursor"]), int(saved["made_at"])

@@ -1,0 +1,151 @@
+"""PPO end to end on tiny random models: four roles in the plan, the trained value model checkpointed,
+resumed bitwise after SIGKILL and exported as a transformers sequence classifier; whitening over ranks
+equals the one-process formula. (The loss formulas themselves: test_ppo_advantages.py.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from kill_support import run
+from run_support import prompt_rows, tiny_run_config
+
+#: a reward every random model earns unevenly (installed with posttune-grpo: `format` with a pattern)
+ANY_VOWEL = {"name": "format", "options": {"pattern": ".*[AEIOU].*"}}
+PPO = {"name": "ppo", "max_new_tokens": 6, "rewards": [ANY_VOWEL], "ppo_epochs": 2, "num_mini_batches": 2}
+
+
+def ppo_config(tmp_path: Path, *, rows: int = 8, **sections) -> dict:
+    config = tiny_run_config(tmp_path, prompt_rows(rows), fmt="prompt", base_method=PPO, batch_size=4, **sections)
+    config["train"].setdefault("max_steps", 4)
+    return config
+
+
+def write(tmp_path: Path, config: dict) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def reward_model(path: Path) -> Path:
+    """A tiny random sequence classifier written by transformers (the reward role's checkpoint)."""
+    import transformers
+
+    from posttune.testing.tiny import TINY
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 384, "num_labels": 1, "pad_token_id": 4})
+    transformers.LlamaForSequenceClassification(config).save_pretrained(path)
+    return path
+
+
+def test_plan_lists_the_four_roles_with_their_memory(tmp_path):
+    config = ppo_config(tmp_path, method={**PPO, "rewards": [{"name": "reward_model"}]},
+                        models={"reward": {"path": str(reward_model(tmp_path / "rm"))}})
+    result = subprocess.run([sys.executable, "-m", "posttune.cli.main", "plan", str(write(tmp_path, config))],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "value: trained 'llama' model" in out and "reference: frozen 'llama' model" in out
+    assert "reward: frozen 'llama' model" in out
+    lines = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("  ")}
+    assert "gradients" in lines["policy"] and "gradients" in lines["value"]  # both train
+    frozen = [line for line in out.splitlines() if "(frozen," in line]
+    assert sorted(line.split()[0] for line in frozen) == ["reference", "reward"]
+
+
+def test_sigkill_then_resume_gives_the_same_ppo_steps(tmp_path):
+    """Checkpoints every 3 steps, 4 micro-batches per rollout batch (2 passes x 2 mini-batches): the kill
+    at step 5 resumes from step 3, half-way through a batch, with the policy, the value model and the
+    optimizer of both restored; every step's loss, reward and gradient norm equal the straight run's."""
+    paths = {}
+    for name in ("straight", "killed"):
+        config = ppo_config(tmp_path / name, train={"max_steps": 8, "lr": 5e-3},
+                            checkpoint={"save_every": 3, "keep_last": 2})
+        paths[name] = write(tmp_path / name, config)
+    assert run(str(paths["straight"])).returncode == 0
+    killed = run(str(paths["killed"]), killer=("step", 5))
+    assert killed.returncode == -9
+    checkpoint = tmp_path / "killed" / "out" / "checkpoints" / "step-00000003"
+    assert (checkpoint / "models" / "value" / "model.safetensors").is_file()
+    resumed = run(str(paths["killed"]), "checkpoint.resume=latest")
+    assert resumed.returncode == 0, resumed.stderr
+
+    def curve(name: str) -> list[tuple]:
+        lines = (tmp_path / name / "out" / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"], r["reward"], r["value_loss"], r["grad_norm"]) for r in map(json.loads, lines)]
+
+    expected = curve("straight")
+    assert [step for step, *_ in expected] == list(range(1, 9))
+    assert any(row[1] != 0 for row in expected) and len({row[3] for row in expected}) > 1
+    assert curve("killed") == expected
+
+
+def test_the_value_model_is_exported_beside_the_policy_as_a_sequence_classifier(tmp_path):
+    import transformers
+
+    config = ppo_config(tmp_path, train={"max_steps": 2, "lr": 5e-3})
+    result = run(str(write(tmp_path, config)))
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "out"
+    value = transformers.AutoModelForSequenceClassification.from_pretrained(out / "value").eval()
+    policy = transformers.AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    assert value.config.num_labels == 1 and value.score.weight.shape == (1, value.config.hidden_size)
+    # trained: the value model moved away from the policy it started as (same seeded trunk before step 1)
+    trunk = dict(value.model.named_parameters())
+    moved = [name for name, p in policy.model.named_parameters() if not torch.equal(p, trunk[name])]
+    assert moved
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        assert torch.isfinite(value(ids).logits).all()
+
+
+def test_whitening_over_ranks_on_one_process_is_the_formula():
+    from posttune_ppo.advantages import masked_whiten
+    from posttune_ppo.experience import whiten
+
+    torch.manual_seed(0)
+    values = torch.randn(5, 9) * 3 + 1
+    mask = torch.zeros(5, 9, dtype=torch.bool)
+    for row, (start, length) in enumerate([(1, 4), (0, 9), (3, 2), (2, 0), (4, 5)]):
+        mask[row, start:start + length] = True
+    session = SimpleNamespace(mesh=None, device=torch.device("cpu"), plan=SimpleNamespace(mesh={}))
+    for shift in (True, False):
+        got, want = whiten(session, values, mask, shift_mean=shift), masked_whiten(values, mask, shift_mean=shift)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(whiten(session, values, mask), whiten(session, values, mask, shift_mean=False))
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"num_mini_batches": 3}, "config: method.num_mini_batches: num_mini_batches x train.grad_accum_steps = 3 must "
+                              "divide train.batch_size x group_size = 4 completions per rank"),
+    ({"lam": 1.5}, "config: method.lam: expected a value in [0, 1], got 1.5"),
+    ({"cliprange_value": 0}, "config: method.cliprange_value: expected a positive number or null, got 0.0"),
+])
+def test_bad_settings_are_refused_in_one_line(tmp_path, section, message):
+    from posttune.config import validate
+    from posttune.errors import PosttuneError
+    from posttune.plan import resolve_plan
+    from posttune.plugins import get_registry
+
+    config = ppo_config(tmp_path, method={**PPO, **section})
+    with pytest.raises(PosttuneError) as error:
+        resolve_plan(validate(config), get_registry())
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("name", ["ppo-tiny-reverse", "qwen2.5-1.5b-ppo"])
+def test_bundled_configs_validate_and_show_their_command(name, tmp_path):
+    import posttune_ppo
+
+    assert (posttune_ppo.CONFIGS / f"{name}.yaml").read_text().splitlines()[0] == f"# posttune train {name}"
+    result = subprocess.run([sys.executable, "-m", "posttune.cli.main", "validate", name], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.stem for p in posttune_ppo.CONFIGS.glob("*.yaml")) == ["ppo-tiny-reverse", "qwen2.5-1.5b-ppo"]
