@@ -149,3 +149,43 @@ def test_bundled_configs_validate_and_show_their_command(name, tmp_path):
                             text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert sorted(p.stem for p in posttune_ppo.CONFIGS.glob("*.yaml")) == ["ppo-tiny-reverse", "qwen2.5-1.5b-ppo"]
+
+
+def test_lora_ppo_adapts_the_value_model_too_and_peft_loads_both(tmp_path):
+    """Under LoRA: the reference is the policy with its adapters off (no copy), the value model gets its own
+    adapters (its fresh head trains whole), and both save as PEFT adapters -- the value's a SEQ_CLS one that
+    PEFT applies to transformers' sequence classifier with the scores of the merged value model."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
+
+    source = tmp_path / "causal"
+    save_tiny_hf_checkpoint(source, tiny_llama_config(vocab_size=384))
+    config = ppo_config(tmp_path, train={"max_steps": 5, "lr": 5e-3}, adapter={"rank": 4, "alpha": 8},
+                        checkpoint={"save_merged": True})
+    config["model"] = {"path": str(source), "family": "llama"}
+    plan = subprocess.run([sys.executable, "-m", "posttune.cli.main", "plan", str(write(tmp_path, config))],
+                          capture_output=True, text=True, timeout=120)
+    assert "reference: the policy with its adapters disabled (no copy)" in plan.stdout, plan.stdout
+    assert "value: trained (lora) 'llama' model" in plan.stdout
+    result = run(str(tmp_path / "run.yaml"))
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "out"
+    saved = json.loads((out / "value-adapter" / "adapter_config.json").read_text())
+    assert saved["task_type"] == "SEQ_CLS" and saved["modules_to_save"] == ["score"]
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # the second rollout batch (step 5) samples from a policy the adapters moved off its base (the reference)
+    assert steps[0]["kl"] == 0 and steps[-1]["kl"] != 0
+
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, dtype=torch.float32)
+    base.config.pad_token_id = 4
+    value = peft.PeftModel.from_pretrained(base, out / "value-adapter").eval()
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(out / "value", dtype=torch.float32).eval()
+    ids = torch.randint(5, 300, (3, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs, folded = value(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert torch.allclose(theirs, folded, atol=1e-5, rtol=0), (theirs, folded)
+    drawn = torch.randn(1, base.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.02
+    assert (merged.score.weight - drawn).abs().max() > 1e-4  # the head trained beside the adapters
