@@ -278,6 +278,10 @@ def estimate(plan: Any) -> Estimate:
                       logits=logits_bytes(shape, tokens), allocator=heap_bytes(est, shape.layers),
                       notes=("soft-capped attention runs explicit attention: its [heads, seq, seq] scores are "
                              "not counted",) if softcap else ())
+    for model in est.models[1:]:  # a trained role runs forward with gradients on the same rows (PPO's value)
+        role_shape = decoder_shape(model.module, adapter.rank if adapter is not None else 0) if model.trainable else None
+        if role_shape is not None:
+            est = replace(est, activations=est.activations + activation_bytes(role_shape, model.width, tokens))
     return with_terms(est, plan)
 
 

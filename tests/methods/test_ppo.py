@@ -189,3 +189,24 @@ def test_lora_ppo_adapts_the_value_model_too_and_peft_loads_both(tmp_path):
     assert torch.allclose(theirs, folded, atol=1e-5, rtol=0), (theirs, folded)
     drawn = torch.randn(1, base.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.02
     assert (merged.score.weight - drawn).abs().max() > 1e-4  # the head trained beside the adapters
+
+
+def test_the_estimate_counts_the_value_models_gradients_optimizer_and_activations(tmp_path):
+    """The value model (the policy's shape with a one-value head) adds its gradients, AdamW state and
+    activations to the policy's in the estimate; the frozen reference adds weights only."""
+    from posttune.config import validate
+    from posttune.estimate import activation_bytes, decoder_shape, estimate
+    from posttune.plan import resolve_plan
+    from posttune.plugins import get_registry
+
+    est = estimate(resolve_plan(validate(ppo_config(tmp_path)), get_registry()))
+    policy, value, reference = est.models
+    assert (policy.role, value.role, reference.role) == ("policy", "value", "reference")
+    assert value.trainable == value.parameters > 0 and value.gradient_bytes == value.trainable * value.width
+    assert value.optimizer_bytes == 2 * value.gradient_bytes  # AdamW: two moments
+    assert reference.gradient_bytes == reference.optimizer_bytes == 0
+    parts = est.components()
+    assert parts["gradients"] == policy.gradient_bytes + value.gradient_bytes
+    assert parts["optimizer"] == policy.optimizer_bytes + value.optimizer_bytes
+    both = [activation_bytes(decoder_shape(m.module, 0), m.width, est.tokens) for m in (policy, value)]
+    assert both[0] > 0 and est.activations == sum(both)

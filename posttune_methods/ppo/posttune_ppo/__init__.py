@@ -138,12 +138,11 @@ def validate(config: RunConfig, method: PPOConfig) -> None:
 
 def micro_batch_tokens(config: Any, method: PPOConfig) -> tuple[int, str]:
     """The tokens of one loss forward (the worst case), for `posttune plan`: each micro-batch runs the policy
-    and the value model with gradients on the same rows; the activations counted are the policy's."""
+    and the value model with gradients on the same rows (the estimate counts both models' activations)."""
     rows = micro_batch_size(config, method)
     prompt = config.data.max_prompt_len or config.data.max_seq_len
     return rows * (prompt + method.max_new_tokens), (
-        f"micro-batch {rows} completions x (prompt {prompt} + max_new_tokens {method.max_new_tokens}), every row "
-        "full; the value model's own activations come on top")
+        f"micro-batch {rows} completions x (prompt {prompt} + max_new_tokens {method.max_new_tokens}), every row full")
 
 
 def _method(name: str, module: str = "method") -> Any:
