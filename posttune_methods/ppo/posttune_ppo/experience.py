@@ -22,8 +22,8 @@ from posttune.plugin import Session, step_context, sum_over_token_ranks, to_devi
 from posttune_ppo.advantages import gae, token_rewards
 
 #: the per-row tensors of an experience batch (``[N]`` or ``[N, S]``), sliced into micro-batches
-ROW_TENSORS = ("input_ids", "labels", "old_logps", "ref_logps", "values", "returns", "advantages", "kl",
-               "token_rewards", "scores", "rewards", "weights", "lengths", "prompt_lengths", "truncated", "rows")
+ROW_TENSORS = ("input_ids", "labels", "old_logps", "ref_logps", "values", "returns", "advantages", "kl", "scores",
+               "rewards", "weights", "lengths", "prompt_lengths", "truncated", "rows")
 
 
 @torch.no_grad()
@@ -97,7 +97,7 @@ def add_advantages(session: Session, batch: dict[str, Any]) -> None:
     advantages, returns = gae(rewards, values, mask, config.gamma, config.lam)
     if config.whiten_advantages:
         advantages = whiten(session, advantages, mask)
-    batch.update(values=values, advantages=advantages, returns=returns, kl=kl, token_rewards=rewards)
+    batch.update(values=values, advantages=advantages, returns=returns, kl=kl)
 
 
 def whiten(session: Session, values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:

@@ -115,7 +115,7 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
         "reward_sq": ((batch["rewards"].square() * real).sum(), rows),
         "score": ((batch["scores"] * real).sum(), rows),
         "kl": ((batch["kl"] * mask).sum(), rows),  # per completion, summed over its tokens (the anchors' objective/kl)
-        "non_score_reward": (((batch["token_rewards"] * mask).sum() - (batch["scores"] * real).sum()), rows),
+        "non_score_reward": (-config.kl_coef * (batch["kl"] * mask).sum(), rows),  # the KL penalty, per completion
         "completion_length": ((batch["lengths"] * real).sum(), rows),
         "truncated": ((batch["truncated"] * real).sum(), rows),
         "policy_loss": (policy.detach().sum(), tokens),
