@@ -173,6 +173,9 @@ class ModelRole:
     is (the run's adapters, plans and techniques), stepped by the same optimizer and clipped with
     it (one gradient norm over both), saved in checkpoints (``models/<name>/``) and exported beside
     the policy (``<name>/``, or ``<name>-adapter/``). Not with ``adapters_off`` or without ``run_plans``.
+    ``on_policy`` (with ``trained`` and ``score``): no second model, a score head reading the policy's
+    final hidden states (``checkpoint/score_head.PolicyHead``: a value head sharing the policy's trunk);
+    saved as ``<name>/head.safetensors``. The run's parallel plans shard it; no memory technique applies.
     ``run_plans``: the run's parallel plans and memory techniques that act on frozen models act
     on this one too (false: none does; it is built whole on every rank).
     ``score``: the role returns one value per token instead of logits (a reward or value model:
@@ -186,6 +189,7 @@ class ModelRole:
     trained: bool = False
     run_plans: bool = True
     score: bool = False
+    on_policy: bool = False
 
 
 @dataclass(frozen=True)

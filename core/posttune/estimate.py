@@ -259,6 +259,12 @@ def estimate(plan: Any) -> Estimate:
             shared.append(name)
             continue
         target = ModelTarget(name, role.family.descriptor, role.config, score=role.role.score)
+        if role.role.on_policy:  # a score head on the policy's hidden states: its weights alone
+            from posttune.checkpoint.score_head import PolicyHead
+
+            models.append(counted(name, PolicyHead(policy, device="meta"), BYTES[config.model.dtype],
+                                  config.train.optimizer))
+            continue
         if role.role.trained:
             models.append(counted(name, trained(target), BYTES[role.config.dtype], config.train.optimizer))
             continue

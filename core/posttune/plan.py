@@ -191,18 +191,24 @@ def _roles(plan: Plan, registry: Registry) -> None:
         who = f"method '{method.name}' ({plan.method.provenance}) declares model role {role.name!r}"
         if role.name in wanted or role.name in ("", "policy"):
             raise ConfigError("method", who + (" twice" if role.name in wanted else ": not a role name"))
+        if role.on_policy and not (role.trained and role.score):
+            raise ConfigError("method", f"{who} as on_policy: a head on the policy is a trained score head "
+                                        "(trained=True, score=True)")
         if role.trained and (role.adapters_off or not role.run_plans):  # it trains as the policy does
             why = "adapters_off" if role.adapters_off else "without the run plans"
             raise ConfigError("method", f"{who} as trained and {why}: a trained role is its own model, built like "
                                         "the policy")
         wanted[role.name] = role
     for name in config.models:
+        if name in wanted and wanted[name].on_policy:
+            raise ConfigError(f"models.{name}", f"method '{method.name}' reads its {name} from the policy's own "
+                                                "hidden states (a head on the policy): remove this section")
         if name not in wanted:
             raise ConfigError(f"models.{name}", f"method '{method.name}' uses no {name} model with these settings; "
                                                 "remove it")
     for name, role in wanted.items():
         model, section = config.models.get(name), f"models.{name}"
-        if model is None and not (role.from_policy or role.adapters_off):
+        if model is None and not (role.from_policy or role.adapters_off or role.on_policy):
             raise ConfigError(section, f"required: method '{method.name}' needs its {name} model "
                                        f"({section}.path, or {section}.family and {section}.size)")
         if model is None:  # built from the policy's source, or the policy itself with adapters off
@@ -406,6 +412,9 @@ def _steps(plan: Plan) -> list[Step]:
     for name, role in plan.roles.items():
         if role.shares_policy:
             add("roles", f"{name}: the policy with its adapters disabled (no copy)", core)
+            continue
+        if role.role.on_policy:
+            add("roles", f"{name}: a trained score head on the policy's hidden states (no second model)", core)
             continue
         source = role.config.path or f"random init, size {role.config.size}"
         trained = role.role.trained

@@ -40,7 +40,8 @@ class RolesPlugin:
     def posttune_register_methods(self, register):
         register(Method("roles", RolesConfig, "conversation", data=noop, loss=noop, roles=roles))
         register(Method("both", dict, ("conversation", "preference"), data=noop, loss=noop))
-        for name, role in (("trained", ModelRole("value", trained=True, adapters_off=True)), ("policy_role", ModelRole("policy")),
+        for name, role in (("trained", ModelRole("value", trained=True, adapters_off=True)),
+                           ("loose_head", ModelRole("value", on_policy=True)), ("policy_role", ModelRole("policy")),
                            ("twice", "critic")):
             register(Method(name, dict, "conversation", data=noop, loss=noop,
                             roles=(role, "critic") if name == "twice" else (role,)))
@@ -106,6 +107,9 @@ def test_the_runs_plans_and_techniques_act_only_on_roles_that_take_them(registry
     ({"method": "trained"}, "config: method: method 'trained' (posttune-roles 1.0) declares model role 'value' as "
                             "trained and adapters_off: a trained role is its own model, built like the "
                             "policy"),
+    ({"method": "loose_head"}, "config: method: method 'loose_head' (posttune-roles 1.0) declares model role "
+                               "'value' as on_policy: a head on the policy is a trained score head (trained=True, "
+                               "score=True)"),
     ({"method": "policy_role"}, "config: method: method 'policy_role' (posttune-roles 1.0) declares model role "
                                 "'policy': not a role name"),
     ({"method": "twice"}, "config: method: method 'twice' (posttune-roles 1.0) declares model role 'critic' twice"),

@@ -1,6 +1,6 @@
 """PPO on 2 gloo ranks with FSDP2 trains exactly like one process (fp32, per step, 1e-5), every role
-sharded: the policy and the value model (both trained, one optimizer), the reference and the reward
-model (frozen).
+sharded: the policy and the value model (both trained, one optimizer; or the value head on the policy),
+the reference and the reward model (frozen).
 
 Each completion samples with its own seed (run seed, epoch, dataset row), so the ranks draw what the
 single process draws for the same prompts; whitening takes its mean and variance over both ranks'
@@ -20,7 +20,8 @@ KEYS = ("loss", "grad_norm", "reward", "score", "kl", "policy_loss", "value_loss
         "value_clip_fraction", "returns_mean", "value_mean", "completion_length")
 
 
-def test_ppo_with_four_sharded_roles_on_two_ranks_matches_one_process(runs, tmp_path_factory):
+@pytest.mark.parametrize("value_model", ["model", "head"])
+def test_ppo_with_four_sharded_roles_on_two_ranks_matches_one_process(runs, tmp_path_factory, value_model):
     import torch
     import transformers
 
@@ -30,11 +31,11 @@ def test_ppo_with_four_sharded_roles_on_two_ranks_matches_one_process(runs, tmp_
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**{**TINY, "vocab_size": 384, "num_labels": 1, "pad_token_id": 4})
     transformers.LlamaForSequenceClassification(config).save_pretrained(rm)
-    method = {"name": "ppo", "max_new_tokens": 6, "ppo_epochs": 2, "kl_coef": 0.1,
+    method = {"name": "ppo", "max_new_tokens": 6, "ppo_epochs": 2, "kl_coef": 0.1, "value_model": value_model,
               "rewards": [{"name": "reward_model", "options": {"batch_size": 3}}]}
     common = dict(method=method, models={"reward": {"path": str(rm)}}, overrides=("train.lr=5e-3",))
-    single = runs("ppo_single", batch_size=4, **common)
-    split = runs("ppo_fsdp2", nproc=2, batch_size=2, parallel={"plans": ["fsdp2"]}, **common)
+    single = runs(f"ppo_{value_model}_single", batch_size=4, **common)
+    split = runs(f"ppo_{value_model}_fsdp2", nproc=2, batch_size=2, parallel={"plans": ["fsdp2"]}, **common)
     got, want = metrics(split), metrics(single)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
     for a, b in zip(got, want):
@@ -44,16 +45,18 @@ def test_ppo_with_four_sharded_roles_on_two_ranks_matches_one_process(runs, tmp_
     # a real run: rewards differ between batches, the policy moved off the reference, the value model learns
     assert len({r["reward"] for r in want}) > 1 and any(r["kl"] != 0 for r in want)
     assert len({r["value_loss"] for r in want}) > 1
-    for name in ("model", "value"):  # both trained models exported, gathered from the shards
-        assert (split / name / "model.safetensors").is_file()
+    # both trained models exported, gathered from the shards (a head on the policy: its own small file)
+    assert (split / "model" / "model.safetensors").is_file()
+    assert (split / "value" / ("model.safetensors" if value_model == "model" else "head.safetensors")).is_file()
 
 
-def test_a_sharded_ppo_checkpoint_resumes_both_trained_models_exactly(tmp_path):
+@pytest.mark.parametrize("value_model", ["model", "head"])
+def test_a_sharded_ppo_checkpoint_resumes_both_trained_models_exactly(tmp_path, value_model):
     """FSDP2 on 2 ranks writes DCP checkpoints holding the policy, the value model and their one optimizer
     (and each rank's pending experience); resuming step 2's checkpoint redoes steps 3-4 exactly."""
     from conftest import train, write_config
 
-    method = {"name": "ppo", "max_new_tokens": 6, "ppo_epochs": 2, "num_mini_batches": 2,
+    method = {"name": "ppo", "max_new_tokens": 6, "ppo_epochs": 2, "num_mini_batches": 2, "value_model": value_model,
               "rewards": [{"name": "format", "options": {"pattern": ".*[AEIOU].*"}}]}
     path = write_config(tmp_path, batch_size=2, parallel={"plans": ["fsdp2"]}, method=method,
                         checkpoint={"save_every": 2, "keep_last": 2})

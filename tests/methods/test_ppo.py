@@ -210,3 +210,84 @@ def test_the_estimate_counts_the_value_models_gradients_optimizer_and_activation
     assert parts["optimizer"] == policy.optimizer_bytes + value.optimizer_bytes
     both = [activation_bytes(decoder_shape(m.module, 0), m.width, est.tokens) for m in (policy, value)]
     assert both[0] > 0 and est.activations == sum(both)
+
+
+def test_a_value_head_on_the_policy_reads_the_policys_own_forward(tmp_path):
+    """``value_model: head``: one policy forward gives the log-probs token_logps gives and the values the head
+    gives on the trunk's hidden states; the head is the only extra trained tensor."""
+    from posttune.plugin import token_logps
+    from posttune_ppo.experience import logps_and_values
+    from run_support import compose_run
+
+    session = compose_run(ppo_config(tmp_path, method={**PPO, "value_model": "head", "temperature": 0.7}))
+    value = session.models["value"]
+    hidden = session.model.output.weight.shape[1]
+    assert [name for name, _ in value.named_parameters()] == ["score.weight"]
+    assert sum(p.numel() for p in session.trainable.parameters()) == sum(
+        p.numel() for p in session.model.parameters()) + hidden
+    ids = torch.randint(5, 300, (3, 12), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(ids, -100)
+    labels[:, 4:11] = ids[:, 5:12]
+    batch = {"input_ids": ids, "labels": labels}
+    with torch.no_grad():
+        logps, values = logps_and_values(session, batch)
+        torch.testing.assert_close(logps, token_logps(session, batch, temperature=0.7), rtol=1e-6, atol=1e-6)
+        trunk = session.model(ids, return_hidden=True)
+        torch.testing.assert_close(values, (trunk @ value.score.weight.T)[..., 0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(values, value(ids)[..., 0], rtol=0, atol=0)
+
+
+def test_a_value_head_run_resumes_bitwise_and_saves_the_head(tmp_path):
+    paths = {}
+    method = {**PPO, "value_model": "head"}
+    for name in ("straight", "killed"):
+        config = ppo_config(tmp_path / name, method=method, train={"max_steps": 8, "lr": 5e-3},
+                            checkpoint={"save_every": 3, "keep_last": 2})
+        paths[name] = write(tmp_path / name, config)
+    plan = subprocess.run([sys.executable, "-m", "posttune.cli.main", "plan", str(paths["straight"])],
+                          capture_output=True, text=True, timeout=120)
+    assert "value: a trained score head on the policy's hidden states (no second model)" in plan.stdout, plan.stdout
+    assert run(str(paths["straight"])).returncode == 0
+    assert run(str(paths["killed"]), killer=("step", 5)).returncode == -9
+    assert (tmp_path / "killed" / "out" / "checkpoints" / "step-00000003" / "models" / "value" /
+            "head.safetensors").is_file()
+    resumed = run(str(paths["killed"]), "checkpoint.resume=latest")
+    assert resumed.returncode == 0, resumed.stderr
+
+    def curve(name: str) -> list[tuple]:
+        lines = (tmp_path / name / "out" / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"], r["value_loss"], r["grad_norm"]) for r in map(json.loads, lines)]
+
+    assert curve("killed") == curve("straight") and len({row[2] for row in curve("straight")}) > 1
+    from safetensors.torch import load_file
+
+    out = tmp_path / "straight" / "out"
+    head = load_file(str(out / "value" / "head.safetensors"))["score.weight"]
+    drawn = torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 0.02  # train.seed 0
+    assert head.shape[0] == 1 and (head - drawn).abs().max() > 1e-4  # trained
+    assert not (out / "value" / "config.json").exists() and (out / "model" / "config.json").is_file()
+
+
+def test_a_value_head_under_lora_trains_beside_the_adapters(tmp_path):
+    config = ppo_config(tmp_path, method={**PPO, "value_model": "head"}, adapter={"rank": 4, "alpha": 8},
+                        train={"max_steps": 2, "lr": 5e-3})
+    result = run(str(write(tmp_path, config)))
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "out"
+    assert (out / "adapter" / "adapter_config.json").is_file() and (out / "value" / "head.safetensors").is_file()
+    assert not (out / "value-adapter").exists()
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0]["value_loss"] != steps[1]["value_loss"]  # the head learned between the two passes
+
+
+def test_a_value_head_has_no_models_section(tmp_path):
+    from posttune.config import validate
+    from posttune.errors import PosttuneError
+    from posttune.plan import resolve_plan
+    from posttune.plugins import get_registry
+
+    config = ppo_config(tmp_path, method={**PPO, "value_model": "head"}, models={"value": {"path": str(tmp_path)}})
+    with pytest.raises(PosttuneError) as error:
+        resolve_plan(validate(config), get_registry())
+    assert str(error.value) == ("config: models.value: method 'ppo' reads its value from the policy's own hidden "
+                                "states (a head on the policy): remove this section")

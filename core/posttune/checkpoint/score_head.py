@@ -104,3 +104,57 @@ def sequence_scores(scores: torch.Tensor, input_ids: torch.Tensor, pad_id: int) 
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * real).argmax(-1)
     return scores[torch.arange(scores.shape[0], device=scores.device), last.to(scores.device)]
+
+
+HEAD_FILE = "head.safetensors"  # a PolicyHead's weights, in a checkpoint's models/<role>/ and the final <role>/
+
+
+class PolicyHead(nn.Module):
+    """A trained score head on the policy's final hidden states (``ModelRole(on_policy=True)``): e.g. a
+    value head sharing the policy's trunk, so no second model is held.
+
+    ``forward(input_ids)`` runs the policy's trunk, then the head; ``forward(hidden=...)`` applies the head
+    to hidden states the caller already has (one trunk forward for both the logits and the values). The
+    policy is deliberately not a submodule: its parameters stay the policy's (in the optimizer once, saved
+    with it); this module holds the head alone (``score.weight``, ``[num_labels, hidden]``).
+    """
+
+    def __init__(self, policy: nn.Module, num_labels: int = 1, *, device: Any = None):
+        super().__init__()
+        head = policy.output.weight  # a DTensor under a sharding plan: its shape is the whole tensor's
+        self.score = nn.Linear(head.shape[1], num_labels, bias=False, device=device, dtype=head.dtype)
+        object.__setattr__(self, "trunk", policy)  # not registered: see the docstring
+
+    def forward(self, input_ids: torch.Tensor | None = None, *, hidden: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        if hidden is None:
+            hidden = self.trunk(input_ids, return_hidden=True, **kwargs)
+        return self.score(hidden)
+
+
+def save_policy_head(head: PolicyHead, directory: Any, state: Mapping[str, torch.Tensor] | None = None) -> Any:
+    """``directory/head.safetensors`` holding ``score.weight`` (written atomically); ``state``: the gathered
+    tensors of a sharded head."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from posttune.checkpoint.atomic import atomic_dir
+
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in (state or head.state_dict()).items()}
+    with atomic_dir(directory, replaceable=(HEAD_FILE,)) as tmp:
+        save_file(tensors, str(Path(tmp) / HEAD_FILE), metadata={"format": "pt"})
+    return Path(directory)
+
+
+def load_policy_head(head: PolicyHead, directory: Any) -> None:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from posttune.checkpoint import materialize as mat
+
+    saved = load_file(str(Path(directory) / HEAD_FILE))
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            mat.copy_into(param, saved[name])

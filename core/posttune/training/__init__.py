@@ -145,11 +145,14 @@ def _save_trained(session: Any, model: Any, out: Path, model_name: str, adapter_
     from posttune.training.state import save_model_or_adapter
     from posttune.training.write_errors import writing
 
-    name = adapter_name if session.config.adapter is not None else model_name
+    from posttune.checkpoint.score_head import PolicyHead
+
+    adapted = session.config.adapter is not None and not isinstance(model, PolicyHead)  # a head has no adapters
+    name = adapter_name if adapted else model_name
     with writing(out / name, "model"):
         saved = save_model_or_adapter(session, out / name, model)
     outputs = {name: str(saved) if distributed.is_main() else ""}
-    if session.config.adapter is not None and session.config.checkpoint.save_merged and distributed.is_main():
+    if adapted and session.config.checkpoint.save_merged and distributed.is_main():
         from posttune.adapters import merge_adapters
         from posttune.checkpoint.hf_save import save_hf
 

@@ -166,6 +166,9 @@ def build_roles(session: Session) -> None:
             continue
         target = ModelTarget(name, role.family.descriptor, role.config, trainable=role.role.trained,
                              score=role.role.score)
+        if role.role.on_policy:
+            session.models[name] = trained[name] = build_policy_head(session, target)
+            continue
         if target.trainable:
             session.models[name] = trained[name] = build_trained(session, target)
             continue
@@ -179,6 +182,24 @@ def build_roles(session: Session) -> None:
         session.models[name] = target.model.eval()
     if trained:
         session.trainable = nn.ModuleDict({"policy": session.model, **trained})
+
+
+def build_policy_head(session: Session, target: ModelTarget) -> nn.Module:
+    """A trained score head on the policy (``ModelRole.on_policy``): drawn as a fresh score head is (or
+    resumed from the checkpoint's ``models/<role>/``), then given the run's parallel plans (no technique:
+    it has no layers of its own)."""
+    from posttune.checkpoint.score_head import HEAD_FILE, PolicyHead, load_policy_head
+
+    target.model = PolicyHead(session.model, device=session.device)
+    session.targets[target.role] = target
+    saved = session.resume_from / state.model_dir(target.role) if session.resume_from else None
+    if saved is not None and (saved / HEAD_FILE).is_file():
+        load_policy_head(target.model, saved)
+    else:  # a sharded checkpoint restores it later, with the optimizer
+        draw_normal(target.model.score.weight, torch.Generator(device="cpu").manual_seed(session.config.train.seed))
+    for item in sorted(session.plan.parallel, key=lambda r: r.descriptor.order):
+        item.descriptor.apply(session, target)
+    return target.model
 
 
 def build_model(target: ModelTarget) -> nn.Module:

@@ -124,6 +124,11 @@ def save_model_or_adapter(session: Session, directory: Path, model: torch.nn.Mod
     written by rank 0 alone too: ranks writing one directory at once would race for its rename.
     """
     model = session.model if model is None else model
+    from posttune.checkpoint.score_head import PolicyHead, save_policy_head
+
+    if isinstance(model, PolicyHead):  # a head on the policy: its own small file, whatever the run trains
+        state = distributed.full_state_dict(model) if distributed.is_sharded(model) else None
+        return save_policy_head(model, directory, state) if distributed.is_main() else Path(directory)
     gathered = None
     if distributed.is_sharded(model):
         from posttune.training.sharded_state import gather_adapters

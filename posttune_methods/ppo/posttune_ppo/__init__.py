@@ -14,7 +14,8 @@
       vf_coef: 0.1                      # weight of the value loss
 
 Four models: the policy (trained), ``value`` (trained: its own model with a score head, from
-``models.value`` or, by default, the policy's checkpoint with a fresh head), ``reward`` (frozen,
+``models.value`` or, by default, the policy's checkpoint with a fresh head; or with ``value_model:
+head`` a score head on the policy's trunk, one forward for both), ``reward`` (frozen,
 for the ``reward_model`` reward) and ``reference`` (frozen; with LoRA the policy with its adapters
 off). Generation, the rewards and evaluation are posttune-grpo's (this distribution depends on
 it); what PPO adds is in ``experience.py`` (values, KL-shaped token rewards, GAE, whitening) and
@@ -62,6 +63,7 @@ class PPOConfig:
     cliprange: float = 0.2  # the policy ratio is clipped to [1 - cliprange, 1 + cliprange]
     cliprange_value: float | None = 0.2  # new values are clipped to the rollout's +- this; null: no clipping
     vf_coef: float = 0.1  # weight of the value loss beside the policy loss
+    value_model: Literal["model", "head"] = "model"  # its own model (models.value), or a head on the policy's trunk
     whiten_rewards: bool = False  # scale the token rewards to unit variance (mean kept) over the batch
     whiten_advantages: bool = True  # advantages to mean 0, variance 1 over the batch (every rank's)
     missing_eos_penalty: float | None = None  # subtracted from the score of a completion cut at max_new_tokens
@@ -83,9 +85,10 @@ class PPOConfig:
 
 
 def roles(config: PPOConfig) -> tuple[ModelRole, ...]:
-    """The value model (trained; by default the policy's checkpoint with a fresh score head), a reference
-    for the KL penalty (the policy with adapters off under LoRA), a reward model for ``reward_model``."""
-    value = ModelRole(VALUE_ROLE, from_policy=True, trained=True, score=True)
+    """The value model (trained; by default the policy's checkpoint with a fresh score head, or with
+    ``value_model: head`` a score head on the policy's own hidden states), a reference for the KL penalty
+    (the policy with adapters off under LoRA), a reward model for ``reward_model``."""
+    value = ModelRole(VALUE_ROLE, from_policy=True, trained=True, score=True, on_policy=config.value_model == "head")
     reference = (ModelRole(REFERENCE_ROLE, from_policy=True, adapters_off=True),) if config.kl_coef > 0 else ()
     scored = any(spec.name == MODEL_REWARD for spec in config.rewards)
     return (value, *reference, *((ModelRole(REWARD_ROLE, score=True),) if scored else ()))
@@ -128,6 +131,9 @@ def validate(config: RunConfig, method: PPOConfig) -> None:
         if plan in config.parallel.plans:
             raise ConfigError("parallel.plans", f"ppo's value and reward models end in a one-value score head, "
                                                 f"which '{plan}' does not split yet; use fsdp2")
+    if method.value_model == "head" and "chunked_cross_entropy" in config.memory:
+        raise ConfigError("memory", "value_model: head takes the logits and the values from one forward's hidden "
+                                    "states, which chunked_cross_entropy would split; drop it or use value_model: model")
     resolve_rewards(method.rewards)
     from posttune.plugin import Sampling  # torch: imported when a run is validated, not at plugin discovery
 

@@ -46,14 +46,12 @@ def make_experience(session: Session, prompts: dict[str, Any]) -> dict[str, Any]
         "weights": rollouts.weights, "lengths": rollouts.lengths, "prompt_lengths": rollouts.prompt_lengths,
         "truncated": rollouts.truncated, "rows": rollouts.rows, "per_reward": dict(rollouts.per_reward),
     }
-    size = None  # the training micro-batch: forwards of the same shapes as the loss's
-    batch["old_logps"] = forward_rows(session, batch, lambda part: token_logps(
-        session, part, temperature=config.temperature), size)
-    batch["values"] = forward_rows(session, batch, lambda part: token_values(session, part), size)
+    both = forward_rows(session, batch, lambda part: torch.stack(logps_and_values(session, part)), None)
+    batch["old_logps"], batch["values"] = both[0], both[1]
     if "reference" in session.models:
         reference = session.models["reference"]
         batch["ref_logps"] = forward_rows(session, batch, lambda part: token_logps(
-            session, part, model=reference, temperature=config.temperature), size)
+            session, part, model=reference, temperature=config.temperature), None)
     session.trainable.train()
     add_advantages(session, batch)
     rollouts.seconds = time.perf_counter() - started
@@ -61,9 +59,22 @@ def make_experience(session: Session, prompts: dict[str, Any]) -> dict[str, Any]
     return batch
 
 
-def token_values(session: Session, batch: dict[str, Any]) -> torch.Tensor:
-    """``[N, S]``: the value model's output at every position (its score head's one value per token)."""
-    return session.models["value"](batch["input_ids"])[..., 0].float()
+def logps_and_values(session: Session, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, S]`` each: the policy's log-probs of the labels (at the sampling temperature) and the value at
+    every position. A value model of its own runs its own forward; a head on the policy reads the hidden
+    states of the policy's one forward (the logits come from the same hidden states)."""
+    config, value = session.method_config, session.models["value"]
+    if config.value_model == "model":
+        return (token_logps(session, batch, temperature=config.temperature),
+                value(batch["input_ids"])[..., 0].float())
+    import torch.nn.functional as F
+
+    hidden = session.model(batch["input_ids"], return_hidden=True)
+    logits = session.model.logits(hidden).float() / config.temperature
+    labels = batch["labels"]
+    logps = -F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                             reduction="none").view(labels.shape)
+    return logps, value(hidden=hidden)[..., 0].float()
 
 
 def completion_mask(batch: dict[str, Any]) -> torch.Tensor:
@@ -81,8 +92,8 @@ def forward_rows(session: Session, batch: dict[str, Any], forward: Any, size: in
     for start in range(0, batch["input_ids"].shape[0], size):
         part = to_device({k: batch[k][start:start + size] for k in ("input_ids", "labels")}, session.device)
         with step_context(session, part):
-            parts.append(forward(part)[:, :part["input_ids"].shape[1]].float().cpu())
-    return torch.cat(parts)
+            parts.append(forward(part)[..., :part["input_ids"].shape[1]].float().cpu())
+    return torch.cat(parts, dim=-2)
 
 
 def add_advantages(session: Session, batch: dict[str, Any]) -> None:

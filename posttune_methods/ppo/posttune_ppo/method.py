@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from posttune.plugin import DatasetConfig, LossOutput, Session, token_logps
+from posttune.plugin import DatasetConfig, LossOutput, Session
 from posttune_grpo.state import GRPOState
 from posttune_ppo import micro_batch_size, rows_per_rank
 from posttune_ppo.advantages import policy_loss, value_loss
-from posttune_ppo.experience import completion_mask, make_experience, micro_batches, token_values
+from posttune_ppo.experience import completion_mask, logps_and_values, make_experience, micro_batches
 
 
 @dataclass
@@ -101,8 +101,7 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     """Clipped policy loss + ``vf_coef`` x clipped value loss, summed over completion tokens (the trainer
     divides by the step's token count: the anchors' token means over each mini-batch), with the metrics."""
     config = session.method_config
-    logps = token_logps(session, batch, temperature=config.temperature)
-    values = token_values(session, batch)
+    logps, values = logps_and_values(session, batch)
     mask = completion_mask(batch)
     policy, policy_clipped = policy_loss(logps, batch["old_logps"], batch["advantages"], mask, config.cliprange)
     value, value_clipped = value_loss(values, batch["values"], batch["returns"], mask, config.cliprange_value)
