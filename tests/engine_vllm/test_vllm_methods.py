@@ -1,4 +1,4 @@
-"""GRPO (sync, and async on Ray) and on-policy KD choose the `vllm` engine by name and train with it
+"""GRPO (sync, and async on Ray), PPO and on-policy KD choose the `vllm` engine by name and train with it
 through `posttune train`; a run with the engine has no child process (vLLM runs inside it), so an
 interrupted or killed run leaves none behind, and Ctrl-C ends it with its checkpoint intact."""
 
@@ -45,6 +45,21 @@ def test_grpo_trains_with_the_vllm_engine(tmp_path, mode):
     run_python("-m", "posttune.cli.main", "train", _write(tmp_path, config), timeout=900)
     records = _records(config)
     assert len(records) == 3 and all("reward" in r and r["completion_length"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("value_model", ["model", "head"])
+def test_ppo_trains_with_the_vllm_engine(tmp_path, value_model):
+    """PPO's rollouts come from vLLM, brought to the policy's weights before each batch (the second batch,
+    at step 3, samples from an updated policy: its KL to the reference is no longer 0)."""
+    config = grpo_config(tmp_path, method={"name": "ppo", "max_new_tokens": 6, "ppo_epochs": 2,
+                                           "value_model": value_model, "group_size": 1,
+                                           "rewards": [{"name": "format", "options": {"pattern": ".*[AEIOU].*"}}],
+                                           **ENGINE},
+                         train={"max_steps": 3, "lr": 5e-3})
+    run_python("-m", "posttune.cli.main", "train", _write(tmp_path, config), timeout=900)
+    records = _records(config)
+    assert len(records) == 3 and all(r["completion_length"] > 0 for r in records)
+    assert records[0]["kl"] == 0 and records[2]["kl"] != 0
 
 
 def test_on_policy_kd_samples_with_the_vllm_engine(tmp_path):
