@@ -46,12 +46,12 @@ def make_experience(session: Session, prompts: dict[str, Any]) -> dict[str, Any]
         "weights": rollouts.weights, "lengths": rollouts.lengths, "prompt_lengths": rollouts.prompt_lengths,
         "truncated": rollouts.truncated, "rows": rollouts.rows, "per_reward": dict(rollouts.per_reward),
     }
-    both = forward_rows(session, batch, lambda part: torch.stack(logps_and_values(session, part)), None)
+    both = forward_rows(session, batch, lambda part: torch.stack(logps_and_values(session, part)))
     batch["old_logps"], batch["values"] = both[0], both[1]
     if "reference" in session.models:
         reference = session.models["reference"]
         batch["ref_logps"] = forward_rows(session, batch, lambda part: token_logps(
-            session, part, model=reference, temperature=config.temperature), None)
+            session, part, model=reference, temperature=config.temperature))
     session.trainable.train()
     add_advantages(session, batch)
     rollouts.seconds = time.perf_counter() - started
@@ -82,12 +82,12 @@ def completion_mask(batch: dict[str, Any]) -> torch.Tensor:
     return (batch["labels"] != -100) & (batch["weights"] > 0).unsqueeze(1)
 
 
-def forward_rows(session: Session, batch: dict[str, Any], forward: Any, size: int | None) -> torch.Tensor:
-    """``forward`` over the batch's rows ``size`` at a time (all at once by default), on the run's device,
-    under the run's step contexts as training runs them; the ``[N, S]`` result on the CPU."""
+def forward_rows(session: Session, batch: dict[str, Any], forward: Any) -> torch.Tensor:
+    """``forward`` over the batch's rows a training micro-batch at a time (the loss's shapes), on the run's
+    device, under the run's step contexts as training runs them; the ``[..., N, S]`` result on the CPU."""
     from posttune_ppo import micro_batch_size
 
-    size = size or micro_batch_size(session.config, session.method_config)
+    size = micro_batch_size(session.config, session.method_config)
     parts = []
     for start in range(0, batch["input_ids"].shape[0], size):
         part = to_device({k: batch[k][start:start + size] for k in ("input_ids", "labels")}, session.device)
