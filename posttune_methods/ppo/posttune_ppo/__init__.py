@@ -51,9 +51,9 @@ class PPOConfig:
     group_size: int = 1  # completions sampled per prompt (PPO's baseline is the value model, not the group)
     max_new_tokens: int = 64  # the longest completion
     temperature: float = 1.0  # sampling temperature (> 0); the loss's log-probs are taken at it too
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
+    top_k: int | None = None  # sample among the k most likely tokens only
+    top_p: float | None = None  # nucleus sampling: the most likely tokens reaching probability p, in (0, 1]
+    min_p: float | None = None  # drop tokens less likely than min_p times the most likely one, in [0, 1)
     ppo_epochs: int = 4  # optimisation passes over each rollout batch, rows reshuffled each pass
     num_mini_batches: int = 1  # optimizer steps per pass; each is train.grad_accum_steps micro-batches
     gamma: float = 1.0  # discount (1: the episode is one completion)
@@ -68,7 +68,7 @@ class PPOConfig:
     whiten_advantages: bool = True  # advantages to mean 0, variance 1 over the batch (every rank's)
     missing_eos_penalty: float | None = None  # subtracted from the score of a completion cut at max_new_tokens
     engine: str = "builtin"  # the generation engine (`posttune ls engines`)
-    engine_options: dict = field(default_factory=dict)
+    engine_options: dict = field(default_factory=dict)  # the engine's settings, checked against its options
 
     # what posttune-grpo's rollout, engine and evaluation helpers read: PPO's fixed choices for them
     @property
