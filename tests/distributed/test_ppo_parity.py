@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import metrics
+from conftest import metrics, train, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,6 @@ def test_ppo_with_four_sharded_roles_on_two_ranks_matches_one_process(runs, tmp_
 def test_a_sharded_ppo_checkpoint_resumes_both_trained_models_exactly(tmp_path, value_model):
     """FSDP2 on 2 ranks writes DCP checkpoints holding the policy, the value model and their one optimizer
     (and each rank's pending experience); resuming step 2's checkpoint redoes steps 3-4 exactly."""
-    from conftest import train, write_config
-
     method = {"name": "ppo", "max_new_tokens": 6, "ppo_epochs": 2, "num_mini_batches": 2, "value_model": value_model,
               "rewards": [{"name": "format", "options": {"pattern": ".*[AEIOU].*"}}]}
     path = write_config(tmp_path, batch_size=2, parallel={"plans": ["fsdp2"]}, method=method,
