@@ -169,7 +169,7 @@ class ModelRole:
     (its checkpoint, or the same seeded random init); and with ``adapters_off`` in a LoRA/DoRA run,
     the policy itself with its adapters disabled (no second copy in memory; implies ``from_policy``).
 
-    ``trained``: the role learns alongside the policy (e.g. PPO's value model): built as the policy
+    ``trained``: the role learns alongside the policy (e.g. a value model): built as the policy
     is (the run's adapters, plans and techniques), stepped by the same optimizer and clipped with
     it (one gradient norm over both), saved in checkpoints (``models/<name>/``) and exported beside
     the policy (``<name>/``, or ``<name>-adapter/``). Not with ``adapters_off`` or without ``run_plans``.

@@ -234,21 +234,16 @@ def estimate(plan: Any) -> Estimate:
     """Count every model the run holds, built on the meta device as the run would build it, then
     apply the terms of the family, the memory techniques and the parallel plans (module docstring)."""
     from posttune.session import ModelTarget
-    from posttune.training.compose import build_model
+    from posttune.training.compose import build_model, inject_adapters
 
     config = plan.config
     adapter = config.adapter
 
     def trained(target: ModelTarget) -> Any:  # built as the run builds a model the optimizer steps
-        model = build_model(target)
+        target.model = build_model(target)
         if adapter is not None:
-            from posttune.adapters import apply_adapters
-
-            apply_adapters(model, targets=adapter.targets or list(target.family.lora_targets),
-                           rank=adapter.rank, alpha=adapter.alpha, dropout=adapter.dropout, kind=adapter.kind)
-            if target.score:
-                model.output.requires_grad_(True)
-        return model
+            inject_adapters(adapter, target)
+        return target.model
 
     policy = trained(ModelTarget("policy", plan.family.descriptor, config.model,
                                  score=plan.method.descriptor.score_head))
@@ -284,7 +279,7 @@ def estimate(plan: Any) -> Estimate:
                       logits=logits_bytes(shape, tokens), allocator=heap_bytes(est, shape.layers),
                       notes=("soft-capped attention runs explicit attention: its [heads, seq, seq] scores are "
                              "not counted",) if softcap else ())
-    for model in est.models[1:]:  # a trained role runs forward with gradients on the same rows (PPO's value)
+    for model in est.models[1:]:  # a trained role runs forward with gradients on the same rows (a value model)
         role_shape = decoder_shape(model.module, adapter.rank if adapter is not None else 0) if model.trainable else None
         if role_shape is not None:
             est = replace(est, activations=est.activations + activation_bytes(role_shape, model.width, tokens))

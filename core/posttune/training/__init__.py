@@ -141,11 +141,10 @@ def save_final(session: Any) -> dict[str, str]:
 def _save_trained(session: Any, model: Any, out: Path, model_name: str, adapter_name: str) -> dict[str, str]:
     """One trained model's export: ``out/model_name`` (full), or ``out/adapter_name`` and, with
     ``save_merged``, the merged model in ``out/model_name``; every rank calls it (a sharded model is gathered)."""
+    from posttune.checkpoint.score_head import PolicyHead
     from posttune.training import distributed
     from posttune.training.state import save_model_or_adapter
     from posttune.training.write_errors import writing
-
-    from posttune.checkpoint.score_head import PolicyHead
 
     adapted = session.config.adapter is not None and not isinstance(model, PolicyHead)  # a head has no adapters
     name = adapter_name if adapted else model_name

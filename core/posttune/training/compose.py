@@ -140,7 +140,7 @@ def build_trained(session: Session, target: ModelTarget) -> nn.Module:
     target.model = build_model(target)
     run_stage(session, "build", target)
     if session.config.adapter is not None:
-        inject_adapters(session, target)
+        inject_adapters(session.config.adapter, target)
     for stage in ("adapt", "quantize", "parallelize"):
         run_stage(session, stage, target)
     load_weights(session, target)
@@ -227,10 +227,11 @@ def build_model(target: ModelTarget) -> nn.Module:
     return model
 
 
-def inject_adapters(session: Session, target: ModelTarget) -> None:
+def inject_adapters(adapter: Any, target: ModelTarget) -> None:
+    """``adapter:``'s LoRA/DoRA on ``target.model`` (the family's default targets unless listed); a score
+    head replacing the LM head learns whole beside them. Also what ``posttune plan`` counts."""
     from posttune.adapters import apply_adapters
 
-    adapter = session.config.adapter
     targets = adapter.targets or list(target.family.lora_targets)
     if not targets:
         raise ConfigError("adapter.targets", f"family '{target.family.name}' names no default "

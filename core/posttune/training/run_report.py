@@ -132,7 +132,7 @@ def banner(session: Any) -> list[str]:
     from posttune.training import distributed
 
     config, plan = session.config, session.plan
-    total, trainable = parameter_counts(session.trainable if session.trainable is not None else session.model)
+    total, trainable = parameter_counts(session.trainable)
     adapter = config.adapter
     tuned = (f"{adapter.kind} rank {adapter.rank} alpha {adapter.alpha:g}" if adapter is not None
              else "full fine-tuning")

@@ -53,7 +53,7 @@ def model_dir(role: str) -> str:
 
 def trained_models(session: Session) -> dict[str, torch.nn.Module]:
     """Every model the optimizer steps, by role: the policy first, then the method's trained roles."""
-    trainable = session.trainable if session.trainable is not None else session.model
+    trainable = session.trainable
     return dict(trainable.items()) if isinstance(trainable, torch.nn.ModuleDict) else {"policy": trainable}
 
 

@@ -172,7 +172,7 @@ def posttune_register_methods(register):
         roles=roles,
         setup=_method("setup"),
         evaluate=_method("evaluate", "posttune_grpo.evaluation"),
-        on_step_end=_method("on_step_end"),
+        on_step_end=_method("on_step_end", "posttune_grpo.method"),
         state_dict=_method("state_dict"),
         load_state_dict=_method("load_state_dict"),
         validate=validate,

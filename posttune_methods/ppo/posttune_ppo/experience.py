@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from posttune.plugin import Session, step_context, sum_over_token_ranks, to_device, token_logps
+from posttune_ppo import micro_batch_size
 from posttune_ppo.advantages import gae, token_rewards
 
 #: the per-row tensors of an experience batch (``[N]`` or ``[N, S]``), sliced into micro-batches
@@ -29,7 +30,7 @@ ROW_TENSORS = ("input_ids", "labels", "old_logps", "ref_logps", "values", "retur
 @torch.no_grad()
 def make_experience(session: Session, prompts: dict[str, Any]) -> dict[str, Any]:
     """Generate, score and evaluate one rank's prompt batch: the rows PPO trains ``ppo_epochs`` times on."""
-    from posttune_grpo.in_process import learner_scorer
+    from posttune_grpo.in_process import learner_scorer, scored_by
     from posttune_grpo.rollouts import generate_rollouts, rollout_spec
     from posttune_grpo.state import count_rollouts, learner_engine
 
@@ -48,10 +49,9 @@ def make_experience(session: Session, prompts: dict[str, Any]) -> dict[str, Any]
     }
     both = forward_rows(session, batch, lambda part: torch.stack(logps_and_values(session, part)))
     batch["old_logps"], batch["values"] = both[0], both[1]
-    if "reference" in session.models:
-        reference = session.models["reference"]
-        batch["ref_logps"] = forward_rows(session, batch, lambda part: token_logps(
-            session, part, model=reference, temperature=config.temperature))
+    if "reference" in session.models:  # GRPO's learner-side scoring, a training micro-batch at a time
+        batch["ref_logps"] = scored_by(session, rollouts, session.models["reference"],
+                                       micro_batch_size(session.config, config))
     session.trainable.train()
     add_advantages(session, batch)
     rollouts.seconds = time.perf_counter() - started
@@ -85,8 +85,6 @@ def completion_mask(batch: dict[str, Any]) -> torch.Tensor:
 def forward_rows(session: Session, batch: dict[str, Any], forward: Any) -> torch.Tensor:
     """``forward`` over the batch's rows a training micro-batch at a time (the loss's shapes), on the run's
     device, under the run's step contexts as training runs them; the ``[..., N, S]`` result on the CPU."""
-    from posttune_ppo import micro_batch_size
-
     size = micro_batch_size(session.config, session.method_config)
     parts = []
     for start in range(0, batch["input_ids"].shape[0], size):

@@ -9,7 +9,8 @@ the step record and checkpoint state.
 The shuffle of pass p of the batch made at optimizer step s is seeded by (train.seed, s, p), and
 the experience not yet trained on is the method's checkpoint state: a run killed between two
 micro-batches resumes on exactly the rows, in exactly the order, it would have trained on.
-Evaluation (greedy completions scored by the rewards) and ``close`` are posttune-grpo's.
+Evaluation (greedy completions scored by the rewards), the step record (reward spread, completion
+lengths, generation time) and ``close`` are posttune-grpo's.
 """
 
 from __future__ import annotations
@@ -34,19 +35,6 @@ class PPOState(GRPOState):
     made_at: int = 0
 
 
-class LearnerSource:
-    """Rollouts are made in the learner, between optimizer steps (what GRPO's step record reads)."""
-
-    def waited_s(self, session: Session) -> float:
-        return session.method_state.generation_seconds
-
-    def after_step(self, session: Session, record: dict[str, Any]) -> None:
-        """Nothing: the engine is brought to the new weights when it next generates."""
-
-    def close(self) -> None:
-        """Nothing of its own: the engine is the method's."""
-
-
 def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
     from posttune.plugin import prompt_loader
 
@@ -61,9 +49,11 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
 
 
 def setup(session: Session) -> None:
+    from posttune_grpo.in_process import InProcessSource
     from posttune_grpo.scoring import resolve_rewards
 
-    state = PPOState(rewards=resolve_rewards(session.method_config.rewards), source=LearnerSource())
+    # GRPO's learner-side source: what its step record reads (the time spent generating), nothing to close
+    state = PPOState(rewards=resolve_rewards(session.method_config.rewards), source=InProcessSource())
     session.method_state = state
     if any(reward.in_learner for reward in state.rewards):
         from posttune_grpo.model_reward import load_reward_tokenizer
@@ -129,12 +119,6 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
         metrics[f"reward/{name}"] = ((values_of * real).sum(), rows)
     loss_sum = policy.sum() + config.vf_coef * value.sum()
     return LossOutput(loss_sum, tokens, tokens=batch["num_tokens"], metrics=metrics, unit="completion_tokens")
-
-
-def on_step_end(session: Session, record: dict[str, Any]) -> None:
-    from posttune_grpo.method import on_step_end as grpo_step_end
-
-    grpo_step_end(session, record)  # reward spread, completion lengths, generation time and throughput
 
 
 def state_dict(session: Session) -> dict[str, Any]:
