@@ -175,7 +175,15 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
     alive: list[torch.Tensor] = []
     step_input = input_ids
     last_only = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    switch = getattr(getattr(model, "rope", None), "switch_length", None)
+    switched = switch is None or _longest(padding, input_ids.shape[1]) > switch
     for step in range(max_new_tokens):
+        if not switched and _longest(padding, cache.length + 1) > switch:
+            # LongRoPE: a forward past the switch point rotates every position with the long factors, so
+            # the keys cached with the short ones are recomputed once (as transformers' Phi-3 does)
+            cache.reset()
+            switched = True
+            step_input = torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
         extra = {} if padding is None else {"padding_mask": padding}
         logits = model(step_input, kv_cache=cache, **extra, **last_only)[:, -1].float()
         token, logprob = _choose(logits, step, temperature, top_k, top_p, min_p, row_seeds)
@@ -189,6 +197,11 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
         if padding is not None:  # a finished row's pad inputs count as real: its outputs are ignored anyway
             padding = torch.cat([padding, padding.new_ones(len(rows), 1)], dim=1)
     return _completions(tokens, logprobs, alive, len(rows), device)
+
+
+def _longest(padding: torch.Tensor | None, length: int) -> int:
+    """The longest row's token count: ``length`` without padding, else the most real tokens in a row."""
+    return length if padding is None else int(padding.sum(dim=1).max())
 
 
 def generate(model: nn.Module, input_ids: list[int] | torch.Tensor, *, max_new_tokens: int = 64,

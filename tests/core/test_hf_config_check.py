@@ -73,6 +73,12 @@ BAD_VALUES = [
      'rope_parameters.rope_type: expected a string, got ["yarn"]'),
     ("rope missing factor", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}},
      "rope_parameters.low_freq_factor: missing (rope_type 'llama3' needs it)"),
+    ("longrope missing factors", {"rope_scaling": {"type": "longrope", "short_factor": [1.0]}},
+     "rope_scaling.long_factor: missing (rope_type 'longrope' needs it)"),
+    ("longrope factor string", {"rope_scaling": {"type": "longrope", "short_factor": "1.0", "long_factor": [1.0]}},
+     'rope_scaling.short_factor: expected a list of numbers, got "1.0"'),
+    ("longrope factor zero", {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 0]}},
+     "rope_scaling.long_factor: expected a positive number or null, got 0"),
     ("rope per layer type", {"rope_parameters": {"full_attention": "default"}},
      'rope_parameters.full_attention: expected an object (a RoPE dict such as {"rope_type": "linear", '
      '"factor": 2.0}), got "default"'),

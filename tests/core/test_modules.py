@@ -59,6 +59,9 @@ ROPE_CASES = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     "yarn_mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                     "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 16},
+    # LongRoPE: 32 factors for a 64-dim head; seq_len 1000 > 64 takes the long ones
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 64,
+                 "short_factor": [1.0 + i / 16 for i in range(32)], "long_factor": [1.0 + i for i in range(32)]},
 }
 
 
@@ -82,7 +85,7 @@ def test_unknown_rope_type_is_a_one_line_error_listing_the_supported_ones():
     with pytest.raises(PosttuneError) as error:
         RotaryEmbedding(8, scaling={"type": "su"})
     assert str(error.value) == ("unknown RoPE scaling type 'su' "
-                                "(supported: default, dynamic, linear, llama3, yarn)")
+                                "(supported: default, dynamic, linear, llama3, longrope, yarn)")
 
 
 def test_rotary_scores_depend_only_on_relative_position():

@@ -147,7 +147,7 @@ def test_gemma1_legacy_gelu_means_the_tanh_approximation():
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "'chunked_attention'"),
     ({"hidden_activation": "relu"}, "'relu'"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "longrope", "rope_theta": 1e6}}}, "'longrope'"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "dynamic_ntk", "rope_theta": 1e6}}}, "'dynamic_ntk'"),
 ])
 def test_bad_config_json_is_a_one_line_error(change, message):
     with pytest.raises(PosttuneError, match=message) as error:

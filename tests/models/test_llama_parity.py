@@ -123,11 +123,11 @@ def test_from_hf_config_reads_legacy_and_transformers5_rope_spellings():
 
 
 def test_unknown_rope_type_is_a_one_line_error():
-    config = {**tiny_llama_config().to_dict(), "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}
+    config = {**tiny_llama_config().to_dict(), "rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}
     with pytest.raises(PosttuneError) as error:
         posttune_llama.LLAMA.from_hf_config(config)
     message = str(error.value)
-    assert "\n" not in message and "'longrope'" in message and "llama3" in message and "yarn" in message
+    assert "\n" not in message and "'su'" in message and "llama3" in message and "yarn" in message
 
 
 def test_plugin_registers_both_families_and_converters(register_plugin):

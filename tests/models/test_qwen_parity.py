@@ -141,7 +141,7 @@ def test_qwen3_head_dim_is_read_not_derived():
 
 def test_unknown_rope_type_and_activation_are_one_line_errors():
     config = tiny_qwen3_config().to_dict()
-    for bad, field in (({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope'"),
+    for bad, field in (({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "'su'"),
                        ({"hidden_act": "relu"}, "hidden_act")):
         with pytest.raises(PosttuneError) as error:
             posttune_qwen.QWEN3.from_hf_config({**config, **bad})

@@ -70,8 +70,10 @@ ROPE_DICTS = ("rope_scaling", "rope_parameters")
 ROPE_POSITIVE = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor",
                  "beta_fast", "beta_slow")
 ROPE_FINITE = ("mscale", "mscale_all_dim")
+ROPE_LISTS = ("short_factor", "long_factor")  # LongRoPE: one positive factor per rotated frequency
 ROPE_REQUIRES = {"linear": ("factor",), "dynamic": ("factor",), "llama3": ("factor", "low_freq_factor",
-                                                                          "high_freq_factor")}
+                                                                          "high_freq_factor"),
+                 "longrope": ("short_factor", "long_factor")}
 
 
 def check_hf_config(config: Any, where: str) -> dict[str, Any]:
@@ -161,6 +163,12 @@ def _check_rope(value: Any, where: str, field: str) -> None:
         _check_count(value["original_max_position_embeddings"], COUNTS["original_max_position_embeddings"],
                      where, f"{field}.original_max_position_embeddings")
     _check_fraction(value.get("partial_rotary_factor"), where, f"{field}.partial_rotary_factor")
+    for key in ROPE_LISTS:
+        items = value.get(key)
+        if items is not None and not (isinstance(items, list) and items):
+            _refuse(where, f"{field}.{key}", "a list of numbers", items)
+        for item in items or ():
+            _check_number(item, where, f"{field}.{key}", positive=True)
     kind = value.get("rope_type") or value.get("type")
     for key in ROPE_REQUIRES.get(kind, ()):
         if value.get(key) is None:

@@ -34,13 +34,15 @@ def decoder_keys(family: str, per_layer: Mapping[str, str] | None = None, *, hin
 
 def decoder_kwargs(config: Mapping[str, Any], family: str, *, max_position_embeddings: int,
                    tie_word_embeddings: bool = False, head_dim: int | None = None,
-                   windowed: bool = False) -> dict[str, Any]:
+                   windowed: bool = False, partial_rotary: bool = False) -> dict[str, Any]:
     """The build kwargs every decoder of ``posttune.modules`` takes, from a config.json dict.
 
     Absent fields default as transformers' config classes do (key/value heads = query heads,
     ``head_dim`` = hidden / heads, ``rms_norm_eps`` 1e-6); the family names its own defaults.
     RoPE is read in both spellings (transformers 5's ``rope_parameters``, older ``rope_theta`` +
     ``rope_scaling``), so a non-default base is never lost. ``windowed``: as ``refuse_unbuildable``.
+    ``partial_rotary``: the family builds partial rotary embeddings, read as ``partial_rotary_factor``
+    (else a config.json that asks for them is refused).
     """
     def need(key: str) -> Any:
         if config.get(key) is None:
@@ -48,11 +50,12 @@ def decoder_kwargs(config: Mapping[str, Any], family: str, *, max_position_embed
         return config[key]
 
     refuse_unbuildable(config, family, windowed=windowed)
-    from posttune.modules.rope import read_rope  # torch is imported only when a config is read
+    from posttune.modules.rope import read_rope, rotary_fraction  # torch is imported only when a config is read
 
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
-    theta, scaling = read_rope(config, family)
-    return {
+    theta, scaling = read_rope(config, family, partial=partial_rotary)
+    partial = {"partial_rotary_factor": rotary_fraction(config)} if partial_rotary else {}
+    return {**partial,
         "vocab_size": need("vocab_size"), "hidden_size": hidden_size, "intermediate_size": need("intermediate_size"),
         "num_layers": need("num_hidden_layers"), "num_heads": num_heads,
         "num_kv_heads": config.get("num_key_value_heads") or num_heads,

@@ -6,7 +6,8 @@ Heads are reshaped with ``-1`` so a tensor-parallel (colwise) shard of q/k/v, wh
 fewer heads, runs unchanged.
 
 Options families switch on: ``q_norm``/``k_norm`` are identities unless a family puts a
-norm over head_dim there; ``scale`` overrides 1/sqrt(head_dim); ``softcap`` bounds the scores
+norm over head_dim there; ``rope=False`` makes a NoPE layer (no rotary embedding: SmolLM3's
+every fourth layer); ``scale`` overrides 1/sqrt(head_dim); ``softcap`` bounds the scores
 with ``cap * tanh(s / cap)`` before masking and softmax. SDPA cannot express soft-capping, and
 flex attention has no backward on CPU, so a soft-capped layer runs ``explicit_attention``:
 the textbook computation (scores, mask, fp32 softmax, weighted sum), exact and differentiable
@@ -181,7 +182,8 @@ class Attention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, *, bias: bool = False, out_bias: bool | None = None,
-                 sliding_window: int | None = None, scale: float | None = None, softcap: float | None = None):
+                 sliding_window: int | None = None, scale: float | None = None, softcap: float | None = None,
+                 rope: bool = True):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if num_heads % num_kv_heads:
@@ -191,6 +193,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.scale = scale
         self.softcap = softcap
+        self.use_rope = rope
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
@@ -204,8 +207,9 @@ class Attention(nn.Module):
         q = self._heads(self.q_proj(x))
         k = self._heads(self.k_proj(x))
         v = self._heads(self.v_proj(x))
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(k), cos, sin)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)
         if isinstance(mask, FlexMask):  # hook: flex attention (modules/flex_attention.py), e.g. context parallel
@@ -236,7 +240,9 @@ class Attention(nn.Module):
         window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
         scale = f", scale={self.scale:g}" if self.scale is not None else ""
         cap = f", softcap={self.softcap:g}" if self.softcap is not None else ""
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{window}{scale}{cap}"
+        nope = "" if self.use_rope else ", rope=False"
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+                f"{window}{scale}{cap}{nope}")
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,

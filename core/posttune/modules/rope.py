@@ -8,6 +8,10 @@ without any permutation.
 transformers 5, ``rope_scaling`` before): a ``rope_type`` (or legacy ``type``) plus that
 variant's parameters. None means plain RoPE. Frequencies are computed in fp32, as the
 checkpoints were trained with them.
+
+Partial rotary embeddings (Phi-4-mini rotates 3/4 of each head): build the RoPE with the rotated
+width as its ``head_dim``; ``apply_rotary`` rotates as many leading dimensions of each head as
+cos/sin have and passes the rest through.
 """
 
 from __future__ import annotations
@@ -89,13 +93,34 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def _longrope(dim: int, theta: float, p: Mapping[str, Any], max_pos: int, seq_len: int | None) -> Frequencies:
+    """LongRoPE (Phi-3.5, Phi-4-mini): each frequency divided by its own factor, ``short_factor`` up to
+    ``original_max_position_embeddings`` and ``long_factor`` for a forward whose positions go past it;
+    cos/sin scaled by ``sqrt(1 + ln(s) / ln(original))`` with s = max_pos / original (or ``factor``)."""
+    old_len = p.get("original_max_position_embeddings")
+    factor = max_pos / old_len if old_len else p.get("factor") or 1.0
+    old_len = old_len or max_pos
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    name = "long_factor" if seq_len is not None and seq_len > old_len else "short_factor"
+    factors = torch.tensor(p[name], dtype=torch.float32, device="cpu")
+    if factors.shape != (dim // 2,):
+        raise PosttuneError(f"RoPE scaling: longrope's {name} must list {dim // 2} numbers (one per rotated "
+                            f"frequency), got {len(p[name])}")
+    return _base(dim, theta) / factors, float(attention_factor)
+
+
 ROPE_TYPES: dict[str, Callable[[int, float, Mapping[str, Any], int, int | None], Frequencies]] = {
     "default": _default,
     "linear": _linear,
     "dynamic": _dynamic,
     "llama3": _llama3,
     "yarn": _yarn,
+    "longrope": _longrope,
 }
+#: variants whose frequencies depend on the longest position of a forward
+GROWING = ("dynamic", "longrope")
 
 
 def rope_type(scaling: Mapping[str, Any] | None) -> str:
@@ -123,13 +148,27 @@ def split_rope_parameters(params: Mapping[str, Any] | None, *, theta: float | No
     return float(value), {**params, "rope_type": name}
 
 
-def read_rope(config: Mapping[str, Any], family: str) -> tuple[float, dict[str, Any] | None]:
+def read_rope(config: Mapping[str, Any], family: str, *, partial: bool = False) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling dict or None) from a whole config.json: ``rope_parameters`` (transformers 5)
-    or ``rope_theta`` + ``rope_scaling`` (older files). Partial rotary embeddings are refused."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    or ``rope_theta`` + ``rope_scaling`` (older files). Partial rotary embeddings are refused unless
+    the family builds them (``partial``; ``rotary_fraction`` reads the fraction). A top-level
+    ``original_max_position_embeddings`` (Phi-3's spelling) goes into a scaling dict that uses it."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if not partial and rotary_fraction(config) != 1.0:
         raise PosttuneError(f"config.json: partial_rotary_factor is not supported by the {family} family")
-    return split_rope_parameters(params, theta=config.get("rope_theta"))
+    params.pop("partial_rotary_factor", None)
+    theta, scaling = split_rope_parameters(params, theta=config.get("rope_theta"))
+    original = config.get("original_max_position_embeddings")
+    if scaling is not None and original and scaling["rope_type"] == "longrope":
+        scaling.setdefault("original_max_position_embeddings", original)
+    return theta, scaling
+
+
+def rotary_fraction(config: Mapping[str, Any]) -> float:
+    """The fraction of each head RoPE rotates: ``partial_rotary_factor`` at the top of config.json or
+    (transformers 5) inside ``rope_parameters``; 1.0 when absent."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return float(config.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None, *,
@@ -170,15 +209,27 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self.inv_freq
         if inv_freq.dtype != torch.float32:  # `model.to(bf16)` cast the buffer: don't rotate with bf16 angles
             inv_freq = self._frequencies()[0].to(positions.device)
-        if self.rope_type == "dynamic":  # stateless: frequencies follow this call's longest position
+        if self.rope_type in GROWING:  # stateless: frequencies follow this call's longest position
             seq_len = int(positions.max()) + 1
-            if seq_len > self.max_position_embeddings:
+            if seq_len > self._grows_after():
                 inv_freq = self._frequencies(seq_len)[0].to(positions.device)
         angles = positions[..., None].float() * inv_freq.float()
         angles = torch.cat((angles, angles), dim=-1)
         if self.attention_factor == 1.0:  # plain RoPE: no extra pass over cos and sin
             return angles.cos(), angles.sin()
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+
+    @property
+    def switch_length(self) -> int | None:
+        """LongRoPE: the length past which a forward rotates every position, earlier ones included, with
+        the long factors (a KV cache filled before it is stale after it); None for the other variants."""
+        return self._grows_after() if self.rope_type == "longrope" else None
+
+    def _grows_after(self) -> int:
+        """The longest forward the frequencies of ``init_buffers`` serve (dynamic NTK, LongRoPE's short factors)."""
+        if self.rope_type == "longrope":
+            return self.scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+        return self.max_position_embeddings
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, type={self.rope_type}"
@@ -193,7 +244,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` [batch, heads, seq, head_dim] by (cos, sin) [batch, seq, head_dim].
 
     cos/sin are cast to x's dtype first, as the reference implementation does, so bf16 models
-    round the same way.
+    round the same way. cos/sin narrower than the head rotate its leading dimensions only (partial
+    rotary); the rest pass through.
     """
+    rotated = cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
     return x * cos + rotate_half(x) * sin
