@@ -98,18 +98,29 @@ def test_a_fused_tensor_of_the_wrong_size_is_one_line(phi3):
                                  "config.json's sizes give 64 + 32 + 32")
 
 
-def test_a_peft_adapter_needs_one_hf_module_per_layer_and_says_so(phi3, tmp_path):
-    from posttune.adapters import apply_adapters, merge_adapters, save_peft_adapter
+def test_a_peft_adapter_on_a_fused_family_is_written_on_the_fused_modules(phi3, tmp_path):
+    """The core writes a join's parts' adapters as one adapter of the fused module (no family code):
+    here q/k/v of rank 2 as one qkv_proj adapter of rank 6, which PEFT applies to transformers' model."""
+    import peft
 
-    _, path = phi3
+    from posttune.adapters import apply_adapters, save_peft_adapter
+
+    reference, path = phi3
     model = posttune.load_model(path, dtype="float32")
-    apply_adapters(model, targets=["attn.o_proj"], rank=2, alpha=4)
-    with pytest.raises(PosttuneError) as caught:
-        save_peft_adapter(model, tmp_path / "adapter")
-    assert str(caught.value) == ("converter splits or joins 'layers.0.attn.q_proj.weight': a PEFT adapter needs one "
-                                 "Hugging Face module per linear layer (merge the adapters and save the model instead)")
-    merge_adapters(model)
-    assert (posttune.save_model(model, tmp_path / "merged") / "model.safetensors").is_file()
+    apply_adapters(model, targets=["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj"], rank=2, alpha=4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(generator=torch.Generator().manual_seed(len(name)))
+    out = save_peft_adapter(model.eval(), tmp_path / "adapter")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["target_modules"], config["rank_pattern"], config["alpha_pattern"]) == (
+        ["o_proj", "qkv_proj"], {"qkv_proj": 6}, {"qkv_proj": 12})
+    base = hf_logits(reference)
+    applied = peft.PeftModel.from_pretrained(reference, out).eval()  # injects into reference
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS), applied(IDS).logits, atol=1e-4, rtol=0)
+        assert (model(IDS) - base).abs().max() > 1e-3  # the adapters change the model
 
 
 # A per-expert layout: the checkpoint holds model.layers.L.experts.E.weight [dim, dim], the model one

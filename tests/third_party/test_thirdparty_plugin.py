@@ -43,8 +43,9 @@ def anchored_run(directory: Path, checkpoint: Path, *, batch_size: int) -> Path:
     directory.mkdir(parents=True)
     (directory / "train.jsonl").write_text("".join(json.dumps({"snippet": f"{w} -> {w[::-1]}"}) + "\n" for w in WORDS))
     config = {
-        "model": {"path": str(checkpoint)},
-        "models": {"anchor": {"path": str(checkpoint)}},
+        # named: posttune-phi3 reads Phi3ForCausalLM too, and a named family wins over the architecture
+        "model": {"path": str(checkpoint), "family": "fused_phi3"},
+        "models": {"anchor": {"path": str(checkpoint), "family": "fused_phi3"}},
         "tokenizer": {"path": TOKENIZER},
         "method": {"name": "anchored_lm", "beta": 0.5},
         "data": {"train": {"path": str(directory / "train.jsonl"), "format": "snippet"}, "max_seq_len": 32},
@@ -74,14 +75,14 @@ def test_posttune_sees_every_piece_of_the_installed_plugin(setup, tmp_path):
     listed = posttune(env, "plugins")
     assert listed.returncode == 0, listed.stderr
     line = next(line for line in listed.stdout.splitlines() if "posttune-thirdparty" in line)
-    for name in ("phi3", "anchored_lm", "snippet", "replicas", "frozen_embedding", "recorder"):
+    for name in ("fused_phi3", "anchored_lm", "snippet", "replicas", "frozen_embedding", "recorder"):
         assert name in listed.stdout, name
     assert "posttune-thirdparty 0.1.0" in line
     plan = posttune(env, "plan", str(anchored_run(tmp_path / "run", checkpoint, batch_size=4)),
                     "--nproc-per-node", "2")
     assert plan.returncode == 0, plan.stderr
     assert "2 process(es), mesh rep=2" in plan.stdout
-    assert "anchor" in plan.stdout and "phi3" in plan.stdout
+    assert "anchor" in plan.stdout and "model family 'fused_phi3'" in plan.stdout
     assert "not modelled" not in plan.stdout  # frozen_embedding brought its own estimate term
 
 
@@ -125,7 +126,7 @@ def test_grpo_on_two_ranks_generates_with_the_plugin_s_engine(setup, tmp_path):
     log = tmp_path / "engine.jsonl"
     config = grpo_config(tmp_path / "grpo", parallel={"plans": ["replicas"]}, train={"max_steps": 2},
                          method={"engine": "recorder", "engine_options": {"log": str(log)}})
-    config["model"] = {"path": str(checkpoint)}  # the Phi-3 checkpoint, not the tiny random Llama
+    config["model"] = {"path": str(checkpoint), "family": "fused_phi3"}  # not the tiny random Llama
     path = tmp_path / "grpo.yaml"
     path.write_text(yaml.safe_dump(config))
     result = posttune(env, "train", str(path), "--nproc-per-node", "2", "--standalone")

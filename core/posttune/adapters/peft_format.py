@@ -13,6 +13,16 @@ change a weight's values (e.g. a RoPE row permutation of q/k): it is then applie
 ``lora_B`` and the DoRA magnitude (row-indexed, like the weight) and ``lora_A`` is left as is,
 which is exact for any converter that only mixes rows; any other converter is refused with a
 clear error (merge the adapters and save the full model instead).
+
+Fused modules: where the converter joins several native layers into one transformers layer by
+stacking their rows (Phi-3's q/k/v into ``qkv_proj``, a ``Join``), the n adapters of rank r are
+written as one adapter of rank n*r on the fused layer: ``lora_A`` the parts' A stacked, ``lora_B``
+block-diagonal (part i's B in columns i*r..(i+1)*r, zeros elsewhere), the DoRA magnitudes
+stacked, and ``rank_pattern``/``alpha_pattern`` giving the fused layer rank n*r and alpha n*alpha,
+so PEFT's scale alpha/r is unchanged: the same update, row for row. A part without an adapter
+gets zero blocks (LoRA only: a DoRA magnitude for it would be its weight's row norms). Loading
+splits such an adapter back and refuses one that is not block-diagonal (trained on the fused
+layer itself: merge it into the model instead).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +40,7 @@ from torch import nn
 from posttune.adapters.inject import adapted_modules, apply_adapters
 from posttune.adapters.lora import LoRALinear
 from posttune.checkpoint.atomic import atomic_dir
+from posttune.checkpoint.convert import Join, pairs
 from posttune.checkpoint.peft_config import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, UNSUPPORTED, adapter_base, read_config,
                                              saved_settings, settings_of)
 from posttune.checkpoint.safetensors_io import Planned, iter_tensors, write_file
@@ -42,8 +54,15 @@ PEFT_SUFFIX = {"lora_A.weight": "lora_A.weight", "lora_B.weight": "lora_B.weight
 NATIVE_SUFFIX = {**{v: k for k, v in PEFT_SUFFIX.items()},
                  "lora_magnitude_vector.weight": "magnitude"}  # spelling of older PEFT releases
 ROW_INDEXED = ("lora_B.weight", "magnitude")  # tensors indexed by the weight's output rows
-#: adapter_config.json fields whose non-default values posttune cannot reproduce
 Convert = Callable[[str, torch.Tensor, Mapping[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A transformers linear layer whose rows are several native layers' (Phi-3's ``qkv_proj``)."""
+
+    parts: tuple[str, ...]  # the native layers, in the order the converter stacks their rows
+    join: Callable[[list[torch.Tensor]], torch.Tensor]
 
 
 def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
@@ -62,14 +81,25 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
     _require_real(model, "save_peft_adapter")
     settings = _uniform_settings(layers)
     origin, converter, hf_config = _family_io(model)
-    hf_names = hf_module_names(model, converter.from_native, hf_config)
+    hf_names, fused = hf_modules(model, converter.from_native, hf_config)
     tensors: dict[str, torch.Tensor] = {}
+
+    def adapter_tensor(name: str, suffix: str) -> torch.Tensor:
+        layer = layers[name]
+        tensor = state_dict[f"{name}.{suffix}"] if state_dict is not None else _layer_tensors(layer)[suffix]
+        if suffix in ROW_INDEXED:
+            tensor = _row_map(converter.from_native, f"{name}.weight", layer.base.weight, hf_config)(tensor)
+        return tensor.detach().to("cpu")
+
     for name, layer in layers.items():
-        rows = _row_map(converter.from_native, f"{name}.weight", layer.base.weight, hf_config)
-        for suffix, tensor in _layer_tensors(layer).items():
-            tensor = state_dict[f"{name}.{suffix}"] if state_dict is not None else tensor
-            value = rows(tensor) if suffix in ROW_INDEXED else tensor
-            tensors[f"{PREFIX}{hf_names[name]}.{PEFT_SUFFIX[suffix]}"] = value.detach().to("cpu").contiguous()
+        if hf_names[name] not in fused:
+            for suffix in _layer_tensors(layer):
+                tensors[f"{PREFIX}{hf_names[name]}.{PEFT_SUFFIX[suffix]}"] = adapter_tensor(name, suffix).contiguous()
+    patterns = {}
+    for hf_name, group in fused.items():
+        if any(part in layers for part in group.parts):
+            tensors.update(_fused_tensors(model, hf_name, group, layers, adapter_tensor, settings["rank"]))
+            patterns[hf_name] = len(group.parts)
     task = "CAUSAL_LM"
     if score_labels(model) is not None:  # the score head, trained whole: PEFT's modules_to_save of SEQ_CLS
         head = state_dict[HEAD] if state_dict is not None else model.get_parameter(HEAD)
@@ -82,6 +112,7 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
         "use_dora": settings["kind"] == "dora",
         "target_modules": peft_targets([hf_names[n] for n in layers], hf_names.values()),
         "exclude_modules": None, "init_lora_weights": True, "inference_mode": True, "revision": None,
+        **fused_patterns(patterns, hf_names.values(), settings["rank"], settings["alpha"]),
     }
     if task == "SEQ_CLS":
         config["modules_to_save"] = [HF_SCORE.removesuffix(".weight")]
@@ -102,35 +133,114 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     _require_real(model, "load_peft_adapter")
     config = read_config(directory)
     _, converter, hf_config = _family_io(model)
-    hf_names = hf_module_names(model, converter.from_native, hf_config)
+    hf_names, fused = hf_modules(model, converter.from_native, hf_config)
     targets = [name for name, hf_name in hf_names.items() if peft_targets_match(config, hf_name)]
     if not targets:
         raise PosttuneError(f"{directory}: target_modules {config.get('target_modules')!r} match no linear "
                             f"layer of this model")
     settings = settings_of(config)
+    _check_patterns(directory, config, {hf_names[name] for name in targets}, fused, settings)
     layers = adapted_modules(model)
-    if not layers:
+    if layers:  # resuming: a fused layer's adapter may cover parts the model leaves unadapted (zero blocks)
+        targets = [name for name in targets if name in layers or hf_names[name] not in fused]
+    else:
         apply_adapters(model, targets=targets, rank=settings["rank"], alpha=settings["alpha"],
                        dropout=settings["dropout_p"], kind=settings["kind"])
         layers = adapted_modules(model)
     _check_same(directory, layers, targets, settings)
-    _copy_tensors(model, directory, layers, hf_names, converter.to_native, hf_config)
+    _copy_tensors(model, directory, layers, hf_names, converter.to_native, hf_config, fused)
     return list(layers)
 
 
-def hf_module_names(model: nn.Module, from_native: Convert, hf_config: Mapping[str, Any]) -> dict[str, str]:
-    """Native -> transformers module name for every linear layer (adapted or not)."""
-    names = {}
+def hf_modules(model: nn.Module, from_native: Convert, hf_config: Mapping[str, Any]
+               ) -> tuple[dict[str, str], dict[str, Fused]]:
+    """Native -> transformers module name for every linear layer (adapted or not), and the
+    transformers layers that several native ones are joined into, by name."""
+    names, fused = {}, {}
     for name, module in _linear_layers(model).items():
-        answer = from_native(f"{name}.weight", module.weight.detach(), hf_config)
-        hf_key = answer[0] if isinstance(answer, tuple) and len(answer) == 2 else None
-        if not isinstance(hf_key, str):  # a fused or stacked tensor (checkpoint/convert.py)
-            raise PosttuneError(f"converter splits or joins '{name}.weight': a PEFT adapter needs one Hugging Face "
-                                f"module per linear layer (merge the adapters and save the model instead)")
+        answer = list(pairs(from_native(f"{name}.weight", module.weight.detach(), hf_config)))
+        hf_key = answer[0][0] if len(answer) == 1 else None
+        if isinstance(hf_key, Join):
+            join, hf_key = hf_key, hf_key.key
+            fused[hf_key.removesuffix(".weight")] = Fused(tuple(p.removesuffix(".weight") for p in join.parts), join.join)
+        if not isinstance(hf_key, str):  # one tensor split into several
+            raise PosttuneError(f"converter splits '{name}.weight': a PEFT adapter needs one Hugging Face module "
+                                f"per linear layer or a join of several (merge the adapters and save the model instead)")
         if not hf_key.endswith(".weight"):
             raise PosttuneError(f"converter maps '{name}.weight' to '{hf_key}', not a module's .weight")
         names[name] = hf_key.removesuffix(".weight")
-    return names
+    return names, fused
+
+
+def _fused_tensors(model: nn.Module, hf_name: str, group: Fused, layers: Mapping[str, LoRALinear],
+                   adapter_tensor: Callable[[str, str], torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """One PEFT adapter of rank n*r for the fused layer ``hf_name`` (the module docstring's layout)."""
+    count = len(group.parts)
+    missing = [part for part in group.parts if part not in layers]
+    kind = next(layers[part].kind for part in group.parts if part in layers)
+    if missing and kind == "dora":
+        raise PosttuneError(f"save_peft_adapter: DoRA on part of the fused '{hf_name}' (no adapter on {missing}): "
+                            f"adapt all of {list(group.parts)} or none")
+    a_blocks, b_blocks, magnitudes = [], [], []
+    for index, part in enumerate(group.parts):
+        rows, width = model.get_submodule(part).weight.shape if part in missing else layers[part].base.weight.shape
+        b_block = torch.zeros(rows, count * rank)
+        if part in missing:
+            a_blocks.append(torch.zeros(rank, width))
+        else:
+            a_blocks.append(adapter_tensor(part, "lora_A.weight"))
+            b_block = b_block.to(a_blocks[-1].dtype)
+            b_block[:, index * rank:(index + 1) * rank] = adapter_tensor(part, "lora_B.weight")
+            if kind == "dora":
+                magnitudes.append(adapter_tensor(part, "magnitude"))
+        b_blocks.append(b_block)
+    out = {"lora_A.weight": torch.cat([a.to(a_blocks[0].dtype) for a in a_blocks]),
+           "lora_B.weight": group.join([b.to(b_blocks[0].dtype) for b in b_blocks])}
+    if magnitudes:
+        out["magnitude"] = group.join(magnitudes)
+    rows = sum(block.shape[0] for block in b_blocks)
+    if tuple(out["lora_B.weight"].shape) != (rows, count * rank):
+        raise PosttuneError(f"save_peft_adapter: the converter's join for '{hf_name}' does not stack rows, so its "
+                            f"adapters cannot be fused (merge the adapters and save the full model instead)")
+    return {f"{PREFIX}{hf_name}.{PEFT_SUFFIX[suffix]}": tensor.contiguous() for suffix, tensor in out.items()}
+
+
+def fused_patterns(counts: Mapping[str, int], all_linear: Any, rank: int, alpha: Any) -> dict[str, Any]:
+    """``rank_pattern``/``alpha_pattern`` giving each fused layer (name -> its number of parts) rank n*r
+    and alpha n*alpha; keyed by the last name part (PEFT matches a key as a dotted suffix) when every
+    layer of that name is fused from the same number of parts, else by the full name."""
+    keys: dict[str, int] = {}
+    everything = list(all_linear)
+    for name, count in counts.items():
+        leaf = name.rpartition(".")[2]
+        same_leaf = {n for n in everything if n == leaf or n.endswith(f".{leaf}")}
+        uniform = same_leaf <= set(counts) and {counts[n] for n in same_leaf} == {count}
+        keys[leaf if uniform else name] = count
+    return {"rank_pattern": {key: count * rank for key, count in sorted(keys.items())},
+            "alpha_pattern": {key: count * alpha for key, count in sorted(keys.items())}}
+
+
+def _pattern_value(patterns: Mapping[str, Any] | None, hf_name: str, default: Any) -> Any:
+    """PEFT's rule for ``rank_pattern``/``alpha_pattern``: the first key that matches as a dotted suffix regex."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", hf_name):
+            return value
+    return default
+
+
+def _check_patterns(directory: Path, config: Mapping[str, Any], adapted: set[str], fused: Mapping[str, Fused],
+                    settings: Mapping[str, Any]) -> None:
+    """Every adapted layer's rank and alpha, after PEFT's patterns, are r and alpha, or n*r and n*alpha
+    for a layer fused from n native ones (the only patterns posttune's per-layer adapters can hold)."""
+    for hf_name in sorted(adapted):
+        count = len(fused[hf_name].parts) if hf_name in fused else 1
+        rank = _pattern_value(config.get("rank_pattern"), hf_name, settings["rank"])
+        alpha = _pattern_value(config.get("alpha_pattern"), hf_name, settings["alpha"])
+        if (rank, float(alpha)) != (count * settings["rank"], count * settings["alpha"]):
+            what = f"fused from {count} layers, so rank {count} x r and alpha {count} x lora_alpha" if count > 1 \
+                else "rank r and lora_alpha (posttune's adapters share one rank and alpha)"
+            raise PosttuneError(f"{directory / ADAPTER_CONFIG}: '{hf_name}' has rank {rank} and alpha {alpha:g} after "
+                                f"rank_pattern/alpha_pattern; expected {what}")
 
 
 def _linear_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -268,11 +378,12 @@ def _check_same(directory: Path, layers: Mapping[str, LoRALinear], targets: list
 
 @torch.no_grad()
 def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALinear], hf_names: Mapping[str, str],
-                  to_native: Convert, hf_config: Mapping[str, Any]) -> None:
-    native_of = {hf: native for native, hf in hf_names.items() if native in layers}
+                  to_native: Convert, hf_config: Mapping[str, Any], fused: Mapping[str, Fused]) -> None:
+    native_of = {hf: native for native, hf in hf_names.items() if native in layers and hf not in fused}
     expected = {(name, suffix) for name, layer in layers.items() for suffix in _layer_tensors(layer)}
     filled = set()
     score = score_labels(model) is not None
+    held: dict[str, dict[str, torch.Tensor]] = {}  # a fused layer's tensors, split once all are read
     for entry, tensor in iter_tensors(directory / ADAPTER_WEIGHTS):
         key = entry.name.removeprefix(PREFIX)
         if score and key == HF_SCORE:  # a score head saved whole (modules_to_save)
@@ -282,6 +393,9 @@ def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALi
         hf_module, suffix = _split_peft_key(key)
         name = native_of.get(hf_module)
         native_suffix = NATIVE_SUFFIX.get(suffix)
+        if hf_module in fused and native_suffix is not None:
+            held.setdefault(hf_module, {})[native_suffix] = tensor
+            continue
         if name is None or (name, native_suffix) not in expected:
             raise PosttuneError(f"{directory / ADAPTER_WEIGHTS}: tensor '{entry.name}' belongs to no adapter "
                                 f"of this model")
@@ -294,12 +408,60 @@ def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALi
                                 f"the model's adapter {list(target.shape)}")
         target.copy_(tensor)
         filled.add((name, native_suffix))
+    for hf_module, tensors in held.items():
+        filled |= _copy_fused(directory, hf_module, fused[hf_module], tensors, layers, to_native, hf_config)
     if score:
         expected.add((HEAD, ""))
     missing = sorted(expected - filled)
     if missing:
         shown = ", ".join(f"{name}.{suffix}" for name, suffix in missing[:3])
         raise PosttuneError(f"{directory / ADAPTER_WEIGHTS}: missing {len(missing)} adapter tensors ({shown}...)")
+
+
+def _copy_fused(directory: Path, hf_module: str, group: Fused, tensors: Mapping[str, torch.Tensor],
+                layers: Mapping[str, LoRALinear], to_native: Convert, hf_config: Mapping[str, Any]
+                ) -> set[tuple[str, str]]:
+    """Split one fused layer's adapter into its parts' (the module docstring's layout); what was filled."""
+    where = f"{directory / ADAPTER_WEIGHTS}: '{hf_module}'"
+    adapted = [part for part in group.parts if part in layers]
+    rank = layers[adapted[0]].rank if adapted else 0
+    count = len(group.parts)
+    if not adapted or "lora_A.weight" not in tensors or "lora_B.weight" not in tensors:
+        raise PosttuneError(f"{where}: an adapter on a layer this model does not adapt, or missing lora_A/lora_B")
+    a, b = tensors["lora_A.weight"], tensors["lora_B.weight"]
+    if a.shape[0] != count * rank or b.shape[1] != count * rank:
+        raise PosttuneError(f"{where}: rank {a.shape[0]}; a layer fused from {count} parts of rank {rank} needs "
+                            f"rank {count * rank}")
+
+    def split(tensor: torch.Tensor) -> dict[str, torch.Tensor]:  # row-indexed tensor -> each part's rows
+        return {key.removesuffix(".weight"): value for key, value in pairs(to_native(f"{hf_module}.weight", tensor,
+                                                                                      hf_config))}
+
+    rows_b = split(b)
+    magnitudes = split(tensors["magnitude"]) if "magnitude" in tensors else {}
+    filled = set()
+    for index, part in enumerate(group.parts):
+        block = slice(index * rank, (index + 1) * rank)
+        outside = torch.cat([rows_b[part][:, :block.start], rows_b[part][:, block.stop:]], dim=1)
+        if outside.count_nonzero() or (part not in layers and rows_b[part].count_nonzero()):
+            raise PosttuneError(f"{where}: lora_B is not block-diagonal over {list(group.parts)} (an adapter trained "
+                                f"on the fused layer itself); posttune adapts each part on its own: merge this "
+                                f"adapter into the model with PEFT instead")
+        if part not in layers:
+            continue
+        mine = _layer_tensors(layers[part])
+        values = {"lora_A.weight": a[block], "lora_B.weight": rows_b[part][:, block]}
+        if "magnitude" in mine:
+            if part not in magnitudes:
+                raise PosttuneError(f"{where}: no lora_magnitude_vector for the DoRA adapter of '{part}'")
+            values["magnitude"] = magnitudes[part]
+        for suffix, value in values.items():
+            if tuple(value.shape) != tuple(mine[suffix].shape):
+                raise PosttuneError(f"{where}: '{part}' {suffix} has shape {list(value.shape)}, the model's adapter "
+                                    f"{list(mine[suffix].shape)}")
+            mine[suffix].copy_(value)
+            filled.add((part, suffix))
+    return filled
 
 
 def _copy_whole(target: torch.Tensor, tensor: torch.Tensor, directory: Path, name: str) -> None:

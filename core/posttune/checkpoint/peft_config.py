@@ -18,8 +18,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: PEFT options posttune's adapters do not implement, with the value that means "not used"
 UNSUPPORTED: dict[str, Any] = {"use_rslora": False, "bias": "none", "fan_in_fan_out": False, "lora_bias": False,
-                               "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
-                               "layers_to_transform": None, "target_parameters": None}
+                               "modules_to_save": None, "layers_to_transform": None, "target_parameters": None}
+#: per-layer rank and alpha: loadable only where a layer is fused from several native ones (its rank and
+#: alpha are then n times r and lora_alpha); the loader checks each layer against the model
+PATTERNS = ("rank_pattern", "alpha_pattern")
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -39,6 +41,9 @@ def read_config(directory: Path) -> dict[str, Any]:
             continue  # a reward model's score head, saved whole (checkpoint/score_head.py)
         if config.get(key, default) not in (default, None, {}, [], False):
             raise PosttuneError(f"{path}: {key}={config[key]!r} is not supported by posttune's adapters")
+    for key in PATTERNS:
+        if not isinstance(config.get(key) or {}, dict):
+            raise PosttuneError(f"{path}: {key} must map module names to numbers, got {config[key]!r}")
     if not (directory / ADAPTER_WEIGHTS).is_file():
         raise PosttuneError(f"{directory}: no {ADAPTER_WEIGHTS} (posttune loads safetensors only, never pickles)")
     return config

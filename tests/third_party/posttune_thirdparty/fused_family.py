@@ -7,6 +7,9 @@ decoder has them, so the core's tensor-parallel plan and LoRA targets apply unch
 converter splits a fused tensor on load (one HF tensor -> several native ones) and joins the parts
 back on save (``Join``: several native tensors -> one HF tensor); every other tensor keeps Llama's
 name (``decoder_keys``). Nothing here is known to the core.
+
+Named ``fused_phi3``, not ``phi3``: posttune-phi3 (first-party) reads the same architecture, so a run
+picks this family by naming it (``model.family: fused_phi3``), which wins over the architecture.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 from posttune.plugin import (DECODER_LINEAR_LAYERS, DECODER_TP_PLAN, CheckpointConverter, Join, LayeredKeyMap,
                              ModelFamily, PosttuneError, decoder_hf_config, decoder_keys, decoder_kwargs)
 
-NAME = "phi3"
+NAME = "fused_phi3"
 ARCHITECTURE = "Phi3ForCausalLM"
 #: HF fused module -> the modules it holds, in row order, under the names Llama gives them
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
