@@ -20,6 +20,8 @@ NAMES: dict[str, dict[str, str]] = {
         "gemma": "posttune-gemma",
         "gemma2": "posttune-gemma",
         "gemma3": "posttune-gemma",
+        "smollm3": "posttune-llama",
+        "phi3": "posttune-phi3",
     },
     "method": {
         "sft": "posttune-sft",
@@ -82,6 +84,8 @@ ARCHITECTURES: dict[str, str] = {
     "GemmaForCausalLM": "posttune-gemma",
     "Gemma2ForCausalLM": "posttune-gemma",
     "Gemma3ForCausalLM": "posttune-gemma",
+    "SmolLM3ForCausalLM": "posttune-llama",
+    "Phi3ForCausalLM": "posttune-phi3",
 }
 
 

@@ -35,7 +35,7 @@ COINCIDENCES = {
     ("scaffold/__init__.py", "reward"): "`posttune new reward`: the scaffold of a reward function",
     ("training/plot.py", "reward"): "the logged metric `reward` (any RL method's), drawn in its own panel",
 }
-FIRST_PARTY = ("posttune-llama", "posttune-qwen", "posttune-gemma", "posttune-sft", "posttune-dpo", "posttune-grpo",
+FIRST_PARTY = ("posttune-llama", "posttune-qwen", "posttune-gemma", "posttune-phi3", "posttune-sft", "posttune-dpo", "posttune-grpo",
                "posttune-kd", "posttune-rm", "posttune-ppo", "posttune-fsdp2", "posttune-tp", "posttune-cp", "posttune-ep", "posttune-loss-parallel",
                "posttune-torchao")
 

@@ -108,3 +108,48 @@ def test_tp_on_per_head_norms_and_post_norms_matches_one_process(runs, family, s
     # Adam's division by the root of the second moment magnifies the all-reduces' other summation
     # order where a gradient is near zero (2e-5 seen on Gemma 2 after 4 steps); losses agree within TOL
     assert_same_tensors(run / "model" / "model.safetensors", reference / "model" / "model.safetensors", 5e-5)
+
+
+@pytest.fixture(scope="session")
+def phi3_checkpoint(tmp_path_factory):
+    """A tiny random Phi-4-mini-style checkpoint (fused q/k/v and gate/up, partial rotary 0.75, tied) of
+    the test tokenizer's 384 ids, as transformers saves it."""
+    transformers = pytest.importorskip("transformers")
+    from posttune.testing.tiny import TINY, tiny_hf_model
+
+    path = tmp_path_factory.mktemp("phi3") / "hf"
+    config = transformers.Phi3Config(**{**TINY, "vocab_size": 384, "partial_rotary_factor": 0.75,
+                                        "tie_word_embeddings": True, "initializer_range": 0.2})
+    tiny_hf_model(config).save_pretrained(path)
+    return path
+
+
+def test_phi3_lora_under_tp_matches_one_process_and_peft_applies_its_fused_adapter(runs, phi3_checkpoint):
+    """LoRA on every projection of a Phi-3 checkpoint: natively q/k/v and gate/up are separate, so TP
+    shards them as Llama's; the 2 TP ranks train as one process, and the adapter they save (q/k/v and
+    gate/up fused for PEFT: qkv_proj rank 3r, gate_up_proj rank 2r) applied by PEFT to transformers'
+    Phi-3 gives the logits of the one-process run's merged model (merging needs the whole model: not
+    under TP)."""
+    import json
+
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    model = {"path": str(phi3_checkpoint)}
+    reference = runs("phi3_lora_single", batch_size=8, model=model, adapter=LORA, checkpoint={"save_merged": True})
+    out = runs("phi3_lora_tp", nproc=2, batch_size=8, model=model, adapter=LORA, parallel={"plans": ["tp"]})
+    assert_same_curve(metrics(out), metrics(reference))
+    assert_same_tensors(out / "adapter" / "adapter_model.safetensors",
+                        reference / "adapter" / "adapter_model.safetensors")
+    saved = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert saved["base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight"].shape[0] == 3 * LORA["rank"]
+    assert saved["base_model.model.model.layers.0.mlp.gate_up_proj.lora_B.weight"].shape[1] == 2 * LORA["rank"]
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["rank_pattern"] == {"gate_up_proj": 2 * LORA["rank"], "qkv_proj": 3 * LORA["rank"]}
+    ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(0))
+    base = transformers.AutoModelForCausalLM.from_pretrained(phi3_checkpoint, dtype=torch.float32).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(reference / "model", dtype=torch.float32).eval()
+    with torch.no_grad():
+        before = base(ids).logits
+        applied = peft.PeftModel.from_pretrained(base, out / "adapter").eval()  # injects into base
+        torch.testing.assert_close(applied(ids).logits, merged(ids).logits, atol=1e-4, rtol=0)
+        assert (merged(ids).logits - before).abs().max() > 1e-3  # training moved the adapters
