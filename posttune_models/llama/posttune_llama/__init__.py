@@ -1,6 +1,11 @@
-"""posttune-llama: the ``llama``, ``mistral`` and ``mixtral`` model families and their HF checkpoint converters.
+"""posttune-llama: the ``llama``, ``mistral``, ``mixtral`` and ``smollm3`` model families and their HF
+checkpoint converters.
 
-All three read and write Llama's own names (``posttune.plugin.decoder_keys``): HF stores q/k in the
+SmolLM2 checkpoints are ``LlamaForCausalLM`` and load as ``llama``. SmolLM3 is its own family here
+(not its own distribution): the same tensors, builder and TP plan as Llama, plus one build kwarg
+(``no_rope_layers``: its NoPE layers), so a separate package would hold nothing but a name.
+
+All four read and write Llama's own names (``posttune.plugin.decoder_keys``): HF stores q/k in the
 rotate-half RoPE layout posttune keeps, so tensors pass unchanged; a tied checkpoint's missing
 ``lm_head.weight`` is the embedding. Mixtral's feed-forwards are mixtures of experts: each layer's
 router (``block_sparse_moe.gate``) becomes ``mlp.router``, and its per-expert HF tensors
@@ -19,7 +24,7 @@ from posttune.plugin import (DECODER_LINEAR_LAYERS, CheckpointConverter, ExpertK
                              decoder_keys, registering)
 from posttune_llama import config
 from posttune_llama.model import build, build_mixtral
-from posttune_llama.sizes import LLAMA_SIZES, MISTRAL_SIZES, MIXTRAL_SIZES
+from posttune_llama.sizes import LLAMA_SIZES, MISTRAL_SIZES, MIXTRAL_SIZES, SMOLLM3_SIZES
 from posttune_llama.tp_plan import MOE_TP_PLAN, TP_PLAN
 
 POSTTUNE_PLUGIN_API = 2
@@ -49,14 +54,16 @@ MISTRAL = _family("mistral", MISTRAL_SIZES, "Mistral 7B (MistralForCausalLM, sli
 MIXTRAL = _family("mixtral", MIXTRAL_SIZES, "Mixtral 8x7B, 8x22B (MixtralForCausalLM: Mistral's attention, "
                   "2 of 8 experts per token in every layer)", builder=build_mixtral, tp_plan=MOE_TP_PLAN,
                   lora_targets=MOE_LORA_TARGETS)
-#: one name map for llama and mistral (an unknown tensor's error names the checkpoint's model_type)
+SMOLLM3 = _family("smollm3", SMOLLM3_SIZES, "SmolLM3 (SmolLM3ForCausalLM: Llama with no RoPE in every fourth layer); "
+                  "SmolLM2 loads as llama")
+#: one name map for llama, mistral and smollm3 (an unknown tensor's error names the checkpoint's model_type)
 KEYS = decoder_keys("llama")
 MIXTRAL_KEYS = ExpertKeys(decoder_keys("mixtral", {"block_sparse_moe.gate": "mlp.router"}),
                           count_fields=("num_local_experts",), block="block_sparse_moe",
                           names={"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
-CONVERTERS = (*(_converter(name, KEYS, "no RoPE permutation needed") for name in ("llama", "mistral")),
+CONVERTERS = (*(_converter(name, KEYS, "no RoPE permutation needed") for name in ("llama", "mistral", "smollm3")),
               _converter("mixtral", MIXTRAL_KEYS, "per-expert w1/w3/w2 stacked"))
 
-posttune_register_model_families = registering((LLAMA, MISTRAL, MIXTRAL))
+posttune_register_model_families = registering((LLAMA, MISTRAL, MIXTRAL, SMOLLM3))
 posttune_register_checkpoint_converters = registering(CONVERTERS)
 posttune_register_configs = registering(partial(configs_in, CONFIGS))  # configs/*.yaml, by file name

@@ -1,4 +1,4 @@
-"""config.json <-> build kwargs for the llama, mistral and mixtral families.
+"""config.json <-> build kwargs for the llama, mistral, mixtral and smollm3 families.
 
 The fields every Llama-like decoder shares (sizes, both RoPE spellings) are read and written by
 ``posttune.plugin.decoder_kwargs`` / ``decoder_hf_config``; here is what Llama adds: biases, the
@@ -13,6 +13,11 @@ forward that builds a graph. ``router_jitter_noise`` (transformers multiplies ea
 uniform noise while training) is refused unless 0: posttune adds no jitter, and fine-tuning a
 checkpoint without the noise its config.json asks for should be a choice made by editing the
 file, not a silent difference.
+
+SmolLM3 is Llama (with its biases) plus ``no_rope_layers``: one 0/1 flag per layer, 0 for a NoPE
+layer; absent, every ``no_rope_layer_interval``-th layer (default 4) is NoPE, as transformers
+derives it. Its optional sliding window (``use_sliding_window``, NoPE layers only) is refused: no
+released SmolLM3 turns it on.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from typing import Any
 
 from posttune.plugin import PosttuneError, decoder_hf_config, decoder_kwargs
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "smollm3": "SmolLM3ForCausalLM"}
+#: SmolLM3Config's defaults where they differ from Llama's
+SMOLLM3_THETA, SMOLLM3_MAX_POSITIONS = 2_000_000.0, 32768
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 #: what ``build_mixtral`` defaults to, which are MixtralConfig's own defaults (4096 * 32 positions, RMSNorm
@@ -39,6 +47,8 @@ MOE_FIELDS = {"num_local_experts": ("num_experts", None), "num_experts_per_tok":
 
 def from_hf_config(config: Mapping[str, Any], family: str = "llama") -> dict[str, Any]:
     """Build kwargs for ``posttune_llama.model.build`` (``build_mixtral`` for mixtral) from a config.json dict."""
+    if family == "smollm3":
+        return smollm3_kwargs(config)
     kwargs = decoder_kwargs(config, family, max_position_embeddings=2048, windowed=family != "llama")
     kwargs["activation"] = read_activation(config, family)
     if family == "mixtral":
@@ -49,6 +59,27 @@ def from_hf_config(config: Mapping[str, Any], family: str = "llama") -> dict[str
     if family == "mistral":
         kwargs["sliding_window"] = config.get("sliding_window")
     return kwargs
+
+
+def smollm3_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Build kwargs for a SmolLM3 config.json: Llama's, with its NoPE layers."""
+    if config.get("use_sliding_window") and config.get("sliding_window"):
+        raise PosttuneError("config.json: use_sliding_window: the smollm3 family builds no sliding window "
+                            "(no released SmolLM3 uses one); set it to false")
+    kwargs = decoder_kwargs(config, "smollm3", max_position_embeddings=SMOLLM3_MAX_POSITIONS, tie_word_embeddings=True)
+    if not (config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")):
+        kwargs["rope_theta"] = SMOLLM3_THETA
+    layers, flags = kwargs["num_layers"], config.get("no_rope_layers")
+    if flags is None:
+        every = config.get("no_rope_layer_interval", 4)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise PosttuneError(f"config.json: no_rope_layer_interval must be a positive integer, got {every!r}")
+        flags = [int((index + 1) % every != 0) for index in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or any(flag not in (0, 1) for flag in flags):
+        raise PosttuneError(f"config.json: no_rope_layers must list 0 (no RoPE) or 1 for each of the {layers} layers, "
+                            f"got {flags!r}")
+    return {**kwargs, "activation": read_activation(config, "smollm3"), "no_rope_layers": tuple(flags),
+            "attention_bias": bool(config.get("attention_bias", False)), "mlp_bias": bool(config.get("mlp_bias", False))}
 
 
 def read_activation(config: Mapping[str, Any], family: str) -> str:
@@ -96,6 +127,8 @@ def to_hf_config(kwargs: Mapping[str, Any], family: str = "llama") -> dict[str, 
     """A config.json dict that ``transformers`` loads as the same architecture."""
     if family == "mixtral":
         return mixtral_hf_config({**MIXTRAL_DEFAULTS, **kwargs})
+    if family == "smollm3":
+        return smollm3_hf_config(kwargs)
     config = decoder_hf_config(kwargs, ARCHITECTURES[family], family, max_position_embeddings=8192, norm_eps=1e-5)
     config["hidden_act"] = NATIVE_ACTIVATIONS[kwargs.get("activation", "silu")]
     if family == "llama":
@@ -116,4 +149,17 @@ def mixtral_hf_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     config.update({field: kwargs[kwarg] for field, (kwarg, _) in MOE_FIELDS.items()},
                   hidden_act=NATIVE_ACTIVATIONS[kwargs["activation"]], sliding_window=kwargs["sliding_window"],
                   router_jitter_noise=0.0, output_router_logits=False)
+    return config
+
+
+def smollm3_hf_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json for SmolLM3 build kwargs: every layer full attention, its NoPE flags listed."""
+    config = decoder_hf_config({"rope_theta": SMOLLM3_THETA, **kwargs}, ARCHITECTURES["smollm3"], "smollm3",
+                               max_position_embeddings=SMOLLM3_MAX_POSITIONS, norm_eps=1e-6, tie_word_embeddings=True)
+    flags = kwargs.get("no_rope_layers")
+    layers = kwargs["num_layers"]
+    config.update(hidden_act=NATIVE_ACTIVATIONS[kwargs.get("activation", "silu")],
+                  attention_bias=bool(kwargs.get("attention_bias", False)), mlp_bias=bool(kwargs.get("mlp_bias", False)),
+                  no_rope_layers=[int(flag) for flag in flags] if flags is not None else [1] * layers,
+                  use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * layers)
     return config

@@ -29,6 +29,10 @@ LLAMA_SIZES: dict[str, dict[str, Any]] = {
            "head_dim": 128, "rope_scaling": _LLAMA32_ROPE, "tie_word_embeddings": True},  # Llama-3.2-3B
     "8b": {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_layers": 32, "num_heads": 32,
            "head_dim": 128, "rope_scaling": _LLAMA31_ROPE, "tie_word_embeddings": False},  # Llama-3.1-8B
+    "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_layers": 30,
+                     "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
+                     "rope_theta": 100000.0, "rope_scaling": None, "norm_eps": 1e-5, "tie_word_embeddings": True,
+                     "attention_bias": False, "mlp_bias": False},  # SmolLM2-135M-Instruct (a LlamaForCausalLM)
 }
 
 _MISTRAL7B: dict[str, Any] = {
@@ -56,4 +60,13 @@ MIXTRAL_SIZES: dict[str, dict[str, Any]] = {
     "8x22b": {**_MIXTRAL, "vocab_size": 32768, "hidden_size": 6144, "intermediate_size": 16384, "num_layers": 56,
               "num_heads": 48, "max_position_embeddings": 65536,
               "aux_loss_coef": 0.001},  # Mixtral-8x22B-Instruct-v0.1
+}
+
+SMOLLM3_SIZES: dict[str, dict[str, Any]] = {
+    # 4 layers so that one is NoPE (the fourth), as in every fourth layer of the release
+    "tiny": {**_TINY, "num_layers": 4, "no_rope_layers": (1, 1, 1, 0), "rope_theta": 2000000.0},
+    "3b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008, "num_layers": 36, "num_heads": 16,
+           "num_kv_heads": 4, "head_dim": 128, "max_position_embeddings": 65536, "rope_theta": 5000000.0,
+           "rope_scaling": None, "norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False,
+           "mlp_bias": False, "no_rope_layers": tuple(int((i + 1) % 4 != 0) for i in range(36))},  # SmolLM3-3B
 }
