@@ -62,6 +62,9 @@ ROPE_CASES = {
     # LongRoPE: 32 factors for a 64-dim head; seq_len 1000 > 64 takes the long ones
     "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 64,
                  "short_factor": [1.0 + i / 16 for i in range(32)], "long_factor": [1.0 + i for i in range(32)]},
+    # an explicit factor sets the attention scale instead of max_position_embeddings / original
+    "longrope_factor": {"rope_type": "longrope", "original_max_position_embeddings": 64, "factor": 32.0,
+                        "short_factor": [1.0] * 32, "long_factor": [2.0] * 32},
 }
 
 

@@ -96,10 +96,10 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def _longrope(dim: int, theta: float, p: Mapping[str, Any], max_pos: int, seq_len: int | None) -> Frequencies:
     """LongRoPE (Phi-3.5, Phi-4-mini): each frequency divided by its own factor, ``short_factor`` up to
     ``original_max_position_embeddings`` and ``long_factor`` for a forward whose positions go past it;
-    cos/sin scaled by ``sqrt(1 + ln(s) / ln(original))`` with s = max_pos / original (or ``factor``)."""
-    old_len = p.get("original_max_position_embeddings")
-    factor = max_pos / old_len if old_len else p.get("factor") or 1.0
-    old_len = old_len or max_pos
+    cos/sin scaled by ``sqrt(1 + ln(s) / ln(original))`` with s = ``factor``, else max_pos / original
+    (or by ``attention_factor`` when given)."""
+    old_len = p.get("original_max_position_embeddings") or max_pos
+    factor = p.get("factor") or max_pos / old_len
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
@@ -152,7 +152,8 @@ def read_rope(config: Mapping[str, Any], family: str, *, partial: bool = False) 
     """(theta, scaling dict or None) from a whole config.json: ``rope_parameters`` (transformers 5)
     or ``rope_theta`` + ``rope_scaling`` (older files). Partial rotary embeddings are refused unless
     the family builds them (``partial``; ``rotary_fraction`` reads the fraction). A top-level
-    ``original_max_position_embeddings`` (Phi-3's spelling) goes into a scaling dict that uses it."""
+    ``original_max_position_embeddings`` (Phi-3's spelling) goes into a LongRoPE dict, over the dict's
+    own value, as transformers reads it."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     if not partial and rotary_fraction(config) != 1.0:
         raise PosttuneError(f"config.json: partial_rotary_factor is not supported by the {family} family")
@@ -160,7 +161,7 @@ def read_rope(config: Mapping[str, Any], family: str, *, partial: bool = False) 
     theta, scaling = split_rope_parameters(params, theta=config.get("rope_theta"))
     original = config.get("original_max_position_embeddings")
     if scaling is not None and original and scaling["rope_type"] == "longrope":
-        scaling.setdefault("original_max_position_embeddings", original)
+        scaling["original_max_position_embeddings"] = original
     return theta, scaling
 
 
