@@ -49,13 +49,12 @@ def _converter(name: str, keys: Any, what: str) -> CheckpointConverter:
                                description=f"Hugging Face {name} safetensors names ({what})")
 
 
-LLAMA = _family("llama", LLAMA_SIZES, "Llama 2, 3, 3.1, 3.2, 3.3 (LlamaForCausalLM)")
+LLAMA = _family("llama", LLAMA_SIZES, "Llama 2, 3, 3.1, 3.2, 3.3 and SmolLM2 (LlamaForCausalLM)")
 MISTRAL = _family("mistral", MISTRAL_SIZES, "Mistral 7B (MistralForCausalLM, sliding-window attention)")
 MIXTRAL = _family("mixtral", MIXTRAL_SIZES, "Mixtral 8x7B, 8x22B (MixtralForCausalLM: Mistral's attention, "
                   "2 of 8 experts per token in every layer)", builder=build_mixtral, tp_plan=MOE_TP_PLAN,
                   lora_targets=MOE_LORA_TARGETS)
-SMOLLM3 = _family("smollm3", SMOLLM3_SIZES, "SmolLM3 (SmolLM3ForCausalLM: Llama with no RoPE in every fourth layer); "
-                  "SmolLM2 loads as llama")
+SMOLLM3 = _family("smollm3", SMOLLM3_SIZES, "SmolLM3 (SmolLM3ForCausalLM: Llama with no RoPE in every fourth layer)")
 #: one name map for llama, mistral and smollm3 (an unknown tensor's error names the checkpoint's model_type)
 KEYS = decoder_keys("llama")
 MIXTRAL_KEYS = ExpertKeys(decoder_keys("mixtral", {"block_sparse_moe.gate": "mlp.router"}),
