@@ -145,20 +145,22 @@ def prepare_grpo_example(out: Path) -> Path:
     return out
 
 
-def check_grpo_example_rises(warm_start: Path, out: Path, *overrides: str, env: dict[str, str] | None = None) -> list:
-    """``posttune train grpo-tiny-reverse`` from ``warm_start`` (with ``overrides``, which may end with launcher
-    arguments) raises the mean reward: the last 40 steps' mean beats the first 40's by the margin the config
-    states, and the model is saved. Returns the step records."""
+def check_grpo_example_rises(warm_start: Path, out: Path, *overrides: str, env: dict[str, str] | None = None,
+                             steps: int = 200, window: int = 40) -> list:
+    """``posttune train grpo-tiny-reverse`` from ``warm_start`` for ``steps`` steps (with ``overrides``, which may
+    end with launcher arguments) raises the mean reward: the last ``window`` steps' mean beats the first
+    ``window``'s by the margin the config states, and the model is saved. Returns the step records."""
     import statistics
 
     import posttune_grpo
 
     config = posttune_grpo.CONFIGS / "grpo-tiny-reverse.yaml"
     run_python("-m", "posttune.cli.main", "train", "grpo-tiny-reverse", f"model.path={warm_start}",
-               f"checkpoint.output_dir={out}", *overrides, timeout=1800, env=env)
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    first = statistics.mean(r["reward"] for r in steps[:40])
-    last = statistics.mean(r["reward"] for r in steps[-40:])
+               f"checkpoint.output_dir={out}", f"train.max_steps={steps}", *overrides, timeout=1800, env=env)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == steps
+    first = statistics.mean(r["reward"] for r in records[:window])
+    last = statistics.mean(r["reward"] for r in records[-window:])
     assert last >= first + stated_number(config, "reward rise"), (first, last)
     assert (out / "model" / "config.json").is_file()
-    return steps
+    return records

@@ -1,42 +1,39 @@
 """The `isolation` tox env: distributions install on their own, and plugins appear as installed.
 
-Scenario 1, in a brand-new venv: install only `core` -> `posttune plugins` lists the built-ins
-alone; add `plugins/template` -> its names appear, and its own tests pass there (a third-party
-plugin's tests with nothing but posttune, the plugin and pytest installed: it may import only the
-public surface); add one first-party plugin -> it appears too.
+One brand-new venv goes through these states; after each install (or uninstall), `posttune plugins`
+lists exactly the distributions then installed. One venv rather than one per state: each costs a
+torch install, and `pip uninstall` removes a distribution's entry points with its dist-info.
 
-Scenario 2, in another brand-new venv: install `core` and `posttune_models/qwen` alone ->
-exactly `posttune` and `posttune-qwen` are listed, `posttune ls families` shows qwen2 and qwen3
-but no llama or gemma, and a config naming family `gemma2` fails validation with exit status 2
-and the `pip install posttune-gemma` hint.
+1. `core` alone -> the built-ins alone.
+2. + `posttune_models/qwen` -> exactly `posttune` and `posttune-qwen`; `posttune ls families` shows
+   qwen2 and qwen3 but no llama or gemma, and a config naming family `gemma2` fails validation with
+   exit status 2 and the `pip install posttune-gemma` hint.
+3. - posttune-qwen, + `plugins/template` -> its names appear, and its own tests pass there (a
+   third-party plugin's tests with nothing but posttune, the plugin and pytest installed: it may
+   import only the public surface).
+4. + `posttune_models/llama` -> it appears too.
+5. - posttune-template, + `posttune_methods/dpo` and `posttune_methods/kd` (no posttune-sft) -> a
+   shortened `posttune train dpo-tiny-reverse` runs end to end, and so do the distillation example's
+   teacher and a shortened `posttune train kd-tiny-reverse` (the teacher's data and tokenizer are
+   posttune-llama's package data: a wheel install must ship them).
 
-Scenario 3, in another brand-new venv: `core`, `posttune_models/llama`, `posttune_methods/dpo` and
-`posttune_methods/kd` (no posttune-sft) -> a shortened `posttune train dpo-tiny-reverse` runs end
-to end, and so do the distillation example's teacher and a shortened `posttune train kd-tiny-reverse`
-(the teacher's data and tokenizer are posttune-llama's package data: a wheel install must ship them).
-
-Scenario 4, in another brand-new venv: `core`, `posttune_models/qwen` and `posttune_methods/grpo`
-(no Ray) -> the GRPO example's warm start and a shortened `posttune train grpo-tiny-reverse`.
+posttune, posttune-qwen and posttune-grpo alone (no Ray) training GRPO is the `wheels` env's check
+(tests/packaging/wheels.py), which installs them from their wheels: the same three from source
+folders here would only repeat it.
 """
+
+from __future__ import annotations
 
 import subprocess
 import sys
 import tempfile
 import venv
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSTRAINTS = ROOT / "constraints.txt"
-STEPS = [
-    (["core"], ["posttune"]),
-    (["plugins/template"], ["posttune", "posttune-template"]),
-    (["posttune_models/llama"], ["posttune", "posttune-template", "posttune-llama"]),
-]
-QWEN_ALONE = [(["core", "posttune_models/qwen"], ["posttune", "posttune-qwen"])]
-GRPO_WITH_QWEN = [(["core", "posttune_models/qwen", "posttune_methods/grpo"],
-                   ["posttune", "posttune-qwen", "posttune-grpo"])]
-DPO_AND_KD_WITHOUT_SFT = [(["core", "posttune_models/llama", "posttune_methods/dpo", "posttune_methods/kd"],
-                           ["posttune", "posttune-llama", "posttune-dpo", "posttune-kd"])]
 GEMMA2_CONFIG = """\
 model: {family: gemma2, size: tiny}
 method: {name: sft}
@@ -44,30 +41,14 @@ data: {train: {path: train.jsonl, format: chat}}
 """
 
 
-def install_steps(env: Path, steps: list[tuple[list[str], list[str]]]) -> int:
-    """Create a fresh venv at ``env``; after each install, the listed distributions are exactly these."""
-    venv.create(env, with_pip=True)
-    python = env / "bin" / "python"
-    for folders, expected in steps:
-        paths = [str(ROOT / folder) for folder in folders]
-        print(f"== pip install {' '.join(folders)}", flush=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), *paths], check=True)
-        check = subprocess.run([str(python), str(ROOT / "tests/isolation/check_plugins.py"), *expected])
-        if check.returncode != 0:
-            return check.returncode
-        if "plugins/template" in folders:
-            code = run_template_tests(python)
-            if code != 0:
-                return code
-    return 0
-
-
-def run_template_tests(python: Path) -> int:
+def template_tests(env: Path, tmp: Path) -> list[str]:
     """The template plugin's own test suite, in the venv that holds only posttune and the template."""
     print("== pytest plugins/template/tests (core + template only)", flush=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), "pytest>=8"], check=True)
-    return subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(ROOT / "plugins/template/tests")], cwd=ROOT / "plugins/template").returncode
+    python = str(env / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), "pytest>=8"], check=True)
+    code = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "plugins/template/tests")],
+                          cwd=ROOT / "plugins/template").returncode
+    return [] if code == 0 else [f"plugins/template's tests failed (pytest exit {code})"]
 
 
 def check_qwen_alone(env: Path, tmp: Path) -> list[str]:
@@ -114,42 +95,46 @@ def check_dpo_and_kd_without_sft(env: Path, tmp: Path) -> list[str]:
     return []
 
 
-def check_grpo_with_qwen(env: Path, tmp: Path) -> list[str]:
-    """The GRPO CPU example, shortened, with nothing but core, posttune-qwen and posttune-grpo."""
-    python, posttune = str(env / "bin" / "python"), str(env / "bin" / "posttune")
-    start = tmp / "start"
-    prepare = subprocess.run([python, "-m", "posttune_grpo.example", "prepare", "--steps", "20", "--out", str(start)],
-                             cwd=tmp, capture_output=True, text=True)
-    if prepare.returncode != 0:
-        return [f"python -m posttune_grpo.example prepare -> {prepare.returncode}: {prepare.stderr[-2000:]}"]
-    train = subprocess.run([posttune, "train", "grpo-tiny-reverse", f"model.path={start}", "train.max_steps=4",
-                            "train.eval_every=2", f"checkpoint.output_dir={tmp}/grpo"], cwd=tmp,
-                           capture_output=True, text=True)
-    print(train.stdout[-800:], end="")
-    if train.returncode != 0 or not (tmp / "grpo" / "model" / "config.json").is_file():
-        return [f"posttune train grpo-tiny-reverse -> {train.returncode}: {train.stderr[-2000:]}"]
-    return []
+@dataclass(frozen=True)
+class State:
+    """One state of the venv: what to uninstall, then install, the distributions then listed, and
+    the checks run there (each returns its problems)."""
+
+    title: str
+    install: tuple[str, ...]
+    expected: tuple[str, ...]
+    uninstall: tuple[str, ...] = ()
+    check: Callable[[Path, Path], list[str]] | None = None
 
 
-#: (what it shows, the install steps, the checks run in that venv afterwards)
-SCENARIOS = [
-    ("distributions one by one", STEPS, None),
-    ("core and posttune-qwen alone", QWEN_ALONE, check_qwen_alone),
-    ("core, posttune-llama, posttune-dpo and posttune-kd (no posttune-sft)", DPO_AND_KD_WITHOUT_SFT,
-     check_dpo_and_kd_without_sft),
-    ("core, posttune-qwen and posttune-grpo", GRPO_WITH_QWEN, check_grpo_with_qwen),
+STATES = [
+    State("core alone", ("core",), ("posttune",)),
+    State("core and posttune-qwen alone", ("posttune_models/qwen",), ("posttune", "posttune-qwen"),
+          check=check_qwen_alone),
+    State("core and the template plugin", ("plugins/template",), ("posttune", "posttune-template"),
+          uninstall=("posttune-qwen",), check=template_tests),
+    State("and a first-party plugin", ("posttune_models/llama",), ("posttune", "posttune-template", "posttune-llama")),
+    State("core, posttune-llama, posttune-dpo and posttune-kd (no posttune-sft)",
+          ("posttune_methods/dpo", "posttune_methods/kd"), ("posttune", "posttune-llama", "posttune-dpo", "posttune-kd"),
+          uninstall=("posttune-template",), check=check_dpo_and_kd_without_sft),
 ]
 
 
 def main() -> int:
-    for title, steps, check in SCENARIOS:
-        with tempfile.TemporaryDirectory(prefix="posttune-isolation-") as tmp:
-            print(f"== scenario: {title}", flush=True)
-            env = Path(tmp) / "venv"
-            code = install_steps(env, steps)
-            if code != 0:
-                return code
-            problems = check(env, Path(tmp)) if check is not None else []
+    with tempfile.TemporaryDirectory(prefix="posttune-isolation-") as tmp:
+        env = Path(tmp) / "venv"
+        venv.create(env, with_pip=True)
+        python = str(env / "bin" / "python")
+        for state in STATES:
+            print(f"== {state.title}", flush=True)
+            if state.uninstall:
+                subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", *state.uninstall], check=True)
+            paths = [str(ROOT / folder) for folder in state.install]
+            subprocess.run([python, "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), *paths], check=True)
+            listed = subprocess.run([python, str(ROOT / "tests/isolation/check_plugins.py"), *state.expected])
+            problems = [] if listed.returncode == 0 else [f"posttune plugins after '{state.title}' (above)"]
+            if not problems and state.check is not None:
+                problems = state.check(env, Path(tmp))
             for problem in problems:
                 print(f"FAIL: {problem}", file=sys.stderr)
             if problems:

@@ -87,8 +87,8 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
     ({"teacher": {"family": "llama", "size": "tiny"}},  # the old spelling of models.teacher
      "config: models.teacher: method 'dpo' uses no teacher model with these settings; remove it"),
     ({"reference": {"family": "qwen3", "size": "0.6b"}},
-     "config: models.reference.family: no model family 'qwen3' is installed (installed: llama, mistral, mixtral) — pip "
-     "install posttune-qwen"),
+     "config: models.reference.family: no model family 'qwen3' is installed (installed: llama, mistral, mixtral, smollm3) — "
+     "pip install posttune-qwen"),
     ({"reference": {"family": "llama", "size": "tiny"}, "models": {"reference": {"family": "llama", "size": "tiny"}}},
      "config: reference: given twice: `reference:` is the old spelling of `models.reference`; keep one"),
     ({"method": {"name": "dpo", "loss_type": "orpo"}},
