@@ -12,7 +12,7 @@ pytest.importorskip("vllm", reason="posttune-vllm's tests run in the `vllm` tox 
 
 from run_support import check_grpo_example_rises, prepare_grpo_example  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.example]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ MIN_RISE = 0.15
 
 
 @pytest.mark.slow
+@pytest.mark.example
 def test_the_tiny_dpo_example_raises_validation_reward_accuracy(tmp_path):
     out = tmp_path / "dpo"
     run = subprocess.run([sys.executable, "-m", "posttune.cli.main", "train", "dpo-tiny-reverse",

@@ -11,7 +11,7 @@ import os
 import pytest
 from run_support import check_grpo_example_rises, prepare_grpo_example
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.example]
 
 LAG = {"sync": 0, "async": 1, "off_policy": 2}
 STEPS, WINDOW = 120, 30

@@ -10,7 +10,7 @@ import posttune_kd
 import pytest
 from run_support import run_python, stated_number
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.example]
 CONFIG = posttune_kd.CONFIGS / "kd-tiny-reverse.yaml"
 
 

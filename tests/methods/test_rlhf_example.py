@@ -12,7 +12,7 @@ import sys
 import pytest
 from run_support import run_python, stated_number
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.example]
 
 #: measured on this machine kind, seeds 0-2 with 1 and 2 threads: 0.48-0.55 at step 100 and
 #: 0.76-0.94 at step 1000 (rises 0.28-0.44); margins below the least of them

@@ -15,6 +15,7 @@ MIN_FIRST, MAX_LAST = 1.0, 0.1
 
 
 @pytest.mark.slow
+@pytest.mark.example
 def test_the_tiny_mixtral_example_learns_and_logs_its_routing(tmp_path):
     out = tmp_path / "moe"
     run = subprocess.run([sys.executable, "-m", "posttune.cli.main", "train", "mixtral-tiny-reverse",
