@@ -6,8 +6,9 @@
 
 Modes: ``full`` (full SFT), ``lora`` (LoRA r8 on q/v/o, alpha 16, no dropout), ``dpo`` (sigmoid,
 beta 0.1, the reference a frozen copy on both sides), and posttune only: ``packing`` (padded vs
-packed rows, same data) and ``compile`` (without vs with ``memory: [compile]``; refused in one
-line when no installed plugin registers that technique).
+packed rows, same data), ``compile`` (without vs with ``memory: [compile]``; refused in one
+line when no installed plugin registers that technique) and ``dpo_layout`` (DPO's padded pairs vs
+its padding-free default).
 
 Every run is a fresh child process (``child.run_child``); the sides alternate (posttune, HF,
 posttune, HF, ...). Per run: non-padding tokens per second over the timed steps (the first
@@ -83,9 +84,13 @@ MODES = {
     "packing": (("posttune-padded", {"task": "posttune", "padding_free": False}),
                 ("posttune-packed", {"task": "posttune", "packing": True})),
     "compile": (("posttune", {"task": "posttune"}), ("posttune-compile", {"task": "posttune", "compile": True})),
+    "dpo_layout": (("posttune-dpo-padded", {"task": "posttune", "padding_free": False}),
+                   ("posttune-dpo-padding-free", {"task": "posttune"})),
 }
 RATIO = {"full": "posttune/hf", "lora": "posttune/hf", "dpo": "posttune/hf", "packing": "packed/padded",
-         "compile": "compiled/uncompiled"}
+         "compile": "compiled/uncompiled", "dpo_layout": "padding-free/padded"}
+#: posttune-only modes: the second side over the first
+AGAINST_ITSELF = ("packing", "compile", "dpo_layout")
 
 
 def parse() -> argparse.Namespace:
@@ -120,7 +125,7 @@ def summarise_mode(mode: str, runs: list[dict]) -> dict:
         summary[side] = {"runs": len(results),
                          "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in results),
                          "peak_rss_mib_median": statistics.median(r["peak_rss_mib"] for r in results)}
-    a, b = (by_side[second], by_side[first]) if mode in ("packing", "compile") else (by_side[first], by_side[second])
+    a, b = (by_side[second], by_side[first]) if mode in AGAINST_ITSELF else (by_side[first], by_side[second])
     num, den = (summary[a[0]["side"]], summary[b[0]["side"]])
     summary["tokens_per_s_ratio"] = round(num["tokens_per_s_median"] / den["tokens_per_s_median"], 3)
     summary["peak_rss_ratio"] = round(num["peak_rss_mib_median"] / den["peak_rss_mib_median"], 3)
@@ -160,8 +165,8 @@ def main() -> int:
             for index in range(args.runs):
                 for side, extra in MODES[mode]:
                     out = work / "runs" / f"{mode}-{side}-{index}"
-                    spec = {**base, "mode": "dpo" if mode == "dpo" else ("lora" if mode == "lora" else "full"),
-                            **extra, "out": str(out)}
+                    kind = "dpo" if mode in ("dpo", "dpo_layout") else ("lora" if mode == "lora" else "full")
+                    spec = {**base, "mode": kind, **extra, "out": str(out)}
                     result = run_child(CHILD, spec, env=env)
                     shutil.rmtree(out, ignore_errors=True)
                     runs.append({"mode": mode, "side": side, "run": index, **result})

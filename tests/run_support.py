@@ -77,6 +77,23 @@ def grpo_config(tmp_path: Path, *, rows: int = 8, **sections: Any) -> dict:
     return config
 
 
+def pair_rows(batch: dict) -> dict:
+    """A pair batch as padded rows [2b, longest] (pad 0, labels -100): a padding-free batch's
+    document d becomes row d; a padded batch is returned as it is."""
+    import torch
+
+    if "document_ids" not in batch:
+        return batch
+    ids, labels, documents = batch["input_ids"][0], batch["labels"][0], batch["document_ids"][0]
+    rows = [(ids[documents == d], labels[documents == d]) for d in range(2 * batch["rows"].numel())]
+    width = max(len(row_ids) for row_ids, _ in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    padded_labels = torch.full_like(input_ids, -100)
+    for index, (row_ids, row_labels) in enumerate(rows):
+        input_ids[index, : len(row_ids)], padded_labels[index, : len(row_ids)] = row_ids, row_labels
+    return {"input_ids": input_ids, "labels": padded_labels}
+
+
 def compose_run(config: dict) -> Any:
     """The session `posttune train` would run, composed from a config mapping (no training)."""
     from posttune.config import validate

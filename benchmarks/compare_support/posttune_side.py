@@ -21,7 +21,8 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
     dpo = mode == "dpo"
     config: dict[str, Any] = {
         "model": {"family": "llama", "path": str(work / "model"), "dtype": "fp32"},
-        "method": {"name": "dpo", "loss_type": "sigmoid", "beta": 0.1} if dpo else
+        "method": {"name": "dpo", "loss_type": "sigmoid", "beta": 0.1,
+                   "padding_free": spec.get("padding_free", True)} if dpo else
                   {"name": "sft", "packing": bool(spec.get("packing")),
                    "padding_free": spec.get("padding_free", True)},  # SFT's default: padding-free rows
         "data": {"train": {"path": str(work / ("dpo.jsonl" if dpo else "sft.jsonl")),

@@ -59,8 +59,22 @@ def token_logps(session: Any, batch: dict[str, torch.Tensor], model: Any = None,
         return -nll.view(labels.shape)
 
 
-def sequence_logps(token_values: torch.Tensor, labels: torch.Tensor, *, average: bool = False) -> torch.Tensor:
-    """Per-row sum (or mean) of ``token_values`` over labelled positions: ``[batch]``."""
+def sequence_logps(token_values: torch.Tensor, labels: torch.Tensor, *, average: bool = False,
+                   document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row sum (or mean) of ``token_values`` over labelled positions: ``[batch]``.
+
+    With ``document_ids`` (rows of documents end to end, ``flat_batch``): per document instead,
+    ``[batch, documents]`` where ``documents`` is the largest id + 1 (one host sync); a document
+    id a row does not use gets 0.
+    """
     mask = labels != IGNORE_INDEX
-    total = (token_values * mask).sum(-1)
-    return total / mask.sum(-1).clamp(min=1) if average else total
+    values = token_values * mask
+    if document_ids is None:
+        total, count = values.sum(-1), mask.sum(-1)
+    else:
+        rows, documents = document_ids.shape[0], int(document_ids.max()) + 1
+        index = (document_ids + documents * torch.arange(rows, device=document_ids.device)[:, None]).flatten()
+        total = values.new_zeros(rows * documents).index_add(0, index, values.flatten()).view(rows, documents)
+        count = mask.new_zeros(rows * documents, dtype=torch.long).index_add(0, index, mask.flatten().long())
+        count = count.view(rows, documents)
+    return total / count.clamp(min=1) if average else total

@@ -1,12 +1,13 @@
 """DPO, cDPO, IPO and SimPO on a real model and batch: losses, rewards and gradients equal the
-papers' formulas computed independently (plain log-softmax, no posttune loss code), fp32, 1e-6."""
+papers' formulas computed independently (plain log-softmax over padded rows, no posttune loss code),
+fp32, 1e-6, for padded and padding-free (one row of documents) batches alike."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from run_support import compose_run
+from run_support import compose_run, pair_rows
 
 from posttune.adapters import AdaptersOff, adapted_modules
 
@@ -60,10 +61,13 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
+@pytest.mark.parametrize("padding_free", [True, False], ids=["padding_free", "padded"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dpo_config, tmp_path, case):
+def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dpo_config, tmp_path, case,
+                                                               padding_free):
     settings = CASES[case]
-    session = compose_run(make_dpo_config(tmp_path, rows=8, method={"name": "dpo", **settings}))
+    session = compose_run(make_dpo_config(tmp_path, rows=8, method={"name": "dpo", "padding_free": padding_free,
+                                                                    **settings}))
     assert ("reference" in session.models) == (settings["loss_type"] != "simpo")
     perturb(session.model)
     batch = next(iter(session.train_data))
@@ -71,17 +75,21 @@ def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dp
     handle = session.model.register_forward_hook(lambda _m, _i, out: forwards.append(out.shape))
     out = session.plan.method.descriptor.loss(session, batch)
     handle.remove()
-    assert forwards == [(8, batch["input_ids"].shape[1], 384)]  # chosen and rejected in one forward pass
+    assert ("document_ids" in batch) == padding_free
+    rows = 1 if padding_free else 8  # chosen and rejected in one forward pass
+    assert forwards == [(rows, batch["input_ids"].shape[1], 384)]
+    if padding_free:  # no padding computed: the row is the 8 responses end to end
+        assert batch["input_ids"].shape[1] == int(batch["num_tokens"])
     assert out.unit == "pairs" and float(out.normaliser) == 4
     (out.loss_sum / out.normaliser).backward()
     ours = gradients(session.model)
 
     average = settings["loss_type"] in ("ipo", "simpo")
-    pc, pr = independent_logps(session.model, batch, average=average)
+    pc, pr = independent_logps(session.model, pair_rows(batch), average=average)
     rc = rr = None
     if "reference" in session.models:
         with torch.no_grad():
-            rc, rr = independent_logps(session.models["reference"], batch, average=average)
+            rc, rr = independent_logps(session.models["reference"], pair_rows(batch), average=average)
     losses, chosen_rewards, rejected_rewards = paper(settings, pc, pr, rc, rr)
     losses.mean().backward()
     theirs = gradients(session.model)

@@ -34,16 +34,21 @@ def planned_tokens(config: dict) -> tuple[int, str]:
     return est.tokens, est.lines()[1]
 
 
-@pytest.mark.parametrize("multiple", [None, 32])
-def test_dpo_estimate_counts_the_tokens_its_forward_holds(llama_dpo, tmp_path, multiple):
-    """Chosen and rejected rows cut to max_seq_len 48 (rounded up to 64 by pad_to_multiple_of 32):
-    the estimate's tokens are exactly the first micro-batch's ``[2 x batch_size, width]``."""
+@pytest.mark.parametrize("padding_free", [True, False], ids=["padding_free", "padded"])
+@pytest.mark.parametrize("multiple", [None, 32, 100])
+def test_dpo_estimate_counts_the_tokens_its_forward_holds(llama_dpo, tmp_path, multiple, padding_free):
+    """Chosen and rejected responses cut to max_seq_len 48: padded rows ``[2 x batch_size, width]`` (48
+    rounded up to 64 or 100 by pad_to_multiple_of), or one padding-free row of 384 (rounded up to 400):
+    the estimate's tokens are exactly the first micro-batch's."""
     data = {"pad_to_multiple_of": multiple} if multiple else {}
-    config = tiny_run_config(tmp_path, full_pairs(8), fmt="preference", base_method={"name": "dpo"}, batch_size=4,
-                             data=data)
+    config = tiny_run_config(tmp_path, full_pairs(8), fmt="preference", batch_size=4, data=data,
+                             base_method={"name": "dpo", "padding_free": padding_free})
     tokens, _ = planned_tokens(config)
     batch = next(iter(compose_run(config).train_data))
-    assert batch["input_ids"].shape == (2 * 4, 64 if multiple else 48)
+    if padding_free:
+        assert batch["input_ids"].shape == (1, 400 if multiple == 100 else 384)
+    else:
+        assert batch["input_ids"].shape == (2 * 4, {None: 48, 32: 64, 100: 100}[multiple])
     assert tokens == batch["input_ids"].numel()
 
 

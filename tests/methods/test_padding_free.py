@@ -1,5 +1,5 @@
-"""SFT's `method.padding_free` (its default): a batch's samples end to end in one row give the padded
-batch's losses and gradients, step after step, without computing any padding."""
+"""SFT's and DPO's `method.padding_free` (their default): a batch's samples end to end in one row give
+the padded batch's losses and gradients, step after step, without computing any padding."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch
 from run_support import compose_run, dpo_config, sft_config
 
 from posttune.data import IGNORE_INDEX
-from posttune.data.collate import flat_batch, padded_batch
+from posttune.data.collate import flat_batch, padded_batch, pair_batch
 from posttune.data.samples import Sample
 from posttune.errors import ConfigError
+from posttune.losses import sequence_logps
 from posttune.training.metrics import read_metrics
 from posttune.training.trainer import train
 
@@ -34,8 +35,42 @@ def test_flat_batch_puts_the_samples_end_to_end_as_documents():
     assert int(padded["num_tokens"]) == 5 and padded["input_ids"].shape == (2, 3)
 
 
-def losses(tmp_path: Path, **method) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    config = sft_config(tmp_path, rows=16, train={"max_steps": 4, "batch_size": 4, "lr": 3e-3}, method=method)
+def test_flat_pair_batch_holds_the_padded_rows_as_documents_in_order():
+    pairs = [[sample([1, 2, 3], [IGNORE_INDEX, 3, 2], 7), sample([1, 4], [IGNORE_INDEX, 2], 7)],
+             [sample([5, 6], [6, 2], 9), sample([5, 6, 8, 8], [IGNORE_INDEX, 8, 8, 2], 9)]]
+    flat = pair_batch(pairs, pad_id=0, padding_free=True)
+    padded = pair_batch(pairs, pad_id=0)
+    assert flat["input_ids"].tolist() == [[1, 2, 3, 5, 6, 1, 4, 5, 6, 8, 8]]  # chosen 0, 1, then rejected 0, 1
+    assert flat["document_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 2, 3, 3, 3, 3]]
+    for document, (ids, labels) in enumerate(zip(padded["input_ids"], padded["labels"])):
+        length, mine = len(pairs[document % 2][document // 2]), flat["document_ids"][0] == document
+        assert flat["input_ids"][0][mine].tolist() == ids[:length].tolist()
+        assert flat["labels"][0][mine].tolist() == labels[:length].tolist()
+    assert flat["rows"].tolist() == padded["rows"].tolist() == [7, 9]
+    assert int(flat["num_tokens"]) == int(padded["num_tokens"]) == 11
+    empty = pair_batch([], pad_id=0, padding_free=True)  # a rank's empty share: one placeholder pair, no targets
+    assert empty["rows"].tolist() == [-1] and empty["document_ids"].tolist() == [[0, 1]]
+    assert empty["labels"].eq(IGNORE_INDEX).all() and int(empty["num_tokens"]) == 0
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_sequence_logps_per_document_equals_per_padded_row(average):
+    values = torch.arange(1.0, 13.0).view(2, 6)
+    labels = torch.tensor([[IGNORE_INDEX, 1, 1, 1, IGNORE_INDEX, 1], [1, IGNORE_INDEX, 1, 1, 1, IGNORE_INDEX]])
+    documents = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 1, 1, 1]])  # row 1 uses no id 2: it gets 0
+    got = sequence_logps(values, labels, average=average, document_ids=documents)
+    assert got.shape == (2, 3)
+    for row in range(2):
+        for document in range(3):
+            mine = documents[row] == document
+            want = sequence_logps(values[row][mine][None], labels[row][mine][None], average=average)[0] \
+                if mine.any() else torch.tensor(0.0)
+            assert float(got[row, document]) == pytest.approx(float(want)), (row, document)
+    assert float(got[0, 1]) == (3 + 4) / (2 if average else 1)  # position 4 has no target
+
+
+def losses(tmp_path: Path, make=sft_config, **method) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    config = make(tmp_path, rows=16, train={"max_steps": 4, "batch_size": 4, "lr": 3e-3}, method=method)
     session = compose_run(config)
     first = next(iter(session.train_data))
     train(session)
@@ -62,9 +97,17 @@ def test_the_old_data_keys_are_refused_naming_the_method_setting(llama_dpo, tmp_
             compose_run(sft_config(tmp_path, data={key: False}))
 
 
-def test_methods_that_keep_padded_rows_have_no_padding_free_setting(llama_dpo, tmp_path):
-    with pytest.raises(ConfigError, match=r"^config: method\.padding_free: unknown key"):
-        compose_run(dpo_config(tmp_path, method={"padding_free": True}))
+def test_padding_free_dpo_equals_padded_dpo(llama_dpo, tmp_path):
+    """Rewards and log-probs per pair, losses and weights after 4 steps: the same as padded pairs."""
+    flat_losses, flat_tokens, flat = losses(tmp_path / "flat", make=dpo_config, name="dpo")
+    padded_losses, padded_tokens, padded = losses(tmp_path / "padded", make=dpo_config, name="dpo", padding_free=False)
+    assert flat["batch"]["input_ids"].shape[0] == 1 and padded["batch"]["input_ids"].shape[0] == 8
+    assert flat["batch"]["input_ids"].numel() < padded["batch"]["input_ids"].numel()  # no padding computed
+    assert flat_tokens == padded_tokens and len(flat_losses) == 4 and flat_losses[0] != flat_losses[-1]
+    torch.testing.assert_close(flat_losses, padded_losses, rtol=0, atol=1e-5)
+    for name, weight in padded.items():
+        if name != "batch":
+            torch.testing.assert_close(flat[name], weight, rtol=0, atol=1e-5, msg=name)
 
 
 def test_sft_refuses_to_group_packed_rows(llama_dpo, tmp_path):

@@ -12,6 +12,7 @@ Batch dict keys:
 ``pair_batch`` (preference pairs) stacks the chosen samples, then the rejected ones, so one
 forward pass scores both: rows ``i`` and ``b + i`` are pair i; ``rows`` LongTensor [b] holds each
 pair's dataset row (-1 for a placeholder), the key under which a method keeps per-pair data.
+With ``padding_free`` the same 2b samples are documents 0..2b-1 of one row (``flat_batch``'s layout).
 
 ``flat_batch`` (``data.padding_free``) puts the samples of a padded batch end to end in one row
 with ``document_ids``: the padded batch's loss and gradients without any padding computed.
@@ -41,17 +42,25 @@ def padded_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: i
     return {"input_ids": input_ids, "labels": labels, "num_tokens": _count(samples)}
 
 
-def pair_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int | None = None) -> dict[str, Any]:
+def pair_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int | None = None,
+               padding_free: bool = False) -> dict[str, Any]:
     """Preference pairs ``[chosen, rejected]``: chosen rows first, then rejected, right-padded.
 
-    An empty share becomes one placeholder pair without targets (``rows`` -1).
+    An empty share becomes one placeholder pair without targets (``rows`` -1). ``padding_free``:
+    the same samples in the same order end to end in ONE row with ``document_ids`` (``flat_batch``),
+    document ``i`` the i-th row of the padded form (a placeholder a one-token document).
     """
     chosen, rejected = [row[0] for row in rows], [row[1] for row in rows]
     count = max(len(rows), 1)
-    input_ids, labels = _pad(chosen + [None] * (count - len(rows)) + rejected, pad_id, rows=2 * count,
-                             multiple=pad_to_multiple_of)
-    pair_rows = torch.tensor([row[0].row for row in rows] or [-1], dtype=torch.long)
-    return {"input_ids": input_ids, "labels": labels, "rows": pair_rows, "num_tokens": _count(chosen + rejected)}
+    samples = chosen + [None] * (count - len(rows)) + rejected + [None] * (count - len(rows))
+    if padding_free:
+        batch = _flat(samples, pad_id, pad_to_multiple_of)
+    else:
+        input_ids, labels = _pad(samples, pad_id, rows=2 * count, multiple=pad_to_multiple_of)
+        batch = {"input_ids": input_ids, "labels": labels}
+    batch["rows"] = torch.tensor([row[0].row for row in rows] or [-1], dtype=torch.long)
+    batch["num_tokens"] = _count(chosen + rejected)
+    return batch
 
 
 def _pad(samples: list[Sample | None], pad_id: int, *, rows: int,
@@ -97,18 +106,26 @@ def flat_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int
     to ``pad_to_multiple_of``, the tail one more document without targets).
     """
     samples = [sample for row in rows for sample in row]
-    total = sum(len(sample) for sample in samples) or 1
-    width = -(-total // pad_to_multiple_of) * pad_to_multiple_of if pad_to_multiple_of else total
+    return {**_flat(samples, pad_id, pad_to_multiple_of), "num_tokens": _count(samples)}
+
+
+def _flat(samples: list[Sample | None], pad_id: int, multiple: int | None) -> dict[str, torch.Tensor]:
+    """``samples`` end to end in one row, document i the i-th (a None sample one padding token), the
+    row rounded up to ``multiple`` with one more document without targets."""
+    lengths = [len(sample) if sample is not None else 1 for sample in samples]
+    total = sum(lengths) or 1
+    width = -(-total // multiple) * multiple if multiple else total
     input_ids = torch.full((1, width), pad_id, dtype=torch.long)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
-    document_ids = torch.zeros_like(input_ids)
+    document_ids = torch.full_like(input_ids, len(samples))
     start = 0
-    for document, sample in enumerate(samples):
-        end = start + len(sample)
-        input_ids[0, start:end], labels[0, start:end], document_ids[0, start:end] = sample.ids, sample.labels, document
+    for document, (sample, length) in enumerate(zip(samples, lengths)):
+        end = start + length
+        if sample is not None:
+            input_ids[0, start:end], labels[0, start:end] = sample.ids, sample.labels
+        document_ids[0, start:end] = document
         start = end
-    document_ids[0, start:] = len(samples)
-    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids, "num_tokens": _count(samples)}
+    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
 
 
 def _count(samples: list[Sample]) -> torch.Tensor:

@@ -7,6 +7,7 @@
       label_smoothing: 0.0        # cDPO: the chance a preference label is wrong (sigmoid, simpo)
       simpo_gamma: 0.5            # SimPO's target reward margin (simpo only)
       precompute_reference: false # score every pair with the reference once, then free it
+      padding_free: true          # every response its own document of one row; false: padded rows
 
 Written against the public plugin surface only (``posttune.plugin``). Importing this package
 does not import torch. The losses are in ``losses.py``, the data, reference and loss wiring
@@ -35,6 +36,9 @@ class DPOConfig:
     label_smoothing: float = 0.0  # cDPO: probability that a pair's preference label is flipped
     simpo_gamma: float = 0.5  # SimPO: target margin between the chosen and rejected rewards
     precompute_reference: bool = False  # reference log-probs computed once before training; no reference model
+    # the batch's responses end to end in one row, each its own document: no padding computed (the
+    # padded batch's losses); false: padded rows, 2 x batch_size of them
+    padding_free: bool = True
 
 
 def roles(config: DPOConfig) -> tuple[ModelRole, ...]:
@@ -65,17 +69,24 @@ def validate(config: RunConfig, method: DPOConfig) -> None:
 def micro_batch_tokens(config: Any, method: DPOConfig) -> tuple[int, str]:
     """The tokens of one micro-batch's forward, for `posttune plan`'s memory estimate: the worst case.
 
-    ``pair_batch`` stacks the chosen and then the rejected responses of ``batch_size`` pairs into
-    one ``[2 x batch_size, width]`` forward, ``width`` the longest of them (each cut to
-    ``max_seq_len``) rounded up to ``data.pad_to_multiple_of``: twice SFT's rows.
+    ``pair_batch`` puts the chosen and then the rejected responses of ``batch_size`` pairs in one
+    forward, each cut to ``max_seq_len``: padded, ``[2 x batch_size, width]`` with ``width`` the
+    longest rounded up to ``data.pad_to_multiple_of``; padding-free, one row of all of them, its
+    length rounded up. Twice SFT's rows either way.
     """
-    width, multiple = config.data.max_seq_len, config.data.pad_to_multiple_of
+    width, multiple, rows = config.data.max_seq_len, config.data.pad_to_multiple_of, 2 * config.train.batch_size
     how = f"2 x batch_size {config.train.batch_size} x max_seq_len {width}"
-    if multiple is not None and width % multiple:
-        width = -(-width // multiple) * multiple
-        how += f" rounded up to {width} by pad_to_multiple_of {multiple}"
-    how += ": chosen and rejected in one forward, every row full: the worst case"
-    return 2 * config.train.batch_size * width, how
+    if method.padding_free:
+        tokens = rows * width
+        if multiple is not None and tokens % multiple:
+            tokens = -(-tokens // multiple) * multiple
+            how += f" end to end, rounded up to {tokens} by pad_to_multiple_of {multiple}"
+    else:
+        if multiple is not None and width % multiple:
+            width = -(-width // multiple) * multiple
+            how += f" rounded up to {width} by pad_to_multiple_of {multiple}"
+        tokens = rows * width
+    return tokens, how + ": chosen and rejected in one forward, every row full: the worst case"
 
 
 def _data(session: Session, dataset: DatasetConfig, split: str) -> Any:

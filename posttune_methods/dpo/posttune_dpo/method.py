@@ -2,7 +2,9 @@
 
 - ``data``: preference pairs through the core's toolkit (``PairMaker``: the checkpoint's chat
   template, the prompt masked, its tail kept under ``max_prompt_len``), batched by
-  ``pair_batch``: the chosen responses, then the rejected ones, in *one* forward pass.
+  ``pair_batch``: the chosen responses, then the rejected ones, in *one* forward pass; by
+  default padding-free (``padding_free``), every response its own document of one row, so no
+  padding is computed (each pair's prompt is computed twice, once per response: docs/dpo.md).
 - the reference: the ``reference`` model role. The core builds it as a frozen copy of the
   policy's source (sharded like the policy under FSDP2), or hands the policy itself with its
   adapters disabled when LoRA/DoRA trains (no copy); with ``precompute_reference`` it is used
@@ -27,9 +29,10 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
     from posttune.plugin import pad_id, pair_batch, pair_loader
 
     pad, multiple = pad_id(session.tokenizer), session.config.data.pad_to_multiple_of
+    padding_free = session.method_config.padding_free
 
     def collate(rows: list) -> dict[str, Any]:
-        batch = pair_batch(rows, pad_id=pad, pad_to_multiple_of=multiple)
+        batch = pair_batch(rows, pad_id=pad, pad_to_multiple_of=multiple, padding_free=padding_free)
         batch["split"] = split  # which precomputed reference table holds these pairs
         return batch
 
@@ -39,8 +42,7 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
 def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     config = session.method_config
     average = config.loss_type in LENGTH_NORMALISED
-    policy_chosen, policy_rejected = sequence_logps(token_logps(session, batch), batch["labels"],
-                                                    average=average).chunk(2)
+    policy_chosen, policy_rejected = pair_logps(token_logps(session, batch), batch, average)
     reference_chosen = reference_rejected = None
     if config.loss_type != "simpo":
         reference_chosen, reference_rejected = reference_logps(session, batch, average)
@@ -69,8 +71,17 @@ def reference_logps(session: Session, batch: dict[str, Any], average: bool) -> t
     tables = session.method_state
     if tables is not None:
         return lookup(tables[batch["split"]], batch["rows"])
-    logps = token_logps(session, batch, model=session.models[REFERENCE])
-    return sequence_logps(logps, batch["labels"], average=average).chunk(2)
+    return pair_logps(token_logps(session, batch, model=session.models[REFERENCE]), batch, average)
+
+
+def pair_logps(token_values: torch.Tensor, batch: dict[str, Any], average: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) sequence log-probs of a ``pair_batch``, padded rows or padding-free documents."""
+    documents = batch.get("document_ids")
+    if documents is None:
+        return sequence_logps(token_values, batch["labels"], average=average).chunk(2)
+    pairs = batch["rows"].numel()  # documents 0..2 * pairs - 1; a later id is the row's tail padding
+    per_document = sequence_logps(token_values, batch["labels"], average=average, document_ids=documents)
+    return per_document[0, : 2 * pairs].chunk(2)
 
 
 def setup(session: Session) -> None:
@@ -106,7 +117,7 @@ def precompute(session: Session, loader: Any, average: bool) -> tuple[torch.Tens
         batch = to_device(batch, session.device)
         with step_context(session, batch):  # loss parallel, TP's sequence padding: as in training
             logps = token_logps(session, batch, model=model)
-        chosen, rejected = sequence_logps(logps, batch["labels"], average=average).chunk(2)
+        chosen, rejected = pair_logps(logps, batch, average)
         keep = batch["rows"] >= 0
         rows.append(batch["rows"][keep].cpu())
         values.append(torch.stack([chosen, rejected], dim=1)[keep].float().cpu())
