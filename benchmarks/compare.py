@@ -7,8 +7,10 @@
 Modes: ``full`` (full SFT), ``lora`` (LoRA r8 on q/v/o, alpha 16, no dropout), ``dpo`` (sigmoid,
 beta 0.1, the reference a frozen copy on both sides), and posttune only: ``packing`` (padded vs
 packed rows, same data), ``compile`` (without vs with ``memory: [compile]``; refused in one
-line when no installed plugin registers that technique) and ``dpo_layout`` (DPO's padded pairs vs
-its padding-free default).
+line when no installed plugin registers that technique), ``dpo_layout`` (DPO's padded pairs vs
+its padding-free default), ``packing_layout`` (SFT's padding-free samples vs packed rows) and
+``packed_rows`` (packed rows of exactly ``max_seq_len``, ``padding_free: false``, vs packed rows
+end to end without their tails, the default).
 
 Every run is a fresh child process (``child.run_child``); the sides alternate (posttune, HF,
 posttune, HF, ...). Per run: non-padding tokens per second over the timed steps (the first
@@ -86,11 +88,16 @@ MODES = {
     "compile": (("posttune", {"task": "posttune"}), ("posttune-compile", {"task": "posttune", "compile": True})),
     "dpo_layout": (("posttune-dpo-padded", {"task": "posttune", "padding_free": False}),
                    ("posttune-dpo-padding-free", {"task": "posttune"})),
+    "packing_layout": (("posttune-padding-free", {"task": "posttune"}),
+                       ("posttune-packed", {"task": "posttune", "packing": True})),
+    "packed_rows": (("posttune-packed-fixed", {"task": "posttune", "packing": True, "padding_free": False}),
+                    ("posttune-packed", {"task": "posttune", "packing": True})),
 }
 RATIO = {"full": "posttune/hf", "lora": "posttune/hf", "dpo": "posttune/hf", "packing": "packed/padded",
-         "compile": "compiled/uncompiled", "dpo_layout": "padding-free/padded"}
+         "compile": "compiled/uncompiled", "dpo_layout": "padding-free/padded",
+         "packing_layout": "packed/padding-free", "packed_rows": "padding-free/fixed rows"}
 #: posttune-only modes: the second side over the first
-AGAINST_ITSELF = ("packing", "compile", "dpo_layout")
+AGAINST_ITSELF = ("packing", "compile", "dpo_layout", "packing_layout", "packed_rows")
 
 
 def parse() -> argparse.Namespace:

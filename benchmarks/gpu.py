@@ -100,7 +100,7 @@ def run_config(spec: dict, work: Path, techniques: list[str]) -> dict:
         "model": {"family": "llama", "size": spec["size"], "dtype": "fp32" if smoke else "bf16",
                   "build_overrides": {"vocab_size": spec["vocab_size"]}},
         "tokenizer": {"path": str(work / "tokenizer")},
-        "method": {"name": "sft", "packing": True},
+        "method": {"name": "sft", "packing": True, "padding_free": False},  # rows of exactly seq_len: one shape
         "data": {"train": {"path": str(work / "docs.jsonl"), "format": "text"}, "max_seq_len": spec["seq_len"]},
         "train": {"max_steps": spec["warmup_steps"] + spec["steps"], "batch_size": spec["batch_size"],
                   "lr": 1e-5, "weight_decay": 0.0, "scheduler": "constant", "max_grad_norm": 1.0, "seed": 0,

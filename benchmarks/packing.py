@@ -102,7 +102,8 @@ QUICK_MODEL = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 352, 
                "num_kv_heads": 4, "max_position_embeddings": 1024}
 MODES = {
     "padded": {"packing": False},
-    "packed": {"packing": True},
+    "packed": {"packing": True},  # rows of exactly max_seq_len (padding_free is off unless a mode sets it)
+    "packed_padding_free": {"packing": True, "padding_free": True},  # the packed rows end to end, tails dropped
     "grouped": {"packing": False, "group_by_length": True},
     "padding_free": {"packing": False, "padding_free": True},  # where posttune has padding_free
 }

@@ -259,7 +259,7 @@ def validate(posttune_cli, tmp_path, **sections):
       "method": {"padding_free": False}}, "memory_options.compile.dynamic",
      "must be false with activation_checkpointing"),
     ({"memory": ["compile"], "method": {"packing": True}, "memory_options": {"compile": {"fullgraph": True}}},
-     "memory_options.compile.fullgraph", "must be false with method.packing"),
+     "memory_options.compile.fullgraph", "must be false with rows of documents"),
 ])
 def test_impossible_settings_are_refused_in_one_line(llama_sft, posttune_cli, tmp_path, sections, field, words):
     result = validate(posttune_cli, tmp_path, **sections)

@@ -97,6 +97,25 @@ def test_the_old_data_keys_are_refused_naming_the_method_setting(llama_dpo, tmp_
             compose_run(sft_config(tmp_path, data={key: False}))
 
 
+def test_packed_rows_go_end_to_end_without_their_tails_and_train_as_fixed_rows_do(llama_dpo, tmp_path):
+    """``packing: true`` (padding-free by default): each step's packed rows, the same documents in the
+    same order, in one row with no tail padding; losses and weights as with rows of exactly max_seq_len."""
+    flat_losses, flat_tokens, flat = losses(tmp_path / "flat", packing=True)
+    fixed_losses, fixed_tokens, fixed = losses(tmp_path / "fixed", packing=True, padding_free=False)
+    assert fixed["batch"]["input_ids"].shape == (4, 48)  # 4 packed rows of max_seq_len
+    row = flat["batch"]
+    assert row["input_ids"].shape[0] == 1 and row["input_ids"].shape[1] == int(row["num_tokens"])  # no padding
+    kept = fixed["batch"]["labels"] != IGNORE_INDEX  # the fixed rows' documents, in order, tails dropped
+    assert row["labels"][0][row["labels"][0] != IGNORE_INDEX].tolist() == fixed["batch"]["labels"][kept].tolist()
+    documents = fixed["batch"]["document_ids"]
+    assert row["document_ids"][0].unique().numel() == sum(documents[r][kept[r]].unique().numel() for r in range(4))
+    assert flat_tokens == fixed_tokens and len(flat_losses) == 4 and flat_losses[0] != flat_losses[-1]
+    torch.testing.assert_close(flat_losses, fixed_losses, rtol=0, atol=1e-5)
+    for name, weight in fixed.items():
+        if name != "batch":
+            torch.testing.assert_close(flat[name], weight, rtol=0, atol=1e-5, msg=name)
+
+
 def test_padding_free_dpo_equals_padded_dpo(llama_dpo, tmp_path):
     """Rewards and log-probs per pair, losses and weights after 4 steps: the same as padded pairs."""
     flat_losses, flat_tokens, flat = losses(tmp_path / "flat", make=dpo_config, name="dpo")

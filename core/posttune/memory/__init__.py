@@ -46,8 +46,8 @@ class ChunkedCrossEntropyConfig:
 @dataclass(frozen=True)
 class CompileConfig:
     # false: static shapes, one graph per padded length (bound them with data.pad_to_multiple_of or
-    # method.packing); true: lengths symbolic from the first compile; null: static where the data
-    # buckets lengths (packing, pad_to_multiple_of), symbolic otherwise (``compile_is_dynamic``)
+    # fixed packed rows); true: lengths symbolic from the first compile; null: static where the data
+    # buckets lengths (fixed packed rows, pad_to_multiple_of), symbolic otherwise (``compile_is_dynamic``)
     dynamic: bool | None = None
     backend: str = "inductor"  # any torch.compile backend ("aot_eager" checks tracing without codegen)
     mode: str | None = None  # inductor mode: default, reduce-overhead (CUDA graphs), max-autotune, ...
@@ -85,9 +85,9 @@ def _compile(session: Any, target: Any) -> None:
     from posttune.memory.compile import apply
 
     options = session.plan.memory_options["compile"]
-    packing = method_rows(session.config, session.method_config)[0]
-    apply(session, target, replace(options, dynamic=compile_is_dynamic(session.config, options.dynamic, packing)),
-          packing=packing)
+    fixed = method_rows(session.config, session.method_config).fixed
+    apply(session, target, replace(options, dynamic=compile_is_dynamic(session.config, options.dynamic, fixed)),
+          packing=fixed)
 
 
 def validate_checkpointing(config: Any) -> None:
@@ -129,28 +129,46 @@ def validate_compile(config: Any) -> None:
     if mode == "reduce-overhead":
         require_cuda(config, "compile", "mode reduce-overhead records CUDA graphs")
     check_compile_backend(backend)
-    packing, joined = method_rows(config)
-    dynamic = compile_is_dynamic(config, options.get("dynamic"), packing)
-    if dynamic is False and not packing and config.data.pad_to_multiple_of is None:
+    rows = method_rows(config)
+    dynamic = compile_is_dynamic(config, options.get("dynamic"), rows.fixed)
+    if dynamic is False and not rows.fixed and config.data.pad_to_multiple_of is None:
         raise ConfigError("data.pad_to_multiple_of", "compile with static shapes (memory_options.compile.dynamic: "
                                                      "false) compiles once per padded length; set it (e.g. 64) to "
-                                                     "bound recompilation, or use method.packing or dynamic: true")
-    check_compile_graph_breaks(config, options, dynamic, packing, joined)
+                                                     "bound recompilation, or use method.packing with "
+                                                     "padding_free: false, or dynamic: true")
+    check_compile_graph_breaks(config, options, dynamic, rows)
 
 
-def method_rows(config: Any, method_config: Any = None) -> tuple[bool, bool]:
-    """(packed, joined): whether the method packs its rows, and whether it joins samples end to end
-    in a row (packed, or padding-free), from its settings ``packing`` and ``padding_free`` (the
-    methods that do either name them so), its defaults included. ``method_config``: the validated
-    settings, when the run has them; else they are validated here from the config."""
+@dataclass(frozen=True)
+class Rows:
+    """How a method lays out its rows, from its settings ``packing`` and ``padding_free`` (the
+    methods that do either name them so). Packed rows that are also padding-free drop their tails:
+    documents end to end, of varying length."""
+
+    packing: bool = False
+    padding_free: bool = False
+
+    @property
+    def fixed(self) -> bool:
+        """Rows of exactly ``max_seq_len``: one shape for every batch."""
+        return self.packing and not self.padding_free
+
+    @property
+    def joined(self) -> bool:
+        """Samples end to end in a row as documents."""
+        return self.packing or self.padding_free
+
+
+def method_rows(config: Any, method_config: Any = None) -> Rows:
+    """The method's ``Rows``, its defaults included. ``method_config``: the validated settings, when
+    the run has them; else they are validated here from the config."""
     if method_config is None:
         from posttune.config.typed import from_dict
         from posttune.plugins import get_registry
 
         method = get_registry().lookup("method", config.method_name).descriptor
         method_config = from_dict(method.config, config.method_settings, "method")
-    packed = bool(getattr(method_config, "packing", False))
-    return packed, packed or bool(getattr(method_config, "padding_free", False))
+    return Rows(bool(getattr(method_config, "packing", False)), bool(getattr(method_config, "padding_free", False)))
 
 
 def compile_is_dynamic(config: Any, dynamic: bool | None, packing: bool = False) -> bool:
@@ -162,7 +180,7 @@ def compile_is_dynamic(config: Any, dynamic: bool | None, packing: bool = False)
     return not (packing or config.data.pad_to_multiple_of)
 
 
-def check_compile_graph_breaks(config: Any, options: dict, dynamic: Any, packing: bool, joined: bool) -> None:
+def check_compile_graph_breaks(config: Any, options: dict, dynamic: Any, rows: Rows) -> None:
     """Refuse what would break each layer's graph where that silently undoes compile or fails.
 
     A checkpointed layer cannot be split: on any graph break torch.compile runs the whole
@@ -170,16 +188,17 @@ def check_compile_graph_breaks(config: Any, options: dict, dynamic: Any, packing
     the per-document attention (kept out of graphs on purpose); symbolic lengths break at SDPA's
     ``is_causal`` (docs/performance.md).
     """
-    if packing and options.get("fullgraph", False):
-        raise ConfigError("memory_options.compile.fullgraph", "must be false with method.packing: packed attention "
-                                                              "runs each document outside the compiled graph")
+    if rows.joined and options.get("fullgraph", False):
+        raise ConfigError("memory_options.compile.fullgraph", "must be false with rows of documents (method.packing "
+                                                              "or method.padding_free): their attention runs each "
+                                                              "document outside the compiled graph")
     if "activation_checkpointing" not in config.memory:
         return
-    if packing:
+    if rows.packing:
         raise ConfigError("method.packing", "compile with activation_checkpointing would run every layer eagerly: "
                                             "packed attention breaks the graph inside the checkpointed layer; use "
                                             "data.pad_to_multiple_of instead of packing, or drop one of the two")
-    if joined:
+    if rows.padding_free:
         raise ConfigError("method.padding_free", "must be false with compile and activation_checkpointing: rows "
                                                  "joined as documents break the graph inside the checkpointed "
                                                  "layer, which then runs eagerly")

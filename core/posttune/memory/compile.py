@@ -38,7 +38,8 @@ core's plain path, which is what torch's ``loss_parallel()`` context parallelise
 
 Shapes (the recompilation policy, docs/performance.md): ``dynamic: false`` compiles one graph
 per distinct (batch, length) shape. Bounded when lengths come in buckets
-(``data.pad_to_multiple_of``) or are fixed (the method's ``packing``): ``validate`` asks for one of
+(``data.pad_to_multiple_of``) or are fixed (packed rows of ``max_seq_len``: the method's ``packing``
+without ``padding_free``): ``validate`` asks for one of
 the three, and ``apply`` raises Dynamo's recompile limit to the number of buckets. The default
 (null) is static with buckets and ``dynamic: true`` without (``compile_is_dynamic``).
 """
@@ -67,7 +68,7 @@ def apply(session: Any, target: Any, options: Any = None, *, packing: bool = Fal
 
     ``options``: the technique's settings with ``dynamic`` decided (``posttune.memory`` resolves
     the default from the data); the run's ``memory_options`` as given otherwise. ``packing``:
-    whether the method packs its rows (their lengths then fixed).
+    whether the method's rows are packed to a fixed length.
     """
     options = options if options is not None else session.plan.memory_options["compile"]
     raise_recompile_limit(session.config, options, packing)

@@ -23,8 +23,8 @@ POSTTUNE_PLUGIN_API = 2
 class SFTConfig:
     train_on_input: bool = False  # also learn the prompt (user/system) tokens
     packing: bool = False  # concatenate samples into rows of data.max_seq_len tokens (docs/training.md)
-    # unpacked batches: the samples end to end in one row, no padding computed (the padded
-    # batch's loss); false: padded rows
+    # the batch's samples (or its packed rows' samples) end to end in one row, no padding computed
+    # (the padded batch's loss); false: padded rows (packed: rows of exactly max_seq_len, fixed shapes)
     padding_free: bool = True
 
 
@@ -57,9 +57,10 @@ def sft_loader(dataset: Any, *, data: Any, fmt: Any, tokenizer: Any, batch_size:
                        skip_bad_rows=data.skip_bad_rows, column_map=dataset.column_map, where=where,
                        system_prompt=dataset.system_prompt)
     pad = pad_id(tokenizer)
-    if packing:
+    if packing and not padding_free:  # rows of exactly max_seq_len, their tails padding
         collate = partial(packed_batch, pad_id=pad, max_seq_len=data.max_seq_len)
-    else:  # padding-free unless switched off: the padded batch's loss without computing its padding
+    else:  # padding-free unless switched off: the padded batch's loss without computing its padding;
+        # packed rows go end to end the same way, their tails dropped (the same documents, in order)
         collate = partial(flat_batch if padding_free else padded_batch, pad_id=pad,
                           pad_to_multiple_of=data.pad_to_multiple_of)
     return make_loader(dataset, make=make, collate=collate, max_seq_len=data.max_seq_len, batch_size=batch_size,
