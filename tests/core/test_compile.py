@@ -218,7 +218,7 @@ def test_the_recompile_limit_is_raised_to_the_number_of_buckets():
     # a padding-free row holds up to 4 x 2048 tokens: 128 buckets of 64, each for a full and a last batch
     assert expected_graphs(config, CompileConfig(dynamic=False)) == 256
     assert expected_graphs(config, CompileConfig(dynamic=True)) is None
-    assert expected_graphs(run_config(), CompileConfig(dynamic=False), packing=True) == 2
+    assert expected_graphs(run_config(), CompileConfig(dynamic=False), fixed_rows=True) == 2
     with torch._dynamo.config.patch(recompile_limit=8):  # restored afterwards, for the other tests
         raise_recompile_limit(config, CompileConfig(dynamic=False))
         assert torch._dynamo.config.recompile_limit == 256

@@ -79,16 +79,21 @@ def losses(tmp_path: Path, make=sft_config, **method) -> tuple[list[float], list
     return [r["loss"] for r in records], [r["tokens"] for r in records], {"batch": first, **weights}
 
 
+def assert_same_training(ours: tuple[list[float], dict], theirs: tuple[list[float], dict]) -> None:
+    """Per-step losses and final weights of two ``losses`` runs equal within 1e-5."""
+    torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=1e-5)
+    for name, weight in theirs[1].items():
+        if name != "batch":
+            torch.testing.assert_close(ours[1][name], weight, rtol=0, atol=1e-5, msg=name)
+
+
 def test_padding_free_training_equals_padded_training(llama_dpo, tmp_path):
     flat_losses, flat_tokens, flat = losses(tmp_path / "flat")
     padded_losses, padded_tokens, padded = losses(tmp_path / "padded", padding_free=False)
     assert flat["batch"]["input_ids"].shape[0] == 1 and padded["batch"]["input_ids"].shape[0] == 4
     assert flat["batch"]["input_ids"].numel() < padded["batch"]["input_ids"].numel()  # no padding computed
     assert flat_tokens == padded_tokens and len(flat_losses) == 4
-    torch.testing.assert_close(flat_losses, padded_losses, rtol=0, atol=1e-5)
-    for name, weight in padded.items():
-        if name != "batch":
-            torch.testing.assert_close(flat[name], weight, rtol=0, atol=1e-5, msg=name)
+    assert_same_training((flat_losses, flat), (padded_losses, padded))
 
 
 def test_the_old_data_keys_are_refused_naming_the_method_setting(llama_dpo, tmp_path):
@@ -110,10 +115,7 @@ def test_packed_rows_go_end_to_end_without_their_tails_and_train_as_fixed_rows_d
     documents = fixed["batch"]["document_ids"]
     assert row["document_ids"][0].unique().numel() == sum(documents[r][kept[r]].unique().numel() for r in range(4))
     assert flat_tokens == fixed_tokens and len(flat_losses) == 4 and flat_losses[0] != flat_losses[-1]
-    torch.testing.assert_close(flat_losses, fixed_losses, rtol=0, atol=1e-5)
-    for name, weight in fixed.items():
-        if name != "batch":
-            torch.testing.assert_close(flat[name], weight, rtol=0, atol=1e-5, msg=name)
+    assert_same_training((flat_losses, flat), (fixed_losses, fixed))
 
 
 def test_padding_free_dpo_equals_padded_dpo(llama_dpo, tmp_path):
@@ -123,10 +125,7 @@ def test_padding_free_dpo_equals_padded_dpo(llama_dpo, tmp_path):
     assert flat["batch"]["input_ids"].shape[0] == 1 and padded["batch"]["input_ids"].shape[0] == 8
     assert flat["batch"]["input_ids"].numel() < padded["batch"]["input_ids"].numel()  # no padding computed
     assert flat_tokens == padded_tokens and len(flat_losses) == 4 and flat_losses[0] != flat_losses[-1]
-    torch.testing.assert_close(flat_losses, padded_losses, rtol=0, atol=1e-5)
-    for name, weight in padded.items():
-        if name != "batch":
-            torch.testing.assert_close(flat[name], weight, rtol=0, atol=1e-5, msg=name)
+    assert_same_training((flat_losses, flat), (padded_losses, padded))
 
 
 def test_sft_refuses_to_group_packed_rows(llama_dpo, tmp_path):

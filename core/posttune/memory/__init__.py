@@ -87,7 +87,7 @@ def _compile(session: Any, target: Any) -> None:
     options = session.plan.memory_options["compile"]
     fixed = method_rows(session.config, session.method_config).fixed
     apply(session, target, replace(options, dynamic=compile_is_dynamic(session.config, options.dynamic, fixed)),
-          packing=fixed)
+          fixed_rows=fixed)
 
 
 def validate_checkpointing(config: Any) -> None:
@@ -171,13 +171,13 @@ def method_rows(config: Any, method_config: Any = None) -> Rows:
     return Rows(bool(getattr(method_config, "packing", False)), bool(getattr(method_config, "padding_free", False)))
 
 
-def compile_is_dynamic(config: Any, dynamic: bool | None, packing: bool = False) -> bool:
+def compile_is_dynamic(config: Any, dynamic: bool | None, fixed_rows: bool = False) -> bool:
     """``memory_options.compile.dynamic`` as set, or by default: static shapes when the data comes
-    in few lengths (packed rows, or padded to a multiple), symbolic lengths otherwise (a padded or
+    in few lengths (packed rows of a fixed length, or padded to a multiple), symbolic lengths otherwise (a padded or
     padding-free batch can have any length up to batch_size x max_seq_len)."""
     if dynamic is not None:
         return bool(dynamic)
-    return not (packing or config.data.pad_to_multiple_of)
+    return not (fixed_rows or config.data.pad_to_multiple_of)
 
 
 def check_compile_graph_breaks(config: Any, options: dict, dynamic: Any, rows: Rows) -> None:

@@ -63,15 +63,15 @@ from posttune.training.distributed import is_dtensor
 BATCH_SHAPES = 2  # full batches and a smaller last one: both compile per length bucket
 
 
-def apply(session: Any, target: Any, options: Any = None, *, packing: bool = False) -> None:
+def apply(session: Any, target: Any, options: Any = None, *, fixed_rows: bool = False) -> None:
     """Compile the target's decoder layers and, for the policy, install the compiled loss.
 
     ``options``: the technique's settings with ``dynamic`` decided (``posttune.memory`` resolves
-    the default from the data); the run's ``memory_options`` as given otherwise. ``packing``:
-    whether the method's rows are packed to a fixed length.
+    the default from the data); the run's ``memory_options`` as given otherwise. ``fixed_rows``:
+    whether the method's rows are packed to a fixed length (``posttune.memory.Rows.fixed``).
     """
     options = options if options is not None else session.plan.memory_options["compile"]
-    raise_recompile_limit(session.config, options, packing)
+    raise_recompile_limit(session.config, options, fixed_rows)
     compile_fn = compiler(options)
     for layer in decoder_layers(target.model, "compile"):
         compile_layer(layer, compile_fn)
@@ -149,22 +149,22 @@ def compiled_loss_kernel(compile_fn: Callable[[Callable[..., Any]], Callable[...
 
 # ---- recompilation -------------------------------------------------------------------------------
 
-def expected_graphs(config: Any, options: Any, packing: bool = False) -> int | None:
+def expected_graphs(config: Any, options: Any, fixed_rows: bool = False) -> int | None:
     """How many static-shape graphs each compiled function may need, or None when unbounded/dynamic."""
     if options.dynamic is not False:
         return None
     data = config.data
-    if packing:
+    if fixed_rows:
         return BATCH_SHAPES
     if data.pad_to_multiple_of:  # a padding-free row holds a whole batch: up to batch_size x max_seq_len
         return BATCH_SHAPES * math.ceil(config.train.batch_size * data.max_seq_len / data.pad_to_multiple_of)
     return None
 
 
-def raise_recompile_limit(config: Any, options: Any, packing: bool = False) -> None:
+def raise_recompile_limit(config: Any, options: Any, fixed_rows: bool = False) -> None:
     """Let Dynamo keep one graph per length bucket: past its limit (8 by default) it would silently
     run the remaining shapes eagerly. Only ever raised, so other compiled code keeps its headroom."""
-    graphs = expected_graphs(config, options, packing)
+    graphs = expected_graphs(config, options, fixed_rows)
     dynamo = torch._dynamo.config
     if graphs is not None and dynamo.recompile_limit < graphs:
         dynamo.recompile_limit = graphs
