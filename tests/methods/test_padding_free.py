@@ -1,5 +1,5 @@
-"""SFT's and DPO's `method.padding_free` (their default): a batch's samples end to end in one row give
-the padded batch's losses and gradients, step after step, without computing any padding."""
+"""SFT's, DPO's and the reward model's `method.padding_free` (their default): a batch's samples end to end
+in one row give the padded batch's losses and gradients, step after step, without computing any padding."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from posttune.data import IGNORE_INDEX
 from posttune.data.collate import flat_batch, padded_batch, pair_batch
 from posttune.data.samples import Sample
 from posttune.errors import ConfigError
+from posttune.checkpoint.score_head import sequence_scores
 from posttune.losses import sequence_logps
 from posttune.training.metrics import read_metrics
 from posttune.training.trainer import train
@@ -69,6 +70,23 @@ def test_sequence_logps_per_document_equals_per_padded_row(average):
     assert float(got[0, 1]) == (3 + 4) / (2 if average else 1)  # position 4 has no target
 
 
+def test_sequence_scores_per_document_pool_as_per_padded_row():
+    """Each document's score at its last token that is not the pad id, its first if it has none,
+    as transformers pools a padded row; a document id a row does not use gets the row's first position."""
+    scores = torch.arange(24.0).view(2, 6, 2)
+    ids = torch.tensor([[5, 6, 0, 7, 0, 0], [9, 9, 9, 8, 8, 8]])  # pad id 0
+    documents = torch.tensor([[0, 0, 0, 1, 2, 2], [0, 0, 0, 1, 1, 1]])
+    got = sequence_scores(scores, ids, 0, document_ids=documents)
+    assert got.shape == (2, 3, 2)
+    for row, document, position in [(0, 0, 1), (0, 1, 3), (0, 2, 4), (1, 0, 2), (1, 1, 5), (1, 2, 0)]:
+        assert got[row, document].tolist() == scores[row, position].tolist(), (row, document)
+    for row in range(2):  # one document per padded row: the padded pooling's answer
+        for document in range(2):
+            mine = documents[row] == document
+            want = sequence_scores(scores[row][mine][None], ids[row][mine][None], 0)[0]
+            assert got[row, document].tolist() == want.tolist(), (row, document)
+
+
 def losses(tmp_path: Path, make=sft_config, **method) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     config = make(tmp_path, rows=16, train={"max_steps": 4, "batch_size": 4, "lr": 3e-3}, method=method)
     session = compose_run(config)
@@ -122,6 +140,23 @@ def test_padding_free_dpo_equals_padded_dpo(llama_dpo, tmp_path):
     """Rewards and log-probs per pair, losses and weights after 4 steps: the same as padded pairs."""
     flat_losses, flat_tokens, flat = losses(tmp_path / "flat", make=dpo_config, name="dpo")
     padded_losses, padded_tokens, padded = losses(tmp_path / "padded", make=dpo_config, name="dpo", padding_free=False)
+    assert flat["batch"]["input_ids"].shape[0] == 1 and padded["batch"]["input_ids"].shape[0] == 8
+    assert flat["batch"]["input_ids"].numel() < padded["batch"]["input_ids"].numel()  # no padding computed
+    assert flat_tokens == padded_tokens and len(flat_losses) == 4 and flat_losses[0] != flat_losses[-1]
+    assert_same_training((flat_losses, flat), (padded_losses, padded))
+
+
+def test_padding_free_reward_model_equals_padded(llama_dpo, register_plugin, tmp_path):
+    """The reward model's pairs (posttune-rm): rewards, losses and weights as with padded pairs."""
+    import posttune_rm
+
+    def rm_config(tmp_path: Path, *, method: dict, **sections) -> dict:
+        return {**dpo_config(tmp_path, **sections), "method": method}  # DPO's pairs, without its settings
+
+    register_plugin(posttune_rm, distribution="posttune-rm", version="0.1.0")
+    flat_losses, flat_tokens, flat = losses(tmp_path / "flat", make=rm_config, name="reward_model")
+    padded_losses, padded_tokens, padded = losses(tmp_path / "padded", make=rm_config, name="reward_model",
+                                                  padding_free=False)
     assert flat["batch"]["input_ids"].shape[0] == 1 and padded["batch"]["input_ids"].shape[0] == 8
     assert flat["batch"]["input_ids"].numel() < padded["batch"]["input_ids"].numel()  # no padding computed
     assert flat_tokens == padded_tokens and len(flat_losses) == 4 and flat_losses[0] != flat_losses[-1]

@@ -97,13 +97,31 @@ def score_config(config: Mapping[str, Any], num_labels: int, pad_id: int | None)
     return config
 
 
-def sequence_scores(scores: torch.Tensor, input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+def sequence_scores(scores: torch.Tensor, input_ids: torch.Tensor, pad_id: int, *,
+                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """``[batch, labels]``: each row's score at its last token that is not ``pad_id`` (position 0 if none),
-    as transformers' sequence classifiers pool."""
-    real = (input_ids != pad_id).to(torch.long)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    last = (positions * real).argmax(-1)
-    return scores[torch.arange(scores.shape[0], device=scores.device), last.to(scores.device)]
+    as transformers' sequence classifiers pool.
+
+    With ``document_ids`` (rows of documents end to end, ``flat_batch``): per document instead,
+    ``[batch, documents, labels]``, each at the document's last token that is not ``pad_id`` (its first
+    if none), so a padding-free batch scores as its padded form; a document id a row does not use gets
+    the row's first position. One host sync (the number of documents).
+    """
+    if document_ids is None:
+        real = (input_ids != pad_id).to(torch.long)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        last = (positions * real).argmax(-1)
+        return scores[torch.arange(scores.shape[0], device=scores.device), last.to(scores.device)]
+    rows, width = input_ids.shape
+    documents = int(document_ids.max()) + 1
+    index = (document_ids + documents * torch.arange(rows, device=document_ids.device)[:, None]).flatten()
+    positions = torch.arange(rows * width, device=input_ids.device)
+    starts = (torch.arange(rows, device=input_ids.device) * width).repeat_interleave(documents)
+    first = torch.full_like(starts, rows * width).scatter_reduce(0, index, positions, "amin")
+    real = torch.where(input_ids.flatten() != pad_id, positions, -1)
+    last = torch.full_like(starts, -1).scatter_reduce(0, index, real, "amax")
+    pick = torch.where(last >= 0, last, torch.where(first < rows * width, first, starts))
+    return scores.flatten(0, 1)[pick.to(scores.device)].view(rows, documents, scores.shape[-1])
 
 
 HEAD_FILE = "head.safetensors"  # a PolicyHead's weights, in a checkpoint's models/<role>/ and the final <role>/

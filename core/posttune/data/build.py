@@ -127,6 +127,28 @@ def pair_loader(session: Any, dataset: DatasetConfig, split: str, *,
     return build_loader(session, dataset, split, make=make, collate=collate)
 
 
+def pair_tokens(config: Any, *, padding_free: bool) -> tuple[int, str]:
+    """The tokens of one forward over ``pair_batch``'s rows, for `posttune plan`'s memory estimate: the worst case.
+
+    The chosen and then the rejected responses of ``batch_size`` pairs, each cut to ``max_seq_len``:
+    padded, ``[2 x batch_size, width]`` with ``width`` the longest rounded up to ``data.pad_to_multiple_of``;
+    padding-free, one row of all of them, its length rounded up. Twice SFT's rows either way.
+    """
+    width, multiple, rows = config.data.max_seq_len, config.data.pad_to_multiple_of, 2 * config.train.batch_size
+    how = f"2 x batch_size {config.train.batch_size} x max_seq_len {width}"
+    if padding_free:
+        tokens = rows * width
+        if multiple is not None and tokens % multiple:
+            tokens = -(-tokens // multiple) * multiple
+            how += f" end to end, rounded up to {tokens} by pad_to_multiple_of {multiple}"
+    else:
+        if multiple is not None and width % multiple:
+            width = -(-width // multiple) * multiple
+            how += f" rounded up to {width} by pad_to_multiple_of {multiple}"
+        tokens = rows * width
+    return tokens, how + ": chosen and rejected in one forward, every row full: the worst case"
+
+
 def dataset_format(session: Any, split: str) -> Any:
     """The registered ``DatasetFormat`` the config names for ``split`` (resolved before launch)."""
     return session.plan.datasets[split].descriptor

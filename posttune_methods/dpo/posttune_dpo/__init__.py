@@ -67,26 +67,10 @@ def validate(config: RunConfig, method: DPOConfig) -> None:
 
 
 def micro_batch_tokens(config: Any, method: DPOConfig) -> tuple[int, str]:
-    """The tokens of one micro-batch's forward, for `posttune plan`'s memory estimate: the worst case.
+    """The tokens of one micro-batch's forward, for `posttune plan`'s memory estimate: the worst case."""
+    from posttune.plugin import pair_tokens
 
-    ``pair_batch`` puts the chosen and then the rejected responses of ``batch_size`` pairs in one
-    forward, each cut to ``max_seq_len``: padded, ``[2 x batch_size, width]`` with ``width`` the
-    longest rounded up to ``data.pad_to_multiple_of``; padding-free, one row of all of them, its
-    length rounded up. Twice SFT's rows either way.
-    """
-    width, multiple, rows = config.data.max_seq_len, config.data.pad_to_multiple_of, 2 * config.train.batch_size
-    how = f"2 x batch_size {config.train.batch_size} x max_seq_len {width}"
-    if method.padding_free:
-        tokens = rows * width
-        if multiple is not None and tokens % multiple:
-            tokens = -(-tokens // multiple) * multiple
-            how += f" end to end, rounded up to {tokens} by pad_to_multiple_of {multiple}"
-    else:
-        if multiple is not None and width % multiple:
-            width = -(-width // multiple) * multiple
-            how += f" rounded up to {width} by pad_to_multiple_of {multiple}"
-        tokens = rows * width
-    return tokens, how + ": chosen and rejected in one forward, every row full: the worst case"
+    return pair_tokens(config, padding_free=method.padding_free)
 
 
 def _data(session: Session, dataset: DatasetConfig, split: str) -> Any:

@@ -4,6 +4,7 @@
       name: reward_model
       margin: 0.0                       # the chosen reward must beat the rejected by this much
       center_rewards_coefficient: null  # e.g. 0.01: pulls the rewards' mean towards 0 (Eisenstein et al. 2023)
+      padding_free: true                # every response its own document of one row; false: padded rows
 
 The policy is the family's decoder with a score head (one value per token) instead of the
 vocabulary head; a pair's rewards are the head's values at the last token of the chosen and the
@@ -33,6 +34,7 @@ CONFIGS = Path(__file__).parent / "configs"
 class RewardModelConfig:
     margin: float = 0.0  # the chosen reward must exceed the rejected by this much before a pair stops teaching
     center_rewards_coefficient: float | None = None  # weight of mean((r_chosen + r_rejected)^2); TRL suggests 0.01
+    padding_free: bool = True  # the pairs' responses end to end in one row, each its own document (as DPO)
 
 
 def validate(config: RunConfig, method: RewardModelConfig) -> None:
@@ -48,10 +50,10 @@ def validate(config: RunConfig, method: RewardModelConfig) -> None:
 
 
 def micro_batch_tokens(config: Any, method: RewardModelConfig) -> tuple[int, str]:
-    """Chosen and rejected rows in one forward, as DPO: twice SFT's rows (the worst case, every row full)."""
-    return 2 * config.train.batch_size * config.data.max_seq_len, (
-        f"2 x batch_size {config.train.batch_size} x max_seq_len {config.data.max_seq_len}: "
-        "chosen and rejected in one forward, every row full")
+    """Chosen and rejected in one forward, as DPO: twice SFT's rows (the worst case, every row full)."""
+    from posttune.plugin import pair_tokens
+
+    return pair_tokens(config, padding_free=method.padding_free)
 
 
 def _data(session: Session, dataset: DatasetConfig, split: str) -> Any:
