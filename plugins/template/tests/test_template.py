@@ -28,6 +28,14 @@ def test_bundled_config_validates_and_plans(register_plugin, posttune_cli):
     assert "model family 'bigram'" in plan and "method 'toy_lm'" in plan
 
 
+def test_bundled_config_trains_as_shipped(register_plugin, posttune_cli, tmp_path):
+    """``posttune train template-bigram``: the shipped tokenizer and chats, one epoch, a saved model."""
+    register_plugin(posttune_template, distribution="posttune-template", version="0.1.0")
+    result = posttune_cli("train", "template-bigram", f"checkpoint.output_dir={tmp_path / 'out'}")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "out" / "model").is_dir() and (tmp_path / "out" / "metrics.jsonl").read_text().strip()
+
+
 def test_an_override_the_builder_does_not_take_is_refused_by_validate(register_plugin, posttune_cli, tmp_path):
     register_plugin(posttune_template, distribution="posttune-template", version="0.1.0")
     result = posttune_cli("validate", "template-bigram", "model.build_overrides.hiden_size=8")
