@@ -1,6 +1,9 @@
 """The Hugging Face side of one measured run (in its own child process): transformers' Trainer
 for SFT (+ PEFT LoRA), TRL's DPOTrainer for DPO.
 
+``padding_free`` (compare.py's ``hf_padding_free``): TRL's ``SFTTrainer`` with ``padding_free=True``
+instead of the plain Trainer, on the same tokenized rows and settings.
+
 Made to match the posttune side (compare.py's docstring lists every setting):
 - the same checkpoint (``LlamaForCausalLM``, fp32, transformers' default SDPA attention), the
   same tokenizer and rows; SFT labels are -100 over the prompt, which is the chat template's
@@ -119,7 +122,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             return PosttuneOrder(len(train_dataset if train_dataset is not None else self.train_dataset))
 
         def training_step(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-            self.bench_tokens.append(int(inputs["attention_mask"].sum()))
+            # padding-free batches have no attention mask and no padding: every position is a token
+            self.bench_tokens.append(int(inputs["attention_mask"].sum()) if "attention_mask" in inputs
+                                     else int(inputs["input_ids"].numel()))
             loss = super().training_step(model, inputs, *args, **kwargs)
             self.bench_losses.append(float(loss.detach()))
             return loss
@@ -159,6 +164,21 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                          precompute_ref_log_probs=False, padding_free=False, disable_dropout=True)
         trainer = BenchDPOTrainer(model=load(), ref_model=load(), args=args,
                                   train_dataset=datasets.Dataset.from_list(dpo_rows(Path(spec["work"]))),
+                                  processing_class=tokenizer, callbacks=[timer])
+    elif spec.get("padding_free"):
+        # TRL's SFTTrainer, padding-free (SFTConfig.padding_free): a batch's rows end to end in one row,
+        # position_ids restarting at each; no attention mask (transformers' SDPA mask builder makes the
+        # block-causal mask from the restarts). max_length=None: TRL refuses it padding-free without
+        # packing; the rows are shorter than max_seq_len already (truncated in sft_rows).
+        from trl import SFTConfig, SFTTrainer
+
+        class BenchSFTTrainer(Counted, SFTTrainer):
+            pass
+
+        rows = [{"input_ids": r["input_ids"], "labels": r["labels"]}
+                for r in sft_rows(Path(spec["work"]), spec["max_seq_len"], tokenizer)]
+        args = SFTConfig(**common, padding_free=True, packing=False, max_length=None)
+        trainer = BenchSFTTrainer(model=load(), args=args, train_dataset=datasets.Dataset.from_list(rows),
                                   processing_class=tokenizer, callbacks=[timer])
     else:
         from transformers import DataCollatorForSeq2Seq, TrainingArguments

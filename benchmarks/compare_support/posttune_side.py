@@ -34,7 +34,7 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
                   "device": "cpu", "log_every": 1},
         "checkpoint": {"output_dir": spec["out"], "save_every": None, "overwrite": True},
     }
-    if mode == "lora":
+    if mode == "lora" or spec.get("lora"):  # spec["lora"]: LoRA DPO (compare.py's tt_lora_dpo)
         config["adapter"] = {"kind": "lora", "rank": 8, "alpha": 16, "dropout": 0.0,
                              "targets": ["q_proj", "v_proj", "o_proj"]}
     if spec.get("compile"):
