@@ -10,9 +10,10 @@ Modes: ``full`` (full SFT), ``lora`` (LoRA r8 on q/v/o, alpha 16, no dropout), `
 beta 0.1, the reference a frozen copy on both sides), and posttune only: ``packing`` (padded vs
 packed rows, same data), ``compile`` (without vs with ``memory: [compile]``; refused in one
 line when no installed plugin registers that technique), ``dpo_layout`` (DPO's padded pairs vs
-its padding-free default), ``packing_layout`` (SFT's padding-free samples vs packed rows) and
+its padding-free default), ``packing_layout`` (SFT's padding-free samples vs packed rows),
 ``packed_rows`` (packed rows of exactly ``max_seq_len``, ``padding_free: false``, vs packed rows
-end to end without their tails, the default).
+end to end without their tails, the default) and ``rm_layout`` (posttune-rm's padded pairs vs its
+padding-free default, on DPO's pairs).
 
 Against the peers' fastest settings (issue 29, item 5): ``hf_padding_free`` (posttune's full SFT vs
 TRL's ``SFTTrainer`` with ``padding_free=True``: a batch's rows end to end, SDPA, no mask), and
@@ -124,6 +125,8 @@ MODES = {
                        ("posttune-packed", {"task": "posttune", "packing": True})),
     "packed_rows": (("posttune-packed-fixed", {"task": "posttune", "packing": True, "padding_free": False}),
                     ("posttune-packed", {"task": "posttune", "packing": True})),
+    "rm_layout": (("posttune-rm-padded", {"task": "posttune", "padding_free": False}),
+                  ("posttune-rm-padding-free", {"task": "posttune"})),
     # against the peers' fastest settings (issue 29, item 5)
     "tt_full": (("posttune", {"task": "posttune"}), ("torchtune", {"task": "torchtune"})),
     "tt_packed": (("posttune-packed", {"task": "posttune", "packing": True}),
@@ -137,10 +140,11 @@ MODES = {
 RATIO = {"full": "posttune/hf", "lora": "posttune/hf", "dpo": "posttune/hf", "packing": "packed/padded",
          "compile": "compiled/uncompiled", "dpo_layout": "padding-free/padded",
          "packing_layout": "packed/padding-free", "packed_rows": "padding-free/fixed rows",
+         "rm_layout": "padding-free/padded",
          "tt_full": "posttune/torchtune", "tt_packed": "posttune/torchtune", "tt_fastest": "posttune/torchtune",
          "hf_padding_free": "posttune/hf", "tt_lora_dpo": "posttune/torchtune"}
 #: posttune-only modes: the second side over the first
-AGAINST_ITSELF = ("packing", "compile", "dpo_layout", "packing_layout", "packed_rows")
+AGAINST_ITSELF = ("packing", "compile", "dpo_layout", "packing_layout", "packed_rows", "rm_layout")
 #: posttune against a peer on the same batches (the per-step token counts and losses are compared)
 SAME_BATCHES = ("full", "lora", "dpo", "tt_full", "hf_padding_free", "tt_lora_dpo")
 #: posttune against a peer on differently packed rows: the batches differ, the losses are only indicative
@@ -236,7 +240,7 @@ def main() -> int:
             for index in range(args.runs):
                 for side, extra in MODES[mode]:
                     out = work / "runs" / f"{mode}-{side}-{index}"
-                    kind = ("dpo" if mode in ("dpo", "dpo_layout", "tt_lora_dpo")
+                    kind = ("dpo" if mode in ("dpo", "dpo_layout", "tt_lora_dpo") else "rm" if mode == "rm_layout"
                             else "lora" if mode == "lora" else "full")
                     spec = {**base, "mode": kind, **extra, "out": str(out)}
                     result = (run_child_with(torchtune["python"], TORCHTUNE_CHILD, spec, env=env)

@@ -18,13 +18,14 @@ from compare_support.timing import peak_rss_mib, posttune_steps, summarise
 def run_config(spec: dict[str, Any]) -> dict[str, Any]:
     """The run config of a spec: the same hyper-parameters as the HF side's (compare.py)."""
     work, mode = Path(spec["work"]), spec["mode"]
-    dpo = mode == "dpo"
+    dpo = mode in ("dpo", "rm")  # the reward model reads DPO's preference pairs
+    padding_free = spec.get("padding_free", True)  # every method's default: padding-free rows
+    method = ({"name": "dpo", "loss_type": "sigmoid", "beta": 0.1, "padding_free": padding_free} if mode == "dpo" else
+              {"name": "reward_model", "padding_free": padding_free} if mode == "rm" else
+              {"name": "sft", "packing": bool(spec.get("packing")), "padding_free": padding_free})
     config: dict[str, Any] = {
         "model": {"family": "llama", "path": str(work / "model"), "dtype": "fp32"},
-        "method": {"name": "dpo", "loss_type": "sigmoid", "beta": 0.1,
-                   "padding_free": spec.get("padding_free", True)} if dpo else
-                  {"name": "sft", "packing": bool(spec.get("packing")),
-                   "padding_free": spec.get("padding_free", True)},  # SFT's default: padding-free rows
+        "method": method,
         "data": {"train": {"path": str(work / ("dpo.jsonl" if dpo else "sft.jsonl")),
                            "format": "preference" if dpo else "alpaca"},
                  "max_seq_len": spec["max_seq_len"], "group_by_length": False},
