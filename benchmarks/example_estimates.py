@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-MIB = 2**20
+from child import emit
+from memory_estimate import MIB, estimate_config
 
 #: the example -> what it starts from (a step that makes it, by name) and its path overrides
 EXAMPLES: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
@@ -77,12 +78,9 @@ def prepare(step: str, work: Path, rm_steps: int) -> Path:
 
 
 def estimate(name: str, overrides: list[str]) -> Any:
-    from posttune.config import load_config, validate
-    from posttune.estimate import estimate as estimate_plan
-    from posttune.plan import resolve_plan
-    from posttune.plugins import get_registry
+    from posttune.config import load_config
 
-    return estimate_plan(resolve_plan(validate(load_config(name, overrides)), get_registry()))
+    return estimate_config(load_config(name, overrides))
 
 
 def measure(name: str, overrides: list[str]) -> dict[str, Any]:
@@ -124,10 +122,7 @@ def main() -> None:
             results.append(result)
             print(f"{name}: estimate {result['estimate_mib']} MiB, measured {result['measured_mib']} MiB, "
                   f"error {result['error']:+.1%}", file=sys.stderr)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

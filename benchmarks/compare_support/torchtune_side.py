@@ -235,36 +235,25 @@ def model_arguments(model_dir: Path, max_seq_len: int) -> dict[str, Any]:
             "rope_base": theta, "norm_eps": config["rms_norm_eps"], "attn_dropout": 0.0}
 
 
-def dpo_config(spec: dict[str, Any]) -> dict[str, Any]:
-    """``lora_dpo_single_device``'s config: LoRA r8 alpha 16 on q/v/output projections, no dropout, the
-    reference the base model (adapters disabled), DPOLoss (sigmoid, beta 0.1). That recipe has no
-    ``clip_grad_norm``: it never clips (the other sides clip at 1.0)."""
+def shared_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """What both recipes' configs hold alike: the tokenizer, the checkpointer, the optimizer, fp32 on the CPU,
+    no checkpointing or offloading, and StepClock ending the run after ``steps`` steps."""
     work, out = Path(spec["work"]), Path(spec["out"])
     model_dir = work / "model"
-    model = {**model_arguments(model_dir, spec["max_seq_len"]), "_component_": "torchtune.models.llama3.lora_llama3",
-             "lora_attn_modules": ["q_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": False,
-             "apply_lora_to_output": False, "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0}
     return {
         "output_dir": str(out),
-        "model": model,
         "tokenizer": {"_component_": "compare_support.torchtune_side.ChatTemplateTokenizer", "path": str(model_dir),
                       "max_seq_len": spec["max_seq_len"]},
-        "dataset": {"_component_": "compare_support.torchtune_side.preference_rows",
-                    "data_file": str(work / "dpo.jsonl"), "order_seed": spec["seed"],
-                    "cache_dir": str(out / "datasets-cache")},
         "seed": spec["seed"],
-        "shuffle": False,
         "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": str(model_dir),
                          "checkpoint_files": ["model.safetensors"], "recipe_checkpoint": None,
                          "output_dir": str(out / "checkpoints"), "model_type": "LLAMA3"},
         "resume_from_checkpoint": False,
-        "save_adapter_weights_only": True,
         "batch_size": spec["batch_size"],
-        "epochs": spec["steps"],
+        "epochs": spec["steps"],  # an upper bound: StepClock ends the run after `steps` steps
         "max_steps_per_epoch": None,
         "gradient_accumulation_steps": 1,
         "optimizer": {"_component_": "torch.optim.AdamW", "lr": spec["lr"], "weight_decay": 0.0, "fused": True},
-        "loss": {"_component_": "torchtune.rlhf.loss.DPOLoss", "beta": 0.1, "label_smoothing": 0.0},
         "compile": bool(spec.get("compile")),
         "device": "cpu",
         "dtype": "fp32",
@@ -276,45 +265,45 @@ def dpo_config(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def dpo_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """``lora_dpo_single_device``'s config: LoRA r8 alpha 16 on q/v/output projections, no dropout, the
+    reference the base model (adapters disabled), DPOLoss (sigmoid, beta 0.1). That recipe has no
+    ``clip_grad_norm``: it never clips (the other sides clip at 1.0)."""
+    work, out = Path(spec["work"]), Path(spec["out"])
+    model = {**model_arguments(work / "model", spec["max_seq_len"]),
+             "_component_": "torchtune.models.llama3.lora_llama3",
+             "lora_attn_modules": ["q_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": False,
+             "apply_lora_to_output": False, "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0}
+    return {
+        **shared_config(spec),
+        "model": model,
+        "dataset": {"_component_": "compare_support.torchtune_side.preference_rows",
+                    "data_file": str(work / "dpo.jsonl"), "order_seed": spec["seed"],
+                    "cache_dir": str(out / "datasets-cache")},
+        "shuffle": False,
+        "save_adapter_weights_only": True,
+        "loss": {"_component_": "torchtune.rlhf.loss.DPOLoss", "beta": 0.1, "label_smoothing": 0.0},
+    }
+
+
 def recipe_config(spec: dict[str, Any]) -> dict[str, Any]:
     """The YAML config of a spec (written to the run's directory, read back with OmegaConf)."""
     if spec["mode"] == "dpo":
         return dpo_config(spec)
     work, out = Path(spec["work"]), Path(spec["out"])
-    model_dir = work / "model"
     packed = bool(spec.get("packing"))
     return {
-        "output_dir": str(out),
-        "model": model_arguments(model_dir, spec["max_seq_len"]),
-        "tokenizer": {"_component_": "compare_support.torchtune_side.ChatTemplateTokenizer", "path": str(model_dir),
-                      "max_seq_len": spec["max_seq_len"]},
+        **shared_config(spec),
+        "model": model_arguments(work / "model", spec["max_seq_len"]),
         # padded rows: posttune's order, not reshuffled (the other sides' batches); packed: torchtune's
         # own shuffle of the packs (its default; sampler seed 0), packs built from the rows in file order
         "dataset": {"_component_": "compare_support.torchtune_side.alpaca_rows", "data_file": str(work / "sft.jsonl"),
                     "order_seed": None if packed else spec["seed"], "packed": packed,
                     "cache_dir": str(out / "datasets-cache")},
-        "seed": spec["seed"],
         "shuffle": packed,
-        "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": str(model_dir),
-                         "checkpoint_files": ["model.safetensors"], "recipe_checkpoint": None,
-                         "output_dir": str(out / "checkpoints"), "model_type": "LLAMA3"},
-        "resume_from_checkpoint": False,
-        "batch_size": spec["batch_size"],
-        "epochs": spec["steps"],  # an upper bound: StepClock ends the run after `steps` steps
-        "max_steps_per_epoch": None,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"_component_": "torch.optim.AdamW", "lr": spec["lr"], "weight_decay": 0.0, "fused": True},
         "optimizer_in_bwd": False,
         "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
         "clip_grad_norm": spec["max_grad_norm"],
-        "compile": bool(spec.get("compile")),
-        "device": "cpu",
-        "dtype": "fp32",
-        "enable_activation_checkpointing": False,
-        "enable_activation_offloading": False,
-        "metric_logger": {"_component_": "compare_support.torchtune_side.StepClock", "stop_after": spec["steps"]},
-        "log_every_n_steps": 1,
-        "log_peak_memory_stats": False,
     }
 
 
