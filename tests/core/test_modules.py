@@ -196,6 +196,35 @@ def test_kv_cache_refuses_to_overflow():
         model(tokens(1, 5), kv_cache=KVCache(max_len=4))
 
 
+
+def test_kv_cache_buffers_are_freed_without_the_cyclic_collector(monkeypatch):
+    """A cache in a reference cycle lives until Python's rare full collection: GRPO's rollouts left one
+    generation batch's buffers behind per step that way and fragmented the heap to twice its live size."""
+    import gc
+    import weakref
+
+    import posttune.generation as generation
+
+    made: list[weakref.ref] = []
+
+    class RecordedCache(KVCache):
+        def __init__(self, max_len: int):
+            super().__init__(max_len)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(generation, "KVCache", RecordedCache)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            generation.generate_batch(tiny_decoder(), [[1, 2, 3], [4, 5]], max_new_tokens=4, temperature=1.0,
+                                      seed=0)
+        alive = [cache for cache in made if cache() is not None]
+    finally:
+        if enabled:
+            gc.enable()
+    assert len(made) == 1 and not alive
+
 def test_tied_output_head_is_the_embedding_and_hidden_states_feed_it():
     model = tiny_decoder(tie=True)
     assert model.output.weight is model.embed.weight

@@ -132,10 +132,25 @@ def save_final(session: Any) -> dict[str, str]:
         try:
             from posttune.training.plot import plot_losses
 
+            return_free_heap()
             outputs["plot"] = str(plot_losses(out))
         except Exception as exc:  # noqa: BLE001 - the plot is a convenience; training succeeded
             outputs["plot"] = f"(not written: {exc})"
     return outputs
+
+
+def return_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    Called before the end-of-run plot: matplotlib's import takes ~35 MiB, which otherwise lands on
+    top of the pages training freed but glibc kept, and becomes the run's peak resident memory
+    on small models (docs/memory.md, "The bundled CPU examples")."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _save_trained(session: Any, model: Any, out: Path, model_name: str, adapter_name: str) -> dict[str, str]:
