@@ -16,6 +16,7 @@ from posttune.plugins import module_plugin
 
 CONFIG = """\
 model: {family: fam, size: tiny}
+tokenizer: {path: org/tiny-tokenizer}  # a hub id: read when a run starts, which these tests never reach
 method: fsft
 data:
   train: {path: d.jsonl, format: chat}
@@ -109,6 +110,14 @@ def test_validate_accepts_a_good_config_with_overrides(fake, posttune_cli, confi
     result = posttune_cli("validate", str(config_file), "train.batch_size=2", "~train.lr")
     assert result.exit_code == 0, result.stderr
     assert result.stdout == f"{config_file}: valid (fsft on fam, 1 process(es))\n"
+
+
+def test_validate_refuses_a_size_built_model_without_a_tokenizer(fake, posttune_cli, config_file):
+    """The run would stop at compose for want of a tokenizer: validate says so first, naming the field."""
+    result = posttune_cli("validate", str(config_file), "~tokenizer")
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == ("posttune: error: config: tokenizer.path: required when the model is built from a "
+                             "size (no model.path)\n")
 
 
 def test_validate_by_bundled_name(register_plugin, fake, posttune_cli, config_file):

@@ -20,6 +20,8 @@ from posttune.errors import ConfigError
 
 #: file extension -> the `datasets` packaged builder that reads it
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+#: why a run whose model is built from a size needs ``tokenizer.path`` (validate and compose say the same)
+NO_TOKENIZER = "required when the model is built from a size (no model.path)"
 # "name" or "owner/name", as the hub spells dataset ids; anything else is meant as a local path
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -38,12 +40,15 @@ def check_data(plan: Any) -> None:
 def check_tokenizer(config: Any) -> None:
     """The tokenizer the run loads: ``tokenizer.path`` (a local folder is read now, a hub id when the
     run starts), else the one in ``model.path``'s folder once it exists (a bundled example's model
-    is made by its ``prepare`` step; the run refuses a missing one in one line before any weight loads)."""
+    is made by its ``prepare`` step; the run refuses a missing one in one line before any weight loads).
+    A model built from a size has no folder: it needs ``tokenizer.path``."""
     from posttune.checkpoint.source import is_hub_id
 
     field = "tokenizer.path" if config.tokenizer.path is not None else "model.path"
     path = config.tokenizer.path or config.model.path
-    if path is None or is_hub_id(str(path)) or (field == "model.path" and not Path(str(path)).expanduser().is_dir()):
+    if path is None:  # a model built from a size has no folder to read one from
+        raise ConfigError("tokenizer.path", NO_TOKENIZER)
+    if is_hub_id(str(path)) or (field == "model.path" and not Path(str(path)).expanduser().is_dir()):
         return
     from posttune.errors import PosttuneError
     from posttune.tokenizer import load_tokenizer

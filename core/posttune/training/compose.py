@@ -116,11 +116,12 @@ def seed_everything(seed: int) -> None:
 
 
 def load_tokenizer(session: Session) -> Any:
+    from posttune.config.data_checks import NO_TOKENIZER
     from posttune.tokenizer import load_tokenizer as load
 
     path = session.config.tokenizer.path or session.config.model.path
-    if path is None:
-        raise ConfigError("tokenizer.path", "required when the model is built from a size (no model.path)")
+    if path is None:  # checked by `posttune validate` too; a run composed from Python gets here
+        raise ConfigError("tokenizer.path", NO_TOKENIZER)
     return load(path)
 
 
