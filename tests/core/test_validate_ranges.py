@@ -134,7 +134,8 @@ def test_validate_and_plan_list_the_components(fake_plugin, posttune_cli, tmp_pa
     path = tmp_path / "run.yaml"
     path.write_text(CONFIG)
     overrides = ["train.optimizer._component_=torch.optim.AdamW", "train.optimizer.betas=[0.9,0.95]",
-                 "train.scheduler._component_=torch.optim.lr_scheduler.StepLR", "train.scheduler.step_size=2"]
+                 "train.scheduler._component_=torch.optim.lr_scheduler.StepLR", "train.scheduler.step_size=2",
+                 "tokenizer.path=org/tiny-tokenizer"]  # a hub id: named, as validate asks, and never loaded
     validated = posttune_cli("validate", str(path), *overrides)
     assert validated.exit_code == 0, validated.stderr
     listing = ("components: train.optimizer -> torch.optim.AdamW, "
