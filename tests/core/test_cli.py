@@ -113,11 +113,14 @@ def test_validate_accepts_a_good_config_with_overrides(fake, posttune_cli, confi
 
 
 def test_validate_refuses_a_size_built_model_without_a_tokenizer(fake, posttune_cli, config_file):
-    """The run would stop at compose for want of a tokenizer: validate says so first, naming the field."""
+    """The run would stop at compose for want of a tokenizer: validate says so first, naming the field.
+    A plan (what the run would build and hold in memory) needs no tokenizer and still prints."""
     result = posttune_cli("validate", str(config_file), "~tokenizer")
     assert (result.exit_code, result.stdout) == (2, "")
     assert result.stderr == ("posttune: error: config: tokenizer.path: required when the model is built from a "
                              "size (no model.path)\n")
+    planned = posttune_cli("plan", str(config_file), "~tokenizer", "--no-estimate")
+    assert planned.exit_code == 0 and "method" in planned.stdout, planned.stderr
 
 
 def test_validate_by_bundled_name(register_plugin, fake, posttune_cli, config_file):

@@ -161,10 +161,11 @@ def resolve(args: argparse.Namespace, world_size: int | None = 1):
 
     config = validate(load_config(args.config, args.overrides))
     plan = resolve_plan(config, get_registry(), world_size=world_size)
-    check_data(plan)  # a missing data file, or a format that cannot read it: refused before any weight loads
+    runs = getattr(args, "command", None) in ("validate", "train")
+    check_data(plan, runs=runs)  # a missing data file, or a format that cannot read it: refused before any weight loads
     check_init_from(config.adapter)  # an adapter to start from that cannot be loaded: likewise
     # validate sees what train would refuse about the output directory (torchrun: rank 0 checks)
-    if getattr(args, "command", None) in ("validate", "train") and os.environ.get("RANK", "0") == "0":
+    if runs and os.environ.get("RANK", "0") == "0":
         from posttune.training import resume_identity
         from posttune.training.output_dir import check_output_dir, resume_candidate
 

@@ -26,28 +26,31 @@ NO_TOKENIZER = "required when the model is built from a size (no model.path)"
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-def check_data(plan: Any) -> None:
+def check_data(plan: Any, *, runs: bool = True) -> None:
     """Every dataset the run reads exists (a local one holds data files), each split's format reads
-    its first row, and a local tokenizer loads."""
+    its first row, and a local tokenizer loads. ``runs``: the config is about to train (``validate``,
+    ``train``), so it must name a tokenizer; ``plan`` and ``config show`` need none."""
     for split in plan.datasets:
         dataset = getattr(plan.config.data, split, None)
         if dataset is not None and (path := local_path(dataset, f"data.{split}")) is not None:
             local_files(path, f"data.{split}")
     check_first_rows(plan)
-    check_tokenizer(plan.config)
+    check_tokenizer(plan.config, required=runs)
 
 
-def check_tokenizer(config: Any) -> None:
+def check_tokenizer(config: Any, *, required: bool = True) -> None:
     """The tokenizer the run loads: ``tokenizer.path`` (a local folder is read now, a hub id when the
     run starts), else the one in ``model.path``'s folder once it exists (a bundled example's model
     is made by its ``prepare`` step; the run refuses a missing one in one line before any weight loads).
-    A model built from a size has no folder: it needs ``tokenizer.path``."""
+    A model built from a size has no folder: a run needs ``tokenizer.path`` (``required``)."""
     from posttune.checkpoint.source import is_hub_id
 
     field = "tokenizer.path" if config.tokenizer.path is not None else "model.path"
     path = config.tokenizer.path or config.model.path
     if path is None:  # a model built from a size has no folder to read one from
-        raise ConfigError("tokenizer.path", NO_TOKENIZER)
+        if required:
+            raise ConfigError("tokenizer.path", NO_TOKENIZER)
+        return
     if is_hub_id(str(path)) or (field == "model.path" and not Path(str(path)).expanduser().is_dir()):
         return
     from posttune.errors import PosttuneError
