@@ -196,7 +196,6 @@ def test_kv_cache_refuses_to_overflow():
         model(tokens(1, 5), kv_cache=KVCache(max_len=4))
 
 
-
 def test_kv_cache_buffers_are_freed_without_the_cyclic_collector(monkeypatch):
     """A cache in a reference cycle lives until Python's rare full collection: GRPO's rollouts left one
     generation batch's buffers behind per step that way and fragmented the heap to twice its live size."""
@@ -224,6 +223,7 @@ def test_kv_cache_buffers_are_freed_without_the_cyclic_collector(monkeypatch):
         if enabled:
             gc.enable()
     assert len(made) == 1 and not alive
+
 
 def test_tied_output_head_is_the_embedding_and_hidden_states_feed_it():
     model = tiny_decoder(tie=True)
