@@ -8,7 +8,7 @@ Sliding-window models keep all keys and let the mask hide the old ones: exact, a
 The buffers live in the KVCache and a LayerCache is a short-lived view of one layer: nothing
 points back from what the cache holds to the cache, so its buffers are freed the moment the last
 reference goes. A reference cycle here (an earlier version kept ``KVCache <-> LayerCache``) left
-every generation batch's cache to Python's cyclic collector, which runs rarely: GRPO's rollouts
+every generation batch's cache to Python's cyclic collector, which runs rarely: an RL example's rollouts
 piled up 14 MiB of dead caches per step and fragmented the heap to twice its live size.
 """
 
