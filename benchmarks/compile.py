@@ -7,7 +7,7 @@
 Each measurement runs in a fresh child process (its own Dynamo caches and its own peak resident
 memory), alternating eager and compiled runs so that a change in machine load hits both. A
 child builds the model and applies the same technique code a run uses
-(``posttune.memory.compile.apply``, after ``activation_checkpointing`` when asked), then trains
+(``posttune_memory.compile.apply``, after ``activation_checkpointing`` when asked), then trains
 on batches whose lengths cycle through ``--lengths`` (as ``data.pad_to_multiple_of`` buckets
 them). The warm-up steps see every length once, so every graph is compiled before timing;
 ``warmup_seconds`` is how long that took (inductor caches compiled graphs on disk across
@@ -48,13 +48,13 @@ session = SimpleNamespace(model=model, device=device, loss_kernel=None, config=c
                           plan=SimpleNamespace(memory_options={}))
 target = SimpleNamespace(model=model, role="policy", trainable=True)
 if spec["checkpointing"]:
-    from posttune.memory import CheckpointingConfig
-    from posttune.memory.checkpointing import apply as checkpoint
+    from posttune_memory import CheckpointingConfig
+    from posttune_memory.checkpointing import apply as checkpoint
     session.plan.memory_options["activation_checkpointing"] = CheckpointingConfig()
     checkpoint(session, target)
 if spec["compiled"]:
-    from posttune.memory import CompileConfig
-    from posttune.memory.compile import apply as compile_model
+    from posttune_memory import CompileConfig
+    from posttune_memory.compile import apply as compile_model
     session.plan.memory_options["compile"] = CompileConfig(**spec["options"])
     compile_model(session, target)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

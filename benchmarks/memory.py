@@ -53,17 +53,17 @@ else:
 session.optimizer = optimizer
 session.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 if technique == "activation_checkpointing":
-    from posttune.memory import CheckpointingConfig
-    from posttune.memory.checkpointing import apply
+    from posttune_memory import CheckpointingConfig
+    from posttune_memory.checkpointing import apply
     session.plan.memory_options[technique] = CheckpointingConfig(every=spec.get("every", 1))
     apply(session, target)
 elif technique == "chunked_cross_entropy":
-    from posttune.memory import ChunkedCrossEntropyConfig
-    from posttune.memory.linear_cross_entropy import apply
+    from posttune_memory import ChunkedCrossEntropyConfig
+    from posttune_memory.linear_cross_entropy import apply
     session.plan.memory_options[technique] = ChunkedCrossEntropyConfig(**spec.get("options", {}))
     apply(session, target)
 elif technique == "optimizer_in_backward":
-    from posttune.memory.optimizer_in_backward import apply
+    from posttune_memory.optimizer_in_backward import apply
     apply(session, target)
 
 def step():

@@ -51,6 +51,11 @@ NAMES: dict[str, dict[str, str]] = {
         "vllm": "posttune-vllm",
     },
     "memory_technique": {
+        "activation_checkpointing": "posttune-memory",
+        "activation_offloading": "posttune-memory",
+        "optimizer_in_backward": "posttune-memory",
+        "chunked_cross_entropy": "posttune-memory",
+        "compile": "posttune-memory",
         "qlora_nf4": "posttune-torchao",
         "qat": "posttune-torchao",
         "fp8": "posttune-torchao",

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from posttune.config.bundled import configs_in
+from posttune.config.requires import require_cuda
 from posttune.config.schema import DatasetConfig, RunConfig
 from posttune.config.typed import from_dict
 from posttune.descriptors import (
@@ -43,11 +44,10 @@ from posttune.descriptors import (
 )
 from posttune.engines import resolve_engine, start_engine
 from posttune.errors import ConfigError, PosttuneError, did_you_mean, first_line
-from posttune.estimate import Estimate
-from posttune.memory import require_cuda
+from posttune.estimate import Estimate, heap_bytes, layer_bytes_per_token, logits_bytes, unique_parameters
 from posttune.plan import model_kwargs
 from posttune.plugins import hookimpl
-from posttune.session import ModelTarget, Session
+from posttune.session import LossKernel, ModelTarget, Session
 from posttune.tracking import flat_config, scalar_metrics
 
 #: name -> the core module it lives in, imported when the name is first used (these need torch)
@@ -78,11 +78,11 @@ _LAZY: dict[str, str] = {
                      "plain_state_dict", "save_peft_adapter"], "posttune.adapters"),
     # optimisation and heads: the head's effective (weight, bias), LoRA/DoRA folded in, for chunked losses
     "build_scheduler": "posttune.training.optim",
-    "head_weight": "posttune.memory.linear_cross_entropy",
+    "head_weight": "posttune.adapters",
     "train_briefly": "posttune.training.warm_start",
     # distributed helpers (one process: the same calls, no communication)
     **dict.fromkeys([
-        "all_reduce_max", "all_reduce_sum", "data_rank", "is_dtensor", "padded_sequence", "step_context",
+        "all_reduce_max", "all_reduce_sum", "data_rank", "full_value", "is_dtensor", "padded_sequence", "step_context",
         "sum_over_token_ranks", "to_device", "token_group", "token_mesh", "world_size",
     ], "posttune.training.distributed"),
 }
@@ -90,11 +90,12 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "DECODER_LINEAR_LAYERS", "DECODER_TP_PLAN", "BundledConfig", "CheckpointConverter",
     "Command", "ConfigError", "DatasetConfig", "DatasetFormat", "EnginePolicy", "Estimate", "GenerationEngine",
-    "LossOutput", "MemoryTechnique", "MeshDim", "Method", "MetricLogger", "ModelFamily",
+    "LossKernel", "LossOutput", "MemoryTechnique", "MeshDim", "Method", "MetricLogger", "ModelFamily",
     "ModelRole", "ModelTarget", "ParallelPlan", "PosttuneError", "QuantizedFormat", "RewardFunction", "RunConfig",
-    "Session", "TrackerRun", "configs_in", "did_you_mean", "first_line", "flat_config", "from_dict", "hookimpl",
-    "lookup", "model_kwargs", "provenance", "registered", "registering", "require_cuda", "resolve_engine",
-    "scalar_metrics", "start_engine", *sorted(_LAZY),
+    "Session", "TrackerRun", "configs_in", "did_you_mean", "first_line", "flat_config", "from_dict", "heap_bytes",
+    "hookimpl", "layer_bytes_per_token", "logits_bytes", "lookup", "model_kwargs", "provenance", "registered",
+    "registering", "require_cuda", "resolve_engine", "scalar_metrics", "start_engine", "unique_parameters",
+    *sorted(_LAZY),
 ]
 
 

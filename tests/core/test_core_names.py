@@ -3,7 +3,8 @@
 Every mesh dimension, model role, method, model family, parallel plan and memory technique that
 a first-party distribution registers is collected from the registry, and the core's source is
 searched for it: as a string literal of its own, quoted or in backticks inside a string
-(docstrings included), as an attribute name (``config.teacher``), or, for a name no prose uses
+(docstrings included), as an attribute name (``config.teacher``, not a method call such as
+``re.compile(...)``), or, for a name no prose uses
 (one with a digit or an underscore: ``fsdp2``, ``dp_shard``), anywhere in a string. ``first_party.py`` is the one
 exception: its install hints and the old spellings configs may still use.
 """
@@ -37,7 +38,7 @@ COINCIDENCES = {
 }
 FIRST_PARTY = ("posttune-llama", "posttune-qwen", "posttune-gemma", "posttune-phi3", "posttune-sft", "posttune-dpo", "posttune-grpo",
                "posttune-kd", "posttune-rm", "posttune-ppo", "posttune-fsdp2", "posttune-tp", "posttune-cp", "posttune-ep", "posttune-loss-parallel",
-               "posttune-torchao")
+               "posttune-memory", "posttune-torchao")
 
 
 def first_party_names() -> dict[str, str]:
@@ -64,13 +65,15 @@ def namings(source: str, names: set[str]) -> list[tuple[int, str]]:
     coined = sorted(name for name in names if re.search(r"[\d_]", name))
     bare = re.compile(r"(?<![\w.-])(%s)(?![\w(-])" % "|".join(map(re.escape, coined))) if coined else None
     found, previous = [], None
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    for token, following in zip(tokens, tokens[1:] + [None]):
         if token.type == tokenize.STRING or token.type == getattr(tokenize, "FSTRING_MIDDLE", None):
             body = token.string
             matches = {(match.start(1), match[1]) for match in quoted.finditer(body)}
             matches |= {(match.start(1), match[1]) for match in bare.finditer(body)} if bare else set()
             found += [(token.start[0] + body[:start].count("\n"), name) for start, name in sorted(matches)]
-        elif token.type == tokenize.NAME and token.string in names and previous == ".":
+        elif (token.type == tokenize.NAME and token.string in names and previous == "."
+              and not (following is not None and following.string == "(")):  # a method call: ``re.compile(``
             found.append((token.start[0], token.string))
         previous = token.string if token.type == tokenize.OP else None
     return found
@@ -109,4 +112,6 @@ def test_the_search_finds_each_way_of_naming():
     source = 'DIM = "tp"\ndef f(config):\n    """Reads ``teacher``."""\n    return config.teacher, f"{1} \'grpo\'"\n'
     assert sorted(namings(source, names)) == [(1, "tp"), (3, "teacher"), (4, "grpo"), (4, "teacher")]
     assert namings('"""A teacher and a grpo run; stp, tpx."""\nteacher = 1\n', names) == []
+    assert namings('PATTERN = re.compile("x")\n', {"compile"}) == []
+    assert namings('options = config.compile\n', {"compile"}) == [(1, "compile")]
     assert namings('"""Line one,\nthen before fsdp2 (not fsdp2x, not torch fsdp2())."""\n', names) == [(2, "fsdp2")]

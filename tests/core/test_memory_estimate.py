@@ -17,6 +17,7 @@ from typing import Any
 import posttune_dpo
 import posttune_fsdp2
 import posttune_llama
+import posttune_memory
 import posttune_sft
 import posttune_torchao
 import posttune_tp
@@ -40,6 +41,7 @@ SHAPE = {"vocab_size": 4096, "hidden_size": 128, "intermediate_size": 384, "num_
 def registry(register_plugin, posttune_plugins):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
     register_plugin(posttune_dpo, distribution="posttune-dpo", version="0.1.0")
     register_plugin(posttune_torchao, distribution="posttune-torchao", version="0.1.0")
     register_plugin(posttune_fsdp2, distribution="posttune-fsdp2", version="0.1.0")

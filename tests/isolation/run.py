@@ -13,9 +13,10 @@ torch install, and `pip uninstall` removes a distribution's entry points with it
    import only the public surface).
 4. + `posttune_models/llama` -> it appears too.
 5. - posttune-template, + `posttune_methods/dpo` and `posttune_methods/kd` (no posttune-sft) -> a
-   shortened `posttune train dpo-tiny-reverse` runs end to end, and so do the distillation example's
-   teacher and a shortened `posttune train kd-tiny-reverse` (the teacher's data and tokenizer are
-   posttune-llama's package data: a wheel install must ship them).
+   config naming `activation_checkpointing` is refused with the `pip install posttune-memory` hint
+   (the core brings no memory technique), a shortened `posttune train dpo-tiny-reverse` runs end to
+   end, and so do the distillation example's teacher and a shortened `posttune train kd-tiny-reverse`
+   (the teacher's data and tokenizer are posttune-llama's package data: a wheel install must ship them).
 
 posttune, posttune-qwen and posttune-grpo alone (no Ray) training GRPO is the `wheels` env's check
 (tests/packaging/wheels.py), which installs them from their wheels: the same three from source
@@ -75,6 +76,13 @@ def check_qwen_alone(env: Path, tmp: Path) -> list[str]:
 def check_dpo_and_kd_without_sft(env: Path, tmp: Path) -> list[str]:
     """Shortened `posttune train dpo-tiny-reverse` and the distillation example in a venv without posttune-sft."""
     python, posttune = str(env / "bin" / "python"), str(env / "bin" / "posttune")
+    validate = subprocess.run([posttune, "validate", "dpo-tiny-reverse", "memory=[activation_checkpointing]"], cwd=tmp,
+                              capture_output=True, text=True)
+    print(f"posttune validate dpo-tiny-reverse memory=[activation_checkpointing] -> {validate.returncode}: "
+          f"{validate.stderr.strip()}")
+    if validate.returncode != 2 or "pip install posttune-memory" not in validate.stderr:
+        return [f"a memory technique without posttune-memory: expected exit 2 and 'pip install posttune-memory', got "
+                f"{validate.returncode}: {validate.stdout}{validate.stderr}"]
     train = subprocess.run([posttune, "train", "dpo-tiny-reverse", "train.max_steps=20",
                             "train.eval_every=10", f"checkpoint.output_dir={tmp}/dpo"], cwd=tmp,
                            capture_output=True, text=True)

@@ -9,15 +9,17 @@ from run_support import dpo_config
 
 import posttune_dpo
 import posttune_llama
+import posttune_memory
 import posttune_sft
 
 
 @pytest.fixture
 def llama_dpo(register_plugin):
-    """posttune-llama, posttune-sft and posttune-dpo registered in the test's isolated plugin set."""
+    """posttune-llama, posttune-sft, posttune-dpo and posttune-memory registered in the test's isolated plugin set."""
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_dpo, distribution="posttune-dpo", version="0.1.0")
+    register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
 
 
 @pytest.fixture

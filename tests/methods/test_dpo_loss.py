@@ -159,7 +159,7 @@ def test_lora_reference_with_adapters_disabled_equals_a_frozen_copy_of_the_base(
 
 def test_chunked_log_probs_equal_the_log_softmax_in_values_and_gradients():
     """With soft-caps and a sampling temperature too (what GRPO's loss scores completions with)."""
-    from posttune.memory.linear_cross_entropy import linear_logps
+    from posttune_memory.linear_cross_entropy import linear_logps
 
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(29, 16, generator=generator).requires_grad_()

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import posttune_kd
+import posttune_memory
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ def llama_kd(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
     register_plugin(posttune_kd, distribution="posttune-kd", version="0.1.0")
+    register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
 
 
 @pytest.fixture(scope="module")

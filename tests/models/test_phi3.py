@@ -242,10 +242,12 @@ def test_an_adapter_trained_on_the_fused_layer_itself_is_refused_in_one_line(che
 
 @pytest.fixture
 def phi3_plugins(register_plugin):
+    import posttune_memory
     import posttune_sft
 
     register_plugin(posttune_phi3, distribution="posttune-phi3", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")  # phi4-mini-sft
 
 
 @pytest.mark.parametrize("name", sorted(path.stem for path in posttune_phi3.CONFIGS.glob("*.yaml")))

@@ -7,6 +7,7 @@ import yaml
 
 import posttune_ep
 import posttune_fsdp2
+import posttune_memory
 import posttune_qwen
 import posttune_sft
 
@@ -19,6 +20,7 @@ def plugins(register_plugin):
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_fsdp2, distribution="posttune-fsdp2", version="0.1.0")  # qwen3-30b-a3b-lora
     register_plugin(posttune_ep, distribution="posttune-ep", version="0.1.0")
+    register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
 
 
 def test_full_and_lora_recipes_for_each_bundled_model():

@@ -9,6 +9,7 @@ import yaml
 from memory_support import compose_run, sft_config
 
 import posttune_llama
+import posttune_memory
 import posttune_sft
 import posttune_torchao
 from posttune.descriptors import ParallelPlan
@@ -28,6 +29,7 @@ def stand_in_plans(register):
 def plugins(register_plugin, posttune_plugins):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
     register_plugin(posttune_torchao, distribution="posttune-torchao", version="0.1.0")
     register_plugin(module_plugin("stand_in_plans", posttune_register_parallel_plans=stand_in_plans),
                     distribution="posttune-stand-in")

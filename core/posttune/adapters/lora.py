@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttune.checkpoint.keymap import BASE  # the child holding the wrapped nn.Linear
+from posttune.errors import PosttuneError
 
 Kind = Literal["lora", "dora"]
 KINDS: tuple[str, ...] = ("lora", "dora")
@@ -144,6 +145,24 @@ class LoRALinear(nn.Module):
 def row_norm(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """``||W + delta||`` per output row (DoRA's column norm of the [in, out] weight), W's dtype."""
     return torch.linalg.vector_norm(weight + delta.to(weight.dtype), dim=1)
+
+
+def head_weight(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An output head's effective (weight, bias), differentiable w.r.t. whatever trains in it: a LoRA
+    or DoRA head folded into one ``W + s * B @ A`` (DoRA: row-rescaled), for losses that project
+    hidden states to the vocabulary themselves, chunk by chunk."""
+    if not isinstance(head, LoRALinear) or head.disabled:
+        return head.weight, head.bias
+    if head.dropout_p > 0:
+        raise PosttuneError(f"the output head's adapter folds into one weight, which dropout ({head.dropout_p}) "
+                            "does not allow; set adapter.dropout to 0 or leave `output` out of adapter.targets")
+    weight = head.base.weight
+    delta = head.lora_delta().to(weight.dtype)
+    if head.magnitude is None:
+        return weight + delta, head.bias
+    # DoRA: m * (W + delta) / ||W + delta||_row, the norm detached as in the layer's forward.
+    norm = row_norm(weight, delta.detach()).detach()
+    return (head.magnitude / norm).to(weight.dtype).unsqueeze(1) * (weight + delta), head.bias
 
 
 def adapter_parameter_names(layer: LoRALinear) -> list[str]:

@@ -1,8 +1,10 @@
-"""Check a config's ``requires:`` list (PEP 508 requirements) against installed distributions."""
+"""What a config requires: its ``requires:`` list (PEP 508 requirements) against installed distributions,
+and a CUDA device for the techniques that need one."""
 
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 
@@ -26,3 +28,17 @@ def check_requires(requirements: list[str]) -> None:
                 f"config requires {text}, but {requirement.name} {installed} is installed"
                 f" — pip install '{text}'"
             )
+
+
+def require_cuda(config: Any, technique: str, why: str) -> None:
+    """Refuse a CUDA-only technique before launch when the run will not have a CUDA device."""
+    device = config.train.device
+    if device == "auto":
+        import torch
+
+        cuda = torch.cuda.is_available()
+    else:
+        cuda = device.startswith("cuda")
+    if not cuda:
+        shown = "no CUDA device is available" if device == "auto" else f"train.device is '{device}'"
+        raise ConfigError("memory", f"'{technique}' needs a CUDA device ({why}); {shown}")

@@ -55,10 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttune.losses import IGNORE_INDEX
-from posttune.memory.checkpointing import decoder_layers
-from posttune.session import LossKernel
-from posttune.training.distributed import is_dtensor
+from posttune.plugin import IGNORE_INDEX, LossKernel, is_dtensor
+from posttune_memory.checkpointing import decoder_layers
 
 BATCH_SHAPES = 2  # full batches and a smaller last one: both compile per length bucket
 
@@ -66,9 +64,9 @@ BATCH_SHAPES = 2  # full batches and a smaller last one: both compile per length
 def apply(session: Any, target: Any, options: Any = None, *, fixed_rows: bool = False) -> None:
     """Compile the target's decoder layers and, for the policy, install the compiled loss.
 
-    ``options``: the technique's settings with ``dynamic`` decided (``posttune.memory`` resolves
+    ``options``: the technique's settings with ``dynamic`` decided (``posttune_memory`` resolves
     the default from the data); the run's ``memory_options`` as given otherwise. ``fixed_rows``:
-    whether the method's rows are packed to a fixed length (``posttune.memory.Rows.fixed``).
+    whether the method's rows are packed to a fixed length (``posttune_memory.Rows.fixed``).
     """
     options = options if options is not None else session.plan.memory_options["compile"]
     raise_recompile_limit(session.config, options, fixed_rows)

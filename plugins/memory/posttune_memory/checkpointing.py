@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from posttune.errors import PosttuneError
+from posttune.plugin import PosttuneError
 
 
 def decoder_layers(model: nn.Module, technique: str) -> nn.ModuleList:

@@ -10,6 +10,7 @@ import yaml
 from memory_support import sft_config, tiny_llama
 
 import posttune_llama
+import posttune_memory
 import posttune_sft
 from posttune.errors import PosttuneError
 
@@ -18,6 +19,7 @@ from posttune.errors import PosttuneError
 def plugins(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
     for name in ("posttune_tp", "posttune_loss_parallel", "posttune_fsdp2"):  # their conflicts are checked too
         register_plugin(pytest.importorskip(name), distribution=name.replace("_", "-"), version="0.1.0")
 
@@ -61,7 +63,7 @@ def test_offloading_is_refused_on_cpu(plugins, posttune_cli, tmp_path):
     result = validate(posttune_cli, tmp_path, memory=["activation_checkpointing", "activation_offloading"])
     assert result.exit_code != 0
     assert "'activation_offloading' needs a CUDA device" in result.stderr
-    from posttune.memory.offloading import apply
+    from posttune_memory.offloading import apply
 
     with pytest.raises(PosttuneError, match="needs a CUDA device"):
         model = tiny_llama()
@@ -90,8 +92,8 @@ def test_offloading_gives_the_same_gradients_on_cuda(monkeypatch):
     from memory_support import batch, fake_session, grads, twin
 
     from posttune.losses import token_cross_entropy
-    from posttune.memory import CheckpointingConfig
-    from posttune.memory import checkpointing, offloading
+    from posttune_memory import CheckpointingConfig
+    from posttune_memory import checkpointing, offloading
 
     plain = tiny_llama().cuda()
     ours = twin(plain)

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttune.errors import PosttuneError
-from posttune.memory.checkpointing import decoder_layers
+from posttune.plugin import PosttuneError
+from posttune_memory.checkpointing import decoder_layers
 
 MIN_BYTES = 1 << 20  # smaller tensors are not worth a copy each way
 

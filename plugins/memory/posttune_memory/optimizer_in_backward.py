@@ -6,7 +6,7 @@ the one the core built), stepped from ``register_post_accumulate_grad_hook`` the
 gradient is complete; the gradient is then dropped, so at most the gradients backward is
 still producing exist at once.
 
-What that costs, checked before launch (``posttune.memory.validate_optimizer_in_backward``):
+What that costs, checked before launch (``posttune_memory.validate_optimizer_in_backward``):
 no gradient accumulation (a parameter is stepped after every backward) and no clipping by the
 global norm (a parameter is stepped before the other gradients exist). Gradients must be
 normalised by the global normaliser (tokens, pairs) before they are applied: the technique
@@ -31,11 +31,10 @@ from typing import Any
 
 import torch
 
-from posttune.errors import PosttuneError
-from posttune.training import distributed
+from posttune.plugin import PosttuneError, full_value, is_dtensor, sum_over_token_ranks, token_group
 
 def apply(session: Any, target: Any) -> None:
-    if any(distributed.is_dtensor(p) for p in session.trainable.parameters()):
+    if any(is_dtensor(p) for p in session.trainable.parameters()):
         # FSDP2 would call the hooks after its reduce-scatter, but sharded (DCP) checkpoints
         # read a plain optimizer; until that is wired and tested, refuse rather than half-work.
         raise PosttuneError("memory: optimizer_in_backward does not support sharded (FSDP2, TP) models yet; "
@@ -71,7 +70,7 @@ class InBackwardOptimizer:
         def step(param: torch.nn.Parameter) -> None:
             grad = param.grad.detach()
             grad.mul_(self.grad_scale)
-            norm_sq = distributed.full_value(torch.linalg.vector_norm(grad, dtype=torch.float32)).pow(2)
+            norm_sq = full_value(torch.linalg.vector_norm(grad, dtype=torch.float32)).pow(2)
             self._grad_sq = self._grad_sq + norm_sq.to(self._grad_sq.device)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)  # the memory this technique exists to free
@@ -83,9 +82,9 @@ class InBackwardOptimizer:
 
         Summed over the ranks that hold different data, not the world: TP ranks share a batch.
         """
-        group_size = distributed.token_group(session)[1]
+        group_size = token_group(session)[1]
         normaliser = torch.as_tensor(out.normaliser, dtype=torch.float32, device=session.device).clone()
-        normaliser = distributed.sum_over_token_ranks(normaliser, session)
+        normaliser = sum_over_token_ranks(normaliser, session)
         self.grad_scale = group_size / max(float(normaliser), 1.0)
 
     @property

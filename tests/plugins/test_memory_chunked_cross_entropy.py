@@ -10,8 +10,8 @@ from memory_support import batch, fake_session, grads, tiny_llama, twin
 from posttune.adapters import apply_adapters
 from posttune.errors import PosttuneError
 from posttune.losses import token_cross_entropy
-from posttune.memory import ChunkedCrossEntropyConfig
-from posttune.memory import linear_cross_entropy as lce
+from posttune_memory import ChunkedCrossEntropyConfig
+from posttune_memory import linear_cross_entropy as lce
 
 
 def reference(hidden, weight, targets, bias=None, softcap=None):

@@ -16,8 +16,8 @@ applied per chunk, with its derivative folded into the chunk's gradient.
 
 The output head may be a plain ``nn.Linear`` (also tied to the embedding) or an adapted
 ``LoRALinear`` (LoRA or DoRA, without dropout): its weight as one differentiable tensor
-``W + s * B @ A`` (DoRA: row-rescaled) is formed once per step, so gradients reach the
-adapters through autograd. A head sharded as a DTensor (tensor parallel over the vocabulary,
+``W + s * B @ A`` (DoRA: row-rescaled, ``posttune.plugin.head_weight``) is formed once per step,
+so gradients reach the adapters through autograd. A head sharded as a DTensor (tensor parallel over the vocabulary,
 FSDP2) is refused with one line: a vocabulary-sharded head wants a plan that parallelises the loss.
 """
 
@@ -27,11 +27,7 @@ from typing import Any
 
 import torch
 
-from posttune.adapters.lora import LoRALinear, row_norm
-from posttune.errors import PosttuneError
-from posttune.losses import IGNORE_INDEX
-from posttune.session import LossKernel
-from posttune.training.distributed import is_dtensor
+from posttune.plugin import IGNORE_INDEX, LoRALinear, LossKernel, PosttuneError, head_weight, is_dtensor
 
 
 def apply(session: Any, target: Any) -> None:
@@ -84,20 +80,6 @@ def labelled_rows(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     keep = labels != IGNORE_INDEX
     weight, bias = head_weight(model.output)
     return keep, (hidden[keep], weight, labels[keep], bias, getattr(model, "logit_softcap", None))
-
-
-def head_weight(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The head's effective (weight, bias), differentiable w.r.t. whatever trains in it."""
-    if not isinstance(head, LoRALinear) or head.disabled:
-        return head.weight, head.bias
-    check_head(head)
-    weight = head.base.weight
-    delta = head.lora_delta().to(weight.dtype)
-    if head.magnitude is None:
-        return weight + delta, head.bias
-    # DoRA: m * (W + delta) / ||W + delta||_row, the norm detached as in the layer's forward.
-    norm = row_norm(weight, delta.detach()).detach()
-    return (head.magnitude / norm).to(weight.dtype).unsqueeze(1) * (weight + delta), head.bias
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -7,8 +7,8 @@ import torch
 from memory_support import batch, fake_session, grads, tiny_llama, twin
 
 from posttune.losses import token_cross_entropy
-from posttune.memory import CheckpointingConfig
-from posttune.memory.checkpointing import apply
+from posttune_memory import CheckpointingConfig
+from posttune_memory.checkpointing import apply
 
 
 def step_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -12,13 +12,14 @@ import random
 from types import SimpleNamespace
 
 import posttune_llama
+import posttune_memory
 import posttune_sft
 import pytest
 import torch
 import yaml
 from memory_support import batch, compose_run, fake_session, sft_config, tiny_llama
-from posttune.memory import CompileConfig
-from posttune.memory.compile import apply, expected_graphs, raise_recompile_limit
+from posttune_memory import CompileConfig
+from posttune_memory.compile import apply, expected_graphs, raise_recompile_limit
 from posttune.training.metrics import read_metrics
 from posttune.training.trainer import train
 from torch._dynamo.utils import counters
@@ -34,6 +35,7 @@ LORA = {"kind": "lora", "rank": 4, "alpha": 8, "dropout": 0.0}
 def llama_sft(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Built-in memory techniques, registered through the same hook as any plugin (docs/memory.md).
+"""posttune-memory: memory techniques in plain PyTorch (docs/memory.md).
 
     memory: [activation_checkpointing, chunked_cross_entropy, optimizer_in_backward]
     memory_options: {activation_checkpointing: {every: 2}}
@@ -20,12 +20,21 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from posttune.descriptors import MemoryTechnique
-from posttune.errors import ConfigError
-from posttune.estimate import Estimate, heap_bytes, layer_bytes_per_token, logits_bytes, unique_parameters
-from posttune.plugins import PLUGIN_API, hookimpl
+from posttune.plugin import (
+    ConfigError,
+    Estimate,
+    MemoryTechnique,
+    from_dict,
+    heap_bytes,
+    layer_bytes_per_token,
+    logits_bytes,
+    lookup,
+    registering,
+    require_cuda,
+    unique_parameters,
+)
 
-POSTTUNE_PLUGIN_API = PLUGIN_API
+POSTTUNE_PLUGIN_API = 2
 
 CHECKPOINTING_ORDER = 50  # after TP (10), before FSDP2 (100)
 OFFLOADING_ORDER = 60  # wraps the checkpointed layers, still before FSDP2
@@ -56,25 +65,25 @@ class CompileConfig:
 
 
 def _checkpointing(session: Any, target: Any) -> None:
-    from posttune.memory.checkpointing import apply
+    from posttune_memory.checkpointing import apply
 
     apply(session, target)
 
 
 def _offloading(session: Any, target: Any) -> None:
-    from posttune.memory.offloading import apply
+    from posttune_memory.offloading import apply
 
     apply(session, target)
 
 
 def _optimizer_in_backward(session: Any, target: Any) -> None:
-    from posttune.memory.optimizer_in_backward import apply
+    from posttune_memory.optimizer_in_backward import apply
 
     apply(session, target)
 
 
 def _chunked_cross_entropy(session: Any, target: Any) -> None:
-    from posttune.memory.linear_cross_entropy import apply
+    from posttune_memory.linear_cross_entropy import apply
 
     apply(session, target)
 
@@ -82,7 +91,7 @@ def _chunked_cross_entropy(session: Any, target: Any) -> None:
 def _compile(session: Any, target: Any) -> None:
     from dataclasses import replace
 
-    from posttune.memory.compile import apply
+    from posttune_memory.compile import apply
 
     options = session.plan.memory_options["compile"]
     fixed = method_rows(session.config, session.method_config).fixed
@@ -163,11 +172,7 @@ def method_rows(config: Any, method_config: Any = None) -> Rows:
     """The method's ``Rows``, its defaults included. ``method_config``: the validated settings, when
     the run has them; else they are validated here from the config."""
     if method_config is None:
-        from posttune.config.typed import from_dict
-        from posttune.plugins import get_registry
-
-        method = get_registry().lookup("method", config.method_name).descriptor
-        method_config = from_dict(method.config, config.method_settings, "method")
+        method_config = from_dict(lookup("method", config.method_name).config, config.method_settings, "method")
     return Rows(bool(getattr(method_config, "packing", False)), bool(getattr(method_config, "padding_free", False)))
 
 
@@ -217,20 +222,6 @@ def check_compile_backend(backend: Any) -> None:
     if backend not in known:
         raise ConfigError("memory_options.compile.backend", f"unknown torch.compile backend {backend!r} "
                                                             f"(known: {', '.join(sorted(known))})")
-
-
-def require_cuda(config: Any, technique: str, why: str) -> None:
-    """Refuse a CUDA-only technique before launch when the run will not have a CUDA device."""
-    device = config.train.device
-    if device == "auto":
-        import torch
-
-        cuda = torch.cuda.is_available()
-    else:
-        cuda = device.startswith("cuda")
-    if not cuda:
-        shown = "no CUDA device is available" if device == "auto" else f"train.device is '{device}'"
-        raise ConfigError("memory", f"'{technique}' needs a CUDA device ({why}); {shown}")
 
 
 # -- their terms in `posttune plan`'s memory estimate (docs/memory.md, "How the estimate is composed") -----------
@@ -312,7 +303,4 @@ TECHNIQUES = (
 )
 
 
-@hookimpl
-def posttune_register_memory_techniques(register):
-    for technique in TECHNIQUES:
-        register(technique)
+posttune_register_memory_techniques = registering(TECHNIQUES)
