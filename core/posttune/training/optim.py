@@ -7,7 +7,9 @@ matrices only: biases and norm scales are not decayed, as in most LLM recipes.
 
 from __future__ import annotations
 
+import gc
 import math
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,6 +38,23 @@ def param_groups(params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay:
 
 def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]],
                     train: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer ``train`` names over the trainable parameters, in decayed and not-decayed groups.
+
+    A process's first torch optimizer imports ``torch._dynamo``, whose import runs torch.fx's
+    ``wrap``; that keeps its own frame in a reference cycle, and with it every frame above it:
+    this one, ``compose``'s and the session it is building, until Python's next full collection.
+    One collection right after that import frees the cycle (~0.1 s, once per process), so a
+    process that composes several sessions (a notebook, a sweep, a test suite) frees a session
+    as soon as it drops it.
+    """
+    first = "torch._dynamo" not in sys.modules
+    optimizer = _optimizer(named_params, train)
+    if first and "torch._dynamo" in sys.modules:
+        gc.collect()
+    return optimizer
+
+
+def _optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig) -> torch.optim.Optimizer:
     groups = param_groups(named_params, train.weight_decay)
     if not groups:
         raise ConfigError("train", "the model has no trainable parameters")
