@@ -11,7 +11,6 @@ session: its mesh holds the names, its plan the declarations.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -174,17 +173,6 @@ def scale_gradients(params: Iterable[torch.nn.Parameter], factor: float) -> None
         return
     for group in _by_mesh(params):
         torch._foreach_mul_([p.grad for p in group], factor)
-
-
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` for plain and DTensor gradients, even on different meshes: the global
-    norm (``grad_norm``), then every gradient scaled once."""
-    params = list(params)
-    total = grad_norm(params)
-    if math.isfinite(max_norm):
-        for group in _by_mesh(params):
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
-    return total
 
 
 # ---- contexts around a micro-batch's loss and backward -------------------------------------

@@ -24,10 +24,6 @@ def write_manifest(directory: Path) -> None:
     (directory / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=1) + "\n")
 
 
-def has_manifest(directory: Path) -> bool:
-    return (directory / MANIFEST).is_file()
-
-
 def damage(directory: Path) -> str | None:
     """What is wrong with the checkpoint at ``directory``, or None when it matches its manifest
     (or has none: an older checkpoint, accepted unverified)."""
