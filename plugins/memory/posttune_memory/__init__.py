@@ -89,8 +89,6 @@ def _chunked_cross_entropy(session: Any, target: Any) -> None:
 
 
 def _compile(session: Any, target: Any) -> None:
-    from dataclasses import replace
-
     from posttune_memory.compile import apply
 
     options = session.plan.memory_options["compile"]

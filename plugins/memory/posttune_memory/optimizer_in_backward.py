@@ -33,6 +33,7 @@ import torch
 
 from posttune.plugin import PosttuneError, full_value, is_dtensor, sum_over_token_ranks, token_group
 
+
 def apply(session: Any, target: Any) -> None:
     if any(is_dtensor(p) for p in session.trainable.parameters()):
         # FSDP2 would call the hooks after its reduce-scatter, but sharded (DCP) checkpoints
