@@ -10,7 +10,9 @@ Modes: ``full`` (full SFT), ``lora`` (LoRA r8 on q/v/o, alpha 16, no dropout), `
 beta 0.1, the reference a frozen copy on both sides), and posttune only: ``packing`` (padded vs
 packed rows, same data), ``compile`` (without vs with ``memory: [compile]``; refused in one
 line when no installed plugin registers that technique), ``dpo_layout`` (DPO's padded pairs vs
-its padding-free default), ``packing_layout`` (SFT's padding-free samples vs packed rows),
+its padding-free default), ``dpo_prompt`` (DPO's padding-free pairs with each prompt computed per
+response, ``share_prompt: false``, vs once, the default), ``packing_layout`` (SFT's padding-free
+samples vs packed rows),
 ``packed_rows`` (packed rows of exactly ``max_seq_len``, ``padding_free: false``, vs packed rows
 end to end without their tails, the default) and ``rm_layout`` (posttune-rm's padded pairs vs its
 padding-free default, on DPO's pairs).
@@ -121,6 +123,8 @@ MODES = {
     "compile": (("posttune", {"task": "posttune"}), ("posttune-compile", {"task": "posttune", "compile": True})),
     "dpo_layout": (("posttune-dpo-padded", {"task": "posttune", "padding_free": False}),
                    ("posttune-dpo-padding-free", {"task": "posttune"})),
+    "dpo_prompt": (("posttune-dpo-prompt-twice", {"task": "posttune", "share_prompt": False}),
+                   ("posttune-dpo-shared-prompt", {"task": "posttune"})),
     "packing_layout": (("posttune-padding-free", {"task": "posttune"}),
                        ("posttune-packed", {"task": "posttune", "packing": True})),
     "packed_rows": (("posttune-packed-fixed", {"task": "posttune", "packing": True, "padding_free": False}),
@@ -138,13 +142,13 @@ MODES = {
                     ("torchtune-lora-dpo", {"task": "torchtune", "lora": True})),
 }
 RATIO = {"full": "posttune/hf", "lora": "posttune/hf", "dpo": "posttune/hf", "packing": "packed/padded",
-         "compile": "compiled/uncompiled", "dpo_layout": "padding-free/padded",
+         "compile": "compiled/uncompiled", "dpo_layout": "padding-free/padded", "dpo_prompt": "shared/twice",
          "packing_layout": "packed/padding-free", "packed_rows": "padding-free/fixed rows",
          "rm_layout": "padding-free/padded",
          "tt_full": "posttune/torchtune", "tt_packed": "posttune/torchtune", "tt_fastest": "posttune/torchtune",
          "hf_padding_free": "posttune/hf", "tt_lora_dpo": "posttune/torchtune"}
 #: posttune-only modes: the second side over the first
-AGAINST_ITSELF = ("packing", "compile", "dpo_layout", "packing_layout", "packed_rows", "rm_layout")
+AGAINST_ITSELF = ("packing", "compile", "dpo_layout", "dpo_prompt", "packing_layout", "packed_rows", "rm_layout")
 #: posttune against a peer on the same batches (the per-step token counts and losses are compared)
 SAME_BATCHES = ("full", "lora", "dpo", "tt_full", "hf_padding_free", "tt_lora_dpo")
 #: posttune against a peer on differently packed rows: the batches differ, the losses are only indicative
@@ -240,8 +244,8 @@ def main() -> int:
             for index in range(args.runs):
                 for side, extra in MODES[mode]:
                     out = work / "runs" / f"{mode}-{side}-{index}"
-                    kind = ("dpo" if mode in ("dpo", "dpo_layout", "tt_lora_dpo") else "rm" if mode == "rm_layout"
-                            else "lora" if mode == "lora" else "full")
+                    kind = ("dpo" if mode in ("dpo", "dpo_layout", "dpo_prompt", "tt_lora_dpo")
+                            else "rm" if mode == "rm_layout" else "lora" if mode == "lora" else "full")
                     spec = {**base, "mode": kind, **extra, "out": str(out)}
                     result = (run_child_with(torchtune["python"], TORCHTUNE_CHILD, spec, env=env)
                               if spec["task"] == "torchtune" else run_child(CHILD, spec, env=env))

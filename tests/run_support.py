@@ -78,14 +78,22 @@ def grpo_config(tmp_path: Path, *, rows: int = 8, **sections: Any) -> dict:
 
 
 def pair_rows(batch: dict) -> dict:
-    """A pair batch as padded rows [2b, longest] (pad 0, labels -100): a padding-free batch's
-    document d becomes row d; a padded batch is returned as it is."""
+    """A pair batch as padded rows [2b, longest] (pad 0, labels -100), the chosen responses first: a
+    padding-free batch's document d becomes row d; with a shared prompt (``positions``), pair i's documents
+    2i and 2i + 1 become rows i and b + i, the prompt written out again in front of the second; a padded
+    batch is returned as it is."""
     import torch
 
     if "document_ids" not in batch:
         return batch
     ids, labels, documents = batch["input_ids"][0], batch["labels"][0], batch["document_ids"][0]
     rows = [(ids[documents == d], labels[documents == d]) for d in range(2 * batch["rows"].numel())]
+    if "positions" in batch:
+        starts = [int(batch["positions"][0][documents == d][0]) for d in range(len(rows))]
+        rows = [(torch.cat([rows[d - 1][0][:starts[d]], row_ids]),
+                 torch.cat([torch.full((starts[d],), -100), row_labels])) if d % 2 else (row_ids, row_labels)
+                for d, (row_ids, row_labels) in enumerate(rows)]
+        rows = rows[0::2] + rows[1::2]
     width = max(len(row_ids) for row_ids, _ in rows)
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
     padded_labels = torch.full_like(input_ids, -100)

@@ -20,7 +20,8 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
     work, mode = Path(spec["work"]), spec["mode"]
     dpo = mode in ("dpo", "rm")  # the reward model reads DPO's preference pairs
     padding_free = spec.get("padding_free", True)  # every method's default: padding-free rows
-    method = ({"name": "dpo", "loss_type": "sigmoid", "beta": 0.1, "padding_free": padding_free} if mode == "dpo" else
+    method = ({"name": "dpo", "loss_type": "sigmoid", "beta": 0.1, "padding_free": padding_free,
+               "share_prompt": spec.get("share_prompt", True)} if mode == "dpo" else
               {"name": "reward_model", "padding_free": padding_free} if mode == "rm" else
               {"name": "sft", "packing": bool(spec.get("packing")), "padding_free": padding_free})
     config: dict[str, Any] = {

@@ -25,7 +25,8 @@ def token_cross_entropy(session: Any, batch: dict[str, torch.Tensor]) -> tuple[t
     kernel = getattr(session, "loss_kernel", None)
     if kernel is not None:
         return kernel.cross_entropy(session.model, batch)
-    logits = session.model(batch["input_ids"], document_ids=batch.get("document_ids"))
+    logits = session.model(batch["input_ids"], document_ids=batch.get("document_ids"),
+                           positions=batch.get("positions"))
     labels = batch["labels"]
     loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
@@ -48,7 +49,8 @@ def token_logps(session: Any, batch: dict[str, torch.Tensor], model: Any = None,
         kernel = getattr(session, "loss_kernel", None)
         if kernel is not None:
             return kernel.logps(module, batch, temperature)
-        logits = module(batch["input_ids"], document_ids=batch.get("document_ids"))
+        logits = module(batch["input_ids"], document_ids=batch.get("document_ids"),
+                        positions=batch.get("positions"))
         if temperature != 1.0:
             logits = logits / temperature
         labels = batch["labels"]

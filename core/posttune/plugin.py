@@ -82,8 +82,9 @@ _LAZY: dict[str, str] = {
     "train_briefly": "posttune.training.warm_start",
     # distributed helpers (one process: the same calls, no communication)
     **dict.fromkeys([
-        "all_reduce_max", "all_reduce_sum", "data_rank", "full_value", "is_dtensor", "padded_sequence", "step_context",
-        "sum_over_token_ranks", "to_device", "token_group", "token_mesh", "world_size",
+        "all_reduce_max", "all_reduce_sum", "data_rank", "full_value", "is_dtensor", "padded_sequence",
+        "splits_sequence", "step_context", "sum_over_token_ranks", "to_device", "token_group", "token_mesh",
+        "world_size",
     ], "posttune.training.distributed"),
 }
 

@@ -1,6 +1,7 @@
 """DPO, cDPO, IPO and SimPO on a real model and batch: losses, rewards and gradients equal the
 papers' formulas computed independently (plain log-softmax over padded rows, no posttune loss code),
-fp32, 1e-6, for padded and padding-free (one row of documents) batches alike."""
+fp32, 1e-6, for padded and padding-free (one row of documents) batches alike, with each pair's prompt
+computed once (``share_prompt``) or per response."""
 
 from __future__ import annotations
 
@@ -61,13 +62,13 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize("padding_free", [True, False], ids=["padding_free", "padded"])
+@pytest.mark.parametrize("layout", ["shared_prompt", "padding_free", "padded"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dpo_config, tmp_path, case,
-                                                               padding_free):
+def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dpo_config, tmp_path, case, layout):
     settings = CASES[case]
+    padding_free, shared = layout != "padded", layout == "shared_prompt"
     session = compose_run(make_dpo_config(tmp_path, rows=8, method={"name": "dpo", "padding_free": padding_free,
-                                                                    **settings}))
+                                                                    "share_prompt": shared, **settings}))
     assert ("reference" in session.models) == (settings["loss_type"] != "simpo")
     perturb(session.model)
     batch = next(iter(session.train_data))
@@ -78,7 +79,10 @@ def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dp
     assert ("document_ids" in batch) == padding_free
     rows = 1 if padding_free else 8  # chosen and rejected in one forward pass
     assert forwards == [(rows, batch["input_ids"].shape[1], 384)]
-    if padding_free:  # no padding computed: the row is the 8 responses end to end
+    assert ("positions" in batch) == shared
+    if shared:  # each rejected response without the prompt tokens it shares with its chosen one
+        assert batch["input_ids"].shape[1] < int(batch["num_tokens"])
+    elif padding_free:  # no padding computed: the row is the 8 responses end to end
         assert batch["input_ids"].shape[1] == int(batch["num_tokens"])
     assert out.unit == "pairs" and float(out.normaliser) == 4
     (out.loss_sum / out.normaliser).backward()

@@ -71,7 +71,8 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
      "config: data.train.format: 'chat' gives conversation rows; method 'dpo' needs preference rows"),
     ({"data": {"packing": True}}, "config: data.packing: moved: set method.packing"),
     ({"method": {"name": "dpo", "packing": True}}, "config: method.packing: unknown key (keys: loss_type, beta, "
-                                                   "label_smoothing, simpo_gamma, precompute_reference, padding_free)"),
+                                                   "label_smoothing, simpo_gamma, precompute_reference, padding_free, "
+                                                   "share_prompt)"),
     ({"method": {"name": "dpo", "beta": 0}}, "config: method.beta: expected a positive number, got 0.0"),
     ({"method": {"name": "dpo", "loss_type": "ipo", "label_smoothing": 0.1}},
      "config: method.label_smoothing: ipo has no label smoothing (it is a squared loss); use loss_type sigmoid "

@@ -42,7 +42,7 @@ def test_dpo_estimate_counts_the_tokens_its_forward_holds(llama_dpo, tmp_path, m
     the estimate's tokens are exactly the first micro-batch's."""
     data = {"pad_to_multiple_of": multiple} if multiple else {}
     config = tiny_run_config(tmp_path, full_pairs(8), fmt="preference", batch_size=4, data=data,
-                             base_method={"name": "dpo", "padding_free": padding_free})
+                             base_method={"name": "dpo", "padding_free": padding_free, "share_prompt": False})
     tokens, _ = planned_tokens(config)
     batch = next(iter(compose_run(config).train_data))
     if padding_free:
@@ -50,6 +50,9 @@ def test_dpo_estimate_counts_the_tokens_its_forward_holds(llama_dpo, tmp_path, m
     else:
         assert batch["input_ids"].shape == (2 * 4, {None: 48, 32: 64, 100: 100}[multiple])
     assert tokens == batch["input_ids"].numel()
+    if padding_free:  # a shared prompt (the default) only shortens the row: the estimate stays the worst case
+        config["method"]["share_prompt"] = True
+        assert tokens > next(iter(compose_run(config).train_data))["input_ids"].numel()
 
 
 def test_dpo_estimate_is_an_upper_bound_for_short_pairs(llama_dpo, tmp_path, make_dpo_config):

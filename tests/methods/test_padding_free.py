@@ -136,31 +136,100 @@ def test_packed_rows_go_end_to_end_without_their_tails_and_train_as_fixed_rows_d
     assert_same_training((flat_losses, flat), (fixed_losses, fixed))
 
 
+def test_shared_prompt_pairs_hold_each_prompt_once_and_the_rest_of_each_response():
+    prompt = [1, 2, 3]  # the last prompt token predicts each response's first token: both keep it
+    pairs = [[sample(prompt + [4, 5], [IGNORE_INDEX, IGNORE_INDEX, 4, 5, 2], 7),
+              sample(prompt + [6], [IGNORE_INDEX, IGNORE_INDEX, 6, 2], 7)],
+             [sample([9, 8], [8, 2], 9), sample([9, 7, 7], [7, 7, 2], 9)]]  # no untrained prefix: nothing shared
+    shared = pair_batch(pairs, pad_id=0, padding_free=True, share_prompt=True, pad_to_multiple_of=8)
+    assert shared["input_ids"].tolist() == [[1, 2, 3, 4, 5, 3, 6, 9, 8, 9, 7, 7, 0, 0, 0, 0]]
+    assert shared["labels"].tolist()[0][:12] == [IGNORE_INDEX, IGNORE_INDEX, 4, 5, 2, 6, 2, 8, 2, 7, 7, 2]
+    assert shared["document_ids"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 3, 4, 4, 4, 4]]
+    assert shared["positions"].tolist() == [[0, 1, 2, 3, 4, 2, 3, 0, 1, 0, 1, 2, 0, 1, 2, 3]]
+    assert shared["rows"].tolist() == [7, 9] and int(shared["num_tokens"]) == 14  # what the pairs hold
+    empty = pair_batch([], pad_id=0, padding_free=True, share_prompt=True)
+    assert empty["document_ids"].tolist() == [[0, 1]] and empty["positions"].tolist() == [[0, 0]]
+    assert empty["labels"].eq(IGNORE_INDEX).all()
+
+
 def test_padding_free_dpo_equals_padded_dpo(llama_dpo, tmp_path):
-    """Rewards and log-probs per pair, losses and weights after 4 steps: the same as padded pairs."""
-    flat_losses, flat_tokens, flat = losses(tmp_path / "flat", make=dpo_config, name="dpo")
+    """Rewards and log-probs per pair, losses and weights after 4 steps: the same as padded pairs.
+    Each pair's prompt computed once (the default) trains the same way too, within a looser bound:
+    its keys sum two responses' gradients in another order, and Adam's first steps turn rounding in
+    near-zero gradients into whole updates (loss 5e-6 apart after one step, 6e-5 after three);
+    ``test_a_shared_prompt_gives_the_dpo_loss_and_gradients_of_two_copies`` pins one step exactly."""
+    twice_losses, twice_tokens, twice = losses(tmp_path / "twice", make=dpo_config, name="dpo", share_prompt=False)
     padded_losses, padded_tokens, padded = losses(tmp_path / "padded", make=dpo_config, name="dpo", padding_free=False)
-    assert flat["batch"]["input_ids"].shape[0] == 1 and padded["batch"]["input_ids"].shape[0] == 8
-    assert flat["batch"]["input_ids"].numel() < padded["batch"]["input_ids"].numel()  # no padding computed
-    assert flat_tokens == padded_tokens and len(flat_losses) == 4 and flat_losses[0] != flat_losses[-1]
-    assert_same_training((flat_losses, flat), (padded_losses, padded))
+    shared_losses, shared_tokens, shared = losses(tmp_path / "shared", make=dpo_config, name="dpo")
+    assert twice["batch"]["input_ids"].shape[0] == 1 and padded["batch"]["input_ids"].shape[0] == 8
+    assert "positions" in shared["batch"] and "positions" not in twice["batch"]
+    # no padding computed; and the prompts once
+    assert (shared["batch"]["input_ids"].numel() < twice["batch"]["input_ids"].numel()
+            < padded["batch"]["input_ids"].numel())
+    assert shared_tokens == twice_tokens == padded_tokens and len(twice_losses) == 4
+    assert twice_losses[0] != twice_losses[-1]
+    assert_same_training((twice_losses, twice), (padded_losses, padded))
+    torch.testing.assert_close(shared_losses, padded_losses, rtol=0, atol=5e-4)
+
+
+def assert_shared_prompt_step_equals_two_copies(session, loss) -> None:
+    """One step's loss, metrics and gradients on the same weights and pairs: the prompt computed once
+    (``share_prompt``) or once per response (fp32; the gradients of a sum over 4 pairs, 1e-6)."""
+    pairs = [session.train_data.get_item(index) for index in range(4)]
+    results = []
+    for share in (True, False):
+        batch = pair_batch(pairs, pad_id=0, padding_free=True, share_prompt=share)
+        session.model.zero_grad()
+        out = loss(session, batch)
+        out.loss_sum.backward()
+        grads = {name: p.grad.clone() for name, p in session.model.named_parameters() if p.grad is not None}
+        results.append((batch["input_ids"].shape[1], out, grads))
+    (shared_width, shared, shared_grads), (twice_width, twice, twice_grads) = results
+    assert shared_width < twice_width
+    torch.testing.assert_close(shared.loss_sum, twice.loss_sum, rtol=0, atol=1e-6)
+    for name, (value, _count) in twice.metrics.items():
+        torch.testing.assert_close(shared.metrics[name][0], value, rtol=0, atol=1e-5, msg=name)
+    assert shared_grads.keys() == twice_grads.keys() and len(twice_grads) > 0
+    for name, grad in twice_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_shared_prompt_gives_the_dpo_loss_and_gradients_of_two_copies(llama_dpo, tmp_path):
+    from posttune_dpo.method import loss
+
+    session = compose_run(dpo_config(tmp_path, rows=16, train={"batch_size": 4}, method={"name": "dpo"}))
+    assert_shared_prompt_step_equals_two_copies(session, loss)
+
+
+def test_a_shared_prompt_gives_the_reward_model_loss_and_gradients_of_two_copies(llama_dpo, register_plugin, tmp_path):
+    import posttune_rm
+    from posttune_rm.method import loss
+
+    register_plugin(posttune_rm, distribution="posttune-rm", version="0.1.0")
+    config = {**dpo_config(tmp_path, rows=16, train={"batch_size": 4}), "method": {"name": "reward_model"}}
+    assert_shared_prompt_step_equals_two_copies(compose_run(config), loss)
 
 
 def test_padding_free_reward_model_equals_padded(llama_dpo, register_plugin, tmp_path):
-    """The reward model's pairs (posttune-rm): rewards, losses and weights as with padded pairs."""
+    """The reward model's pairs (posttune-rm): rewards, losses and weights as with padded pairs (with each
+    prompt computed once, the default, within the looser bound the DPO test explains)."""
     import posttune_rm
 
     def rm_config(tmp_path: Path, *, method: dict, **sections) -> dict:
         return {**dpo_config(tmp_path, **sections), "method": method}  # DPO's pairs, without its settings
 
     register_plugin(posttune_rm, distribution="posttune-rm", version="0.1.0")
-    flat_losses, flat_tokens, flat = losses(tmp_path / "flat", make=rm_config, name="reward_model")
+    flat_losses, flat_tokens, flat = losses(tmp_path / "flat", make=rm_config, name="reward_model",
+                                            share_prompt=False)
     padded_losses, padded_tokens, padded = losses(tmp_path / "padded", make=rm_config, name="reward_model",
                                                   padding_free=False)
+    shared_losses, shared_tokens, shared = losses(tmp_path / "shared", make=rm_config, name="reward_model")
     assert flat["batch"]["input_ids"].shape[0] == 1 and padded["batch"]["input_ids"].shape[0] == 8
     assert flat["batch"]["input_ids"].numel() < padded["batch"]["input_ids"].numel()  # no padding computed
-    assert flat_tokens == padded_tokens and len(flat_losses) == 4 and flat_losses[0] != flat_losses[-1]
+    assert shared["batch"]["input_ids"].numel() < flat["batch"]["input_ids"].numel()  # and the prompts once
+    assert flat_tokens == padded_tokens == shared_tokens and len(flat_losses) == 4 and flat_losses[0] != flat_losses[-1]
     assert_same_training((flat_losses, flat), (padded_losses, padded))
+    torch.testing.assert_close(shared_losses, padded_losses, rtol=0, atol=5e-4)  # see the DPO test's docstring
 
 
 def test_sft_refuses_to_group_packed_rows(llama_dpo, tmp_path):

@@ -129,3 +129,16 @@ def test_importing_the_plugins_does_not_import_torch():
     code = ("import sys, posttune_fsdp2, posttune_tp, posttune_loss_parallel; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_cp_refuses_a_batch_whose_documents_continue_a_shared_prefix():
+    """Its flex mask keeps documents apart, so a shared prompt (DPO's share_prompt) would be lost."""
+    import torch
+
+    from posttune.errors import PosttuneError
+    from posttune_cp.shard import refuse_shared_prefixes
+
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2]])
+    refuse_shared_prefixes(documents, torch.tensor([[0, 1, 2, 0, 1, 0]]))  # documents of their own: fine
+    with pytest.raises(PosttuneError, match=r"^context parallelism: a document of this batch continues a shared"):
+        refuse_shared_prefixes(documents, torch.tensor([[0, 1, 2, 2, 3, 0]]))

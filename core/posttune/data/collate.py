@@ -12,7 +12,9 @@ Batch dict keys:
 ``pair_batch`` (preference pairs) stacks the chosen samples, then the rejected ones, so one
 forward pass scores both: rows ``i`` and ``b + i`` are pair i; ``rows`` LongTensor [b] holds each
 pair's dataset row (-1 for a placeholder), the key under which a method keeps per-pair data.
-With ``padding_free`` the same 2b samples are documents 0..2b-1 of one row (``flat_batch``'s layout).
+With ``padding_free`` the same 2b samples are documents 0..2b-1 of one row (``flat_batch``'s layout);
+with ``share_prompt`` too, pair i is documents 2i and 2i+1, its prompt computed once (``positions``
+LongTensor [b, s] says where the second continues the first: ``shared_prompt_row``).
 
 ``flat_batch`` (``data.padding_free``) puts the samples of a padded batch end to end in one row
 with ``document_ids``: the padded batch's loss and gradients without any padding computed.
@@ -43,17 +45,21 @@ def padded_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: i
 
 
 def pair_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int | None = None,
-               padding_free: bool = False) -> dict[str, Any]:
+               padding_free: bool = False, share_prompt: bool = False) -> dict[str, Any]:
     """Preference pairs ``[chosen, rejected]``: chosen rows first, then rejected, right-padded.
 
     An empty share becomes one placeholder pair without targets (``rows`` -1). ``padding_free``:
     the same samples in the same order end to end in ONE row with ``document_ids`` (``flat_batch``),
     document ``i`` the i-th row of the padded form (a placeholder a one-token document).
+    ``share_prompt`` (with ``padding_free``): each pair's prompt once, documents ``2i`` and ``2i + 1``
+    pair i's chosen and rejected responses (``shared_prompt_row``).
     """
     chosen, rejected = [row[0] for row in rows], [row[1] for row in rows]
     count = max(len(rows), 1)
     samples = chosen + [None] * (count - len(rows)) + rejected + [None] * (count - len(rows))
-    if padding_free:
+    if padding_free and share_prompt:
+        batch = shared_prompt_row(list(zip(samples[:count], samples[count:])), pad_id, pad_to_multiple_of)
+    elif padding_free:
         batch = _flat(samples, pad_id, pad_to_multiple_of)
     else:
         input_ids, labels = _pad(samples, pad_id, rows=2 * count, multiple=pad_to_multiple_of)
@@ -126,6 +132,50 @@ def _flat(samples: list[Sample | None], pad_id: int, multiple: int | None) -> di
         document_ids[0, start:end] = document
         start = end
     return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
+
+
+def shared_prompt_row(pairs: list[tuple[Sample | None, Sample | None]], pad_id: int,
+                      multiple: int | None) -> dict[str, torch.Tensor]:
+    """Pairs end to end in one row, each pair's shared untrained prefix (its prompt) computed once.
+
+    Pair i is documents ``2i`` (the first response, whole) and ``2i + 1`` (the second, without the
+    leading tokens it shares with the first, where neither has a target): ``positions`` start the
+    second document at the number of tokens it leaves out, so it attends to the first document's
+    copy of them (``modules.attention``) and every token sees what it would see alone. The last
+    prompt token stays in both documents: its prediction is each response's first target. A None
+    sample (a placeholder) is one padding token; the row's tail, to ``multiple``, one more document.
+    """
+    parts: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (ids, labels, first position) per document
+    for first, second in pairs:
+        skip = _shared_prefix(first, second)
+        for sample, start in ((first, 0), (second, skip)):
+            if sample is None:
+                parts.append((torch.tensor([pad_id]), torch.tensor([IGNORE_INDEX]), 0))
+            else:
+                parts.append((sample.ids[start:], sample.labels[start:], start))
+    total = sum(len(ids) for ids, _, _ in parts)
+    width = -(-total // multiple) * multiple if multiple else total
+    input_ids = torch.full((1, width), pad_id, dtype=torch.long)
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    document_ids = torch.full_like(input_ids, len(parts))
+    positions = torch.arange(width).unsqueeze(0) - total  # the tail's positions: 0, 1, ...
+    end = 0
+    for document, (ids, targets, start) in enumerate(parts):
+        end, begin = end + len(ids), end
+        input_ids[0, begin:end], labels[0, begin:end], document_ids[0, begin:end] = ids, targets, document
+        positions[0, begin:end] = torch.arange(start, start + len(ids))
+    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids, "positions": positions}
+
+
+def _shared_prefix(first: Sample | None, second: Sample | None) -> int:
+    """How many leading tokens ``second`` can take from ``first``: equal ids, no target in either,
+    and at least one token of ``second`` left."""
+    if first is None or second is None:
+        return 0
+    length = min(len(first), len(second) - 1)
+    same = ((first.ids[:length] == second.ids[:length]) & (first.labels[:length] == IGNORE_INDEX)
+            & (second.labels[:length] == IGNORE_INDEX))
+    return int(same.long().cumprod(0).sum()) if length > 0 else 0
 
 
 def _count(samples: list[Sample]) -> torch.Tensor:

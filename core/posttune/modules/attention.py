@@ -22,6 +22,13 @@ built: a packed row costs no more per token than a padded one. On CUDA, half-pre
 without a soft-cap run all documents in one varlen flash call instead (``varlen_attn``). The
 boolean mask stays for what needs it: KV caches, left padding, and document ids that do not
 form contiguous runs.
+
+Shared prefixes: with explicit ``positions``, a document whose first position is ``p > 0``
+continues the first ``p`` tokens of the last document before it that starts at 0 (its root):
+it attends to those keys, then causally to its own, exactly as if the prefix were written out
+in front of it. DPO's pairs use it to compute a prompt once for both responses (the chosen one
+is the root, the rejected one continues its prompt); a root may have several continuations
+(a group of completions of one prompt).
 """
 
 from __future__ import annotations
@@ -94,11 +101,14 @@ class DocumentSpans:
     row's tail padding is a document too, as in ``attention_mask``), summing to the row length.
     ``cu_seqlens`` (int32, on the batch's device, CUDA only) are the same boundaries over the
     flattened rows, what a varlen kernel takes; ``max_length`` the longest document.
+    ``prefixes[r]`` (empty: none) are, per document of row r, how many leading tokens of its root
+    it continues (0 for a document of its own; see the module docstring).
     """
 
     lengths: tuple[tuple[int, ...], ...]
     cu_seqlens: torch.Tensor | None = None
     max_length: int = 0
+    prefixes: tuple[tuple[int, ...], ...] = ()
 
     @_outside_compile
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: Dense, *, window: int | None,
@@ -115,12 +125,23 @@ class DocumentSpans:
     def per_document(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: Dense, *,
                      window: int | None) -> torch.Tensor:
         """One ``dense`` call per document on views of the row (split/cat keep the backward cheap:
-        no zero-filled full-size gradient per slice), causal unless a window binds."""
+        no zero-filled full-size gradient per slice), causal unless a window binds. A continuation
+        takes its root's first keys and values in front of its own, its queries the last ones."""
         rows = []
-        for q_row, k_row, v_row, lengths in zip(q.unbind(0), k.unbind(0), v.unbind(0), self.lengths):
-            parts = [dense(q_doc[None], k_doc[None], v_doc[None], _window_mask(q_doc.shape[1], window, q.device))[0]
-                     for q_doc, k_doc, v_doc in zip(q_row.split(lengths, 1), k_row.split(lengths, 1),
-                                                     v_row.split(lengths, 1))]
+        for row, (q_row, k_row, v_row, lengths) in enumerate(zip(q.unbind(0), k.unbind(0), v.unbind(0),
+                                                                 self.lengths)):
+            prefixes = self.prefixes[row] if self.prefixes else (0,) * len(lengths)
+            parts, root = [], (k_row[:, :0], v_row[:, :0])
+            for q_doc, k_doc, v_doc, prefix in zip(q_row.split(lengths, 1), k_row.split(lengths, 1),
+                                                   v_row.split(lengths, 1), prefixes):
+                if prefix:
+                    k_doc = torch.cat([root[0][:, :prefix], k_doc], dim=1)
+                    v_doc = torch.cat([root[1][:, :prefix], v_doc], dim=1)
+                    mask = attention_mask(q_doc.shape[1], k_doc.shape[1], device=q.device, sliding_window=window)
+                else:
+                    root = (k_doc, v_doc)
+                    mask = _window_mask(q_doc.shape[1], window, q.device)
+                parts.append(dense(q_doc[None], k_doc[None], v_doc[None], mask)[0])
             rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
         return torch.stack(rows)
 
@@ -154,9 +175,10 @@ def _window_mask(length: int, window: int | None, device: torch.device) -> torch
 
 
 @_outside_compile
-def document_spans(document_ids: torch.Tensor) -> DocumentSpans | None:
+def document_spans(document_ids: torch.Tensor, positions: torch.Tensor | None = None) -> DocumentSpans | None:
     """The ``DocumentSpans`` of ``document_ids`` [b, s], or None when some row uses an id in two
-    separate runs (only the mask is exact then). One device-to-host copy per forward."""
+    separate runs (only the mask is exact then). One device-to-host copy per forward (two with
+    ``positions``, whose value at each document's start is the prefix it continues)."""
     ids = document_ids.detach().cpu()
     seq = ids.shape[1]
     starts = ids[:, 1:] != ids[:, :-1]
@@ -164,17 +186,36 @@ def document_spans(document_ids: torch.Tensor) -> DocumentSpans | None:
     boundaries: list[list[int]] = [[0] for _ in range(ids.shape[0])]
     for row, cut in zip(rows.tolist(), (cuts + 1).tolist()):
         boundaries[row].append(cut)
-    lengths = []
-    for row_ids, bounds in zip(ids, boundaries):
+    starts_at = None if positions is None else positions.detach().cpu()
+    lengths, prefixes = [], []
+    for row, (row_ids, bounds) in enumerate(zip(ids, boundaries)):
+        prefix = (0,) * len(bounds) if starts_at is None else tuple(starts_at[row, bounds].tolist())
         if len(bounds) != torch.unique(row_ids).numel():
+            if any(prefix):
+                raise ValueError("documents that continue a shared prefix must be contiguous runs of one id")
             return None
         bounds.append(seq)
         lengths.append(tuple(end - start for start, end in zip(bounds, bounds[1:])))
-    if document_ids.device.type != "cuda":
-        return DocumentSpans(tuple(lengths))
+        prefixes.append(_checked_prefixes(lengths[-1], prefix, row))
+    shared = tuple(prefixes) if any(any(row) for row in prefixes) else ()
+    if document_ids.device.type != "cuda" or shared:  # varlen takes no shared prefix: per document
+        return DocumentSpans(tuple(lengths), prefixes=shared)
     flat = [length for row in lengths for length in row]
     offsets = torch.tensor([0, *flat], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return DocumentSpans(tuple(lengths), offsets.to(document_ids.device, non_blocking=True), max(flat))
+
+
+def _checked_prefixes(lengths: tuple[int, ...], prefixes: tuple[int, ...], row: int) -> tuple[int, ...]:
+    """``prefixes`` as given, once each is known to fit inside its root (the last document before
+    it that starts at position 0)."""
+    root = None
+    for index, (length, prefix) in enumerate(zip(lengths, prefixes)):
+        if prefix == 0:
+            root = length
+        elif root is None or not 0 < prefix <= root:
+            raise ValueError(f"row {row}, document {index}: positions start at {prefix}, but no earlier "
+                             f"document starting at 0 has that many tokens to continue")
+    return prefixes
 
 
 class Attention(nn.Module):

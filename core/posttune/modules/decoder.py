@@ -7,7 +7,9 @@ The native model contract every family returns from ``build``::
     logits = model.logits(hidden)  # == model.output(hidden) unless the model soft-caps logits
 
 Positions default to 0..s-1 (continuing from a KV cache's length); with ``document_ids`` they
-restart at 0 for each document of a packed row, and attention stays within each document.
+restart at 0 for each document of a packed row, and attention stays within each document;
+given explicitly with ``document_ids``, a document starting at ``p > 0`` continues the first ``p``
+tokens of the document it shares them with (a shared prompt: ``modules/attention.py``).
 ``padding_mask`` [b, kv_len] (True = a real token, over the cached tokens and these) serves
 left-padded batches in generation: no token attends to padding, and a row's positions count
 its real tokens only (the first real token is position 0, as transformers does from
@@ -103,6 +105,7 @@ class Decoder(nn.Module):
         if padding_mask is not None and padding_mask.shape != (batch, start + seq):
             raise ValueError(f"padding_mask must be [batch, cached + new tokens] = {[batch, start + seq]}, "
                              f"got {list(padding_mask.shape)}")
+        given = positions  # with document_ids: may continue shared prefixes (modules/attention.py)
         if positions is None and padding_mask is not None:
             if document_ids is not None:
                 raise ValueError("padding_mask and document_ids cannot be combined (a packed row has no padding)")
@@ -114,7 +117,7 @@ class Decoder(nn.Module):
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, device=x.device).to(x.dtype)  # fp32, then x's dtype
         # Packed rows: each document attends alone (modules/attention.py), found once for all layers.
-        spans = (document_spans(document_ids) if document_ids is not None and kv_cache is None
+        spans = (document_spans(document_ids, given) if document_ids is not None and kv_cache is None
                  and padding_mask is None else None)
         masks: dict[int | None, torch.Tensor | DocumentSpans | None] = {}  # one mask per distinct sliding window
         rotations: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # (cos, sin) per RoPE in use

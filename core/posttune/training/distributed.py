@@ -101,6 +101,12 @@ def token_mesh(session: Any) -> Any:
     return split_mesh(session, TOKEN_SPLITS)
 
 
+def splits_sequence(session: Any) -> bool:
+    """Whether a mesh dimension of the run splits each row's positions across ranks (context
+    parallelism): a batch layout that needs a whole row on one rank checks this."""
+    return session.mesh is not None and any(dim.splits == "sequence" for dim in session.plan.mesh_dims.values())
+
+
 def data_rank(session: Any) -> tuple[int, int]:
     """(coordinate, size) of this rank along the dimensions that split the batch: what loaders shard by.
 
@@ -208,7 +214,10 @@ def padded_sequence(batch: Any, multiple: int) -> Iterator[None]:
         if extra:
             for key, value in list(batch.items()):
                 if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == length:
-                    batch[key] = _pad(value, extra, PAD_RULES.get(key, 0))
+                    rule = PAD_RULES.get(key, 0)
+                    if key == "positions" and "document_ids" in batch:  # the padding is a document of its own
+                        rule = "restart"
+                    batch[key] = _pad(value, extra, rule)
     yield
 
 
@@ -218,6 +227,8 @@ def _pad(value: torch.Tensor, extra: int, rule: Any) -> torch.Tensor:
         tail = (last + 1).expand(-1, extra)
     elif rule == "continue":
         tail = last + torch.arange(1, extra + 1, device=value.device)
+    elif rule == "restart":
+        tail = torch.arange(extra, device=value.device).expand(value.shape[0], -1)
     else:
         tail = torch.full((value.shape[0], extra), rule, dtype=value.dtype, device=value.device)
     return torch.cat([value, tail], dim=1)

@@ -133,13 +133,15 @@ def compiled_loss_kernel(compile_fn: Callable[[Callable[..., Any]], Callable[...
     summed, logps = compile_fn(summed_cross_entropy), compile_fn(label_logps)
 
     def cross_entropy(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(batch["input_ids"], document_ids=batch.get("document_ids"))
+        logits = model(batch["input_ids"], document_ids=batch.get("document_ids"),
+                       positions=batch.get("positions"))
         labels = batch["labels"]
         loss = (summed if torch.is_grad_enabled() else summed_cross_entropy)(logits, labels)
         return loss, (labels != IGNORE_INDEX).sum()
 
     def token_logps(model: Any, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-        logits = model(batch["input_ids"], document_ids=batch.get("document_ids"))
+        logits = model(batch["input_ids"], document_ids=batch.get("document_ids"),
+                       positions=batch.get("positions"))
         return (logps if torch.is_grad_enabled() else label_logps)(logits, batch["labels"], float(temperature))
 
     return LossKernel(cross_entropy=cross_entropy, logps=token_logps, name="compile")

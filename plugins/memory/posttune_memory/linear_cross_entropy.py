@@ -75,7 +75,8 @@ def token_logps(model: Any, batch: dict[str, torch.Tensor], *, chunk_size: int,
 def labelled_rows(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[Any, ...]]:
     """(mask of labelled positions, the kernels' arguments for them: hidden rows, head weight,
     targets, bias, soft-cap). Ignored positions (prompts, padding) are dropped before the head."""
-    hidden = model.hidden_states(batch["input_ids"], document_ids=batch.get("document_ids"))
+    hidden = model.hidden_states(batch["input_ids"], document_ids=batch.get("document_ids"),
+                                 positions=batch.get("positions"))
     labels = batch["labels"]
     keep = labels != IGNORE_INDEX
     weight, bias = head_weight(model.output)

@@ -8,6 +8,7 @@
       simpo_gamma: 0.5            # SimPO's target reward margin (simpo only)
       precompute_reference: false # score every pair with the reference once, then free it
       padding_free: true          # every response its own document of one row; false: padded rows
+      share_prompt: true          # padding-free: each pair's prompt computed once for both responses
 
 Written against the public plugin surface only (``posttune.plugin``). Importing this package
 does not import torch. The losses are in ``losses.py``, the data, reference and loss wiring
@@ -39,6 +40,9 @@ class DPOConfig:
     # the batch's responses end to end in one row, each its own document: no padding computed (the
     # padded batch's losses); false: padded rows, 2 x batch_size of them
     padding_free: bool = True
+    # padding-free: each pair's prompt computed once, the rejected response attending to the chosen one's
+    # copy (the same losses); off under a plan that splits the sequence (context parallelism)
+    share_prompt: bool = True
 
 
 def roles(config: DPOConfig) -> tuple[ModelRole, ...]:

@@ -4,7 +4,8 @@
   template, the prompt masked, its tail kept under ``max_prompt_len``), batched by
   ``pair_batch``: the chosen responses, then the rejected ones, in *one* forward pass; by
   default padding-free (``padding_free``), every response its own document of one row, so no
-  padding is computed (each pair's prompt is computed twice, once per response: docs/dpo.md).
+  padding is computed, and each pair's prompt computed once (``share_prompt``: the rejected
+  response continues the chosen one's prompt; docs/dpo.md).
 - the reference: the ``reference`` model role. The core builds it as a frozen copy of the
   policy's source (sharded like the policy under FSDP2), or hands the policy itself with its
   adapters disabled when LoRA/DoRA trains (no copy); with ``precompute_reference`` it is used
@@ -26,13 +27,16 @@ REFERENCE = "reference"
 
 
 def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
-    from posttune.plugin import pad_id, pair_batch, pair_loader
+    from posttune.plugin import pad_id, pair_batch, pair_loader, splits_sequence
 
     pad, multiple = pad_id(session.tokenizer), session.config.data.pad_to_multiple_of
     padding_free = session.method_config.padding_free
+    # a plan that splits the sequence (context parallelism) keeps each document to itself
+    share = padding_free and session.method_config.share_prompt and not splits_sequence(session)
 
     def collate(rows: list) -> dict[str, Any]:
-        batch = pair_batch(rows, pad_id=pad, pad_to_multiple_of=multiple, padding_free=padding_free)
+        batch = pair_batch(rows, pad_id=pad, pad_to_multiple_of=multiple, padding_free=padding_free,
+                           share_prompt=share)
         batch["split"] = split  # which precomputed reference table holds these pairs
         return batch
 
@@ -81,7 +85,10 @@ def pair_logps(token_values: torch.Tensor, batch: dict[str, Any], average: bool)
         return sequence_logps(token_values, batch["labels"], average=average).chunk(2)
     pairs = batch["rows"].numel()  # documents 0..2 * pairs - 1; a later id is the row's tail padding
     per_document = sequence_logps(token_values, batch["labels"], average=average, document_ids=documents)
-    return per_document[0, : 2 * pairs].chunk(2)
+    per_document = per_document[0, : 2 * pairs]
+    if "positions" in batch:  # share_prompt: pair i is documents 2i and 2i + 1
+        return per_document[0::2], per_document[1::2]
+    return per_document.chunk(2)
 
 
 def setup(session: Session) -> None:

@@ -5,6 +5,7 @@
       margin: 0.0                       # the chosen reward must beat the rejected by this much
       center_rewards_coefficient: null  # e.g. 0.01: pulls the rewards' mean towards 0 (Eisenstein et al. 2023)
       padding_free: true                # every response its own document of one row; false: padded rows
+      share_prompt: true                # padding-free: each pair's prompt computed once
 
 The policy is the family's decoder with a score head (one value per token) instead of the
 vocabulary head; a pair's rewards are the head's values at the last token of the chosen and the
@@ -35,6 +36,7 @@ class RewardModelConfig:
     margin: float = 0.0  # the chosen reward must exceed the rejected by this much before a pair stops teaching
     center_rewards_coefficient: float | None = None  # weight of mean((r_chosen + r_rejected)^2); TRL suggests 0.01
     padding_free: bool = True  # the pairs' responses end to end in one row, each its own document (as DPO)
+    share_prompt: bool = True  # padding-free: each pair's prompt computed once (as DPO; the same scores)
 
 
 def validate(config: RunConfig, method: RewardModelConfig) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from posttune.modules import Attention, FlexMask, block_mask, default_positions
-from posttune.plugin import ModelTarget, Session, padded_sequence
+from posttune.plugin import ModelTarget, PosttuneError, Session, padded_sequence
 
 MASK_ARG = 3  # Attention.forward(x, cos, sin, mask, cache)
 
@@ -56,6 +56,8 @@ class ContextParallel:
         positions = batch.get("positions")
         if positions is None:
             positions = default_positions(size, seq_len, document_ids=documents, device=ids.device)
+        elif documents is not None:
+            refuse_shared_prefixes(documents, positions)
         order = head_tail_order(seq_len, self.mesh.size()).to(ids.device)
         mine = order[self.mesh.get_local_rank()]
         for key, value in list(batch.items()):
@@ -70,6 +72,16 @@ class ContextParallel:
 
         group = self.mesh.get_group()
         return torch.cat(all_gather(k.contiguous(), group), dim=2), torch.cat(all_gather(v.contiguous(), group), dim=2)
+
+
+def refuse_shared_prefixes(documents: torch.Tensor, positions: torch.Tensor) -> None:
+    """The flex mask keeps each document to itself: a document that continues another's prefix
+    (its positions start above 0, ``posttune.modules.attention``) would silently lose that prefix."""
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    if bool((positions[starts] != 0).any()):
+        raise PosttuneError("context parallelism: a document of this batch continues a shared prefix (its "
+                            "positions start above 0), which the cp plan cannot attend to; batch without it")
 
 
 def causal_mask(local: torch.Tensor, gathered: torch.Tensor, documents: torch.Tensor | None, size: int) -> Any:
