@@ -101,3 +101,50 @@ def test_padding_a_shared_row_adds_a_document_whose_positions_restart():
     with padded_sequence(plain, 8):
         pass
     assert plain["positions"][0, 25:].tolist() == list(range(2, 9))
+
+
+def test_the_cuda_varlen_call_gathers_each_continuations_prefix_keys(monkeypatch):
+    """CPU has no varlen kernel, so a reference stands in for ``varlen_attn`` with flash attention's
+    alignment for more keys than queries (the causal window ends at the last key): what is checked
+    is the plumbing (gathered keys, separate key offsets) against the per-document path."""
+    import torch.nn.attention.varlen as varlen_module
+    import torch.nn.functional as F
+
+    import posttune.modules.attention as attention_module
+    from posttune.modules import Attention
+    from posttune.modules.attention import varlen_spans
+
+    calls = []
+
+    def reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        calls.append((max_q, max_k, tuple(window_size)))
+        out = []
+        for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()),
+                                      zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+            n, m = q1 - q0, k1 - k0
+            i, j = torch.arange(n)[:, None] + (m - n), torch.arange(m)[None, :]  # bottom-right aligned
+            allowed = (j <= i) & ((i - j <= window_size[0]) if window_size[0] >= 0 else True)
+            doc = [q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None], v[k0:k1].transpose(0, 1)[None]]
+            out.append(F.scaled_dot_product_attention(*doc, attn_mask=allowed, scale=scale,
+                                                      enable_gqa=enable_gqa)[0].transpose(0, 1))
+        return torch.cat(out)
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", reference)
+    monkeypatch.setattr(attention_module, "_flash_can_run", lambda q: True)
+    _, documents, positions = shared_row()
+    plain = document_spans(documents, positions)
+    spans = varlen_spans(plain.lengths, plain.prefixes, documents.shape[1], torch.device("cpu"))
+    assert spans.cu_seqlens_k.tolist() == [0, 9, 20, 30, 33, 37, 39] and spans.max_length_k == 11
+    torch.manual_seed(0)
+    attn = Attention(32, 4, 2, 8)
+    for window in (None, 4):
+        q = torch.randn(1, 4, 25, 8, requires_grad=True)
+        k, v = torch.randn(1, 2, 25, 8, requires_grad=True), torch.randn(1, 2, 25, 8, requires_grad=True)
+        got = spans.attend(q, k, v, attn.dense, window=window, softcap=None, scale=None)
+        got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+        expected = plain.attend(q, k, v, attn.dense, window=window, softcap=None, scale=None)
+        expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+        torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE)
+        for mine, theirs in zip(got_grads, expected_grads):  # the prefix keys get both documents' gradients
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=TOLERANCE)
+    assert calls == [(9, 11, (-1, 0)), (9, 11, (3, 0))]

@@ -28,13 +28,15 @@ continues the first ``p`` tokens of the last document before it that starts at 0
 it attends to those keys, then causally to its own, exactly as if the prefix were written out
 in front of it. DPO's pairs use it to compute a prompt once for both responses (the chosen one
 is the root, the rejected one continues its prompt); a root may have several continuations
-(a group of completions of one prompt).
+(a group of completions of one prompt). The varlen call takes them too: a continued document's
+keys are gathered (its root's first ones, then its own) and flash attention's causal window,
+aligned to the last key, does the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -102,13 +104,19 @@ class DocumentSpans:
     ``cu_seqlens`` (int32, on the batch's device, CUDA only) are the same boundaries over the
     flattened rows, what a varlen kernel takes; ``max_length`` the longest document.
     ``prefixes[r]`` (empty: none) are, per document of row r, how many leading tokens of its root
-    it continues (0 for a document of its own; see the module docstring).
+    it continues (0 for a document of its own; see the module docstring). For the varlen call a
+    continued document's keys are its root's first ones and then its own: ``key_index`` (int64)
+    picks each key of the call from the flattened rows, ``cu_seqlens_k``/``max_length_k`` bound
+    them per document (None/0: the keys are the queries' tokens).
     """
 
     lengths: tuple[tuple[int, ...], ...]
     cu_seqlens: torch.Tensor | None = None
     max_length: int = 0
     prefixes: tuple[tuple[int, ...], ...] = ()
+    key_index: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_length_k: int = 0
 
     @_outside_compile
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: Dense, *, window: int | None,
@@ -147,7 +155,9 @@ class DocumentSpans:
 
     def varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None,
                scale: float | None) -> torch.Tensor:
-        """All documents in one varlen flash-attention call (CUDA, half precision)."""
+        """All documents in one varlen flash-attention call (CUDA, half precision). A continued
+        document has more keys than queries: flash attention aligns its causal window to the last
+        key (bottom-right), so its queries see the whole prefix and then their own earlier keys."""
         from torch.nn.attention.varlen import varlen_attn
 
         batch, heads, seq, head_dim = q.shape
@@ -155,9 +165,14 @@ class DocumentSpans:
         def tokens(t: torch.Tensor) -> torch.Tensor:  # [b, h, s, d] -> [b * s, h, d]
             return t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim)
 
+        keys, values = tokens(k), tokens(v)
+        cu_k, max_k = self.cu_seqlens, self.max_length
+        if self.key_index is not None:
+            keys, values = keys.index_select(0, self.key_index), values.index_select(0, self.key_index)
+            cu_k, max_k = self.cu_seqlens_k, self.max_length_k
         left = -1 if window is None else window - 1  # a window of w keeps q - k < w
-        out = varlen_attn(tokens(q), tokens(k), tokens(v), self.cu_seqlens, self.cu_seqlens, self.max_length,
-                          self.max_length, scale=scale, window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1])
+        out = varlen_attn(tokens(q), keys, values, self.cu_seqlens, cu_k, self.max_length, max_k, scale=scale,
+                          window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1])
         return out.view(batch, seq, heads, head_dim).transpose(1, 2)
 
 
@@ -198,11 +213,33 @@ def document_spans(document_ids: torch.Tensor, positions: torch.Tensor | None = 
         lengths.append(tuple(end - start for start, end in zip(bounds, bounds[1:])))
         prefixes.append(_checked_prefixes(lengths[-1], prefix, row))
     shared = tuple(prefixes) if any(any(row) for row in prefixes) else ()
-    if document_ids.device.type != "cuda" or shared:  # varlen takes no shared prefix: per document
+    if document_ids.device.type != "cuda":
         return DocumentSpans(tuple(lengths), prefixes=shared)
+    return varlen_spans(tuple(lengths), shared, seq, document_ids.device)
+
+
+def varlen_spans(lengths: tuple[tuple[int, ...], ...], prefixes: tuple[tuple[int, ...], ...], seq: int,
+                 device: torch.device) -> DocumentSpans:
+    """``DocumentSpans`` with the boundaries a varlen kernel takes, on ``device`` (rows of ``seq`` tokens)."""
     flat = [length for row in lengths for length in row]
     offsets = torch.tensor([0, *flat], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return DocumentSpans(tuple(lengths), offsets.to(document_ids.device, non_blocking=True), max(flat))
+    spans = DocumentSpans(lengths, offsets.to(device, non_blocking=True), max(flat), prefixes=prefixes)
+    if not prefixes:
+        return spans
+    index, key_lengths = [], []
+    for row, (row_lengths, row_prefixes) in enumerate(zip(lengths, prefixes)):
+        start = root = row * seq
+        for length, prefix in zip(row_lengths, row_prefixes):
+            if prefix:
+                index.append(torch.arange(root, root + prefix))
+            else:
+                root = start
+            index.append(torch.arange(start, start + length))
+            key_lengths.append(prefix + length)
+            start += length
+    key_offsets = torch.tensor([0, *key_lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return replace(spans, key_index=torch.cat(index).to(device, non_blocking=True),
+                               cu_seqlens_k=key_offsets.to(device, non_blocking=True), max_length_k=max(key_lengths))
 
 
 def _checked_prefixes(lengths: tuple[int, ...], prefixes: tuple[int, ...], row: int) -> tuple[int, ...]:
