@@ -108,11 +108,15 @@ def install(session: Session, target: ModelTarget) -> None:
 
 
 def attach(model: nn.Module, state: ContextParallel) -> None:
-    """Positions into the model's forward, the flex mask into every attention block (during a step)."""
+    """Positions into the model's forward, the flex mask into every attention block (during a step).
+
+    The flex mask holds the documents, so the forward gets no ``document_ids``: the decoder would
+    otherwise find documents in this rank's shard (head and tail chunks, not one run of the row)
+    and read the global positions as prefixes to continue."""
 
     def positions(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if state.positions is not None:
-            kwargs = {**kwargs, "positions": state.positions}
+            kwargs = {**kwargs, "positions": state.positions, "document_ids": None}
         return args, kwargs
 
     def mask(_module: nn.Module, args: tuple) -> tuple:
