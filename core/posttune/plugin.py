@@ -56,7 +56,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys([
         "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptRow", "SampleMaker", "as_messages",
         "build_loader", "dataset_format", "make_loader", "pad_id", "packed_batch", "padded_batch", "flat_batch",
-        "pair_batch", "pair_loader", "pair_tokens", "prompt_loader",
+        "pair_batch", "pair_loader", "pair_tokens", "prompt_loader", "rows_as_documents", "documents_as_rows",
     ], "posttune.data"),
     # losses that honour the loss-stage technique (chunked) and final-logit soft-caps
     **dict.fromkeys(["token_cross_entropy", "token_logps", "sequence_logps"], "posttune.losses"),

@@ -18,7 +18,8 @@ per rank, resumable mid-epoch bitwise), `build` (all of it in one call).
 """
 
 from posttune.data.build import build_loader, dataset_format, make_loader, pair_loader, pair_tokens, prompt_loader
-from posttune.data.collate import flat_batch, pad_id, packed_batch, padded_batch, pair_batch
+from posttune.data.collate import (documents_as_rows, flat_batch, pad_id, packed_batch, padded_batch, pair_batch,
+                                   rows_as_documents)
 from posttune.data.loader import BatchLoader
 from posttune.data.loading import check_columns, load_rows, rename
 from posttune.data.packing import pack
@@ -29,7 +30,7 @@ from posttune.data.samples import IGNORE_INDEX, Sample, SampleMaker, SampleStore
 __all__ = [
     "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptMaker", "PromptRow", "PromptSample",
     "Sample", "SampleMaker", "SampleStore", "SkipCounts", "as_messages", "build_loader", "check_columns",
-    "dataset_format", "flat_batch", "load_rows", "make_loader", "pack", "pad_id", "packed_batch", "padded_batch",
+    "dataset_format", "documents_as_rows", "flat_batch", "load_rows", "make_loader", "pack", "pad_id", "packed_batch", "padded_batch",
     "pair_batch", "pair_loader", "pair_tokens", "preference_pair", "prompt_batch", "prompt_loader", "prompt_row",
-    "rename", "shift_labels",
+    "rename", "rows_as_documents", "shift_labels",
 ]

@@ -58,7 +58,8 @@ def pair_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int
     count = max(len(rows), 1)
     samples = chosen + [None] * (count - len(rows)) + rejected + [None] * (count - len(rows))
     if padding_free and share_prompt:
-        batch = shared_prompt_row(list(zip(samples[:count], samples[count:])), pad_id, pad_to_multiple_of)
+        interleaved = [sample for pair in zip(samples[:count], samples[count:]) for sample in pair]
+        batch = shared_prompt_row(interleaved, pad_id, pad_to_multiple_of)
     elif padding_free:
         batch = _flat(samples, pad_id, pad_to_multiple_of)
     else:
@@ -134,25 +135,28 @@ def _flat(samples: list[Sample | None], pad_id: int, multiple: int | None) -> di
     return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
 
 
-def shared_prompt_row(pairs: list[tuple[Sample | None, Sample | None]], pad_id: int,
-                      multiple: int | None) -> dict[str, torch.Tensor]:
-    """Pairs end to end in one row, each pair's shared untrained prefix (its prompt) computed once.
+def shared_prompt_row(samples: list[Sample | None], pad_id: int, multiple: int | None = None, *,
+                      share_prompt: bool = True) -> dict[str, torch.Tensor]:
+    """Samples end to end in one row, document i the i-th, each prompt computed once.
 
-    Pair i is documents ``2i`` (the first response, whole) and ``2i + 1`` (the second, without the
-    leading tokens it shares with the first, where neither has a target): ``positions`` start the
-    second document at the number of tokens it leaves out, so it attends to the first document's
-    copy of them (``modules.attention``) and every token sees what it would see alone. The last
-    prompt token stays in both documents: its prediction is each response's first target. A None
-    sample (a placeholder) is one padding token; the row's tail, to ``multiple``, one more document.
+    A sample's prompt is its leading tokens without a target, but the last of them (whose prediction
+    is the response's first target, so it stays). When the last sample that shares nothing (the
+    root) starts with the same prompt, the sample leaves it out: ``positions`` start its document
+    where the prompt ends, so it attends to the root's copy (``modules.attention``) and every token
+    sees what it would see alone. DPO's pairs (the rejected response continues the chosen one) and
+    a group of completions of one prompt both fit. A None sample (a placeholder) is one padding
+    token; the row's tail, to ``multiple``, one more document. ``share_prompt=False``: every
+    document whole (``flat_batch``'s layout, with positions).
     """
     parts: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (ids, labels, first position) per document
-    for first, second in pairs:
-        skip = _shared_prefix(first, second)
-        for sample, start in ((first, 0), (second, skip)):
-            if sample is None:
-                parts.append((torch.tensor([pad_id]), torch.tensor([IGNORE_INDEX]), 0))
-            else:
-                parts.append((sample.ids[start:], sample.labels[start:], start))
+    root: Sample | None = None
+    for sample in samples:
+        if sample is None:
+            parts.append((torch.tensor([pad_id]), torch.tensor([IGNORE_INDEX]), 0))
+            continue
+        skip = _shared_prefix(root, sample) if share_prompt else 0
+        root = sample if skip == 0 else root
+        parts.append((sample.ids[skip:], sample.labels[skip:], skip))
     total = sum(len(ids) for ids, _, _ in parts)
     width = -(-total // multiple) * multiple if multiple else total
     input_ids = torch.full((1, width), pad_id, dtype=torch.long)
@@ -167,15 +171,38 @@ def shared_prompt_row(pairs: list[tuple[Sample | None, Sample | None]], pad_id: 
     return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids, "positions": positions}
 
 
-def _shared_prefix(first: Sample | None, second: Sample | None) -> int:
-    """How many leading tokens ``second`` can take from ``first``: equal ids, no target in either,
-    and at least one token of ``second`` left."""
-    if first is None or second is None:
+def rows_as_documents(input_ids: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor, *, pad_id: int,
+                      share_prompt: bool = True) -> dict[str, torch.Tensor]:
+    """Right-padded rows ``[n, s]`` (row r's first ``lengths[r]`` tokens real) as one padding-free row of
+    documents, on their device: ``shared_prompt_row`` of the rows, so consecutive rows that start with
+    one prompt (a group of completions) compute it once. ``documents_as_rows`` maps per-token values back."""
+    ids, targets = input_ids.detach().cpu(), labels.detach().cpu()
+    samples = [Sample(ids[row, :size], targets[row, :size], row)
+               for row, size in enumerate(lengths.clamp(1, ids.shape[1]).tolist())]
+    batch = shared_prompt_row(samples, pad_id, share_prompt=share_prompt)
+    return {key: value.to(input_ids.device, non_blocking=True) for key, value in batch.items()}
+
+
+def documents_as_rows(values: torch.Tensor, batch: dict[str, torch.Tensor], rows: int, width: int) -> torch.Tensor:
+    """Per-token ``values`` ``[1, L]`` of ``rows_as_documents``' row back in the padded ``[rows, width]`` layout
+    (a document's positions are its row's columns; the columns it left out, and padding, get 0). Differentiable."""
+    documents, positions = batch["document_ids"][0], batch["positions"][0]
+    mine = documents < rows  # the tail, rounded up, is one more document
+    out = values.new_zeros(rows, width)
+    return out.index_put((documents[mine], positions[mine]), values[0][mine])
+
+
+def _shared_prefix(root: Sample | None, sample: Sample) -> int:
+    """How many leading tokens ``sample`` takes from ``root``: its whole prompt (the leading tokens
+    without a target, but its last token) when ``root`` starts with the same, else none. A sample
+    that shares only part of its prompt (another prompt after a common system turn) is a root of
+    its own, so that the samples after it can share all of its prompt."""
+    untrained = int((sample.labels[: len(sample) - 1] == IGNORE_INDEX).long().cumprod(0).sum())
+    if root is None or untrained == 0 or untrained > len(root):
         return 0
-    length = min(len(first), len(second) - 1)
-    same = ((first.ids[:length] == second.ids[:length]) & (first.labels[:length] == IGNORE_INDEX)
-            & (second.labels[:length] == IGNORE_INDEX))
-    return int(same.long().cumprod(0).sum()) if length > 0 else 0
+    head = slice(0, untrained)
+    shared = bool((root.ids[head] == sample.ids[head]).all() and (root.labels[head] == IGNORE_INDEX).all())
+    return untrained if shared else 0
 
 
 def _count(samples: list[Sample]) -> torch.Tensor:

@@ -12,6 +12,7 @@
       epsilon: 0.2                   # clip range; epsilon_high > epsilon is DAPO's clip-higher
       beta: 0.0                      # KL to the reference (k3); 0 builds no reference model
       engine: builtin                # the generation engine (`posttune ls engines`)
+      padding_free: true             # the learner's rows end to end, each group's prompt once
 
 Every knob, with the paper it comes from, is in docs/grpo.md. Written against the public
 plugin surface only (``posttune.plugin``); importing this package imports neither torch nor the
@@ -81,6 +82,11 @@ class GRPOConfig:
     ray_options: RayOptions = field(default_factory=RayOptions)  # generation ray: the actors (docs/grpo.md)
     engine: str = "builtin"  # the generation engine, in the learner and in each actor (`posttune ls engines`)
     engine_options: dict = field(default_factory=dict)  # the engine's settings, checked against its options
+    # the learner's forwards take a micro-batch's completions end to end in one row, each its own document:
+    # no padding computed (the padded rows' losses); false: padded rows (also kept under a plan whose step
+    # context reshapes the padded batch)
+    padding_free: bool = True
+    share_prompt: bool = True  # padding-free: a group's prompt computed once for all its completions
 
 
 #: where rollouts come from, by ``method.generation``: the module whose ``validate(config, method)`` checks

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from posttune.plugin import ConfigError, RunConfig, Session, step_context, to_device, token_logps
+from posttune.plugin import ConfigError, RunConfig, Session, step_context, to_device
 
+from posttune_grpo.loss import learner_logps
 from posttune_grpo.rollouts import (
     Rollouts,
     generate_rollouts,
@@ -105,7 +106,7 @@ def scored_by(session: Session, rollouts: Rollouts, model: Any, size: int) -> to
         batch = to_device(batch, session.device)
         width = batch["input_ids"].shape[1]
         with step_context(session, batch):  # loss parallel, TP's sequence padding: as in training
-            logps = token_logps(session, batch, model=model, temperature=session.method_config.temperature)
+            logps = learner_logps(session, batch, model=model)
         parts.append(logps[:, :width].cpu())
     return torch.cat(parts)
 

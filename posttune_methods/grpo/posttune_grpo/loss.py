@@ -123,13 +123,29 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation, max
     return (per_sequence * weights).sum(), weights.sum()
 
 
+def learner_logps(session: Session, batch: dict[str, Any], model: Any = None) -> torch.Tensor:
+    """``[rows, width]`` log-probs of a micro-batch's labels under ``model`` (the policy by default) at the
+    sampling temperature. Padding-free (``padding_free``), the rows go end to end in one row of documents,
+    each group's prompt once (``share_prompt``), and the values come back in the padded layout; a
+    method config without the settings (PPO's), or a run whose plans reshape the padded batch in a step
+    context (tensor, context, loss parallelism), takes the padded rows."""
+    from posttune.plugin import documents_as_rows, pad_id, rows_as_documents, token_logps
+
+    config = session.method_config
+    if not getattr(config, "padding_free", False) or session.step_contexts:
+        return token_logps(session, batch, model=model, temperature=config.temperature)
+    rows, width = batch["input_ids"].shape
+    flat = rows_as_documents(batch["input_ids"], batch["labels"], batch["prompt_lengths"] + batch["lengths"],
+                             pad_id=pad_id(session.tokenizer), share_prompt=config.share_prompt)
+    values = token_logps(session, flat, model=model, temperature=config.temperature)
+    return documents_as_rows(values, flat, rows, width)
+
+
 def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     """The clipped policy loss (plus KL) of a micro-batch of rollouts, aggregated, with its metrics:
     reward sums over real completions (placeholders excluded), lengths, truncation, clipping, KL."""
-    from posttune.plugin import token_logps
-
     config = session.method_config
-    logps = token_logps(session, batch, temperature=config.temperature)
+    logps = learner_logps(session, batch)
     mask = (batch["labels"] != -100).to(logps.dtype)
     result = policy_loss(logps, batch.get("old_logps"), batch["advantages"], mask, epsilon=config.epsilon,
                          epsilon_high=config.epsilon_high, ref_logps=batch.get("ref_logps"), beta=config.beta,

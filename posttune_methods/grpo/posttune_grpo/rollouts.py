@@ -65,6 +65,7 @@ class Rollouts:
             batch: dict[str, Any] = {name: getattr(self, name)[part] for name in ROW_TENSORS
                                      if getattr(self, name) is not None}
             batch["per_reward"] = {name: values[part] for name, values in self.per_reward.items()}
+            batch["prompt_lengths"] = self.prompt_lengths[part]  # a padding-free forward's documents
             # what the forward processes: prompt and completion tokens of the rows that are real
             real = (self.weights[part] > 0).long()
             batch["num_tokens"] = ((self.prompt_lengths[part] + self.lengths[part]) * real).sum()
