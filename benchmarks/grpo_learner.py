@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -26,6 +25,8 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
+
+from child import emit
 
 from posttune.modules import Attention, Decoder, DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -103,11 +104,7 @@ def main() -> int:
                            "tokens_per_s": round(tokens / medians[name], 1),
                            "speed_vs_padded": round(medians["padded"] / medians[name], 3)} for name in LAYOUTS},
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    emit(report, args.out)
     return 0
 
 
