@@ -4,7 +4,8 @@
     python benchmarks/rl_throughput.py --rounds 5 --steps 40 --out result.json
     python benchmarks/rl_throughput.py --warm-start outputs/grpo-tiny-start/model
 
-Settings: ``local`` (sync, generation in the learner: the baseline), and with Ray engine actors
+Settings: ``local`` (sync, generation in the learner: the baseline), ``local, padded learner``
+(the same with ``method.padding_free: false``: the learner's rows right-padded, as before), and with Ray engine actors
 ``sync`` (lag 0), ``async`` (lag 1) and ``off_policy`` (lag 2), each on 1 and 2 engines; one
 learner process (torch threads 1, engines 1 thread each). Each run is ``posttune train
 grpo-tiny-reverse`` from the example's warm start for ``--steps`` steps, without evaluation or
@@ -37,6 +38,7 @@ from child import emit
 
 SETTINGS = {
     "local": [],
+    "local, padded learner": ["method.padding_free=false"],  # the learner's rows before padding_free
     **{f"{mode}, {engines} engine{'s' if engines > 1 else ''}":
        [f"method.mode={mode}", "method.generation=ray", f"method.ray_options.actors={engines}"]
        for mode in ("sync", "async", "off_policy") for engines in (1, 2)},
@@ -71,10 +73,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the figures")
     parser.add_argument("--warm-start", type=Path, default=Path("outputs/grpo-tiny-start/model"))
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                        help="the settings to run (default: all; 'local' always runs: the others are compared to it)")
     parser.add_argument("--out")
     args = parser.parse_args()
     warm_start = prepare(args.warm_start.resolve())
-    names = list(SETTINGS)
+    names = ["local", *(name for name in args.settings if name != "local")]
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for round_ in range(args.rounds):
         order = names[round_ % len(names):] + names[:round_ % len(names)]
