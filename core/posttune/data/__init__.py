@@ -30,7 +30,7 @@ from posttune.data.samples import IGNORE_INDEX, Sample, SampleMaker, SampleStore
 __all__ = [
     "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptMaker", "PromptRow", "PromptSample",
     "Sample", "SampleMaker", "SampleStore", "SkipCounts", "as_messages", "build_loader", "check_columns",
-    "dataset_format", "documents_as_rows", "flat_batch", "load_rows", "make_loader", "pack", "pad_id", "packed_batch", "padded_batch",
-    "pair_batch", "pair_loader", "pair_tokens", "preference_pair", "prompt_batch", "prompt_loader", "prompt_row",
-    "rename", "rows_as_documents", "shift_labels",
+    "dataset_format", "documents_as_rows", "flat_batch", "load_rows", "make_loader", "pack", "pad_id",
+    "packed_batch", "padded_batch", "pair_batch", "pair_loader", "pair_tokens", "preference_pair", "prompt_batch",
+    "prompt_loader", "prompt_row", "rename", "rows_as_documents", "shift_labels",
 ]

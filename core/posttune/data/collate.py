@@ -118,21 +118,11 @@ def flat_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int
 
 def _flat(samples: list[Sample | None], pad_id: int, multiple: int | None) -> dict[str, torch.Tensor]:
     """``samples`` end to end in one row, document i the i-th (a None sample one padding token), the
-    row rounded up to ``multiple`` with one more document without targets."""
-    lengths = [len(sample) if sample is not None else 1 for sample in samples]
-    total = sum(lengths) or 1
-    width = -(-total // multiple) * multiple if multiple else total
-    input_ids = torch.full((1, width), pad_id, dtype=torch.long)
-    labels = torch.full_like(input_ids, IGNORE_INDEX)
-    document_ids = torch.full_like(input_ids, len(samples))
-    start = 0
-    for document, (sample, length) in enumerate(zip(samples, lengths)):
-        end = start + length
-        if sample is not None:
-            input_ids[0, start:end], labels[0, start:end] = sample.ids, sample.labels
-        document_ids[0, start:end] = document
-        start = end
-    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
+    row rounded up to ``multiple`` with one more document without targets: ``shared_prompt_row``'s
+    layout with nothing shared, so the documents' positions restart at 0 and need not be given."""
+    row = shared_prompt_row(samples, pad_id, multiple, share_prompt=False)
+    del row["positions"]
+    return row
 
 
 def shared_prompt_row(samples: list[Sample | None], pad_id: int, multiple: int | None = None, *,
@@ -143,8 +133,8 @@ def shared_prompt_row(samples: list[Sample | None], pad_id: int, multiple: int |
     is the response's first target, so it stays). When the last sample that shares nothing (the
     root) starts with the same prompt, the sample leaves it out: ``positions`` start its document
     where the prompt ends, so it attends to the root's copy (``modules.attention``) and every token
-    sees what it would see alone. DPO's pairs (the rejected response continues the chosen one) and
-    a group of completions of one prompt both fit. A None sample (a placeholder) is one padding
+    sees what it would see alone. Preference pairs (the rejected response continues the chosen one)
+    and a group of completions of one prompt both fit. A None sample (a placeholder) is one padding
     token; the row's tail, to ``multiple``, one more document. ``share_prompt=False``: every
     document whole (``flat_batch``'s layout, with positions).
     """
@@ -158,7 +148,8 @@ def shared_prompt_row(samples: list[Sample | None], pad_id: int, multiple: int |
         root = sample if skip == 0 else root
         parts.append((sample.ids[skip:], sample.labels[skip:], skip))
     total = sum(len(ids) for ids, _, _ in parts)
-    width = -(-total // multiple) * multiple if multiple else total
+    width = max(total, 1)  # an empty share: one padding token
+    width = -(-width // multiple) * multiple if multiple else width
     input_ids = torch.full((1, width), pad_id, dtype=torch.long)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     document_ids = torch.full_like(input_ids, len(parts))

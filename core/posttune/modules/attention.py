@@ -26,8 +26,8 @@ form contiguous runs.
 Shared prefixes: with explicit ``positions``, a document whose first position is ``p > 0``
 continues the first ``p`` tokens of the last document before it that starts at 0 (its root):
 it attends to those keys, then causally to its own, exactly as if the prefix were written out
-in front of it. DPO's pairs use it to compute a prompt once for both responses (the chosen one
-is the root, the rejected one continues its prompt); a root may have several continuations
+in front of it. Preference pairs use it to compute a prompt once for both responses (the chosen
+one is the root, the rejected one continues its prompt); a root may have several continuations
 (a group of completions of one prompt). The varlen call takes them too: a continued document's
 keys are gathered (its root's first ones, then its own) and flash attention's causal window,
 aligned to the last key, does the rest.
@@ -239,7 +239,7 @@ def varlen_spans(lengths: tuple[tuple[int, ...], ...], prefixes: tuple[tuple[int
             start += length
     key_offsets = torch.tensor([0, *key_lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return replace(spans, key_index=torch.cat(index).to(device, non_blocking=True),
-                               cu_seqlens_k=key_offsets.to(device, non_blocking=True), max_length_k=max(key_lengths))
+                   cu_seqlens_k=key_offsets.to(device, non_blocking=True), max_length_k=max(key_lengths))
 
 
 def _checked_prefixes(lengths: tuple[int, ...], prefixes: tuple[int, ...], row: int) -> tuple[int, ...]:

@@ -88,11 +88,16 @@ def _dim_names(mesh: Any) -> tuple[str, ...]:
 def split_mesh(session: Any, splits: tuple[str, ...]) -> Any:
     """The sub-mesh over the session's mesh dimensions that split one of ``splits`` (flattened to
     one dimension when there are several), or None when there is no mesh or no such dimension."""
-    declared = session.plan.mesh_dims if session.mesh is not None else {}
-    dims = tuple(d for d in _dim_names(session.mesh) if declared[d].splits in splits)
+    dims = _dims_splitting(session, splits)
     if not dims:
         return None
     return session.mesh[dims[0]] if len(dims) == 1 else flattened(session.mesh, dims)
+
+
+def _dims_splitting(session: Any, splits: tuple[str, ...]) -> tuple[str, ...]:
+    """The session's mesh dimensions, in mesh order, whose declaration splits one of ``splits``."""
+    declared = session.plan.mesh_dims if session.mesh is not None else {}
+    return tuple(d for d in _dim_names(session.mesh) if declared[d].splits in splits)
 
 
 def token_mesh(session: Any) -> Any:
@@ -104,7 +109,7 @@ def token_mesh(session: Any) -> Any:
 def splits_sequence(session: Any) -> bool:
     """Whether a mesh dimension of the run splits each row's positions across ranks (context
     parallelism): a batch layout that needs a whole row on one rank checks this."""
-    return session.mesh is not None and any(dim.splits == "sequence" for dim in session.plan.mesh_dims.values())
+    return bool(_dims_splitting(session, ("sequence",)))
 
 
 def data_rank(session: Any) -> tuple[int, int]:
