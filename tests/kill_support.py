@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -48,7 +49,13 @@ def run(*args: str, killer: tuple[str, int] | None = None) -> subprocess.Complet
         command = [sys.executable, "-m", "posttune.cli.main", "train", *args]
     else:
         command = [sys.executable, "-c", KILLER, killer[0], str(killer[1]), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env={**REPRODUCIBLE, **os.environ})
+
+
+#: what two fresh CPU processes need to round alike (tox sets them too): a fixed thread count for
+#: torch's BLAS (Intel MKL) and its conditional-reproducibility mode, which keeps its rounding
+#: independent of the operands' memory alignment (different in every process)
+REPRODUCIBLE = {"MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE", "MKL_CBWR": "AUTO,STRICT"}
 
 
 def losses(output_dir: Path) -> list[tuple[int, float]]:

@@ -33,4 +33,7 @@ def test_sigkill_mid_epoch_then_resume_gives_the_same_dpo_losses(make_dpo_config
 
     expected = curve("straight")
     assert [step for step, *_ in expected] == list(range(1, 13))
-    assert curve("killed") == expected
+    killed_curve = curve("killed")
+    assert killed_curve[:4] == expected[:4], ("two fresh runs differed before the kill: this machine does not round "
+                                             "alike run to run (docs/training.md, resume), not a resume defect")
+    assert killed_curve == expected
