@@ -25,12 +25,10 @@ def token_cross_entropy(session: Any, batch: dict[str, torch.Tensor]) -> tuple[t
     kernel = getattr(session, "loss_kernel", None)
     if kernel is not None:
         return kernel.cross_entropy(session.model, batch)
-    logits = session.model(batch["input_ids"], document_ids=batch.get("document_ids"),
-                           positions=batch.get("positions"))
-    labels = batch["labels"]
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+    logits, labels, _ = labelled_logits(session.model, batch)
+    loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
-    return loss_sum, (labels != IGNORE_INDEX).sum()
+    return loss_sum, (batch["labels"] != IGNORE_INDEX).sum()
 
 
 def token_logps(session: Any, batch: dict[str, torch.Tensor], model: Any = None, *,
@@ -49,16 +47,43 @@ def token_logps(session: Any, batch: dict[str, torch.Tensor], model: Any = None,
         kernel = getattr(session, "loss_kernel", None)
         if kernel is not None:
             return kernel.logps(module, batch, temperature)
-        logits = module(batch["input_ids"], document_ids=batch.get("document_ids"),
-                        positions=batch.get("positions"))
+        logits, labels, keep = labelled_logits(module, batch)
         if temperature != 1.0:
             logits = logits / temperature
-        labels = batch["labels"]
-        nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+        nll = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                               reduction="none")
         if hasattr(nll, "full_tensor"):  # vocabulary-sharded logits under loss parallel: a DTensor result
             nll = nll.full_tensor()
-        return -nll.view(labels.shape)
+        if keep is None:
+            return -nll.view(labels.shape)
+        return torch.zeros(keep.shape, dtype=nll.dtype, device=nll.device).masked_scatter(keep, -nll)
+
+
+def labelled_logits(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(logits, their labels, the mask they were taken at or None) of ``batch`` under ``model``.
+
+    A native decoder (its forward takes ``logits_at``) puts only the labelled positions through
+    its head: ``[n, vocab]`` logits and ``[n]`` labels. With a 150k vocabulary the head is a
+    quarter of a 0.5B model's matmuls and its logits most of the activations, and a prompt is
+    often half of a row. Otherwise (another model; a head tensor parallel shards) the full
+    ``[batch, seq, vocab]`` logits, the labels as they are, and None.
+    """
+    labels = batch["labels"]
+    kwargs = {"document_ids": batch.get("document_ids"), "positions": batch.get("positions")}
+    keep = labels != IGNORE_INDEX if _takes_logits_at(model) else None
+    logits = model(batch["input_ids"], **kwargs, **({} if keep is None else {"logits_at": keep}))
+    if keep is None or logits.dim() == labels.dim() + 1:  # not selected: the head is sharded
+        return logits, labels, None
+    return logits, labels[keep], keep
+
+
+def _takes_logits_at(model: Any) -> bool:
+    import inspect
+
+    try:
+        return "logits_at" in inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def sequence_logps(token_values: torch.Tensor, labels: torch.Tensor, *, average: bool = False,

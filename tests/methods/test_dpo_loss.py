@@ -73,12 +73,13 @@ def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dp
     perturb(session.model)
     batch = next(iter(session.train_data))
     forwards = []
-    handle = session.model.register_forward_hook(lambda _m, _i, out: forwards.append(out.shape))
+    handle = session.model.register_forward_hook(lambda _m, args, out: forwards.append((args[0].shape, out.shape)))
     out = session.plan.method.descriptor.loss(session, batch)
     handle.remove()
     assert ("document_ids" in batch) == padding_free
     rows = 1 if padding_free else 8  # chosen and rejected in one forward pass
-    assert forwards == [(rows, batch["input_ids"].shape[1], 384)]
+    labelled = int((batch["labels"] != -100).sum())  # only they reach the head
+    assert forwards == [((rows, batch["input_ids"].shape[1]), (labelled, 384))]
     assert ("positions" in batch) == shared
     if shared:  # each rejected response without the prompt tokens it shares with its chosen one
         assert batch["input_ids"].shape[1] < int(batch["num_tokens"])

@@ -139,9 +139,15 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
                 padding_mask: torch.Tensor | None = None, logits_to_keep: int | None = None,
-                return_hidden: bool = False) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``; ``logits_to_keep=k``: only the last k positions' (generation's
         prefill needs one row of ``[batch, prompt, vocab]``, which for a long prompt is most of the memory).
+
+        ``logits_at`` (bool ``[batch, seq]``): only those positions' logits, ``[n, vocab]`` in row-major
+        order; a loss passes its labelled positions, so prompts and padding never reach the vocabulary
+        projection. A head sharded as a DTensor (tensor parallel: its input layout is the sequence's)
+        cannot take gathered rows and returns the full ``[batch, seq, vocab]``: callers check ``dim()``.
+        FSDP2 gathers the head before this runs, so a sharded-by-FSDP2 head selects.
 
         ``return_hidden``: the final hidden states instead (``hidden_states``), through ``forward`` so
         that wrappers hooked on it (FSDP2 gathers the embedding, final norm and head there) run: for
@@ -153,6 +159,8 @@ class Decoder(nn.Module):
             return hidden
         if logits_to_keep is not None:
             hidden = hidden[:, -logits_to_keep:]
+        if logits_at is not None and not any(hasattr(p, "placements") for p in self.output.parameters()):
+            hidden = hidden[logits_at]
         return self.logits(hidden)
 
     def aux_loss(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
