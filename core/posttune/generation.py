@@ -144,7 +144,8 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
     pass ``seeds`` to make it depend on the row alone). Without either, the run seed is drawn
     from torch's global generator, so ``torch.manual_seed`` still makes a run repeat.
 
-    A row stops after its first token in ``stop_token_ids``, which is kept (mask True).
+    A row stops after its first token in ``stop_token_ids``, which is kept (mask True). Rows with
+    the same prompt (GRPO's groups) share one prefill: the KV cache of its first row is copied.
 
     ``max_new_tokens`` is capped so that the longest prompt plus its completion fits the model's
     context (``context_length``; no cap when it is unknown): positions past it are untrained, and
@@ -175,6 +176,7 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
     alive: list[torch.Tensor] = []
     step_input = input_ids
     last_only = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    shared = _distinct_prompts(rows, device)
     switch = getattr(getattr(model, "rope", None), "switch_length", None)
     switched = switch is None or _longest(padding, input_ids.shape[1]) > switch
     for step in range(max_new_tokens):
@@ -185,7 +187,13 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
             switched = True
             step_input = torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
         extra = {} if padding is None else {"padding_mask": padding}
-        logits = model(step_input, kv_cache=cache, **extra, **last_only)[:, -1].float()
+        if step == 0 and shared is not None:  # each distinct prompt once, its cache rows then copied
+            firsts, copies = shared
+            extra = {} if padding is None else {"padding_mask": padding[firsts]}
+            logits = model(step_input[firsts], kv_cache=cache, **extra, **last_only)[:, -1].float()[copies]
+            cache.select_rows(copies)
+        else:
+            logits = model(step_input, kv_cache=cache, **extra, **last_only)[:, -1].float()
         token, logprob = _choose(logits, step, temperature, top_k, top_p, min_p, row_seeds)
         alive.append(~finished)
         tokens.append(token.masked_fill(finished, pad_id))
@@ -442,6 +450,20 @@ def _completions(tokens: list[torch.Tensor], logprobs: list[torch.Tensor], alive
     length = int(mask.sum(dim=1).max())
     return Completions(torch.stack(tokens, dim=1)[:, :length], torch.stack(logprobs, dim=1)[:, :length],
                        mask[:, :length])
+
+
+def _distinct_prompts(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the first row of each distinct prompt, each row's index among those firsts), or None when no prompt
+    repeats. GRPO asks for ``group_size`` completions of each prompt: the prefill, most of a short
+    completion's work, then runs once per prompt and the KV cache's rows are copied to the group."""
+    index: dict[tuple[int, ...], int] = {}
+    copies = [index.setdefault(tuple(row), len(index)) for row in rows]
+    if len(index) == len(rows):
+        return None
+    firsts = [0] * len(index)
+    for row in reversed(range(len(rows))):
+        firsts[copies[row]] = row
+    return torch.tensor(firsts, device=device), torch.tensor(copies, device=device)
 
 
 def _left_pad(rows: list[list[int]], pad_id: int, device: torch.device

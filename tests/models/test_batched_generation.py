@@ -118,6 +118,28 @@ def test_min_p_keeps_tokens_within_a_factor_of_the_most_likely():
 
 # ---- log-probabilities ------------------------------------------------------------------------
 
+def test_a_repeated_prompt_is_prefilled_once_and_each_copy_samples_what_it_would_alone(tiny_llama):
+    """GRPO's groups: each prompt G times. The prefill runs over the distinct prompts only (their KV
+    cache rows copied to the group), and every row's completion and log-probs are those of the row
+    generated alone."""
+    groups = [PROMPTS[i] for i in (0, 3, 3, 0, 5, 3, 1, 5)]  # 4 distinct prompts, interleaved copies
+    seeds = [derive_seed(9, i) for i in range(len(groups))]
+    kwargs = {"max_new_tokens": 8, "temperature": 0.9, "top_k": 50}
+    batches = []
+    handle = tiny_llama.register_forward_pre_hook(lambda _m, args: batches.append(tuple(args[0].shape)))
+    try:
+        out = generate_batch(tiny_llama, groups, seeds=seeds, **kwargs)
+    finally:
+        handle.remove()
+    assert batches[0] == (4, max(map(len, groups)))  # the prefill: one row per distinct prompt
+    assert {shape[0] for shape in batches[1:]} == {len(groups)}  # then every row decodes
+    for row, (prompt, seed) in enumerate(zip(groups, seeds, strict=True)):
+        alone = generate_batch(tiny_llama, [prompt], seeds=[seed], **kwargs)
+        assert out.token_lists()[row] == alone.token_lists()[0]
+        size = len(alone.token_lists()[0])
+        torch.testing.assert_close(out.logprobs[row][:size], alone.logprobs[0][:size], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_logprobs_equal_a_fresh_forward_over_prompt_and_completion(tiny_llama, temperature):
     out = generate_batch(tiny_llama, PROMPTS, max_new_tokens=10, temperature=temperature, top_k=20, seed=4)

@@ -33,6 +33,13 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows ``index`` names, in its order (a row may be named several times): a prompt
+        prefilled once becomes the cache of each of its copies."""
+        for layer in self.keys:
+            self.keys[layer] = self.keys[layer].index_select(0, index)
+            self.values[layer] = self.values[layer].index_select(0, index)
+
 
 class LayerCache:
     """One layer's view of a KVCache (made per forward; it holds the cache, the cache never holds it)."""
