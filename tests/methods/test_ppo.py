@@ -219,7 +219,8 @@ def test_a_value_head_on_the_policy_reads_the_policys_own_forward(tmp_path):
     from posttune_ppo.experience import logps_and_values
     from run_support import compose_run
 
-    session = compose_run(ppo_config(tmp_path, method={**PPO, "value_model": "head", "temperature": 0.7}))
+    session = compose_run(ppo_config(tmp_path, method={**PPO, "value_model": "head", "temperature": 0.7,
+                                                       "padding_free": False}))  # values at every position
     value = session.models["value"]
     hidden = session.model.output.weight.shape[1]
     assert [name for name, _ in value.named_parameters()] == ["score.weight"]

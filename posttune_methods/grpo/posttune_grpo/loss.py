@@ -127,7 +127,7 @@ def learner_logps(session: Session, batch: dict[str, Any], model: Any = None) ->
     """``[rows, width]`` log-probs of a micro-batch's labels under ``model`` (the policy by default) at the
     sampling temperature. Padding-free (``padding_free``), the rows go end to end in one row of documents,
     each group's prompt once (``share_prompt``), and the values come back in the padded layout; a
-    method config without the settings (PPO's), or a run whose plans reshape the padded batch in a step
+    method config without the settings, or a run whose plans reshape the padded batch in a step
     context (tensor, context, loss parallelism), takes the padded rows."""
     from posttune.plugin import documents_as_rows, pad_id, rows_as_documents, token_logps
 

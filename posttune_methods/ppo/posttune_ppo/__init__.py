@@ -67,6 +67,8 @@ class PPOConfig:
     whiten_rewards: bool = False  # scale the token rewards to unit variance (mean kept) over the batch
     whiten_advantages: bool = True  # advantages to mean 0, variance 1 over the batch (every rank's)
     missing_eos_penalty: float | None = None  # subtracted from the score of a completion cut at max_new_tokens
+    padding_free: bool = True  # the learner's rows end to end as documents, no padding computed (grpo.md)
+    share_prompt: bool = True  # with padding_free: each group's prompt computed once in the learner's forward
     engine: str = "builtin"  # the generation engine (`posttune ls engines`)
     engine_options: dict = field(default_factory=dict)  # the engine's settings, checked against its options
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from posttune.plugin import Session, step_context, sum_over_token_ranks, to_device, token_logps
+from posttune.plugin import (Session, documents_as_rows, is_dtensor, pad_id, rows_as_documents, step_context,
+                             sum_over_token_ranks, to_device, token_logps)
 from posttune_ppo import micro_batch_size
 from posttune_ppo.advantages import gae, token_rewards
 
@@ -61,20 +62,46 @@ def make_experience(session: Session, prompts: dict[str, Any]) -> dict[str, Any]
 
 def logps_and_values(session: Session, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, S]`` each: the policy's log-probs of the labels (at the sampling temperature) and the value at
-    every position. A value model of its own runs its own forward; a head on the policy reads the hidden
-    states of the policy's one forward (the logits come from the same hidden states)."""
+    every position (0 where a padding-free row does not compute one: padding, a shared prompt). A value
+    model of its own runs its own forward; a head on the policy reads the hidden states of the policy's one
+    forward (the logits come from the same hidden states, only the labelled positions' through the head).
+
+    Padding-free (``padding_free``), the rows go end to end as documents, each group's prompt once
+    (``share_prompt``), and both results come back in the padded layout; a run whose plans reshape the
+    padded batch in a step context (tensor, context, loss parallelism) takes the padded rows."""
     config, value = session.method_config, session.models["value"]
+    flat = None
+    if config.padding_free and not session.step_contexts:
+        flat = rows_as_documents(batch["input_ids"], batch["labels"], batch["prompt_lengths"] + batch["lengths"],
+                                 pad_id=pad_id(session.tokenizer), share_prompt=config.share_prompt)
+    data = batch if flat is None else flat
+    layout = {} if flat is None else {"document_ids": flat["document_ids"], "positions": flat["positions"]}
     if config.value_model == "model":
-        return (token_logps(session, batch, temperature=config.temperature),
-                value(batch["input_ids"])[..., 0].float())
+        logps = token_logps(session, data, temperature=config.temperature)
+        values = value(data["input_ids"], **layout)[..., 0].float()
+    else:
+        logps, values = _head_logps_and_values(session, data, layout, value)
+    if flat is None:
+        return logps, values
+    rows, width = batch["input_ids"].shape
+    return documents_as_rows(logps, flat, rows, width), documents_as_rows(values, flat, rows, width)
+
+
+def _head_logps_and_values(session: Session, data: dict[str, Any], layout: dict[str, Any],
+                           value: Any) -> tuple[torch.Tensor, torch.Tensor]:
     import torch.nn.functional as F
 
-    hidden = session.model(batch["input_ids"], return_hidden=True)
-    logits = session.model.logits(hidden).float() / config.temperature
-    labels = batch["labels"]
-    logps = -F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                             reduction="none").view(labels.shape)
-    return logps, value(hidden=hidden)[..., 0].float()
+    config, labels = session.method_config, data["labels"]
+    hidden = session.model(data["input_ids"], return_hidden=True, **layout)
+    values = value(hidden=hidden)[..., 0].float()
+    if is_dtensor(hidden) or is_dtensor(session.model.output.weight):  # tensor parallel: every position's logits
+        logits = session.model.logits(hidden).float() / config.temperature
+        nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+        return -nll.view(labels.shape), values
+    keep = labels != -100  # only the labelled positions through the head
+    logits = session.model.logits(hidden[keep]).float() / config.temperature
+    nll = F.cross_entropy(logits, labels[keep], reduction="none")
+    return torch.zeros(labels.shape, dtype=nll.dtype, device=nll.device).masked_scatter(keep, -nll), values
 
 
 def completion_mask(batch: dict[str, Any]) -> torch.Tensor:
@@ -88,7 +115,8 @@ def forward_rows(session: Session, batch: dict[str, Any], forward: Any) -> torch
     size = micro_batch_size(session.config, session.method_config)
     parts = []
     for start in range(0, batch["input_ids"].shape[0], size):
-        part = to_device({k: batch[k][start:start + size] for k in ("input_ids", "labels")}, session.device)
+        part = to_device({k: batch[k][start:start + size] for k in ("input_ids", "labels", "lengths", "prompt_lengths")},
+                         session.device)
         with step_context(session, part):
             parts.append(forward(part)[..., :part["input_ids"].shape[1]].float().cpu())
     return torch.cat(parts, dim=-2)
