@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from posttune.modules.decoder import forward_takes
 from posttune.modules.kv_cache import KVCache
 
 _MASK64 = (1 << 64) - 1
@@ -175,7 +176,7 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
     logprobs: list[torch.Tensor] = []
     alive: list[torch.Tensor] = []
     step_input = input_ids
-    last_only = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    last_only = {"logits_to_keep": 1} if forward_takes(model, "logits_to_keep") else {}
     shared = _distinct_prompts(rows, device)
     switch = getattr(getattr(model, "rope", None), "switch_length", None)
     switched = switch is None or _longest(padding, input_ids.shape[1]) > switch
@@ -504,15 +505,6 @@ def _token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
     return torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()
 
 
-def _accepts(model: Any, argument: str) -> bool:
-    """Whether ``model``'s forward takes ``argument`` (the native decoder does; another model may not)."""
-    import inspect
-
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return argument in parameters
 
 
 def _device_of(model: nn.Module) -> torch.device:

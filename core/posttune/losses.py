@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from posttune.modules.decoder import forward_takes
+
 IGNORE_INDEX = -100
 
 
@@ -70,20 +72,11 @@ def labelled_logits(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.T
     """
     labels = batch["labels"]
     kwargs = {"document_ids": batch.get("document_ids"), "positions": batch.get("positions")}
-    keep = labels != IGNORE_INDEX if _takes_logits_at(model) else None
+    keep = labels != IGNORE_INDEX if forward_takes(model, "logits_at") else None
     logits = model(batch["input_ids"], **kwargs, **({} if keep is None else {"logits_at": keep}))
     if keep is None or logits.dim() == labels.dim() + 1:  # not selected: the head is sharded
         return logits, labels, None
     return logits, labels[keep], keep
-
-
-def _takes_logits_at(model: Any) -> bool:
-    import inspect
-
-    try:
-        return "logits_at" in inspect.signature(model.forward).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
 
 
 def sequence_logps(token_values: torch.Tensor, labels: torch.Tensor, *, average: bool = False,

@@ -40,6 +40,7 @@ its parts as metrics, or None (a dense model). The trainer adds it to every meth
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,6 +49,18 @@ from posttune.modules.attention import Attention, DocumentSpans, attention_mask,
 from posttune.modules.kv_cache import KVCache, LayerCache
 from posttune.modules.rope import RotaryEmbedding
 from posttune.modules.softcap import soft_cap
+
+
+def forward_takes(model: Any, argument: str) -> bool:
+    """Whether ``model``'s forward takes ``argument``: the native decoder's options (``logits_to_keep``,
+    ``logits_at``); another family's model may not have them, and then gets the plain call."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return argument in parameters
 
 
 class DecoderLayer(nn.Module):
@@ -159,8 +172,8 @@ class Decoder(nn.Module):
             return hidden
         if logits_to_keep is not None:
             hidden = hidden[:, -logits_to_keep:]
-        if logits_at is not None and not any(hasattr(p, "placements") for p in self.output.parameters()):
-            hidden = hidden[logits_at]
+        if logits_at is not None:
+            return self.logits_of(hidden, logits_at)
         return self.logits(hidden)
 
     def aux_loss(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -175,6 +188,14 @@ class Decoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over (some of) ``hidden_states``' rows, soft-capped if the model caps logits."""
         return soft_cap(self.output(hidden), self.logit_softcap)
+
+    def logits_of(self, hidden: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """``logits(hidden[at])``, ``[n, vocab]`` (``forward(logits_at=...)``); a head sharded as a DTensor
+        (tensor parallel: its input layout is the sequence's) takes no gathered rows and gives the full
+        ``[batch, seq, vocab]`` logits instead: callers check ``dim()``."""
+        if not any(hasattr(p, "placements") for p in self.output.parameters()):
+            hidden = hidden[at]
+        return self.logits(hidden)
 
     def extra_repr(self) -> str:
         options = [f"embed_scale={self.embed_scale:g}"] if self.embed_scale is not None else []

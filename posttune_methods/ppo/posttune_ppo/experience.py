@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from posttune.plugin import (Session, documents_as_rows, is_dtensor, pad_id, rows_as_documents, step_context,
+from posttune.plugin import (Session, documents_as_rows, pad_id, rows_as_documents, step_context,
                              sum_over_token_ranks, to_device, token_logps)
 from posttune_ppo import micro_batch_size
 from posttune_ppo.advantages import gae, token_rewards
@@ -94,12 +94,11 @@ def _head_logps_and_values(session: Session, data: dict[str, Any], layout: dict[
     config, labels = session.method_config, data["labels"]
     hidden = session.model(data["input_ids"], return_hidden=True, **layout)
     values = value(hidden=hidden)[..., 0].float()
-    if is_dtensor(hidden) or is_dtensor(session.model.output.weight):  # tensor parallel: every position's logits
-        logits = session.model.logits(hidden).float() / config.temperature
+    keep = labels != -100  # only the labelled positions through the head, unless tensor parallel shards it
+    logits = session.model.logits_of(hidden, keep).float() / config.temperature
+    if logits.dim() == labels.dim() + 1:  # the full logits
         nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
         return -nll.view(labels.shape), values
-    keep = labels != -100  # only the labelled positions through the head
-    logits = session.model.logits(hidden[keep]).float() / config.temperature
     nll = F.cross_entropy(logits, labels[keep], reduction="none")
     return torch.zeros(labels.shape, dtype=nll.dtype, device=nll.device).masked_scatter(keep, -nll), values
 
@@ -115,8 +114,8 @@ def forward_rows(session: Session, batch: dict[str, Any], forward: Any) -> torch
     size = micro_batch_size(session.config, session.method_config)
     parts = []
     for start in range(0, batch["input_ids"].shape[0], size):
-        part = to_device({k: batch[k][start:start + size] for k in ("input_ids", "labels", "lengths", "prompt_lengths")},
-                         session.device)
+        keys = ("input_ids", "labels", "lengths", "prompt_lengths")
+        part = to_device({k: batch[k][start:start + size] for k in keys}, session.device)
         with step_context(session, part):
             parts.append(forward(part)[..., :part["input_ids"].shape[1]].float().cpu())
     return torch.cat(parts, dim=-2)
