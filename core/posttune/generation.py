@@ -146,7 +146,8 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
     from torch's global generator, so ``torch.manual_seed`` still makes a run repeat.
 
     A row stops after its first token in ``stop_token_ids``, which is kept (mask True). Rows with
-    the same prompt (GRPO's groups) share one prefill: the KV cache of its first row is copied.
+    the same prompt (an RL method's group of completions) share one prefill: the KV cache of its
+    first row is copied.
 
     ``max_new_tokens`` is capped so that the longest prompt plus its completion fits the model's
     context (``context_length``; no cap when it is unknown): positions past it are untrained, and
@@ -455,7 +456,7 @@ def _completions(tokens: list[torch.Tensor], logprobs: list[torch.Tensor], alive
 
 def _distinct_prompts(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the first row of each distinct prompt, each row's index among those firsts), or None when no prompt
-    repeats. GRPO asks for ``group_size`` completions of each prompt: the prefill, most of a short
+    repeats. Group-based RL asks for several completions of each prompt: the prefill, most of a short
     completion's work, then runs once per prompt and the KV cache's rows are copied to the group."""
     index: dict[tuple[int, ...], int] = {}
     copies = [index.setdefault(tuple(row), len(index)) for row in rows]

@@ -160,7 +160,7 @@ class Decoder(nn.Module):
         order; a loss passes its labelled positions, so prompts and padding never reach the vocabulary
         projection. A head sharded as a DTensor (tensor parallel: its input layout is the sequence's)
         cannot take gathered rows and returns the full ``[batch, seq, vocab]``: callers check ``dim()``.
-        FSDP2 gathers the head before this runs, so a sharded-by-FSDP2 head selects.
+        A plan that shards the head only for storage gathers it before this runs, so such a head selects.
 
         ``return_hidden``: the final hidden states instead (``hidden_states``), through ``forward`` so
         that wrappers hooked on it (FSDP2 gathers the embedding, final norm and head there) run: for
