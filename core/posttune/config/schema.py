@@ -90,7 +90,7 @@ class AdapterConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    plans: list[str] = field(default_factory=list)  # parallel plans by name (`posttune ls plans`), e.g. [fsdp2, tp]
+    plans: list[str] = field(default_factory=list)  # parallel plans by name, as `posttune ls plans` lists them
     dims: dict[str, int] = field(default_factory=dict)  # mesh dimension -> degree; -1: the rest
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # plan name -> its settings
 

@@ -1,7 +1,7 @@
 """`train_briefly`: a few hundred supervised steps on a chat dataset, for examples that need a model to start from.
 
-The GRPO example needs a policy that is right some of the time, the distillation example a
-teacher that knows the task; neither should need another method plugin installed. This is the
+An RL example needs a policy that is right some of the time, a distillation example a frozen
+model that knows the task; neither should need another method plugin installed. This is the
 plainest supervised loop over the core's data toolkit -- AdamW, linear warm-up, clipping, the
 summed token cross-entropy divided by the labelled tokens -- not a substitute for posttune-sft
 (no resume, no validation, no parallelism).
