@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttune.modules.mlp import GatedMLP, get_activation
+from posttune.modules.mlp import GatedMLP, gated_product, get_activation
 
 
 class Router(nn.Module):
@@ -137,7 +137,7 @@ class Experts(nn.Module):
             gate_w, up_w, down_w = (self.unpack(w) for w in (gate_w, up_w, down_w))
         gate = expert_linear(x, gate_w, counts, grouped=self.grouped)
         up = expert_linear(x, up_w, counts, grouped=self.grouped)
-        return expert_linear(self.act(gate) * up, down_w, counts, grouped=self.grouped)
+        return expert_linear(gated_product(gate, up, self.activation), down_w, counts, grouped=self.grouped)
 
     @property
     def intermediate_size(self) -> int:
