@@ -33,6 +33,10 @@ Packed sides do not train on the same batches (each side packs its own way): the
 each side's mean tokens per step instead of ``same_batches``; the other peer modes check that the
 per-step token counts are equal and quote both sides' first-step losses.
 
+Allocators: every side runs on the system's malloc unless ``--posttune-allocator LIB`` /
+``--peer-allocator LIB`` preload another in that side's children (``posttune train`` itself preloads
+jemalloc where the machine has it; these children call posttune's trainer directly, so it is set here).
+
 Every run is a fresh child process (``child.run_child``; torchtune's with the venv's python); the
 sides alternate (posttune, peer, posttune, peer, ...). Per run: non-padding tokens per second over
 the timed steps (the first ``--warmup-steps`` excluded) and the child's peak RSS (``ru_maxrss``);
@@ -168,6 +172,10 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a tiny model and few steps: a smoke check")
     parser.add_argument("--out", help="also write the JSON report here")
     parser.add_argument("--keep", help="build the workload and run outputs in this directory and keep it")
+    parser.add_argument("--posttune-allocator", metavar="LIB",
+                        help="preload this allocator library (LD_PRELOAD) in posttune's runs, as `posttune train` "
+                             "does with jemalloc where the machine has it (posttune/allocator.py)")
+    parser.add_argument("--peer-allocator", metavar="LIB", help="preload this allocator library in the peers' runs")
     parser.add_argument("--torchtune-venv", type=Path, default=DEFAULT_TORCHTUNE_VENV,
                         help="torchtune's own venv (tt_* modes): created here when missing, reused when present "
                              f"(default {DEFAULT_TORCHTUNE_VENV})")
@@ -247,8 +255,10 @@ def main() -> int:
                     kind = ("dpo" if mode in ("dpo", "dpo_layout", "dpo_prompt", "tt_lora_dpo")
                             else "rm" if mode == "rm_layout" else "lora" if mode == "lora" else "full")
                     spec = {**base, "mode": kind, **extra, "out": str(out)}
-                    result = (run_child_with(torchtune["python"], TORCHTUNE_CHILD, spec, env=env)
-                              if spec["task"] == "torchtune" else run_child(CHILD, spec, env=env))
+                    library = args.posttune_allocator if spec["task"] == "posttune" else args.peer_allocator
+                    side_env = {**env, "LD_PRELOAD": library} if library else env
+                    result = (run_child_with(torchtune["python"], TORCHTUNE_CHILD, spec, env=side_env)
+                              if spec["task"] == "torchtune" else run_child(CHILD, spec, env=side_env))
                     shutil.rmtree(out, ignore_errors=True)
                     runs.append({"mode": mode, "side": side, "run": index, **result})
                     print(f"{mode} run {index} {side}: {result['tokens_per_s']:.1f} tokens/s, peak RSS "
@@ -259,7 +269,9 @@ def main() -> int:
                          "rows": args.steps * base["batch_size"], "lengths": prepared["lengths"],
                          "sft_rows_checked_against_posttune": prepared["rows_checked"]},
             "settings": {**{k: v for k, v in base.items() if k not in ("bench_dir", "work")}, "quick": args.quick,
-                         "runs": args.runs, **({"torchtune": torchtune} if torchtune else {})},
+                         "runs": args.runs, **({"torchtune": torchtune} if torchtune else {}),
+                         "allocators": {"posttune": args.posttune_allocator or "system",
+                                        "peers": args.peer_allocator or "system"}},
             "summary": {mode: summarise_mode(mode, [r for r in runs if r["mode"] == mode]) for mode in args.mode},
             "runs": runs,
         }

@@ -172,17 +172,17 @@ def layer_bytes_per_token(shape: Shape, width: int) -> int:
     docs/memory.md ("Saved per token and decoder layer"). No [seq, seq] scores: fused SDPA keeps none.
     """
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    norms = 2 * (h * (4 + 2 * width) + 4)
+    norms = 2 * 2 * h * width
     rope = 4 * shape.head_dim * width if width != 4 else 0
     attention = width * (2 * q + 2 * kv) + 4 * shape.heads + rope
-    mlp = 4 * shape.intermediate * width
+    mlp = 3 * shape.intermediate * width
     lora = shape.adapters_per_layer * shape.rank * width
     return norms + attention + mlp + lora
 
 
 def activation_bytes(shape: Shape, width: int, tokens: int) -> int:
     """Saved activations of every decoder layer, plus the final RMSNorm (what a layer's norm saves)."""
-    return shape.layers * layer_bytes_per_token(shape, width) * tokens + (shape.hidden * (4 + 2 * width) + 4) * tokens
+    return shape.layers * layer_bytes_per_token(shape, width) * tokens + 2 * shape.hidden * width * tokens
 
 
 def logits_bytes(shape: Shape, rows: int) -> int:
@@ -205,13 +205,14 @@ def heap_bytes(est: Estimate, layers: int) -> int:
 
 def freed_bytes_per_token(shape: Shape, width: int) -> int:
     """What one decoder layer's forward allocates and frees again, per token (bytes): RMSNorm's fp32
-    temporaries, q/k with RoPE's three temporaries each, the outputs added into the residual, and per
-    adapted linear its base output, update and scaled update (docs/memory.md)."""
+    temporaries, q/k with RoPE's three temporaries each, the outputs added into the residual, the
+    MLP's ``act(gate)``, and per adapted linear its base output, update and scaled update (docs/memory.md)."""
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    norms = 2 * (4 * h + (4 * h if width != 4 else 0))
+    norms = 2 * (8 * h + (4 * h if width != 4 else 0))
     attention = width * (9 * (q + kv) // 2 + 2 * h)
+    mlp = width * shape.intermediate
     lora = 3 * width * adapted_out_features(shape) if shape.adapters_per_layer else 0
-    return norms + attention + lora
+    return norms + attention + mlp + lora
 
 
 def adapted_out_features(shape: Shape) -> int:

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from posttune import allocator
 from posttune.errors import PluginError, PosttuneError, one_line
 
 USER_ERROR = 2
@@ -112,7 +113,7 @@ def _refuse_unavailable(parser: _Parser, argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    entry, argv = argv is None, sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     if _asks_for_version(argv):
         from posttune.version import __version__
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttune {__version__}")
         return 0
     try:
+        if entry and _command_word(argv) == "train":  # first thing: an allocator is chosen at process start
+            allocator.preload(["-m", "posttune.cli.main", *argv])
         parser = build_parser()
         _refuse_unavailable(parser, argv)
         args = parser.parse_args(argv)

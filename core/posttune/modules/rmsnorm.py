@@ -27,9 +27,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or not (torch.is_grad_enabled()
-                                                 and (x.requires_grad or self.weight.requires_grad)):
-            return rms_norm(x, self.weight, self.eps, self.offset)  # the compiler chooses what to save itself
+        # without the input's gradient autograd keeps only the normalised rows, as this would keep the input;
+        # under torch.compile the compiler chooses what to save itself
+        if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and x.requires_grad):
+            return rms_norm(x, self.weight, self.eps, self.offset)
         return _Recomputed.apply(x, self.weight, self.eps, self.offset)
 
     def reset_parameters(self) -> None:

@@ -129,6 +129,7 @@ def preparing(plan: Any) -> str:
 
 def banner(session: Any) -> list[str]:
     """A few plain lines on what is about to train, printed before the progress bar."""
+    from posttune import allocator
     from posttune.training import distributed
 
     config, plan = session.config, session.plan
@@ -146,7 +147,7 @@ def banner(session: Any) -> list[str]:
         f"steps: {describe_steps(session)}; effective batch {batch * accumulation * data_ranks} "
         f"= {batch} x {accumulation} accumulation x {data_ranks} data-parallel rank(s)",
         f"output: {config.checkpoint.output_dir} (config.yaml, metrics.jsonl); device {session.device}, "
-        f"world size {distributed.world_size()}",
+        f"world size {distributed.world_size()}, allocator {allocator.in_use()}",
     ]
     if plan.logging:
         lines.append("trackers: " + ", ".join(item.descriptor.name for item in plan.logging) + " (docs/trackers.md)")
