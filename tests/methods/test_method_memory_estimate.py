@@ -86,20 +86,44 @@ def grpo_run(tmp_path: Path, **data) -> dict:
                            train={"grad_accum_steps": 2, "max_steps": 1})
 
 
-def test_grpo_estimate_counts_its_micro_batch_of_completions(llama_grpo, tmp_path):
-    """micro_batch_size 4 x (max_prompt_len 16 + max_new_tokens 6): what the loss's first micro-batch holds
-    (a random model hardly ever stops within 6 tokens, and rows pad to the longest completion)."""
+@pytest.mark.parametrize("layout", ["shared_prompt", "padding_free", "padded"])
+def test_grpo_estimate_counts_its_micro_batch_of_completions(llama_grpo, tmp_path, layout):
+    """A micro-batch of 4 completions of one group, max_prompt_len 16, max_new_tokens 6 (a random model
+    hardly ever stops within 6 tokens): padded rows ``[4, 16 + 6]``; padding-free, the same 88 tokens in
+    one row; sharing the group's prompt (the default), 16 + 3 x 1 + 4 x 6 = 43 (the completions after the
+    first keep the prompt's last token). The estimate's tokens are exactly what the learner's forward takes."""
+    from posttune.plugin import pad_id, rows_as_documents
     from posttune_grpo.method import batches
 
     config = grpo_run(tmp_path, max_prompt_len=16)
+    config["method"].update({"padding_free": layout != "padded", "share_prompt": layout == "shared_prompt"})
     tokens, line = planned_tokens(config)
-    assert "(micro_batch_size 4 completions x (max_prompt_len 16 + max_new_tokens 6), every row full" in line
-    batch = next(iter(batches(compose_run(config))))
+    session = compose_run(config)
+    batch = next(iter(batches(session)))
     assert batch["input_ids"].shape == (4, 16 + 6)
-    assert tokens == batch["input_ids"].numel()
+    if layout == "padded":
+        assert "(micro_batch_size 4 completions x (max_prompt_len 16 + max_new_tokens 6), every row full" in line
+        assert tokens == batch["input_ids"].numel()
+        return
+    flat = rows_as_documents(batch["input_ids"], batch["labels"], batch["prompt_lengths"] + batch["lengths"],
+                             pad_id=pad_id(session.tokenizer), share_prompt=layout == "shared_prompt")
+    assert tokens == flat["input_ids"].numel() == {"shared_prompt": 43, "padding_free": 88}[layout]
+    if layout == "shared_prompt":
+        assert "micro_batch_size 4 completions x (max_new_tokens 6 + 1) + 1 group prompt(s) x (max_prompt_len 16 - 1)" in line
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 8, 12])
+def test_prompts_touched_is_the_most_groups_a_micro_batch_spans(rows, group_size):
+    """Against counting: 24 rows ordered group by group, cut into micro-batches of ``rows``."""
+    groups = [row // group_size for row in range(24)]
+    spans = [len(set(groups[start:start + rows])) for start in range(0, 24, rows)]
+    assert posttune_grpo.prompts_touched(rows, group_size) >= max(spans)
+    if 24 % rows == 0 and 24 % group_size == 0:  # every window shape occurs within 24 rows: the bound is hit
+        assert posttune_grpo.prompts_touched(rows, group_size) == max(spans)
 
 
 def test_grpo_estimate_without_max_prompt_len_says_what_it_assumed(llama_grpo, tmp_path):
     tokens, line = planned_tokens(grpo_run(tmp_path))
-    assert tokens == 4 * (48 + 6)
+    assert tokens == 4 * (6 + 1) + 48 - 1  # one group's prompt, computed once
     assert "prompts taken as max_seq_len 48 long: data.max_prompt_len is not set" in line

@@ -171,23 +171,37 @@ def micro_batch_tokens(config: Any, method: GRPOConfig) -> tuple[int, str]:
     """The tokens of one loss forward, for `posttune plan`'s memory estimate: the worst case.
 
     The loss runs on ``micro_batch_size`` completions at a time (default: the rank's
-    ``batch_size x group_size``), each row its prompt (the last ``data.max_prompt_len`` tokens)
-    and its completion (at most ``max_new_tokens``), padded to the longest row of the generation
-    batch. ``data.max_seq_len`` bounds nothing here; without ``max_prompt_len`` prompts are kept
-    whole, and the estimate takes ``max_seq_len`` for them (the plan's line says so).
+    ``batch_size x group_size``), each its prompt (the last ``data.max_prompt_len`` tokens) and
+    its completion (at most ``max_new_tokens``). Padding-free with ``share_prompt``, the rows go end
+    to end and a group's prompt is computed once: a micro-batch takes consecutive rows, so it holds
+    the prompts of the groups it touches (``prompts_touched``), not one per row. ``data.max_seq_len``
+    bounds nothing here; without ``max_prompt_len`` prompts are kept whole, and the estimate takes
+    ``max_seq_len`` for them (the plan's line says so).
     """
     rows = method.micro_batch_size or config.train.batch_size * method.group_size
     count = (f"micro_batch_size {rows}" if method.micro_batch_size else
              f"batch_size {config.train.batch_size} x group_size {method.group_size}")
     prompt = config.data.max_prompt_len
+    named = "max_prompt_len"
     if prompt is None:
-        prompt = config.data.max_seq_len
-        how = (f"{count} completions x (prompt {prompt} + max_new_tokens {method.max_new_tokens}), every completion "
-               f"full length; prompts taken as max_seq_len {prompt} long: data.max_prompt_len is not set")
-    else:
-        how = (f"{count} completions x (max_prompt_len {prompt} + max_new_tokens {method.max_new_tokens}), every "
-               "row full: the worst case")
-    return rows * (prompt + method.max_new_tokens), how
+        prompt, named = config.data.max_seq_len, "prompt"
+    whole = ("" if config.data.max_prompt_len is not None else
+             f"; prompts taken as max_seq_len {prompt} long: data.max_prompt_len is not set")
+    new = method.max_new_tokens
+    if method.padding_free and method.share_prompt:
+        # a completion after its group's first keeps its prompt's last token (which predicts its first)
+        prompts = prompts_touched(rows, method.group_size)
+        how = (f"{count} completions x (max_new_tokens {new} + 1) + {prompts} group prompt(s) x ({named} {prompt} - 1)"
+               f": each group's prompt once, every row full: the worst case{whole}")
+        return rows * (new + 1) + prompts * (prompt - 1), how
+    how = f"{count} completions x ({named} {prompt} + max_new_tokens {new}), every row full: the worst case{whole}"
+    return rows * (prompt + new), how
+
+
+def prompts_touched(rows: int, group_size: int) -> int:
+    """The most groups ``rows`` consecutive completions span, micro-batches starting at multiples of ``rows``
+    in rows ordered group by group: a window starts ``g - gcd(rows, g)`` rows into a group at worst."""
+    return (group_size - math.gcd(rows, group_size) + rows - 1) // group_size + 1
 
 
 def _method(name: str, module: str = "method") -> Any:
