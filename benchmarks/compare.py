@@ -18,7 +18,8 @@ end to end without their tails, the default) and ``rm_layout`` (posttune-rm's pa
 padding-free default, on DPO's pairs).
 
 Against the peers' fastest settings (issue 29, item 5): ``hf_padding_free`` (posttune's full SFT vs
-TRL's ``SFTTrainer`` with ``padding_free=True``: a batch's rows end to end, SDPA, no mask), and
+TRL's ``SFTTrainer`` with ``padding_free=True``: a batch's rows end to end, SDPA, no mask), ``hf_fastest``
+(posttune's ``memory: [compile]`` vs the same TRL run with the Trainer's ``torch_compile=True``), and
 torchtune 0.6.1 (its ``full_finetune_single_device`` / ``lora_dpo_single_device`` recipes, a YAML
 config written per run; details in ``compare_support/torchtune_side.py``): ``tt_full`` (posttune's
 full SFT, padding-free rows, vs torchtune's defaults: padded batches, no packing, no compile),
@@ -99,12 +100,13 @@ if task == "prepare":
     techniques = get_registry().names("memory_technique")
     result = {"shape": shape, "parameters": parameters, "lengths": lengths, "rows_checked": checked,
               "memory_techniques": techniques}
-elif task == "posttune":
-    from compare_support import posttune_side
-    result = posttune_side.run(spec)
 else:
-    from compare_support import hf_side
-    result = hf_side.run(spec)
+    from compare_support import hf_side, posttune_side, timing
+    side = posttune_side if task == "posttune" else hf_side
+    if spec.get("profile"):
+        result, result["profile"] = timing.profiled(side.run, spec)
+    else:
+        result = side.run(spec)
 print(json.dumps(result))
 '''
 
@@ -142,6 +144,9 @@ MODES = {
     "tt_fastest": (("posttune-compile", {"task": "posttune", "compile": True}),
                    ("torchtune-packed-compile", {"task": "torchtune", "packing": True, "compile": True})),
     "hf_padding_free": (("posttune", {"task": "posttune"}), ("hf-padding-free", {"task": "hf", "padding_free": True})),
+    # TRL's fastest SFT setting on CPU: padding-free rows and the Trainer's torch_compile, against posttune's compile
+    "hf_fastest": (("posttune-compile", {"task": "posttune", "compile": True}),
+                   ("hf-padding-free-compile", {"task": "hf", "padding_free": True, "compile": True})),
     "tt_lora_dpo": (("posttune-lora-dpo", {"task": "posttune", "lora": True}),
                     ("torchtune-lora-dpo", {"task": "torchtune", "lora": True})),
 }
@@ -150,11 +155,11 @@ RATIO = {"full": "posttune/hf", "lora": "posttune/hf", "dpo": "posttune/hf", "pa
          "packing_layout": "packed/padding-free", "packed_rows": "padding-free/fixed rows",
          "rm_layout": "padding-free/padded",
          "tt_full": "posttune/torchtune", "tt_packed": "posttune/torchtune", "tt_fastest": "posttune/torchtune",
-         "hf_padding_free": "posttune/hf", "tt_lora_dpo": "posttune/torchtune"}
+         "hf_padding_free": "posttune/hf", "hf_fastest": "posttune/hf", "tt_lora_dpo": "posttune/torchtune"}
 #: posttune-only modes: the second side over the first
 AGAINST_ITSELF = ("packing", "compile", "dpo_layout", "dpo_prompt", "packing_layout", "packed_rows", "rm_layout")
 #: posttune against a peer on the same batches (the per-step token counts and losses are compared)
-SAME_BATCHES = ("full", "lora", "dpo", "tt_full", "hf_padding_free", "tt_lora_dpo")
+SAME_BATCHES = ("full", "lora", "dpo", "tt_full", "hf_padding_free", "hf_fastest", "tt_lora_dpo")
 #: posttune against a peer on differently packed rows: the batches differ, the losses are only indicative
 OWN_BATCHES = ("tt_packed", "tt_fastest")
 TORCHTUNE_MODES = tuple(mode for mode, sides in MODES.items() if any(s["task"] == "torchtune" for _, s in sides))
@@ -171,6 +176,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
     parser.add_argument("--quick", action="store_true", help="a tiny model and few steps: a smoke check")
     parser.add_argument("--out", help="also write the JSON report here")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the posttune and HF children under torch.profiler (slower; read the op shares, "
+                             "not the tokens/s): each result gains the top operators by self CPU time")
     parser.add_argument("--keep", help="build the workload and run outputs in this directory and keep it")
     parser.add_argument("--posttune-allocator", metavar="LIB",
                         help="preload this allocator library (LD_PRELOAD) in posttune's runs, as `posttune train` "
@@ -233,7 +241,7 @@ def main() -> int:
                      **ensure_torchtune_venv(venv, HERE.parent / "constraints.txt")}
     base = {"bench_dir": str(HERE), "work": str(work), "steps": args.steps, "warmup_steps": args.warmup_steps,
             "threads": args.threads, "batch_size": 4, "lr": 1e-4, "max_grad_norm": 1.0, "seed": 0,
-            "max_seq_len": 512}
+            "max_seq_len": 512, "profile": args.profile}
     try:
         prepared = run_child(CHILD, {**base, "task": "prepare", "quick": args.quick, "torchtune_rows": bool(torchtune),
                                      "rows": args.steps * base["batch_size"]}, env=env)

@@ -149,7 +149,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         gradient_accumulation_steps=1, learning_rate=spec["lr"], weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch_fused", lr_scheduler_type="constant",
         warmup_steps=0, max_grad_norm=spec["max_grad_norm"], seed=spec["seed"], use_cpu=True, bf16=False,
-        fp16=False, gradient_checkpointing=False, torch_compile=False, dataloader_num_workers=0,
+        fp16=False, gradient_checkpointing=False, torch_compile=bool(spec.get("compile")), dataloader_num_workers=0,
         dataloader_pin_memory=False, eval_strategy="no", save_strategy="no", logging_strategy="no",
         report_to=[], disable_tqdm=True, remove_unused_columns=False,
     )

@@ -38,3 +38,23 @@ def posttune_steps(records: list[dict[str, Any]]) -> tuple[list[int], list[float
     tokens = [int(r["tokens"]) for r in steps]
     seconds = [r["tokens"] / r["tokens_per_s"] for r in steps]
     return tokens, seconds, [float(r["loss"]) for r in steps]
+
+
+def profiled(run: Any, spec: dict[str, Any], top: int = 30) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``run(spec)`` under torch.profiler (CPU): its result, and the ``top`` operators by self CPU time over the
+    whole run (setup, warm-up and timed steps; setup is a small share of a run of a dozen steps), each with its
+    share of all operators' self time, its calls and its seconds per step. ``other`` sums the rest; the gap
+    between the steps' wall time and the operators' total is Python and dispatch outside any operator."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = run(spec)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    steps = max(int(result.get("steps", 1)), 1)
+    ops = [{"name": e.key, "share": round(e.self_cpu_time_total / 1e6 / total, 4), "calls": e.count,
+            "seconds_per_step": round(e.self_cpu_time_total / 1e6 / steps, 4)} for e in events[:top]]
+    rest = sum(e.self_cpu_time_total for e in events[top:]) / 1e6
+    return result, {"operators_seconds_per_step": round(total / steps, 4),
+                    "wall_seconds_per_step": round(sum(result.get("step_seconds", [])) / steps, 4),
+                    "top": ops, "other": {"share": round(rest / total, 4), "seconds_per_step": round(rest / steps, 4)}}

@@ -74,3 +74,27 @@ def test_moe_quick_times_every_contender_on_the_same_weights(tmp_path):
     assert result["logits_max_abs_diff"] < 1e-4
     losses = list(result["first_step_loss"].values())
     assert max(losses) - min(losses) < 1e-4
+
+
+def test_compare_profile_reports_each_operator_s_share_of_a_run(monkeypatch):
+    """compare.py --profile: a child's run under torch.profiler reports its operators by self CPU time, per step,
+    with shares of all operators' time (the top ones and the rest sum to 1); a run of matrix multiplies puts
+    aten::mm first."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from compare_support.timing import profiled
+
+    def run(spec):
+        x = torch.randn(384, 384)
+        for _ in range(spec["steps"] * 4):
+            x = torch.tanh(x @ x) + 1
+        return {"steps": spec["steps"], "step_seconds": [0.5] * spec["steps"]}
+
+    run({"steps": 1})  # first calls (kernel selection, thread pools) outside the profile
+    result, profile = profiled(run, {"steps": 2}, top=3)
+    assert result["steps"] == 2 and profile["wall_seconds_per_step"] == 0.5
+    assert profile["top"][0]["name"] == "aten::mm" and profile["top"][0]["calls"] == 8
+    assert len(profile["top"]) == 3
+    assert abs(sum(op["share"] for op in profile["top"]) + profile["other"]["share"] - 1) < 1e-3
+    assert profile["operators_seconds_per_step"] > 0
