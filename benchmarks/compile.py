@@ -43,7 +43,8 @@ model = build(**spec["model"], max_position_embeddings=4096, tie_word_embeddings
 random_init(model, 0)
 model.to(device).train()
 lengths = spec["lengths"]
-config = SimpleNamespace(data=SimpleNamespace(max_seq_len=max(lengths), pad_to_multiple_of=min(lengths)))
+config = SimpleNamespace(data=SimpleNamespace(max_seq_len=max(lengths), pad_to_multiple_of=min(lengths)),
+                         train=SimpleNamespace(batch_size=spec["batch"]))
 session = SimpleNamespace(model=model, device=device, loss_kernel=None, config=config,
                           plan=SimpleNamespace(memory_options={}))
 target = SimpleNamespace(model=model, role="policy", trainable=True)

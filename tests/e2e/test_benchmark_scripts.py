@@ -98,3 +98,16 @@ def test_compare_profile_reports_each_operator_s_share_of_a_run(monkeypatch):
     assert len(profile["top"]) == 3
     assert abs(sum(op["share"] for op in profile["top"]) + profile["other"]["share"] - 1) < 1e-3
     assert profile["operators_seconds_per_step"] > 0
+
+
+@pytest.mark.slow
+def test_compile_quick_trains_eager_and_compiled(tmp_path):
+    """benchmarks/compile.py --quick: the technique's own code (``posttune_memory.compile.apply``) on a tiny
+    Llama, eager and compiled, each with timed steps and a peak RSS (it had broken when the technique's
+    recompile bound began reading ``config.train``)."""
+    out = tmp_path / "compile.json"
+    run_python(str(BENCHMARKS / "compile.py"), "--quick", "--out", str(out), timeout=600)
+    report = json.loads(out.read_text())
+    for mode in ("eager", "compiled"):
+        assert report[mode]["tokens_per_s_median"] > 0 and report[mode]["peak_rss_mib_median"] > 0, mode
+    assert report["ratio_tokens_per_s"] > 0 and report["runs_per_mode"] == 1
