@@ -109,7 +109,8 @@ def test_grpo_estimate_counts_its_micro_batch_of_completions(llama_grpo, tmp_pat
                              pad_id=pad_id(session.tokenizer), share_prompt=layout == "shared_prompt")
     assert tokens == flat["input_ids"].numel() == {"shared_prompt": 43, "padding_free": 88}[layout]
     if layout == "shared_prompt":
-        assert "micro_batch_size 4 completions x (max_new_tokens 6 + 1) + 1 group prompt(s) x (max_prompt_len 16 - 1)" in line
+        assert ("micro_batch_size 4 completions x (max_new_tokens 6 + 1) + 1 group prompt(s) x "
+                "(max_prompt_len 16 - 1)") in line
 
 
 @pytest.mark.parametrize("group_size", [1, 2, 3, 4, 6, 8])
