@@ -20,8 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+from posttune.allocator import ENV as ALLOCATOR_ENV
+from posttune.allocator import chosen_library
 from posttune.descriptors import STAGES
 from posttune.errors import PosttuneError, first_line
 
@@ -284,7 +287,20 @@ def estimate(plan: Any) -> Estimate:
         role_shape = decoder_shape(model.module, adapter.rank if adapter is not None else 0) if model.trainable else None
         if role_shape is not None:
             est = replace(est, activations=est.activations + activation_bytes(role_shape, model.width, tokens))
+    if device == "cpu" and est.allocator and (library := _preloaded_by_train()) is not None:
+        est = replace(est, notes=(*est.notes, f"posttune train preloads {library} here ({ALLOCATOR_ENV}): the "
+                                  "allocator term is glibc's heap, so the run should peak below this total "
+                                  "(docs/memory.md, \"The allocator (CPU)\")"))
     return with_terms(est, plan)
+
+
+def _preloaded_by_train() -> str | None:
+    """The allocator library `posttune train` would preload on this machine, by file name (None: glibc's)."""
+    try:
+        library = chosen_library()
+    except PosttuneError:  # a bad POSTTUNE_ALLOCATOR: `posttune train` reports it; the plan still estimates
+        return None
+    return Path(library).name if library else None
 
 
 def with_terms(est: Estimate, plan: Any) -> Estimate:

@@ -260,6 +260,24 @@ def test_plan_lines_give_the_breakdown_and_the_assumed_tokens(registry, tmp_path
                                                        "baseline", "total"]
 
 
+def test_the_plan_says_when_train_would_preload_another_allocator(registry, tmp_path, monkeypatch):
+    """The allocator term models glibc's heap: where `posttune train` would preload jemalloc (or the library
+    POSTTUNE_ALLOCATOR names) the plan says the run should come in below it; with the system's malloc, or a bad
+    choice (which `posttune train` reports), no note."""
+    from posttune import allocator
+
+    library = tmp_path / "libjemalloc.so.2"
+    library.write_bytes(b"")
+    monkeypatch.setenv(allocator.ENV, str(library))
+    noted = [line for line in planned(registry, tmp_path).lines() if "preloads" in line]
+    assert noted == ["  note: posttune train preloads libjemalloc.so.2 here (POSTTUNE_ALLOCATOR): the allocator term "
+                     "is glibc's heap, so the run should peak below this total (docs/memory.md, \"The allocator "
+                     "(CPU)\")"]
+    for choice in ("system", str(tmp_path / "missing.so")):
+        monkeypatch.setenv(allocator.ENV, choice)
+        assert not [line for line in planned(registry, tmp_path).lines() if "preloads" in line]
+
+
 def test_dpo_holds_chosen_and_rejected_in_one_forward_twice_the_tokens_of_sft(registry, tmp_path):
     """The same model, batch and length: DPO's activations, logits and heap term are SFT's twice
     over; its weights add the reference's (full fine-tuning), gradients and optimizer state do not change."""
