@@ -62,12 +62,17 @@ def chosen_library() -> str | None:
 def in_use() -> str:
     """What this process allocates with, for the run's banner: the preloaded library's name, or "system"."""
     library = os.environ.get(PRELOADED)
-    return Path(library).name.split(".so")[0].removeprefix("lib") if library and _mapped(library) else "system"
+    return _stem(library).removeprefix("lib") if library and _mapped(library) else "system"
+
+
+def _stem(library: str) -> str:
+    """``libjemalloc`` of ``/usr/lib/x86_64-linux-gnu/libjemalloc.so.2``: what a mapping of it is named by."""
+    return Path(library).name.split(".so")[0]
 
 
 def _mapped(library: str) -> bool:
     """Whether this process has the library loaded (preloaded by us or by the user)."""
-    name = Path(library).name.split(".so")[0]
+    name = _stem(library)
     try:
         return any(name in line for line in Path("/proc/self/maps").read_text().splitlines())
     except OSError:

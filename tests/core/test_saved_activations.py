@@ -15,8 +15,8 @@ from posttune.modules.mlp import ACTIVATIONS, gated_product
 from posttune.modules.rmsnorm import rms_norm
 
 
-def saved_bytes(run) -> int:
-    """Bytes saved for the backward while ``run()`` builds its graph, once per storage."""
+def saved_bytes(run) -> tuple[torch.Tensor, int]:
+    """``run()``'s output and the bytes saved for the backward while it builds its graph, once per storage."""
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -32,6 +32,14 @@ def grads_of(out: torch.Tensor, tensors: list[torch.Tensor], grad: torch.Tensor)
     trainable = [t for t in tensors if t.requires_grad]
     found = iter(torch.autograd.grad(out, trainable, grad))
     return [next(found) if t.requires_grad else None for t in tensors]
+
+
+def assert_same_grads(out: torch.Tensor, plain: torch.Tensor, tensors: list[torch.Tensor], grad: torch.Tensor) -> None:
+    """The gradients of ``out`` and of the plain expression's ``plain``: the same ones asked for, bitwise equal."""
+    for got, want in zip(grads_of(out, tensors, grad), grads_of(plain, tensors, grad), strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,10 +58,7 @@ def test_rmsnorm_gives_autograds_gradients_and_saves_only_its_input(dtype, offse
     plain, plain_saved = saved_bytes(lambda: rms_norm(x, norm.weight, norm.eps, offset))
 
     assert torch.equal(out, plain)
-    for got, want in zip(grads_of(out, [x, norm.weight], grad), grads_of(plain, [x, norm.weight], grad)):
-        assert (got is None) == (want is None)
-        if got is not None:
-            assert torch.equal(got, want)
+    assert_same_grads(out, plain, [x, norm.weight], grad)
     if x.requires_grad:
         assert saved <= x.nbytes + norm.weight.nbytes  # the input (and the weight, when it trains)
         assert saved < plain_saved
@@ -82,8 +87,7 @@ def test_gated_product_gives_autograds_gradients_and_drops_the_activation(dtype,
     plain, plain_saved = saved_bytes(lambda: ACTIVATIONS[activation](gate) * up)
 
     assert torch.equal(out, plain)
-    for got, want in zip(grads_of(out, [gate, up], grad), grads_of(plain, [gate, up], grad)):
-        assert torch.equal(got, want)
+    assert_same_grads(out, plain, [gate, up], grad)  # both trainable: neither gradient is None
     assert saved == gate.nbytes + up.nbytes
     assert plain_saved == 3 * gate.nbytes  # gate, act(gate) and up
 
@@ -97,7 +101,4 @@ def test_gated_mlp_with_a_frozen_side_and_its_parameters_gradients():
     plain = mlp.down_proj(mlp.act(mlp.gate_proj(x)) * mlp.up_proj(x))
     tensors = [x, *mlp.parameters()]
     grad = torch.randn_like(out)
-    for got, want in zip(grads_of(out, tensors, grad), grads_of(plain, tensors, grad)):
-        assert (got is None) == (want is None)
-        if got is not None:
-            assert torch.equal(got, want)
+    assert_same_grads(out, plain, tensors, grad)

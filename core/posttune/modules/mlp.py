@@ -29,7 +29,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 #: each activation's derivative as autograd computes it: ``grad_of[name](grad, x)`` is grad * act'(x)
 _GRAD_OF: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "silu": torch.ops.aten.silu_backward,
-    "gelu": lambda grad, x: torch.ops.aten.gelu_backward(grad, x),
+    "gelu": torch.ops.aten.gelu_backward,
     "gelu_tanh": lambda grad, x: torch.ops.aten.gelu_backward(grad, x, approximate="tanh"),
 }
 
