@@ -64,7 +64,9 @@ vocab = spec["model"]["vocab_size"]
 
 def make_batch(length):
     ids = torch.randint(3, vocab, (spec["batch"], length), generator=gen)
-    return {"input_ids": ids.to(device), "labels": torch.randint(3, vocab, ids.shape, generator=gen).to(device)}
+    labels = torch.randint(3, vocab, ids.shape, generator=gen)
+    labels[:, : int(length * spec["prompt_fraction"])] = -100  # a prompt: nothing learned there
+    return {"input_ids": ids.to(device), "labels": labels.to(device)}
 
 def sync():
     if device.type == "cuda":
@@ -82,7 +84,7 @@ for length in lengths:  # warm-up: every shape once (compiles every graph)
 sync()
 compile_seconds = time.perf_counter() - start
 batches = [make_batch(lengths[i % len(lengths)]) for i in range(spec["steps"])]
-tokens = sum(b["input_ids"].numel() for b in batches)
+tokens = sum(b["input_ids"].numel() for b in batches)  # every position is a token (none is padding)
 start = time.perf_counter()
 for batch in batches:
     step(batch)
@@ -114,6 +116,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--cold", action="store_true",
                         help="disable inductor's on-disk caches, so warmup_seconds is a cold compile every run")
     parser.add_argument("--checkpointing", action="store_true", help="activation_checkpointing in both modes")
+    parser.add_argument("--prompt-fraction", type=float, default=0.0,
+                        help="the share of each row whose labels are ignored, as a prompt's are (default 0)")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--dynamic", choices=["false", "true", "none"], default="false")
     parser.add_argument("--out", default=None, help="also write the JSON report here")
@@ -137,7 +141,7 @@ def main() -> None:
         "model": QUICK if args.quick else FULL, "batch": args.batch, "device": args.device, "threads": args.threads,
         "steps": args.steps or (4 if args.quick else 20), "lengths": args.lengths or ([32, 64] if args.quick
                                                                                      else [512, 1024]),
-        "checkpointing": args.checkpointing,
+        "checkpointing": args.checkpointing, "prompt_fraction": args.prompt_fraction,
         "options": {"backend": args.backend, "dynamic": {"false": False, "true": True, "none": None}[args.dynamic]},
     }
     env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"} if args.cold else None

@@ -59,7 +59,7 @@ _LAZY: dict[str, str] = {
         "pair_batch", "pair_loader", "pair_tokens", "prompt_loader", "rows_as_documents", "documents_as_rows",
     ], "posttune.data"),
     # losses that honour the loss-stage technique (chunked) and final-logit soft-caps
-    **dict.fromkeys(["token_cross_entropy", "token_logps", "sequence_logps"], "posttune.losses"),
+    **dict.fromkeys(["token_cross_entropy", "token_logps", "sequence_logps", "labelled_logits"], "posttune.losses"),
     # generation with a KV cache: batched, seeded per row, the same forward count on every rank
     **dict.fromkeys(["Completions", "Sampling", "derive_seed", "generate", "generate_batch"], "posttune.generation"),
     # models, checkpoints, tokenizers

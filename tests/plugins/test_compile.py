@@ -127,6 +127,48 @@ def test_the_compiled_loss_kernel_gives_the_plain_losses_and_logps():
     assert graphs() >= 3  # layers, logps (one graph per temperature), the summed loss
 
 
+def head_rows(model: torch.nn.Module) -> list[int]:
+    """The number of positions each later call of ``model``'s head receives (a forward hook)."""
+    seen: list[int] = []
+    model.output.register_forward_hook(lambda module, args, out: seen.append(args[0].flatten(0, -2).shape[0]))
+    return seen
+
+
+def test_the_compiled_loss_reaches_the_head_with_labelled_positions_only_and_one_graph_for_every_count():
+    """As the plain path: only labelled positions reach the head (the prompts' logits are never made),
+    the loss and gradients equal the plain path's, and a new labelled count compiles nothing new
+    although the layers use static shapes."""
+    from posttune.losses import token_cross_entropy, token_logps
+
+    model, reference = tiny_llama(), tiny_llama()
+    session = fake_session(model, compile=CompileConfig(backend="aot_eager", dynamic=False))
+    session.config = run_config(max_seq_len=24, pad_to_multiple_of=24)
+    apply(session, session.target)
+    seen = head_rows(model)
+    counts = []
+    for seed in range(4):
+        data = batch(seq=24, seed=seed)
+        data["labels"][:, : 8 + seed] = -100  # another prompt length each batch: another labelled count
+        counts.append(int((data["labels"] != -100).sum()))
+        loss, _ = token_cross_entropy(session, data)
+        expected, _ = token_cross_entropy(fake_session(reference), data)
+        torch.testing.assert_close(loss, expected, atol=1e-4, rtol=0)
+        loss.backward()
+        expected.backward()
+        for (name, param), other in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(param.grad, other.grad, atol=1e-5, rtol=1e-4, msg=name)
+        if seed == 0:
+            after_first = graphs()
+    assert seen == counts and len(set(counts)) == 4  # the head saw exactly the labelled positions
+    assert graphs() == after_first  # the layers' one shape and the loss's symbolic count: nothing new
+    seen.clear()
+    data = batch(seq=24)
+    logps = token_logps(session, data, temperature=0.7)
+    assert seen == [int((data["labels"] != -100).sum())]
+    assert logps.shape == data["labels"].shape and bool((logps[data["labels"] == -100] == 0).all())
+    torch.testing.assert_close(logps, token_logps(fake_session(reference), data, temperature=0.7), atol=1e-5, rtol=0)
+
+
 # ---- recompilation -----------------------------------------------------------------------------------
 
 def varying_batches(count: int = 20, multiple: int | None = None, seed: int = 0) -> list[torch.Tensor]:

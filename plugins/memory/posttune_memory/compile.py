@@ -31,7 +31,8 @@ run without gradients.
 
 The loss: unless ``loss`` is false, a ``session.loss_kernel`` is installed whose
 cross-entropy (summed, and per-token log-probabilities) is compiled, so the float32 upcast
-and log-softmax fuse instead of materialising a float32 copy of the logits. A ``loss``-stage
+and log-softmax fuse instead of materialising a float32 copy of the logits; as on the plain
+path, only the labelled positions go through the head (``labelled_logits``). A ``loss``-stage
 technique (``chunked_cross_entropy``) runs later and replaces the kernel with its own, which
 then stays eager; a vocabulary-sharded head (tensor parallelism with a parallel loss) keeps the
 core's plain path, which is what torch's ``loss_parallel()`` context parallelises.
@@ -55,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttune.plugin import IGNORE_INDEX, LossKernel, is_dtensor
+from posttune.plugin import IGNORE_INDEX, LossKernel, is_dtensor, labelled_logits
 from posttune_memory.checkpointing import decoder_layers
 
 BATCH_SHAPES = 2  # full batches and a smaller last one: both compile per length bucket
@@ -77,7 +78,7 @@ def apply(session: Any, target: Any, options: Any = None, *, fixed_rows: bool = 
         session.loss_kernel = compiled_loss_kernel(compile_fn)
 
 
-def compiler(options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def compiler(options: Any) -> Callable[..., Callable[..., Any]]:
     """``torch.compile`` with the technique's settings, for one function."""
     kwargs: dict[str, Any] = {"dynamic": options.dynamic, "backend": options.backend, "fullgraph": options.fullgraph}
     if options.mode is not None:
@@ -113,36 +114,45 @@ def head_is_sharded(model: nn.Module) -> bool:
 # ---- the loss ------------------------------------------------------------------------------------
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``posttune.losses.token_cross_entropy``'s arithmetic: float32, summed over labelled tokens."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+    """``posttune.losses.token_cross_entropy``'s arithmetic: float32, summed over labelled tokens.
+
+    ``logits`` are ``[..., vocab]`` with ``labels`` of the leading shape: the labelled rows only
+    (``[n, vocab]``) or full rows (``[batch, seq, vocab]``, a model without ``logits_at``)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
 
 def label_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``posttune.losses.token_logps``'s arithmetic: ``[batch, seq]`` label log-probs, 0 where ignored."""
+    """``posttune.losses.token_logps``'s arithmetic: each label's log-prob in ``labels``' shape, 0 where ignored."""
     if temperature != 1.0:
         logits = logits / temperature
-    nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+    nll = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                           reduction="none")
     return -nll.view(labels.shape)
 
 
-def compiled_loss_kernel(compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> LossKernel:
+def compiled_loss_kernel(compile_fn: Callable[..., Callable[..., Any]]) -> LossKernel:
     """The plain loss with its logits-to-loss part compiled (the model's forward is called eagerly:
-    its layers are compiled already). Without gradients the eager arithmetic runs."""
-    summed, logps = compile_fn(summed_cross_entropy), compile_fn(label_logps)
+    its layers are compiled already). Without gradients the eager arithmetic runs.
+
+    As on the core's plain path, only the labelled positions reach the head (``labelled_logits``):
+    with a large vocabulary the head is a large share of the step, and a prompt often half a row.
+    Their count changes every batch while the vocabulary never does, so the loss functions are
+    compiled with symbolic shapes whatever the layers' setting: one graph serves every count
+    (static shapes would compile one per count, bucketed lengths or not)."""
+    summed, logps = compile_fn(summed_cross_entropy, dynamic=True), compile_fn(label_logps, dynamic=True)
 
     def cross_entropy(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(batch["input_ids"], document_ids=batch.get("document_ids"),
-                       positions=batch.get("positions"))
-        labels = batch["labels"]
+        logits, labels, _ = labelled_logits(model, batch)
         loss = (summed if torch.is_grad_enabled() else summed_cross_entropy)(logits, labels)
-        return loss, (labels != IGNORE_INDEX).sum()
+        return loss, (batch["labels"] != IGNORE_INDEX).sum()
 
     def token_logps(model: Any, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-        logits = model(batch["input_ids"], document_ids=batch.get("document_ids"),
-                       positions=batch.get("positions"))
-        return (logps if torch.is_grad_enabled() else label_logps)(logits, batch["labels"], float(temperature))
+        logits, labels, keep = labelled_logits(model, batch)
+        values = (logps if torch.is_grad_enabled() else label_logps)(logits, labels, float(temperature))
+        if keep is None:
+            return values
+        return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter(keep, values)
 
     return LossKernel(cross_entropy=cross_entropy, logps=token_logps, name="compile")
 
