@@ -112,11 +112,20 @@ def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dp
         assert abs(metrics[key] - float(value.detach())) <= TOL, key
 
 
-def test_with_the_chunked_loss_technique_the_loss_and_gradients_are_unchanged(llama_dpo, make_dpo_config, tmp_path):
+#: loss kernels of posttune-memory, with options that make them cheap here (aot_eager: Dynamo and AOTAutograd's
+#: graphs, run without inductor's code generation)
+KERNEL_OPTIONS = {"chunked_cross_entropy": {"chunk_size": 7}, "compile": {"backend": "aot_eager"}}
+
+
+@pytest.mark.parametrize("technique", sorted(KERNEL_OPTIONS))
+def test_with_a_loss_kernel_technique_the_loss_and_gradients_are_unchanged(llama_dpo, make_dpo_config, tmp_path,
+                                                                           technique):
+    """Padding-free pairs with the shared prompt once (``positions`` continue it): the kernel's logits
+    at labelled positions give the plain path's loss and gradients."""
     results = []
-    for memory in ([], ["chunked_cross_entropy"]):
+    for memory in ([], [technique]):
         session = compose_run(make_dpo_config(tmp_path / str(len(memory)), rows=8, memory=memory,
-                                              memory_options={"chunked_cross_entropy": {"chunk_size": 7}}
+                                              memory_options={technique: KERNEL_OPTIONS[technique]}
                                               if memory else {}))
         assert (session.loss_kernel is not None) == bool(memory)
         perturb(session.model)
