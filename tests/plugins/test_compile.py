@@ -169,6 +169,19 @@ def test_the_compiled_loss_reaches_the_head_with_labelled_positions_only_and_one
     torch.testing.assert_close(logps, token_logps(fake_session(reference), data, temperature=0.7), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(("mode", "loss_mode"), [(None, None), ("reduce-overhead", None),
+                                                ("max-autotune", "max-autotune-no-cudagraphs"),
+                                                ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs")])
+def test_the_loss_compiles_with_symbolic_shapes_and_without_cuda_graphs(mode, loss_mode):
+    """CUDA graphs record a graph per shape, and the loss's labelled count changes every batch."""
+    from posttune_memory.compile import compiler
+
+    options = CompileConfig(dynamic=False, backend="inductor", mode=mode)
+    layers, loss = compiler(options).keywords, compiler(options, loss=True).keywords
+    assert layers["dynamic"] is False and layers.get("mode") == mode
+    assert loss["dynamic"] is True and loss.get("mode") == loss_mode and loss["backend"] == "inductor"
+
+
 # ---- recompilation -----------------------------------------------------------------------------------
 
 def varying_batches(count: int = 20, multiple: int | None = None, seed: int = 0) -> list[torch.Tensor]:

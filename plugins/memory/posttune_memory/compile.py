@@ -75,14 +75,22 @@ def apply(session: Any, target: Any, options: Any = None, *, fixed_rows: bool = 
     for layer in decoder_layers(target.model, "compile"):
         compile_layer(layer, compile_fn)
     if target.trainable and options.loss and not head_is_sharded(target.model):
-        session.loss_kernel = compiled_loss_kernel(compile_fn)
+        session.loss_kernel = compiled_loss_kernel(compiler(options, loss=True))
 
 
-def compiler(options: Any) -> Callable[..., Callable[..., Any]]:
-    """``torch.compile`` with the technique's settings, for one function."""
-    kwargs: dict[str, Any] = {"dynamic": options.dynamic, "backend": options.backend, "fullgraph": options.fullgraph}
-    if options.mode is not None:
-        kwargs["mode"] = options.mode
+#: the loss's mode where the layers' records CUDA graphs: CUDA graphs record one graph per shape, and the loss's
+#: shape (its labelled count) changes every batch
+LOSS_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def compiler(options: Any, *, loss: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``torch.compile`` with the technique's settings, for one function; for the loss (``loss``), symbolic
+    shapes and no CUDA graphs (``compiled_loss_kernel`` says why)."""
+    kwargs: dict[str, Any] = {"dynamic": True if loss else options.dynamic, "backend": options.backend,
+                              "fullgraph": options.fullgraph}
+    mode = LOSS_MODES.get(options.mode, options.mode) if loss else options.mode
+    if mode is not None:
+        kwargs["mode"] = mode
     return functools.partial(torch.compile, **kwargs)
 
 
@@ -131,16 +139,17 @@ def label_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float) 
     return -nll.view(labels.shape)
 
 
-def compiled_loss_kernel(compile_fn: Callable[..., Callable[..., Any]]) -> LossKernel:
+def compiled_loss_kernel(compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> LossKernel:
     """The plain loss with its logits-to-loss part compiled (the model's forward is called eagerly:
     its layers are compiled already). Without gradients the eager arithmetic runs.
 
     As on the core's plain path, only the labelled positions reach the head (``labelled_logits``):
     with a large vocabulary the head is a large share of the step, and a prompt often half a row.
-    Their count changes every batch while the vocabulary never does, so the loss functions are
-    compiled with symbolic shapes whatever the layers' setting: one graph serves every count
-    (static shapes would compile one per count, bucketed lengths or not)."""
-    summed, logps = compile_fn(summed_cross_entropy, dynamic=True), compile_fn(label_logps, dynamic=True)
+    Their count changes every batch while the vocabulary never does, so ``compile_fn`` compiles with
+    symbolic shapes whatever the layers' setting: one graph serves every count (static shapes would
+    compile one per count, bucketed lengths or not), and without CUDA graphs, which would record one
+    per count."""
+    summed, logps = compile_fn(summed_cross_entropy), compile_fn(label_logps)
 
     def cross_entropy(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         logits, labels, _ = labelled_logits(model, batch)
