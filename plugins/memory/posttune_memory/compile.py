@@ -78,7 +78,7 @@ def apply(session: Any, target: Any, options: Any = None, *, fixed_rows: bool = 
         session.loss_kernel = compiled_loss_kernel(compiler(options, loss=True))
 
 
-#: the loss's mode where the layers' records CUDA graphs: CUDA graphs record one graph per shape, and the loss's
+#: the loss's mode where the layers' mode records CUDA graphs: those record one graph per shape, and the loss's
 #: shape (its labelled count) changes every batch
 LOSS_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
 
