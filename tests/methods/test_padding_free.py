@@ -154,8 +154,8 @@ def test_shared_prompt_pairs_hold_each_prompt_once_and_the_rest_of_each_response
 
 #: how far 4 steps of Adam (lr 3e-3) may take two runs of pairs whose gradients differ only by rounding: Adam's first
 #: steps turn rounding in near-zero gradients into whole updates (a sign is an update of lr), and where that happens
-#: depends on the CPU's rounding (AVX2 vs AVX-512). Measured: padding-free vs padded DPO 1e-6 apart on one machine,
-#: 2.7e-5 (loss) and 1.9e-4 (a weight) on another; shared prompts 6e-5 after three steps.
+#: depends on the CPU's rounding (AVX2 vs AVX-512). Measured: padding-free vs padded DPO within 1e-5 on the Intel
+#: machines, 2.7e-5 (loss) and 1.9e-4 (a weight) on an AMD EPYC; shared prompts 6e-5 after three steps.
 #: ``assert_pair_layouts_step_equal`` pins one step exactly (1e-6), where nothing amplifies the rounding.
 PAIR_LOSSES_ATOL = 5e-4
 
