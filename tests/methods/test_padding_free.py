@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_support import compose_run, dpo_config, sft_config
+from run_support import assert_same_step, compose_run, dpo_config, sft_config
 
 from posttune.data import IGNORE_INDEX
 from posttune.data.collate import flat_batch, pad_id, padded_batch, pair_batch
@@ -195,13 +195,7 @@ def assert_pair_layouts_step_equal(session, loss) -> None:
     _, twice, twice_grads = results["twice"]
     assert len(twice_grads) > 0
     for layout in ("shared", "padded"):
-        _, out, grads = results[layout]
-        torch.testing.assert_close(out.loss_sum, twice.loss_sum, rtol=0, atol=1e-6, msg=layout)
-        for name, (value, _count) in twice.metrics.items():
-            torch.testing.assert_close(out.metrics[name][0], value, rtol=0, atol=1e-5, msg=f"{layout} {name}")
-        assert grads.keys() == twice_grads.keys()
-        for name, grad in twice_grads.items():
-            torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-6, msg=f"{layout} {name}")
+        assert_same_step(results[layout][1:], (twice, twice_grads), loss_atol=1e-6, msg=layout)
 
 
 def test_each_pair_layout_gives_the_dpo_loss_and_gradients_of_padded_pairs(llama_dpo, tmp_path):
