@@ -62,6 +62,10 @@ NAMES: dict[str, dict[str, str]] = {
         "adamw_8bit": "posttune-torchao",
         "adamw_4bit": "posttune-torchao",
     },
+    "command": {
+        "eval": "posttune-lmeval",
+        "quantize": "posttune-torchao",
+    },
     "metric_logger": {
         "wandb": "posttune-wandb",
         "tensorboard": "posttune-tensorboard",

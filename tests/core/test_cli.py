@@ -232,6 +232,21 @@ def test_plugin_command_is_available(register_plugin, posttune_cli):
     assert (result.exit_code, result.stdout) == (0, "hello posttune\n")
 
 
+def test_a_command_not_installed_is_one_line_naming_what_provides_it(register_plugin, posttune_cli):
+    """`posttune eval` without posttune-lmeval names the distribution; a misspelt command gets the one meant;
+    neither is argparse's usage message."""
+    result = posttune_cli("eval", "--tasks", "hellaswag")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("posttune: error: no command 'eval' is installed (installed: config, cp, ")
+    assert result.stderr.endswith(" — pip install posttune-lmeval\n") and result.stderr.count("\n") == 1
+
+    register_plugin(module_plugin("greet", posttune_register_commands=lambda cli: cli(
+        Command("hello", "say hello", lambda parser: None, lambda args: 0))))
+    result = posttune_cli("helo")
+    assert result.exit_code == 2 and "usage:" not in result.stderr
+    assert result.stderr.endswith("(did you mean 'hello'?)\n") and "pip install" not in result.stderr
+
+
 def test_console_script_prints_one_line_and_no_traceback(tmp_path):
     """The installed entry point, in a fresh process: user error -> one stderr line, exit 2."""
     config = tmp_path / "bad.yaml"

@@ -98,8 +98,9 @@ def _command_word(argv: list[str]) -> str | None:
 
 
 def _refuse_unavailable(parser: _Parser, argv: list[str]) -> None:
-    """A command a broken plugin would have provided gets one line naming the plugin, not argparse's
-    usage message."""
+    """A command that is not there gets one line, not argparse's usage message: the plugin that failed
+    to provide it, the distribution to install (`posttune eval` without posttune-lmeval), or the
+    command meant (a misspelling)."""
     from posttune.plugins import get_registry
 
     word = _command_word(argv)
@@ -107,9 +108,8 @@ def _refuse_unavailable(parser: _Parser, argv: list[str]) -> None:
         return
     if word in parser.unavailable:
         raise PluginError(parser.unavailable[word])
-    registry = get_registry()
-    if word not in parser.commands and (registry.failed or ("command", word) in registry.duplicates):
-        raise registry.unknown("command", word)
+    if word not in parser.commands:
+        raise get_registry().unknown("command", word)
 
 
 def main(argv: list[str] | None = None) -> int:
