@@ -16,7 +16,7 @@ from typing import Any
 from posttune import first_party, tracking
 from posttune.checkpoint.source import family_for, read_hf_config
 from posttune.config.components import check_components
-from posttune.config.requires import check_requires
+from posttune.config.requires import check_requires, device_for
 from posttune.config.schema import ModelConfig, RunConfig
 from posttune.config.typed import from_dict
 from posttune.descriptors import STAGES, MeshDim, ModelRole, ParallelPlan
@@ -76,6 +76,7 @@ class Plan:
 def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | None = 1) -> Plan:
     """The whole run, checked: plugins by name, requires/conflicts, mesh dims against the world."""
     check_requires(config.requires)
+    device_for(config.train.device, "config: train.device", here=False)
     components = check_components(config)  # gated, imported and bound before anything else runs
     family = _family(config.model, registry, "model")
     where = "method.name" if isinstance(config.method, dict) else "method"

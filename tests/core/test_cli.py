@@ -141,6 +141,8 @@ def test_validate_by_bundled_name(register_plugin, fake, posttune_cli, config_fi
                                 "mesh dimension; add one, e.g. fsdp2 (pip install posttune-fsdp2)"),
     (["memory=[opt_bwd]", "train.grad_accum_steps=2"],
      "config: train.grad_accum_steps: opt_bwd cannot accumulate gradients; set it to 1"),
+    (["train.device=gpu"], "config: train.device 'gpu' is not a device (auto, cpu, cuda, cuda:1 ...)"),
+    (["train.device=meta"], "config: train.device meta holds no weights; use auto, cpu or cuda"),
 ])
 def test_user_errors_are_one_line_with_exit_status_2(fake, posttune_cli, config_file, overrides, message):
     result = posttune_cli("validate", str(config_file), *overrides)

@@ -92,6 +92,18 @@ def test_streaming_without_max_steps_is_refused(llama_sft, posttune_cli, write_c
                              "(the epoch length is unknown)\n")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_run_without_a_gpu_is_one_line_before_the_output_dir_is_touched(llama_sft, posttune_cli,
+                                                                                write_config, tmp_path):
+    """`validate` cannot know the machine that will train (a laptop checks a GPU run); the launch can."""
+    path = write_config()
+    assert posttune_cli("validate", str(path), "train.device=cuda").exit_code == 0
+    result = posttune_cli("train", str(path), "train.device=cuda")
+    assert (result.exit_code, result.stderr) == (2, "posttune: error: config: train.device cuda: no CUDA device is "
+                                                    "available here (use cpu or auto)\n")
+    assert {path.name for path in (tmp_path / "out").glob("*")} <= {".posttune.lock"}  # no config, no weights
+
+
 def test_an_unknown_build_override_is_named_in_one_line(llama_sft, posttune_cli, write_config):
     path = write_config(model={"build_overrides": {"vocab_size": 384, "hiden_size": 32}})
     # refused before launch (the family's builder takes no **kwargs), by train and plan alike, with a suggestion

@@ -143,30 +143,9 @@ def adapter_base(adapter: str | None) -> str:
 
 def device_of(name: str | None) -> str:
     """``auto``: CUDA when a GPU is there, else the CPU (as `train.device: auto` does)."""
-    import torch
+    from posttune.config.requires import device_for
 
-    from posttune.errors import PosttuneError, first_line
-
-    if name in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise PosttuneError(f"generate: --device {name!r} is not a device (auto, cpu, cuda, cuda:1 ...)") from None
-    if device.type == "meta":
-        raise PosttuneError("generate: --device meta holds no weights; use auto, cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise PosttuneError(f"generate: --device {name}: no CUDA device is available here (use cpu or auto)")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise PosttuneError(f"generate: --device {name}: there are {torch.cuda.device_count()} CUDA devices "
-                            f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
-    if device.type not in ("cpu", "cuda"):
-        try:
-            torch.empty(0, device=device)
-        except (RuntimeError, AssertionError) as error:
-            reason = first_line(str(error)).split(". ")[0]
-            raise PosttuneError(f"generate: --device {name} is not usable here: {reason}") from None
-    return name
+    return device_for(name, "generate: --device")
 
 
 COMMAND = Command("generate", "complete prompts with a checkpoint (KV cache; greedy unless --temperature)",

@@ -1,5 +1,5 @@
 """What a config requires: its ``requires:`` list (PEP 508 requirements) against installed distributions,
-and a CUDA device for the techniques that need one."""
+a CUDA device for the techniques that need one, and the device a run or command asks for."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from posttune.errors import ConfigError, PosttuneError
+from posttune.errors import ConfigError, PosttuneError, first_line
 
 
 def check_requires(requirements: list[str]) -> None:
@@ -42,3 +42,35 @@ def require_cuda(config: Any, technique: str, why: str) -> None:
     if not cuda:
         shown = "no CUDA device is available" if device == "auto" else f"train.device is '{device}'"
         raise ConfigError("memory", f"'{technique}' needs a CUDA device ({why}); {shown}")
+
+
+def device_for(name: str | None, where: str, *, here: bool = True) -> str:
+    """``name`` (``auto``, ``cpu``, ``cuda``, ``cuda:1`` ...) checked, in one line naming ``where``
+    (``config: train.device``, ``generate: --device``); ``auto`` is CUDA when a GPU is there, else the CPU.
+
+    ``here=False`` checks only that it is a device at all: `posttune validate` and `plan` may run on a
+    laptop for a GPU run; the launch checks it ``here``, before a weight is read."""
+    import torch
+
+    if name in (None, "auto"):
+        return ("cuda" if torch.cuda.is_available() else "cpu") if here else "auto"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise PosttuneError(f"{where} {name!r} is not a device (auto, cpu, cuda, cuda:1 ...)") from None
+    if device.type == "meta":
+        raise PosttuneError(f"{where} meta holds no weights; use auto, cpu or cuda")
+    if not here:
+        return name
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PosttuneError(f"{where} {name}: no CUDA device is available here (use cpu or auto)")
+    count = torch.cuda.device_count()
+    if device.type == "cuda" and device.index is not None and device.index >= count:
+        raise PosttuneError(f"{where} {name}: there are {count} CUDA devices (cuda:0 to cuda:{count - 1})")
+    if device.type not in ("cpu", "cuda"):
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as error:
+            reason = first_line(str(error)).split(". ")[0]
+            raise PosttuneError(f"{where} {name} is not usable here: {reason}") from None
+    return name

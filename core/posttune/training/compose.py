@@ -29,6 +29,7 @@ from torch import nn
 from posttune.checkpoint import materialize as mat
 from posttune.checkpoint.origin import ModelOrigin, attach
 from posttune.checkpoint.score_head import add_score_head, checkpoint_labels
+from posttune.config.requires import device_for
 from posttune.errors import ConfigError, PosttuneError, first_line
 from posttune.plan import Plan, applies_to_frozen, build_kwargs
 from posttune.registry import Registered
@@ -36,7 +37,7 @@ from posttune.session import ModelTarget, Session
 from posttune.training import distributed, resume_identity, state
 from posttune.training.metrics import read_metrics
 from posttune.training.optim import build_optimizer, build_scheduler
-from posttune.training.output_dir import record_run
+from posttune.training.output_dir import check_resume_step, record_run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INIT_STD = 0.02  # random initialisation of Linear and Embedding weights, as HF's LLM configs use
@@ -50,12 +51,14 @@ def compose(plan: Plan) -> Session:
     session.tokenizer = load_tokenizer(session)
     session.resume_from, session.run_id = state.find_resume(session)
     resume_identity.check(plan, session.resume_from)  # before anything is written or loaded
+    check_resume_step(plan.config, session.resume_from)  # past train.max_steps: likewise
     if distributed.is_main():  # the lineage a later `resume: latest` in this directory follows
         record_run(Path(plan.config.checkpoint.output_dir), session.run_id, session.resume_from)
     build_policy(session)
     build_roles(session)
     build_data(session)
     session.total_steps = total_steps(session)
+    check_resume_step(plan.config, session.resume_from, session.total_steps)  # past train.epochs: before config.yaml
     session.optimizer = build_optimizer(session.trainable.named_parameters(), plan.config.train)
     session.scheduler = build_scheduler(session.optimizer, plan.config.train, session.total_steps)
     policy = session.targets["policy"]
@@ -92,8 +95,8 @@ def close_method(session: Any) -> None:
 
 def init_distributed(session: Session) -> None:
     """Pick the device; under torchrun, join the process group and build the DeviceMesh."""
-    wanted = session.config.train.device
-    cuda = torch.cuda.is_available() if wanted == "auto" else wanted.startswith("cuda")
+    wanted = device_for(session.config.train.device, "config: train.device")  # `auto` resolved
+    cuda = torch.device(wanted).type == "cuda"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -107,7 +110,7 @@ def init_distributed(session: Session) -> None:
         dims = session.plan.mesh
         session.mesh = init_device_mesh(session.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     else:
-        session.device = torch.device("cuda" if cuda else "cpu") if wanted == "auto" else torch.device(wanted)
+        session.device = torch.device(wanted)
 
 
 def seed_everything(seed: int) -> None:

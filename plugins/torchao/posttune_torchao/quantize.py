@@ -33,7 +33,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from posttune.plugin import Command, PosttuneError, did_you_mean
+from posttune.plugin import Command, PosttuneError, device_for, did_you_mean
 
 SCHEMES = ("int8_weight_only", "int4_weight_only")
 INT4_GROUP_SIZE = 128  # torchao's and the published int4 checkpoints' default
@@ -64,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PosttuneError(f"quantize: -o {out} exists and is not an empty directory; choose a new one")
     base, adapter = source_dirs(args.model, args.adapter)
-    device = device_of(args.device)
+    device = device_for(args.device, "quantize: --device")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise PosttuneError(f"quantize: --device {device}: torchao's weight-only exports run on cpu or cuda")
     config = quant_config(args.scheme, args.group_size, device)
     written = export(base, adapter, out, config, device)
     print(f"wrote {args.scheme} export ({_size(written)} of weights) to {out}")
@@ -92,18 +94,6 @@ def _existing(path: str, option: str, marker: str) -> Path:
     if not (directory / marker).is_file():
         raise PosttuneError(f"quantize: {option} {path}: no {marker} there")
     return directory
-
-
-def device_of(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise PosttuneError(f"quantize: --device {name}: no CUDA device is available")
-    if not (name == "cpu" or name.startswith("cuda")):
-        raise PosttuneError(f"quantize: --device {name}: expected auto, cpu, cuda or cuda:N")
-    return name
 
 
 def quant_config(scheme: str, group_size: int | None, device: str) -> Any:
