@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -52,6 +53,14 @@ def empty_folder(tmp_path) -> dict:
     return config
 
 
+def train_file(tmp_path, content: bytes, **options) -> dict:
+    """The run, its train file holding ``content``."""
+    config = sft_config(tmp_path, **options)
+    (tmp_path / "rows.jsonl").write_bytes(content)
+    config["data"]["train"]["path"] = str(tmp_path / "rows.jsonl")
+    return config
+
+
 def starting_from(tmp_path, folder) -> dict:
     return sft_config(tmp_path, adapter={"rank": 4, "alpha": 8, "init_from": str(folder)})
 
@@ -67,11 +76,19 @@ def starting_from(tmp_path, folder) -> dict:
     (lambda tmp: sft_config(tmp, tokenizer={"path": str(tmp / "nowhere")}), "tokenizer.path", "no such folder"),
     (lambda tmp: sft_config(tmp, tokenizer={"path": str(tmp)}), "tokenizer.path", "has no tokenizer.json"),
     (alpaca_rows_as_chat, "data.train.format", "cannot read the first row"),
+    (lambda tmp: train_file(tmp, b"\n  \n"), "data.train.path", "rows.jsonl: the file is empty (no rows)"),
+    (lambda tmp: train_file(tmp, b"\n{'messages': []}\n"), "data.train.path",
+     "rows.jsonl: line 2: invalid JSON: Expecting property name enclosed in double quotes (column 2)"),
+    (lambda tmp: train_file(tmp, b'\xff\xfe{"a": 1}\n'), "data.train.path",
+     "rows.jsonl: line 1: not UTF-8 text; save the file as UTF-8"),
+    (lambda tmp: train_file(tmp, b"[1, 2]\n"), "data.train.path", "line 1: expected a JSON object (one row), got a list"),
+    (lambda tmp: train_file(tmp, b"", data={"skip_bad_rows": True}), "data.train.path", "the file is empty"),
     (lambda tmp: starting_from(tmp, tmp / "nowhere"), "adapter.init_from", "no adapter_config.json"),
     (lambda tmp: starting_from(tmp, saved_adapter(tmp, rank=8)), "adapter.init_from",
      "rank 8 (saved) vs 4 (adapter.rank)"),
 ], ids=["scheduler", "low-bit-optimizer", "missing-path", "missing-train-file", "missing-validation-file",
-        "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "init-from-missing",
+        "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "empty-file", "invalid-json",
+        "not-utf8", "not-an-object", "empty-file-skipping-bad-rows", "init-from-missing",
         "init-from-other-rank"])
 def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, tmp_path, make, field, words):
     result = validate(posttune_cli, tmp_path, make(tmp_path))
@@ -82,6 +99,13 @@ def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, 
 
 def test_a_format_that_reads_the_rows_is_valid(llama_sft, posttune_cli, tmp_path):
     result = validate(posttune_cli, tmp_path, sft_config(tmp_path))
+    assert result.exit_code == 0, result.stderr
+
+
+def test_a_bad_first_line_is_left_to_the_loader_when_bad_rows_are_skipped(llama_sft, posttune_cli, tmp_path):
+    config = sft_config(tmp_path)
+    rows = b"not json\n" + Path(config["data"]["train"]["path"]).read_bytes()
+    result = validate(posttune_cli, tmp_path, train_file(tmp_path, rows, data={"skip_bad_rows": True}))
     assert result.exit_code == 0, result.stderr
 
 

@@ -97,14 +97,15 @@ def _extensions() -> list[str]:
 
 
 def check_first_rows(plan: Any) -> None:
-    """Each split's format must read the first row of its local ``.jsonl`` file (unless bad rows
-    are to be skipped: the first row may be one of them)."""
-    if plan.config.data.skip_bad_rows:
-        return
+    """Each split's local ``.jsonl`` file has a row, its first line is one (unless bad rows are to be
+    skipped: the first may be one of them), and the format reads it."""
+    skip = plan.config.data.skip_bad_rows
     for split, fmt in plan.datasets.items():
         dataset = getattr(plan.config.data, split, None)
-        row = first_jsonl_row(Path(dataset.path).expanduser()) if dataset is not None else None
-        if row is None:
+        if dataset is None:
+            continue
+        row = first_jsonl_row(Path(dataset.path).expanduser(), f"data.{split}.path", strict=not skip)
+        if row is None or skip:
             continue
         renamed = dict(row)
         for field, column in dataset.column_map.items():
@@ -119,17 +120,40 @@ def check_first_rows(plan: Any) -> None:
                               "the data, or map its columns with column_map") from None
 
 
-def first_jsonl_row(path: Path) -> dict[str, Any] | None:
-    """The first non-empty line of a ``.jsonl`` file as a mapping; None for anything else (other
-    file types, folders, a line that is not a JSON object: the loader reports those itself)."""
+def first_jsonl_row(path: Path, where: str, *, strict: bool = True) -> dict[str, Any] | None:
+    """The first non-empty line of a ``.jsonl`` file as a mapping; None for other file types and
+    folders (the loader checks those). A file with no row is refused; so, when ``strict``, is a first
+    line that is not UTF-8 or not a JSON object, with the messages the loader gives."""
     if path.suffix != ".jsonl" or not path.is_file():
         return None
-    with path.open(encoding="utf-8", errors="replace") as lines:
-        for line in lines:
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    return None
-                return row if isinstance(row, dict) else None
-    return None
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                problem: str | None = "not UTF-8 text; save the file as UTF-8"
+            else:
+                problem = line_problem(line)
+            if problem is None:
+                return json.loads(line)
+            if strict:
+                raise ConfigError(where, f"{path}: line {number}: {problem}")
+            return None
+    raise ConfigError(where, f"{path}: the file is empty (no rows)")
+
+
+def line_problem(line: str) -> str | None:
+    """Why one line of a JSON Lines file is not a row, or None (blank lines are skipped, as `datasets` does)."""
+    if not line.strip():
+        return None
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return f"invalid JSON: {exc.msg} (column {exc.colno})"
+    return None if isinstance(value, dict) else f"expected a JSON object (one row), got {json_kind(value)}"
+
+
+def json_kind(value: Any) -> str:
+    return {list: "a list", str: "a string", bool: "true or false", type(None): "null"}.get(type(value), "a number")

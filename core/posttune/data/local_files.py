@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from posttune.config.data_checks import json_kind, line_problem
 from posttune.errors import ConfigError, PosttuneError, first_line
 
 CHUNK = 1 << 24  # bytes read at a time when checking that a file is UTF-8
@@ -120,7 +121,7 @@ def _json_layout(path: Path, where: str, skip_bad_rows: bool = False) -> str:
     if not isinstance(value, dict) and not skip_bad_rows:  # a first line `null` crashes pyarrow's reader
         number = next(i for i, line in enumerate(_lines(path), 1) if line.strip())
         raise ConfigError(f"{where}.path", f"{path}: line {number}: expected a JSON object (one row), "
-                                           f"got {_kind(value)}")
+                                           f"got {json_kind(value)}")
     return "lines"
 
 
@@ -147,29 +148,14 @@ def _json_problem(path: Path) -> str | None:
         bad = next((i for i, item in enumerate(value) if not isinstance(item, dict)), None) \
             if isinstance(value, list) else None
         return None if bad is None else \
-            f"{path}: item {bad}: expected a JSON object (one row), got {_kind(value[bad])}"
+            f"{path}: item {bad}: expected a JSON object (one row), got {json_kind(value[bad])}"
     fields = False
     for number, line in enumerate(text.split("\n"), 1):
-        problem = _line_problem(line)
+        problem = line_problem(line)
         if problem is not None:
             return f"{path}: line {number}: {problem}"
         fields = fields or bool(line.strip() not in ("", "{}"))
     return None if fields else f"{path}: holds no rows with any field (only empty objects)"
-
-
-def _line_problem(line: str) -> str | None:
-    """Why one line of a JSON Lines file is not a row, or None (blank lines are skipped, as `datasets` does)."""
-    if not line.strip():
-        return None
-    try:
-        value = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return f"invalid JSON: {exc.msg} (column {exc.colno})"
-    return None if isinstance(value, dict) else f"expected a JSON object (one row), got {_kind(value)}"
-
-
-def _kind(value: Any) -> str:
-    return {list: "a list", str: "a string", bool: "true or false", type(None): "null"}.get(type(value), "a number")
 
 
 def _clean_copy(path: Path, builder: str) -> tuple[str, int]:
@@ -182,7 +168,7 @@ def _clean_copy(path: Path, builder: str) -> tuple[str, int]:
             except UnicodeDecodeError:
                 dropped += 1
                 continue
-            if builder == "json" and _line_problem(text) is not None:
+            if builder == "json" and line_problem(text) is not None:
                 dropped += 1
                 continue
             kept.append(raw)
