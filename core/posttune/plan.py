@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from posttune import first_party, tracking
-from posttune.checkpoint.source import family_for, read_hf_config
+from posttune.checkpoint.source import family_for, is_hub_id, read_hf_config
 from posttune.config.components import check_components
 from posttune.config.requires import check_requires, device_for
 from posttune.config.schema import ModelConfig, RunConfig
@@ -146,15 +146,26 @@ def _family(model: ModelConfig, registry: Registry, section: str) -> Registered:
     if model.family is not None:
         family = _get(registry, "model_family", model.family, f"{section}.family")
         if model.path is not None and Path(model.path).expanduser().is_dir():
-            read_hf_config(model.path)
+            _hf_config(model, section)
     else:
-        family = family_for(read_hf_config(model.path), registry, str(model.path))
+        family = family_for(_hf_config(model, section), registry, str(model.path))
     if model.path is None and model.size not in family.descriptor.sizes:
         sizes = ", ".join(family.descriptor.sizes) or "none"
         raise ConfigError(f"{section}.size", f"family '{family.descriptor.name}' has no size '{model.size}' "
                                              f"(sizes: {sizes})")
     _check_overrides(model, family, section)
     return family
+
+
+def _hf_config(model: ModelConfig, section: str) -> dict[str, Any]:
+    """``config.json`` of the section's checkpoint; a local path that holds none is refused naming the field
+    (a malformed file is named, with its field, by the reader)."""
+    local = Path(str(model.path)).expanduser()
+    if not local.is_dir() and not is_hub_id(str(model.path)):
+        raise ConfigError(f"{section}.path", f"{model.path}: no such checkpoint directory")
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise ConfigError(f"{section}.path", f"{model.path}: not a Hugging Face checkpoint (no config.json)")
+    return read_hf_config(model.path)
 
 
 def _check_overrides(model: ModelConfig, family: Registered, section: str) -> None:

@@ -136,8 +136,8 @@ def test_hf_hub_offline_skips_the_probe_and_stays_one_line(tmp_path, silent_endp
 
 
 @pytest.mark.parametrize("section, value, message", [
-    ("model", "models/llama", "models/llama: no such checkpoint directory"),
-    ("model", "./llama", "./llama: no such checkpoint directory"),
+    ("model", "models/llama", "config: model.path: models/llama: no such checkpoint directory"),
+    ("model", "./llama", "config: model.path: ./llama: no such checkpoint directory"),
     ("data", "models/train", "config: data.train.path: no such file or directory 'models/train'"),
 ])
 def test_a_missing_local_path_is_not_a_hub_problem(tmp_path, section, value, message, silent_endpoint):
