@@ -281,6 +281,25 @@ def test_peft_files_round_trip_through_a_permuting_converter(toy_family, tmp_pat
     assert load_peft_adapter(fresh, tmp_path / "adapter")  # resume: same adapters, loaded again
 
 
+def test_a_local_base_is_named_by_its_absolute_path_and_a_missing_one_in_one_line(toy_family, tmp_path,
+                                                                                  monkeypatch):
+    """`model.path: base` trains from the current folder; `generate --adapter` may run from any other."""
+    from posttune.adapters import adapter_base
+
+    (tmp_path / "base").mkdir()
+    monkeypatch.chdir(tmp_path)
+    model = toy(0)
+    attach(model, ModelOrigin("toy", {}, source="base"))
+    apply_adapters(model, targets=["q_proj"], rank=2, alpha=4)
+    save_peft_adapter(model, tmp_path / "adapter")
+    assert adapter_base(tmp_path / "adapter", "generate") == str(tmp_path / "base")
+    config = tmp_path / "adapter" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "./gone"}))
+    with pytest.raises(PosttuneError, match=r"^generate: --adapter .*/adapter: the base model its "
+                                            r"adapter_config.json names, './gone', is no folder here .*give --model$"):
+        adapter_base(tmp_path / "adapter", "generate")
+
+
 def test_loading_a_mismatched_adapter_is_refused(toy_family, tmp_path):
     model = toy_with_origin()
     apply_adapters(model, targets=["q_proj"], rank=2, alpha=2)

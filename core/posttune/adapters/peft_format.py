@@ -107,7 +107,7 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
         task = "SEQ_CLS"
     config = {
         **UNSUPPORTED, "peft_type": "LORA", "task_type": task,
-        "base_model_name_or_path": base_model_name_or_path or origin.source,
+        "base_model_name_or_path": base_model_name_or_path or _where_from(origin.source),
         "r": settings["rank"], "lora_alpha": settings["alpha"], "lora_dropout": settings["dropout_p"],
         "use_dora": settings["kind"] == "dora",
         "target_modules": peft_targets([hf_names[n] for n in layers], hf_names.values()),
@@ -478,3 +478,11 @@ def _split_peft_key(key: str) -> tuple[str, str]:
         if key.endswith(f".{suffix}"):
             return key[:-len(suffix) - 1], suffix
     return key, ""
+
+
+def _where_from(source: str | None) -> str | None:
+    """The base model as a later command can find it from any folder: a local checkpoint by its absolute
+    path (``model.path: tiny`` would name whatever ``tiny`` is where `posttune generate` runs), a hub id as it is."""
+    if source is None or not Path(source).expanduser().is_dir():
+        return source
+    return str(Path(source).expanduser().resolve())

@@ -89,4 +89,9 @@ def adapter_base(adapter_dir: str | Path, command: str) -> str:
     if not base:
         raise PosttuneError(f"{command}: --adapter {adapter_dir}: {config.name} names no base_model_name_or_path; "
                             "give --model")
+    from posttune.checkpoint.source import is_hub_id
+
+    if not Path(str(base)).expanduser().is_dir() and not is_hub_id(str(base)):
+        raise PosttuneError(f"{command}: --adapter {adapter_dir}: the base model its {config.name} names, {base!r}, "
+                            "is no folder here (a path relative to where it was trained?); give --model")
     return str(base)
