@@ -46,14 +46,20 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
 
 
 def test_posttune_train_reports_the_failing_rank_in_one_line(tmp_path):
+    """A user error the workers find (row 3 lacks its field; validate reads only the first row) is one line on
+    stderr: not once per rank, not torchrun's agent logs, not the traceback torch records with it."""
     config = write_config(tmp_path, batch_size=4, parallel={"plans": ["fsdp2"]})
-    # a checkpoint path that exists on no rank: every worker fails while loading it
-    command = [sys.executable, "-m", "posttune.cli.main", "train", str(config), "model.path=" + str(tmp_path),
-               "model.family=llama", "--nproc-per-node", "2", "--standalone"]
+    data = tmp_path / "train.jsonl"
+    rows = data.read_text().splitlines()
+    rows[3] = '{"messages": "not a list"}'
+    data.write_text("\n".join(rows) + "\n")
+    command = [sys.executable, "-m", "posttune.cli.main", "train", str(config), "--nproc-per-node", "2",
+               "--standalone"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env())
     assert result.returncode == 2
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("posttune: error: ") and "config.json" in last, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert result.stderr.startswith("posttune: error: rank ") and " failed (exit code 2): data.train: row 3: " \
+        in result.stderr, result.stderr
 
 
 #: Rank 1 dies by SIGKILL right after optimizer step 3 (a lost node, the OOM killer): no Python

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+from typing import Any
 
 from posttune.errors import PosttuneError
+
+#: set for the workers of `posttune train`'s launch: the launcher prints a user error, once
+REPORTS = "POSTTUNE_LAUNCHER_REPORTS"
 
 #: torchrun options `posttune train` accepts, with the argparse settings for each.
 TORCHRUN_OPTIONS: dict[str, dict] = {
@@ -69,6 +75,8 @@ def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) 
 
     from posttune.training.preemption import PREEMPTED
 
+    quiet = _quiet_agent()
+    os.environ[REPORTS] = "1"  # the workers leave a user error to this process's one line
     try:
         torchrun.main([*torchrun_args(args), "-m", module, *module_args])
     except SignalException as exc:
@@ -79,7 +87,36 @@ def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) 
         rank, failure = min(exc.failures.items(), key=lambda item: item[1].timestamp)
         if failure.exitcode == PREEMPTED:  # the workers printed where they saved
             return PREEMPTED
-        message = failure.message if isinstance(failure.message, str) else str(failure.message)
-        raise PosttuneError(f"rank {rank} failed (exit code {failure.exitcode}): "
-                            f"{message.strip().splitlines()[-1] if message.strip() else 'no message'}") from None
+        raise PosttuneError(f"rank {rank} failed (exit code {failure.exitcode}): {reported(failure.message)}") from None
+    finally:
+        os.environ.pop(REPORTS, None)
+        for logger, level in quiet.items():
+            logger.setLevel(level)
     return 0
+
+
+def reported(message: Any) -> str:
+    """A failed rank's error in one line: what its worker recorded (torch keeps ``{"message": "ConfigError:
+    ...", "extraInfo": {traceback}}``), posttune's own error class left out, or torch's text for a rank that
+    died without a Python error (a signal)."""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    text = str(message).strip()
+    line = text.splitlines()[-1] if text else "no message"
+    name, _, rest = line.partition(": ")
+    own = {PosttuneError.__name__, *(cls.__name__ for cls in PosttuneError.__subclasses__())}
+    return rest if name in own and rest else line
+
+
+def _quiet_agent() -> dict[logging.Logger, int]:
+    """torchrun's agent logs each failure again (``E1204 ... failed (exitcode: 2)``, ``no error file defined
+    for parent``) around the one line posttune prints; silenced unless ``LOGLEVEL`` asks for its logs.
+    Returns the levels to restore."""
+    if "LOGLEVEL" in os.environ:
+        return {}
+    loggers = [logger for name, logger in logging.root.manager.loggerDict.items()
+               if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger)]
+    levels = {logger: logger.level for logger in loggers}
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    return levels

@@ -1,14 +1,17 @@
 """`python -m posttune.training.worker CONFIG [overrides]`: what torchrun starts on each rank.
 
 A failure on any rank is recorded in torchrun's error file (``record``), so the launcher's
-``posttune train`` ends the whole job and reports that rank's error in one line, and the
-other ranks are stopped instead of waiting forever in a collective.
+``posttune train`` ends the whole job and reports that rank's error in one line (the workers it
+started print none of their own), and the other ranks are stopped instead of waiting forever in a
+collective.
 """
 
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
+from posttune.cli.launch import REPORTS
 from posttune.cli.main import main
 from posttune.errors import PosttuneError, one_line
 
@@ -19,7 +22,8 @@ def run(argv: list[str]) -> int:
         return main(["--debug", "train", *argv])  # --debug: a user error reaches this function
     except PosttuneError as exc:
         get_error_handler().record_exception(exc)
-        print(f"posttune: error: {one_line(str(exc))}", file=sys.stderr)
+        if not os.environ.get(REPORTS):  # started by torchrun itself: nobody else prints it in one line
+            print(f"posttune: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
 
 
