@@ -216,8 +216,9 @@ def _roles(plan: Plan, registry: Registry) -> None:
             raise ConfigError(f"models.{name}", f"method '{method.name}' reads its {name} from the policy's own "
                                                 "hidden states (a head on the policy): remove this section")
         if name not in wanted:
-            raise ConfigError(f"models.{name}", f"method '{method.name}' uses no {name} model with these settings; "
-                                                "remove it")
+            meant = did_you_mean(name, wanted)
+            raise ConfigError(f"models.{name}", f"method '{method.name}' uses no {name} model with these settings"
+                                                + (meant or "; remove it"))
     for name, role in wanted.items():
         model, section = config.models.get(name), f"models.{name}"
         if model is None and not (role.from_policy or role.adapters_off or role.on_policy):

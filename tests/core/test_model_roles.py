@@ -102,6 +102,8 @@ def test_the_runs_plans_and_techniques_act_only_on_roles_that_take_them(registry
                      "or models.critic.family and models.critic.size)"),
     ({"models": {"critic": TINY, "judge": TINY}},
      "config: models.judge: method 'roles' uses no judge model with these settings; remove it"),
+    ({"models": {"critic": TINY, "critc": TINY}},
+     "config: models.critc: method 'roles' uses no critc model with these settings (did you mean 'critic'?)"),
     ({"models": {"critic": {"family": "nope", "size": "tiny"}}},
      "config: models.critic.family: no model family 'nope' is installed (installed: fam)"),
     ({"method": "trained"}, "config: method: method 'trained' (posttune-roles 1.0) declares model role 'value' as "
