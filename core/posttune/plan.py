@@ -20,7 +20,7 @@ from posttune.config.requires import check_requires, device_for
 from posttune.config.schema import ModelConfig, RunConfig
 from posttune.config.typed import from_dict
 from posttune.descriptors import STAGES, MeshDim, ModelRole, ParallelPlan
-from posttune.errors import ConfigError, UnknownNameError, did_you_mean
+from posttune.errors import ConfigError, PosttuneError, UnknownNameError, did_you_mean
 from posttune.registry import Registered, Registry
 
 CHECKPOINT_FORMAT = "hf"
@@ -230,6 +230,29 @@ def _roles(plan: Plan, registry: Registry) -> None:
         family = plan.family if section == "model" else _family(model, registry, section)
         converter = plan.converter if section == "model" else _converter(model, family, registry, section)
         plan.roles[name] = RolePlan(role, model, section, family, converter, shares)
+    _check_vocabularies(plan)
+
+
+def _check_vocabularies(plan: Plan) -> None:
+    """A role with its own weights reads the policy's token ids (a reference or teacher scores the policy's
+    tokens, a reward or value model reads them), so a smaller vocabulary would index past its embedding
+    mid-run. A larger one may be padding rows, which only the method can judge (KD's ``teacher_extra_vocab``).
+    Sizes come from config.json or the named size; a hub id not readable offline is left to the run."""
+    def vocab(model: ModelConfig, family: Registered) -> int | None:
+        try:
+            hf_config = read_hf_config(model.path) if model.path is not None else None
+            return build_kwargs(model, family.descriptor, hf_config).get("vocab_size")
+        except PosttuneError:
+            return None
+
+    own = [(name, role) for name, role in plan.roles.items() if role.section != "model"]
+    policy = vocab(plan.config.model, plan.family) if own else None
+    for name, role in own:
+        size = vocab(role.config, role.family) if policy is not None else None
+        if size is not None and size < policy:
+            raise ConfigError(role.section, f"the {name}'s vocabulary has {size} tokens and the policy's {policy}: it "
+                                            f"reads the policy's token ids (up to {policy - 1}); give it a model "
+                                            "with the policy's tokenizer")
 
 
 #: the stages that build a model; frozen roles go through these (never adapt, optimizer or loss)

@@ -102,6 +102,10 @@ def test_the_runs_plans_and_techniques_act_only_on_roles_that_take_them(registry
                      "or models.critic.family and models.critic.size)"),
     ({"models": {"critic": TINY, "judge": TINY}},
      "config: models.judge: method 'roles' uses no judge model with these settings; remove it"),
+    ({"model": {**TINY, "build_overrides": {"vocab_size": 32}},
+      "models": {"critic": {**TINY, "build_overrides": {"vocab_size": 16}}}},
+     "config: models.critic: the critic's vocabulary has 16 tokens and the policy's 32: it reads the policy's token "
+     "ids (up to 31); give it a model with the policy's tokenizer"),
     ({"models": {"critic": TINY, "critc": TINY}},
      "config: models.critc: method 'roles' uses no critc model with these settings (did you mean 'critic'?)"),
     ({"models": {"critic": {"family": "nope", "size": "tiny"}}},

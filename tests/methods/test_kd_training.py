@@ -230,7 +230,8 @@ def test_the_on_policy_share_is_lambda_and_the_same_for_every_rank(llama_kd, tea
      "models.teacher: the teacher's vocabulary has 400 tokens and the student's 384: distillation compares them token "
      "by token; if the teacher's extra rows are padding, set method.teacher_extra_vocab: drop"),
     ({"teacher": {"build_overrides": {"vocab_size": 300}}, "method": {"teacher_extra_vocab": "drop"}},
-     "models.teacher: the teacher's vocabulary has 300 tokens and the student's 384"),
+     "models.teacher: the teacher's vocabulary has 300 tokens and the policy's 384: it reads the policy's token "
+     "ids (up to 383)"),
     ({"method": {"kd_ratio": 1.5}}, "method.kd_ratio: expected a value in [0, 1], got 1.5"),
     ({"method": {"temperature": 0}}, "method.temperature: expected a positive number"),
     ({"method": {"on_policy_fraction": 0.5, "packing": True}}, "method.packing: on-policy distillation"),
