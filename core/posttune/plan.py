@@ -230,7 +230,24 @@ def _roles(plan: Plan, registry: Registry) -> None:
         family = plan.family if section == "model" else _family(model, registry, section)
         converter = plan.converter if section == "model" else _converter(model, family, registry, section)
         plan.roles[name] = RolePlan(role, model, section, family, converter, shares)
+        if role.score and not role.trained and section != "model":
+            _check_score_source(model, name, section)
     _check_vocabularies(plan)
+
+
+def _check_score_source(model: ModelConfig, name: str, section: str) -> None:
+    """A frozen score role scores with its checkpoint's trained head; a causal LM has none, and the fresh
+    head a trained role would learn from scratch would only score noise here. Read from a local config.json."""
+    from posttune.checkpoint.score_head import checkpoint_labels
+
+    if model.path is None or not Path(str(model.path)).expanduser().is_dir():
+        return
+    hf_config = read_hf_config(model.path)
+    if checkpoint_labels(hf_config) is None:
+        shown = ", ".join(map(str, hf_config.get("architectures") or ())) or "no architectures"
+        raise ConfigError(f"{section}.path", f"{model.path} is a causal LM ({shown}), not a sequence classifier: "
+                                             f"a frozen {name} model scores with its trained head; point it at a "
+                                             "score model (a *ForSequenceClassification checkpoint)")
 
 
 def _check_vocabularies(plan: Plan) -> None:

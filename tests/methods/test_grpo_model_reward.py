@@ -92,6 +92,22 @@ def test_a_reward_model_with_ray_generation_is_refused_in_one_line(grpo_rm, post
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_causal_lm_as_the_frozen_reward_model_is_refused(grpo_rm, posttune_cli, tmp_path):
+    """Pointing `models.reward` at the SFT model, not the reward model's export: it has no trained score head,
+    and the run would score completions with a random one."""
+    config = rm_run(tmp_path)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, "vocab_size": 384})).save_pretrained(
+        tmp_path / "sft")
+    config["models"]["reward"]["path"] = str(tmp_path / "sft")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = posttune_cli("validate", str(path))
+    assert (result.exit_code, result.stderr) == (2, f"posttune: error: config: models.reward.path: {tmp_path / 'sft'} "
+                                                    "is a causal LM (LlamaForCausalLM), not a sequence classifier: a "
+                                                    "frozen reward model scores with its trained head; point it at a "
+                                                    "score model (a *ForSequenceClassification checkpoint)\n")
+
+
 def test_the_reward_model_role_is_required(grpo_rm, posttune_cli, tmp_path):
     config = rm_run(tmp_path)
     del config["models"]
