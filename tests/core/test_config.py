@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from posttune.config import apply_overrides, instantiate, load_yaml, validate
+from posttune.config import apply_overrides, instantiate, load_config, load_yaml, validate
 from posttune.config.loader import parse_value
 from posttune.config.requires import check_requires
 from posttune.errors import ConfigError, PosttuneError
@@ -62,6 +64,49 @@ def test_bad_overrides_name_the_key(overrides, message):
     assert str(error.value) == message
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    (["method.beta=0.5"], {"name": "dpo", "beta": 0.5}),
+    (["method.name=kd"], {"name": "kd"}),
+    (["method.loss.kind=x"], {"name": "dpo", "loss": {"kind": "x"}}),
+])
+def test_a_dotted_override_under_a_short_form_method_writes_its_long_form(overrides, expected):
+    """`method: dpo` stands for `method: {name: dpo}`: a key under it is a setting of that method."""
+    assert apply_overrides({"method": "dpo"}, overrides) == {"method": expected}
+    assert apply_overrides({"method": {"name": "dpo"}}, overrides) == {"method": expected}  # as the long form
+
+
+def test_only_a_name_short_form_is_promoted():
+    """`train.optimizer: adamw` is a built-in's name, not `{name: adamw}`; a nested `method` is no section."""
+    with pytest.raises(ConfigError, match="^config: train.optimizer: is str 'adamw', not a mapping$"):
+        apply_overrides({"train": {"optimizer": "adamw"}}, ["train.optimizer.lr=1"])
+    with pytest.raises(ConfigError, match="^config: x.method: is str 'a', not a mapping$"):
+        apply_overrides({"x": {"method": "a"}}, ["x.method.k=1"])
+
+
+def test_deleting_under_a_short_form_method_finds_no_such_key():
+    with pytest.raises(ConfigError) as error:
+        apply_overrides({"method": "dpo"}, ["~method.beta"])
+    assert str(error.value) == "config: method.beta: no such key to delete"
+
+
+PREFERENCE = {"prompt": "Reverse: AB", "chosen": "BA", "rejected": "AB"}
+
+
+def test_cli_takes_a_setting_under_a_short_form_method(fake_plugin, posttune_cli, tmp_path):
+    """The documented `method: NAME` with `method.KEY=VALUE` reaches the method's own settings."""
+    (tmp_path / "p.jsonl").write_text(json.dumps(PREFERENCE) + "\n")
+    path = tmp_path / "s.yaml"
+    path.write_text(f"model: {{family: fam, size: tiny}}\ntokenizer: {{path: org/tiny-tokenizer}}\nmethod: fdpo\n"
+                    f"models: {{reference: {{family: fam, size: tiny}}}}\n"
+                    f"data: {{train: {{path: {tmp_path / 'p.jsonl'}, format: preference}}}}\n")
+    result = posttune_cli("validate", str(path), "method.beta=0.5")
+    assert (result.exit_code, result.stderr) == (0, ""), result.stderr
+    assert validate(load_config(path, ["method.beta=0.5"])).method_settings == {"beta": 0.5}
+    wrong = posttune_cli("validate", str(path), "method.betta=0.5")
+    assert (wrong.exit_code, wrong.stdout) == (2, "")
+    assert wrong.stderr == "posttune: error: config: method.betta: unknown key (did you mean 'beta'?)\n"
+
+
 def test_yaml_reads_exponent_floats_and_rejects_non_mappings(tmp_path):
     good = tmp_path / "a.yaml"
     good.write_text("train:\n  lr: 2e-5\n  warmup: 1_000\n")
@@ -76,6 +121,38 @@ def test_yaml_reads_exponent_floats_and_rejects_non_mappings(tmp_path):
         load_yaml(broken)
     with pytest.raises(PosttuneError, match="config file not found"):
         load_yaml(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("text, line, key, first", [
+    ("train:\n  lr: 1e-4\nmethod: sft\ntrain:\n  seed: 3\n", 4, "train", 1),
+    ("model: {family: x}\nmethod: sft\nmethod: dpo\n", 3, "method", 2),
+    ("data:\n  train:\n    path: a.jsonl\n    format: chat\n    path: b.jsonl\n", 5, "path", 3),
+    ("memory_options:\n  - {every: 2, every: 3}\n", 2, "every", 2),
+])
+def test_yaml_refuses_a_key_given_twice_at_any_depth(tmp_path, text, line, key, first):
+    """PyYAML keeps the last of two equal keys: the first section would vanish without a word."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(PosttuneError) as error:
+        load_yaml(path)
+    assert str(error.value) == f"{path}:{line}: invalid YAML: duplicate key '{key}' (first at line {first})"
+    with pytest.raises(PosttuneError, match=f"^{path}:{line}: invalid YAML: duplicate key"):
+        load_config(path)
+
+
+def test_yaml_merge_keys_may_be_overridden_explicitly(tmp_path):
+    """``<<: *base`` then a key of the base's is what a merge is for, not a duplicate; a base that
+    merges another keeps its own override too, wherever it is flattened first."""
+    path = tmp_path / "run.yaml"
+    path.write_text("defaults: &d {lr: 1e-4, seed: 1}\n"
+                    "nested:\n  inner: &i\n    <<: *d\n    seed: 2\n"
+                    "train:\n  <<: [*i, *d]\n  lr: 2e-5\n")
+    assert load_yaml(path) == {"defaults": {"lr": 1e-4, "seed": 1}, "nested": {"inner": {"lr": 1e-4, "seed": 2}},
+                               "train": {"lr": 2e-5, "seed": 2}}
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("a: &a {x: 1}\nb:\n  <<: *a\n  <<: *a\n")
+    with pytest.raises(PosttuneError, match=r"twice.yaml:4: invalid YAML: duplicate key '<<' \(first at line 3\)$"):
+        load_yaml(twice)
 
 
 def test_yaml_never_constructs_python_objects(tmp_path):

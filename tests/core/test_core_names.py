@@ -30,6 +30,7 @@ COINCIDENCES = {
     ("builtin/datasets.py", "value"): "ShareGPT rows' message key",
     ("cli/config_keys.py", "value"): "a parameter's name in a docstring",
     ("config/typed.py", "value"): "a parameter's name in a docstring",
+    ("config/loader.py", "value"): "PyYAML nodes' attribute (a mapping node's pairs, a scalar's text)",
     ("generation.py", "value"): "an attribute of the core's own error",
     ("plugins.py", "value"): "importlib's EntryPoint.value",
     ("template_limits.py", "value"): "an ast node's value",

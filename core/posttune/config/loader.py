@@ -12,7 +12,53 @@ from posttune.errors import ConfigError, PosttuneError, first_line
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-5`` as a float (YAML 1.1 wants ``1.0e-5``; users write ``1e-5``)."""
+    """SafeLoader that reads ``1e-5`` as a float (YAML 1.1 wants ``1.0e-5``; users write ``1e-5``)
+    and refuses a key given twice in one mapping (PyYAML keeps the last, so the first vanishes)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """Check a mapping's own keys before ``<<: *base`` merges prepend the base's keys to them
+        (an explicit key overriding a merged one is the point of a merge, not a duplicate). The
+        first call for a node sees its keys as written: a merge flattens its base in place."""
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            _refuse_duplicate_keys(self, node)
+        super().flatten_mapping(node)
+
+
+def _refuse_duplicate_keys(loader: _Loader, node: yaml.MappingNode) -> None:
+    """Scalar keys are compared as constructed (``1`` and ``1.0`` are one dict key); others are
+    left to PyYAML, which refuses unhashable keys itself."""
+    first: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode):
+            continue
+        key = _key(loader, key_node)
+        try:
+            seen = first.setdefault(key, key_node)
+        except TypeError:
+            continue
+        if seen is not key_node:
+            shown = "<<" if key_node.tag == _MERGE else key
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {shown!r} (first at line {seen.start_mark.line + 1})",
+                key_node.start_mark)
+
+
+_MERGE, _VALUE = "tag:yaml.org,2002:merge", "tag:yaml.org,2002:value"
+
+
+def _key(loader: _Loader, key_node: yaml.ScalarNode) -> Any:
+    """A key as the mapping will hold it; a merge (``<<``) and a plain ``=`` have no constructor
+    of their own (flattening turns ``=`` into the string)."""
+    if key_node.tag == _MERGE:
+        return (_MERGE,)
+    if key_node.tag == _VALUE:
+        return key_node.value
+    return loader.construct_object(key_node)
 
 
 _FLOAT = re.compile(
@@ -128,7 +174,8 @@ def _split(key: str, override: str) -> list[str]:
 
 
 def _walk(config: dict[str, Any], parts: list[str], *, create: bool) -> dict[str, Any] | list[Any]:
-    """The mapping or list that holds ``parts[-1]``."""
+    """The mapping or list that holds ``parts[-1]``; a name's short form on the way is made the
+    mapping it stands for (``method: x`` with ``method.k=v``: ``{name: x, k: v}``)."""
     node: dict[str, Any] | list[Any] = config
     for depth, part in enumerate(parts[:-1]):
         where = ".".join(parts[: depth + 1])
@@ -139,11 +186,21 @@ def _walk(config: dict[str, Any], parts: list[str], *, create: bool) -> dict[str
         elif part not in node:
             raise ConfigError(where, "no such key")
         else:
-            child = node[part]
+            child = node[part] = _long_form(where, node[part])
         if not isinstance(child, (dict, list)):
             raise ConfigError(where, f"is {type(child).__name__} {child!r}, not a mapping")
         node = child
     return node
+
+
+#: sections whose string value is short for ``{name: value}`` (``RunConfig.method``): a dotted key
+#: under one writes the long form, as it would under the mapping the string stands for
+NAME_SHORT_FORMS = ("method",)
+
+
+def _long_form(where: str, given: Any) -> Any:
+    """``given`` as the mapping it stands for where a string is a name's short form; else as is."""
+    return {"name": given} if where in NAME_SHORT_FORMS and isinstance(given, str) else given
 
 
 def _index(node: list[Any], part: str, where: str) -> int:
