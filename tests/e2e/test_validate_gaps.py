@@ -61,6 +61,12 @@ def train_file(tmp_path, content: bytes, **options) -> dict:
     return config
 
 
+def local_split(tmp_path, split: str) -> dict:
+    config = sft_config(tmp_path)
+    config["data"]["train"]["split"] = split
+    return config
+
+
 def starting_from(tmp_path, folder) -> dict:
     return sft_config(tmp_path, adapter={"rank": 4, "alpha": 8, "init_from": str(folder)})
 
@@ -83,12 +89,14 @@ def starting_from(tmp_path, folder) -> dict:
      "rows.jsonl: line 1: not UTF-8 text; save the file as UTF-8"),
     (lambda tmp: train_file(tmp, b"[1, 2]\n"), "data.train.path", "line 1: expected a JSON object (one row), got a list"),
     (lambda tmp: train_file(tmp, b"", data={"skip_bad_rows": True}), "data.train.path", "the file is empty"),
+    (lambda tmp: local_split(tmp, "test"), "data.train.split",
+     "'test': local files are read as one split, 'train' (slices such as train[:90%] work)"),
     (lambda tmp: starting_from(tmp, tmp / "nowhere"), "adapter.init_from", "no adapter_config.json"),
     (lambda tmp: starting_from(tmp, saved_adapter(tmp, rank=8)), "adapter.init_from",
      "rank 8 (saved) vs 4 (adapter.rank)"),
 ], ids=["scheduler", "low-bit-optimizer", "missing-path", "missing-train-file", "missing-validation-file",
         "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "empty-file", "invalid-json",
-        "not-utf8", "not-an-object", "empty-file-skipping-bad-rows", "init-from-missing",
+        "not-utf8", "not-an-object", "empty-file-skipping-bad-rows", "local-split-name", "init-from-missing",
         "init-from-other-rank"])
 def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, tmp_path, make, field, words):
     result = validate(posttune_cli, tmp_path, make(tmp_path))
@@ -100,6 +108,15 @@ def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, 
 def test_a_format_that_reads_the_rows_is_valid(llama_sft, posttune_cli, tmp_path):
     result = validate(posttune_cli, tmp_path, sft_config(tmp_path))
     assert result.exit_code == 0, result.stderr
+
+
+def test_a_slice_of_a_local_file_is_read(llama_sft, tmp_path):
+    from posttune.config.schema import DatasetConfig
+    from posttune.data import load_rows
+
+    path = sft_config(tmp_path)["data"]["train"]["path"]
+    whole = load_rows(DatasetConfig(path=path, format="chat"))
+    assert len(load_rows(DatasetConfig(path=path, format="chat", split="train[:25%]"))) == len(whole) // 4
 
 
 def test_a_bad_first_line_is_left_to_the_loader_when_bad_rows_are_skipped(llama_sft, posttune_cli, tmp_path):

@@ -34,6 +34,7 @@ def check_data(plan: Any, *, runs: bool = True) -> None:
         dataset = getattr(plan.config.data, split, None)
         if dataset is not None and (path := local_path(dataset, f"data.{split}")) is not None:
             local_files(path, f"data.{split}")
+            local_split(dataset.split, f"data.{split}")
     check_first_rows(plan)
     check_tokenizer(plan.config, required=runs)
 
@@ -90,6 +91,17 @@ def local_files(path: Path, where: str) -> tuple[str, list[str]]:
         raise ConfigError(f"{where}.path", f"{path} mixes file types ({', '.join(sorted(builders))}); "
                                            f"keep one type per folder")
     return builders.pop(), [str(p) for p in files]
+
+
+def local_split(split: str, where: str) -> str:
+    """The split `datasets` reads local files as: one, named "train", a slice of it (``train[:90%]``) kept.
+    Another name is refused rather than ignored: a folder holding a hub dataset's splits (``train_sft-*``,
+    ``test_sft-*``) would otherwise be read whole, its test rows trained on."""
+    name, bracket, rest = split.partition("[")
+    if name.strip() != "train":
+        raise ConfigError(f"{where}.split", f"{split!r}: local files are read as one split, 'train' (slices such "
+                                            "as train[:90%] work); point path at that split's own files")
+    return "train" + bracket + rest
 
 
 def _extensions() -> list[str]:

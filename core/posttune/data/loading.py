@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from posttune import hub
-from posttune.config.data_checks import local_files, local_path
+from posttune.config.data_checks import local_files, local_path, local_split
 from posttune.config.schema import DatasetConfig
 from posttune.data.local_files import check_files, explain_failure
 from posttune.errors import ConfigError, first_line
@@ -31,18 +31,13 @@ def load_rows(config: DatasetConfig, *, where: str = "data.train", skip_bad_rows
         files, dropped = check_files(files, builder, where, skip_bad_rows=skip_bad_rows)
         if dropped and skipped is not None:
             skipped.bad_rows += dropped
-        split = _local_split(config.split)
+        split = local_split(config.split, where)
         return _load(where, str(path), builder, data_files=files, split=split, streaming=config.streaming,
                      explain=lambda: explain_failure(files, builder))
     if not hub.offline_requested(datasets=True) and not hub.reachable():  # else retries for half a minute
         raise hub.unreachable(config.path, f"config: {where}.path", local="a local file or folder", cache_tried=False)
     return _load(where, config.path, config.path, name=config.subset, split=config.split,
                  streaming=config.streaming, hint="; no local file or directory has that name either")
-
-
-def _local_split(split: str) -> str:
-    """Local files form one split, which `datasets` calls "train"; a slice (``train[:90%]``) is kept."""
-    return "train" + split[split.index("["):] if "[" in split else "train"
 
 
 def _load(where: str, shown: str, path: str, *, hint: str = "", explain: Any = None, **kwargs: Any) -> Any:
