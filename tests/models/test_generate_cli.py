@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -58,6 +61,26 @@ def test_generate_on_a_folder_without_config_is_one_line(tmp_path, posttune_cli)
     result = posttune_cli("generate", "--model", str(tmp_path), "--prompt", "x")
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and "config.json" in result.stderr
+
+
+def test_a_folder_that_is_no_language_model_is_named_with_what_to_pass(checkpoint, posttune_cli, tmp_path):
+    """The usual slips: an adapter, a run's output folder, a reward model (its one-value head generated '')."""
+    path, _ = checkpoint
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    reward = tmp_path / "rm"
+    reward.mkdir()
+    config = json.loads((Path(path) / "config.json").read_text())
+    (reward / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"],
+                                                    "num_labels": 1}))
+    expected = {run / "adapter": "is a PEFT adapter (adapter_config.json); pass it as --adapter",
+                run: f"is a run's output folder; pass its adapter: --adapter {run / 'adapter'}",
+                reward: "is a sequence classifier (a reward or value model): it scores text and generates none; "
+                        "give a causal language model"}
+    for folder, words in expected.items():
+        result = posttune_cli("generate", "--model", str(folder), "--prompt", "x")
+        assert (result.exit_code, result.stderr) == (2, f"posttune: error: generate: --model {folder} {words}\n")
 
 
 def test_several_prompts_print_each_completion_under_a_header_in_order(checkpoint, posttune_cli):

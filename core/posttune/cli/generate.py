@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_options(args)
     base = args.model or adapter_base(args.adapter)
+    check_causal(base)
     model = load_model(base, dtype=args.dtype, device=device_of(args.device))
     if args.adapter:
         from posttune.adapters import load_peft_adapter
@@ -139,6 +140,31 @@ def adapter_base(adapter: str | None) -> str:
     if not adapter:
         raise PosttuneError("generate: give --model, or --adapter with an adapter_config.json naming its base model")
     return named_base(adapter, "generate")
+
+
+def check_causal(base: str) -> None:
+    """``--model`` names a language model: not a PEFT adapter or a run's output folder (the usual slips, each
+    named with what to pass instead), and not a sequence classifier (a reward or value model scores text;
+    its one-value head would generate nothing)."""
+    from pathlib import Path
+
+    from posttune.checkpoint.peft_config import ADAPTER_CONFIG
+    from posttune.checkpoint.score_head import checkpoint_labels
+    from posttune.checkpoint.source import read_hf_config
+    from posttune.errors import PosttuneError
+
+    folder = Path(base).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        if (folder / ADAPTER_CONFIG).is_file():
+            raise PosttuneError(f"generate: --model {base} is a PEFT adapter ({ADAPTER_CONFIG}); pass it as --adapter")
+        if (folder / "model" / "config.json").is_file():
+            raise PosttuneError(f"generate: --model {base} is a run's output folder; its model is {folder / 'model'}")
+        if (folder / "adapter" / ADAPTER_CONFIG).is_file():
+            raise PosttuneError(f"generate: --model {base} is a run's output folder; pass its adapter: --adapter "
+                                f"{folder / 'adapter'}")
+    if checkpoint_labels(read_hf_config(base)) is not None:
+        raise PosttuneError(f"generate: --model {base} is a sequence classifier (a reward or value model): it scores "
+                            "text and generates none; give a causal language model")
 
 
 def device_of(name: str | None) -> str:
