@@ -65,3 +65,36 @@ def test_init_from_starts_exactly_where_the_finished_adapter_is(llama_sft, postt
     assert result.exit_code == 2
     assert result.stderr == (f"posttune: error: config: adapter.init_from: {saved} does not match this run's "
                              "adapter: rank 4 (saved) vs 8 (adapter.rank)\n")
+
+
+def test_a_resume_below_the_checkpoints_step_is_refused_before_anything_is_written(llama_sft, posttune_cli,
+                                                                                   write_config, tmp_path):
+    """Before, `train.max_steps` below the resumed step trained nothing, exited 0 and rewrote config.yaml
+    and the final model as a run of fewer steps than it holds. At the step itself it finishes the run."""
+    from fault_support import tree_digest
+
+    path = write_config(train={"max_steps": 4}, checkpoint={"save_every": 2})
+    assert posttune_cli("train", str(path)).exit_code == 0
+    out = tmp_path / "out"
+    def results() -> dict[str, str]:  # what the run left (run.json and the lock are rewritten by every start)
+        return {name: digest for name, digest in tree_digest(out).items() if name not in ("run.json", ".posttune.lock")}
+
+    before = results()
+    checkpoint = out / "checkpoints" / "step-00000004"
+    for command in ("validate", "train"):
+        result = posttune_cli(command, str(path), "train.max_steps=3", "checkpoint.resume=latest")
+        assert result.exit_code == 2, result.stdout
+        assert result.stderr == (f"posttune: error: config: train.max_steps: 3 is below the step already trained: "
+                                 f"the checkpoint to resume ({checkpoint}) is at step 4; set train.max_steps to 4 or "
+                                 "more to continue that run, or start afresh with checkpoint.overwrite=true (or "
+                                 "another checkpoint.output_dir)\n")
+    # epochs instead of max_steps: 24 rows at batch 8 are 3 steps an epoch (known once the data is read)
+    by_epochs = posttune_cli("train", str(path), "~train.max_steps", "train.batch_size=8", "checkpoint.resume=latest")
+    assert by_epochs.exit_code == 2, by_epochs.stdout
+    assert by_epochs.stderr.startswith(f"posttune: error: config: train.epochs: 1 epoch(s) make 3 steps, fewer than "
+                                       f"already trained: the checkpoint to resume ({checkpoint}) is at step 4; "
+                                       "raise train.epochs (or set train.max_steps to 4 or more)")
+    assert results() == before  # config.yaml, model/, metrics.jsonl, summary.json: untouched
+    finished = posttune_cli("train", str(path), "checkpoint.resume=latest")  # at the step: the run is finished
+    assert finished.exit_code == 0, finished.stderr
+    assert json.loads((out / "summary.json").read_text())["steps_run"] == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import yaml
@@ -132,3 +133,28 @@ def test_an_exploding_step_sets_the_checkpoint_it_ran_on_aside(tmp_path):
     save(4)
     probation.judge(session, 1.5, 1.0, notes.append)
     assert sorted(p.name for p in root.iterdir()) == ["step-00000003.unstable", "step-00000004"]
+
+
+def test_probation_keeps_keep_last_when_the_trusted_checkpoint_is_among_them(tmp_path):
+    """keep_last 2: while the newest checkpoint is on probation the trusted one before it is one of the
+    2 kept already; keeping a third (as before) broke keep_last. keep_last 1 keeps both for the step."""
+    import types
+
+    from posttune.training import nonfinite, state
+
+    root = tmp_path / "out" / state.CHECKPOINTS
+    for keep_last, on_probation in ((2, ["step-00000002", "step-00000003"]), (1, ["step-00000002", "step-00000003"])):
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        session = types.SimpleNamespace(resume_from=None, run_id="r", config=types.SimpleNamespace(
+            checkpoint=types.SimpleNamespace(keep_last=keep_last, output_dir=str(tmp_path / "out"))))
+        probation = nonfinite.Probation(session)
+        for step in (1, 2, 3):
+            directory = root / f"step-{step:08d}"
+            directory.mkdir(parents=True)
+            (directory / state.STATE_FILE).write_text(json.dumps({"step": step, "run_id": "r"}))
+            probation.saved(session, directory)
+            if step < 3:
+                probation.judge(session, 1.0, 1.0, print)  # trusted
+        assert sorted(p.name for p in root.iterdir()) == on_probation, keep_last  # 3 is on probation
+        probation.finish(session)
+        assert sorted(p.name for p in root.iterdir()) == on_probation[-keep_last:]

@@ -108,3 +108,22 @@ def test_new_empty_and_own_directories_are_accepted(finished_run, posttune_cli, 
     result = posttune_cli("validate", str(path), f"checkpoint.output_dir={finished_run}", "checkpoint.resume=latest")
     assert result.exit_code == 0, result.stderr
     assert json.loads((finished_run / "run.json").read_text())["run_id"]
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_resume_path_that_does_not_exist_is_named_so(finished_run, posttune_cli, write_config, tmp_path, monkeypatch,
+                                                        command):
+    """`last` for `latest`, or a mistyped path, was reported as "not a posttune checkpoint (no
+    trainer_state.json)" (and passed `validate`): it does not exist, and `last` is most likely `latest`."""
+    monkeypatch.chdir(tmp_path)
+    path = write_config()
+    out = f"checkpoint.output_dir={finished_run}"
+    typo = posttune_cli(command, str(path), out, "checkpoint.resume=last")
+    assert (typo.exit_code, typo.stderr) == (2, "posttune: error: config: checkpoint.resume: last does not exist (did "
+                                                "you mean 'latest'?); name a checkpoint directory "
+                                                "(OUTPUT_DIR/checkpoints/step-N) or 'latest'\n")
+    missing = finished_run / "checkpoints" / "step-00000009"
+    gone = posttune_cli(command, str(path), out, f"checkpoint.resume={missing}")
+    assert (gone.exit_code, gone.stderr) == (2, f"posttune: error: config: checkpoint.resume: {missing} does not "
+                                                "exist; name a checkpoint directory (OUTPUT_DIR/checkpoints/step-N) "
+                                                "or 'latest'\n")

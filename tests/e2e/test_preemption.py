@@ -67,3 +67,15 @@ def test_a_second_sigterm_exits_at_once(tmp_path, make_config):
     result = train(str(path), fault=("term2", 3))  # the second one arrives while the checkpoint is due
     assert result.returncode == -signal.SIGTERM
     assert not (out / "checkpoints").exists() or saved(out) == []
+
+
+def test_a_preempted_run_keeps_keep_last_checkpoints(tmp_path, make_config):
+    """keep_last 2, saves every 2, SIGTERM after step 5: step-4 (trusted) and step-5 (on probation until
+    the resumed run's first step) stay; step-2 went (before, keep_last + 1 were kept: three)."""
+    path, out = write(tmp_path, make_config, "run")
+    config = yaml.safe_load(path.read_text())
+    config["checkpoint"].update(save_every=2, keep_last=2)
+    path.write_text(yaml.safe_dump(config))
+    stopped = train(str(path), fault=("term", 5))
+    assert stopped.returncode == PREEMPTED, stopped.stderr[-3000:]
+    assert saved(out) == ["step-00000004", "step-00000005"]

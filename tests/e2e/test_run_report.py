@@ -94,3 +94,35 @@ def test_the_summary_counts_this_invocations_steps(llama_sft, posttune_cli, writ
     assert summary["tokens"] == sum(r["tokens"] for r in read_metrics(tmp_path / "out")[2:])
     shown = resumed.stdout.split("== summary ==")[1].splitlines()
     assert "  steps_run        3" in shown and "  final_step       5" in shown
+
+
+def test_resume_latest_without_a_checkpoint_names_no_change(llama_sft, posttune_cli, write_config, tmp_path):
+    """A run without save_every leaves config.yaml and no checkpoint: `resume: latest` starts at step 0,
+    so nothing is "changed since the checkpoint" (before, it compared with the old config.yaml)."""
+    path = write_config(train={"max_steps": 1})
+    assert posttune_cli("train", str(path)).exit_code == 0
+    result = posttune_cli("train", str(path), "checkpoint.resume=latest", "train.lr=0.002")
+    assert result.exit_code == 0, result.stderr
+    assert "resume: no checkpoint yet, starting at step 0" in result.stdout
+    assert "changed since the checkpoint" not in result.stdout
+    assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["train"]["lr"] == 0.002
+
+
+def test_the_banner_counts_packed_rows_and_says_1_batch(llama_sft, posttune_cli, write_config, tmp_path):
+    """With packing an item is a row of several samples: the banner names both counts, found from the
+    loader alone (no method named), and a single batch is "1 batch"."""
+    from posttune.training.run_report import count
+
+    path = write_config(train={"max_steps": 1, "batch_size": 8}, method={"name": "sft", "packing": True},
+                        data={"max_seq_len": 256})
+    result = posttune_cli("train", str(path), f"data.validation.path={tmp_path / 'train.jsonl'}",
+                          "data.validation.format=chat")
+    assert result.exit_code == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("data: "))
+    train, validation = line.removeprefix("data: ").split("; validation ")
+    assert train == validation
+    assert train.startswith("24 samples packed into ") and ", 1 batch an epoch, " in train, line
+    rows = int(train.removeprefix("24 samples packed into ").split(" ")[0])
+    assert 1 < rows < 24  # several samples a row
+    assert (count(1, "batch", "batches"), count(2, "batch", "batches"), count(1_000, "row")) == (
+        "1 batch", "2 batches", "1,000 rows")

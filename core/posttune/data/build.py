@@ -71,9 +71,12 @@ def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[li
                             f"max_seq_len={max_seq_len})")
     if packing:
         packed = list(pack(range(len(store)), max_seq_len, length=store.length))
-        return BatchLoader(num_items=len(packed), get_item=lambda i: [store[j] for j in packed[i]], **common)
-    lengths = store.group_lengths() if group_by_length and shuffle else None
-    return BatchLoader(num_items=len(store), get_item=store.group, lengths=lengths, **common)
+        loader = BatchLoader(num_items=len(packed), get_item=lambda i: [store[j] for j in packed[i]], **common)
+    else:
+        lengths = store.group_lengths() if group_by_length and shuffle else None
+        loader = BatchLoader(num_items=len(store), get_item=store.group, lengths=lengths, **common)
+    loader.samples, loader.packed = store, packing
+    return loader
 
 
 def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoader:

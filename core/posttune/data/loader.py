@@ -62,6 +62,8 @@ class BatchLoader:
         self.lengths = lengths  # per item, for length-grouped batches (data.group_by_length)
         self.prefetch = prefetch  # collate the next batch on a background thread (``prefetched``)
         self.epoch, self.position, self.rows = 0, 0, 0
+        self.samples: Any = None  # the tokenized samples its items come from, where known (the start banner)
+        self.packed = False  # an item is a packed row of several samples
 
     @property
     def grouped(self) -> bool:

@@ -61,7 +61,8 @@ def start(session: Any) -> None:
     and print the banner, so the user sees what trains before the first step."""
     from posttune.training import run_report as report
 
-    changed = report.save_config(session.plan, Path(session.config.checkpoint.output_dir))
+    changed = report.save_config(session.plan, Path(session.config.checkpoint.output_dir),
+                                 resumed=session.resume_from is not None)
     for line in report.banner(session) + ([changed] if changed else []):
         print(line)
     sys.stdout.flush()

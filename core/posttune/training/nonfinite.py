@@ -13,8 +13,9 @@ Finite weights are not enough to trust a checkpoint: an overflowing update can l
 that are finite but so large that the next step's loss is NaN. So the newest checkpoint is *on
 probation* until the next optimizer step, which runs on its weights, ends with a finite loss and
 gradient norm that are not exploding (not ``EXPLODING`` times the median of the run's recent good
-steps). Until then the newest trusted checkpoint before it is kept too, beyond ``keep_last``; a
-checkpoint that fails is renamed ``step-N.unstable``, which ``resume: latest`` never picks.
+steps). Until then the newest trusted checkpoint before it is kept too (beyond ``keep_last`` only
+when ``keep_last`` is 1: otherwise it is one of the newest ``keep_last`` already); a checkpoint
+that fails is renamed ``step-N.unstable``, which ``resume: latest`` never picks.
 docs/training.md, "The non-finite guard".
 """
 
@@ -139,9 +140,12 @@ class Probation:
         return path.name + UNSTABLE
 
     def _prune(self, session: Any, *, on_probation: bool) -> None:
+        """Keep the newest ``keep_last``; while the newest is on probation, the trusted one just before it
+        too. Only ``keep_last: 1`` needs one more for that: with 2 or more it is among them already."""
         if self.main:
             keep = session.config.checkpoint.keep_last
-            output_dir.prune(_root(session), None if keep is None else keep + on_probation, session.run_id)
+            output_dir.prune(_root(session), None if keep is None else max(keep, 2) if on_probation else keep,
+                             session.run_id)
 
 
 def _root(session: Any) -> Path:

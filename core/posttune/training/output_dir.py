@@ -32,13 +32,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from posttune.errors import ConfigError
+from posttune.errors import ConfigError, did_you_mean
 from posttune.training import run_lock
 from posttune.training.write_errors import writing
 
 RUN_FILE = "run.json"
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
+#: ``checkpoint.resume``'s one word: the newest intact checkpoint of the lineage
+LATEST = "latest"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 METRICS = "metrics.jsonl"
 #: what a finished or interrupted run leaves that a new run must not silently replace
@@ -255,12 +257,59 @@ def prune(root: Path, keep_last: int | None, run_id: str | None = None) -> None:
 
 def resume_candidate(config: Any) -> Path | None:
     """The checkpoint ``checkpoint.resume`` points at, unverified (validate's view; train verifies it):
-    the newest of the lineage for ``latest``, the path itself otherwise, None for a fresh run."""
+    the newest of the lineage for ``latest``, the path itself otherwise, None for a fresh run.
+    Refuses what train would: a path that does not exist, and a checkpoint past ``train.max_steps``."""
     resume = config.checkpoint.resume
     if resume is None:
         return None
-    if resume != "latest":
-        return Path(resume).expanduser()
-    out = output_path(config)
-    found = lineage(out / CHECKPOINTS, recorded_run_id(out))
-    return found[-1] if found else None
+    if resume != LATEST:
+        found = named_checkpoint(resume)
+    else:
+        out = output_path(config)
+        mine = lineage(out / CHECKPOINTS, recorded_run_id(out))
+        found = mine[-1] if mine else None
+    check_resume_step(config, found)
+    return found
+
+
+def named_checkpoint(resume: str) -> Path:
+    """The checkpoint directory ``checkpoint.resume`` names by path; one that does not exist is refused
+    in one line (a near miss of ``latest``, e.g. ``last``, is most likely a typo, so the line says so)."""
+    path = Path(resume).expanduser()
+    if not path.exists():
+        hint = did_you_mean(resume.lower(), [LATEST])
+        raise ConfigError("checkpoint.resume", f"{resume} does not exist{hint}; name a checkpoint directory "
+                                               f"(OUTPUT_DIR/checkpoints/step-N) or '{LATEST}'")
+    if not path.is_dir():
+        raise ConfigError("checkpoint.resume", f"{resume} is a file, not a checkpoint directory "
+                                               "(OUTPUT_DIR/checkpoints/step-N)")
+    return path
+
+
+def saved_step(checkpoint: Path) -> int | None:
+    """The step ``checkpoint`` recorded in its trainer state, None when that is unreadable."""
+    try:
+        step = json.loads((checkpoint / STATE_FILE).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def check_resume_step(config: Any, checkpoint: Path | None, total: int | None = None) -> None:
+    """Refuse to resume a checkpoint past the run's last step: such a run trains nothing, yet would
+    overwrite config.yaml and the final model with a run that claims fewer steps than it holds.
+    The last step is ``train.max_steps``, or ``total`` (the steps of ``train.epochs``) once known;
+    a checkpoint at exactly that step resumes (nothing left to train: it finishes the run)."""
+    step = saved_step(checkpoint) if checkpoint is not None else None
+    max_steps = config.train.max_steps
+    last = max_steps if max_steps is not None else total
+    if step is None or last is None or step <= last:
+        return
+    where = f"the checkpoint to resume ({checkpoint}) is at step {step}"
+    start_afresh = "or start afresh with checkpoint.overwrite=true (or another checkpoint.output_dir)"
+    if max_steps is not None:
+        raise ConfigError("train.max_steps", f"{max_steps} is below the step already trained: {where}; set "
+                                             f"train.max_steps to {step} or more to continue that run, {start_afresh}")
+    raise ConfigError("train.epochs", f"{config.train.epochs} epoch(s) make {last} steps, fewer than already trained: "
+                                      f"{where}; raise train.epochs (or set train.max_steps to {step} or more) to "
+                                      f"continue that run, {start_afresh}")

@@ -53,12 +53,14 @@ def plain(value: Any) -> Any:
     return value
 
 
-def save_config(plan: Any, out: Path) -> str | None:
-    """Write ``OUTPUT/config.yaml`` atomically; on a resume, first return the line naming what changed."""
+def save_config(plan: Any, out: Path, resumed: bool = False) -> str | None:
+    """Write ``OUTPUT/config.yaml`` atomically; when a checkpoint is ``resumed``, first return the line
+    naming what changed since it. ``resume: latest`` that finds no checkpoint starts at step 0: the old
+    config.yaml (a run that never saved one) is no checkpoint's, so nothing is compared."""
     config = resolved_config(plan)
     path = out / CONFIG_FILE
     line = None
-    if plan.config.checkpoint.resume is not None and path.is_file():
+    if resumed and path.is_file():
         changes = config_changes(_read_yaml(path), config)
         if changes:
             line = "config changed since the checkpoint: " + ", ".join(changes)
@@ -183,15 +185,23 @@ def describe_data(loader: Any) -> str:
     items = getattr(loader, "num_items", None)
     if items is None:
         return "made by the method as it trains"
-    text = f"{items:,} samples, {len(loader):,} batches an epoch"
-    store = getattr(getattr(loader, "get_item", None), "__self__", None)  # SampleStore.group: unpacked rows
-    ids = getattr(store, "ids", None)
-    if ids is not None and hasattr(ids, "numel"):
-        text += f", {ids.numel():,} tokens"
+    store, packed = getattr(loader, "samples", None), getattr(loader, "packed", False)
+    if packed and store is not None:
+        text = f"{count(len(store), 'sample')} packed into {count(items, 'row')}"
+    else:
+        text = count(items, "sample")
+    text += f", {count(len(loader), 'batch', 'batches')} an epoch"
+    if store is not None:
+        text += f", {count(store.ids.numel(), 'token')}"
     skipped = getattr(loader, "skipped", None)
     if skipped is not None and getattr(skipped, "total", 0):
-        text += f" ({skipped.total} rows skipped)"
+        text += f" ({count(skipped.total, 'row')} skipped)"
     return text
+
+
+def count(number: int, one: str, many: str | None = None) -> str:
+    """``1 batch``, ``2 batches``: a number with its noun in the right number."""
+    return f"{number:,} {one if number == 1 else many or one + 's'}"
 
 
 def describe_steps(session: Any) -> str:
@@ -200,7 +210,7 @@ def describe_steps(session: Any) -> str:
         per_epoch = -(-len(session.train_data) // accumulation)
     except TypeError:
         return f"{total} (train.max_steps)"
-    return f"{total} ({total / max(per_epoch, 1):.3g} epoch(s) of {per_epoch} steps)"
+    return f"{total} ({total / max(per_epoch, 1):.3g} epoch(s) of {count(per_epoch, 'step')})"
 
 
 # ---- the summary ---------------------------------------------------------------------------------

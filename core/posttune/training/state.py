@@ -39,8 +39,8 @@ from posttune.session import Session
 from posttune.training import distributed, nonfinite, resume_identity
 from posttune.training.manifest import MANIFEST, damage, write_manifest
 from posttune.training.resume_identity import IDENTITY
-from posttune.training.output_dir import (CHECKPOINTS, STATE_FILE, STEP_DIR, checkpoints, lineage, new_run_id,
-                                          prune, recorded_run_id, run_id_of)
+from posttune.training.output_dir import (CHECKPOINTS, LATEST, STATE_FILE, STEP_DIR, checkpoints, lineage,
+                                          named_checkpoint, new_run_id, prune, recorded_run_id, run_id_of)
 from posttune.training.write_errors import torch_write_failed, writing
 
 METHOD_FILE = "method-{rank:05d}.pt"
@@ -184,7 +184,7 @@ def _choose_resume(session: Session) -> tuple[Path | None, str]:
     resume = session.config.checkpoint.resume
     if resume is None:
         return None, new_run_id()
-    if resume == "latest":
+    if resume == LATEST:
         recorded = recorded_run_id(Path(session.config.checkpoint.output_dir))
         for path in reversed(lineage(checkpoint_root(session), recorded)):
             problem = checkpoint_damage(path)
@@ -193,7 +193,7 @@ def _choose_resume(session: Session) -> tuple[Path | None, str]:
             print(f"posttune: warning: checkpoint.resume: skipping damaged checkpoint {path} ({problem})",
                   file=sys.stderr)
         return None, recorded or new_run_id()
-    path = Path(resume)
+    path = named_checkpoint(resume)  # one that does not exist (or `last` for `latest`) is refused
     if not (path / STATE_FILE).is_file():
         raise PosttuneError(f"checkpoint.resume: {path} is not a posttune checkpoint (no {STATE_FILE})")
     problem = checkpoint_damage(path)
