@@ -61,6 +61,12 @@ def train_file(tmp_path, content: bytes, **options) -> dict:
     return config
 
 
+def column_map(tmp_path, mapping: dict) -> dict:
+    config = sft_config(tmp_path)
+    config["data"]["train"]["column_map"] = mapping
+    return config
+
+
 def local_split(tmp_path, split: str) -> dict:
     config = sft_config(tmp_path)
     config["data"]["train"]["split"] = split
@@ -89,6 +95,8 @@ def starting_from(tmp_path, folder) -> dict:
      "rows.jsonl: line 1: not UTF-8 text; save the file as UTF-8"),
     (lambda tmp: train_file(tmp, b"[1, 2]\n"), "data.train.path", "line 1: expected a JSON object (one row), got a list"),
     (lambda tmp: train_file(tmp, b"", data={"skip_bad_rows": True}), "data.train.path", "the file is empty"),
+    (lambda tmp: column_map(tmp, {"messages": "msgs"}), "data.train.column_map.messages",
+     "the dataset has no column 'msgs' (columns: messages)"),
     (lambda tmp: local_split(tmp, "test"), "data.train.split",
      "'test': local files are read as one split, 'train' (slices such as train[:90%] work)"),
     (lambda tmp: starting_from(tmp, tmp / "nowhere"), "adapter.init_from", "no adapter_config.json"),
@@ -96,7 +104,7 @@ def starting_from(tmp_path, folder) -> dict:
      "rank 8 (saved) vs 4 (adapter.rank)"),
 ], ids=["scheduler", "low-bit-optimizer", "missing-path", "missing-train-file", "missing-validation-file",
         "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "empty-file", "invalid-json",
-        "not-utf8", "not-an-object", "empty-file-skipping-bad-rows", "local-split-name", "init-from-missing",
+        "not-utf8", "not-an-object", "empty-file-skipping-bad-rows", "missing-column", "local-split-name", "init-from-missing",
         "init-from-other-rank"])
 def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, tmp_path, make, field, words):
     result = validate(posttune_cli, tmp_path, make(tmp_path))

@@ -121,7 +121,10 @@ def check_first_rows(plan: Any) -> None:
             continue
         renamed = dict(row)
         for field, column in dataset.column_map.items():
-            renamed[field] = row.get(column)
+            if column not in row:  # the loader's check_columns, on the first row: same line
+                raise ConfigError(f"data.{split}.column_map.{field}",
+                                  f"the dataset has no column {column!r} (columns: {', '.join(map(str, row))})")
+            renamed[field] = row[column]
         try:
             fmt.descriptor.transform(renamed)
         except (KeyError, ValueError, TypeError) as exc:
