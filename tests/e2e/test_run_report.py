@@ -126,3 +126,12 @@ def test_the_banner_counts_packed_rows_and_says_1_batch(llama_sft, posttune_cli,
     assert 1 < rows < 24  # several samples a row
     assert (count(1, "batch", "batches"), count(2, "batch", "batches"), count(1_000, "row")) == (
         "1 batch", "2 batches", "1,000 rows")
+
+
+def test_eval_every_without_validation_data_is_named_in_the_banner(llama_sft, posttune_cli, write_config):
+    """Nothing to evaluate on: the run goes on (a shared config may set eval_every), but says so once."""
+    result = posttune_cli("train", str(write_config(train={"max_steps": 1, "eval_every": 1})))
+    assert result.exit_code == 0, result.stderr
+    assert ("evaluation: none (train.eval_every is 1, but there is no data.validation to evaluate on)"
+            in result.stdout.splitlines())
+

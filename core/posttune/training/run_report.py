@@ -151,6 +151,9 @@ def banner(session: Any) -> list[str]:
         f"output: {config.checkpoint.output_dir} (config.yaml, metrics.jsonl); device {session.device}, "
         f"world size {distributed.world_size()}, allocator {allocator.in_use()}",
     ]
+    if config.train.eval_every and session.validation_data is None:
+        lines.append(f"evaluation: none (train.eval_every is {config.train.eval_every}, but there is no "
+                     "data.validation to evaluate on)")
     if plan.logging:
         lines.append("trackers: " + ", ".join(item.descriptor.name for item in plan.logging) + " (docs/trackers.md)")
     if adapter is not None and adapter.init_from is not None and session.resume_from is None:
