@@ -3,6 +3,7 @@ a CUDA device for the techniques that need one, and the device a run or command 
 
 from __future__ import annotations
 
+import re
 from importlib import metadata
 from typing import Any
 
@@ -44,24 +45,32 @@ def require_cuda(config: Any, technique: str, why: str) -> None:
         raise ConfigError("memory", f"'{technique}' needs a CUDA device ({why}); {shown}")
 
 
+#: the device types a run can train on, as torch spells them (``cuda:1``): checked without torch
+_DEVICE = re.compile(r"^(cpu|cuda|mps|xpu|hpu|npu|xla|mtia)(:\d+)?$")
+
+
 def device_for(name: str | None, where: str, *, here: bool = True) -> str:
     """``name`` (``auto``, ``cpu``, ``cuda``, ``cuda:1`` ...) checked, in one line naming ``where``
     (``config: train.device``, ``generate: --device``); ``auto`` is CUDA when a GPU is there, else the CPU.
 
-    ``here=False`` checks only that it is a device at all: `posttune validate` and `plan` may run on a
-    laptop for a GPU run; the launch checks it ``here``, before a weight is read."""
+    ``here=False`` checks only that it names a device, without importing torch (`posttune validate` stays
+    fast, and may run on a laptop for a GPU run); the launch checks it ``here``, before a weight is read."""
+    if name in (None, "auto") and not here:
+        return "auto"
+    if name is not None and name.split(":")[0] == "meta":
+        raise PosttuneError(f"{where} meta holds no weights; use auto, cpu or cuda")
+    if not here:
+        if not _DEVICE.match(name):
+            raise PosttuneError(f"{where} {name!r} is not a device (auto, cpu, cuda, cuda:1 ...)")
+        return name
     import torch
 
     if name in (None, "auto"):
-        return ("cuda" if torch.cuda.is_available() else "cpu") if here else "auto"
+        return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
         raise PosttuneError(f"{where} {name!r} is not a device (auto, cpu, cuda, cuda:1 ...)") from None
-    if device.type == "meta":
-        raise PosttuneError(f"{where} meta holds no weights; use auto, cpu or cuda")
-    if not here:
-        return name
     if device.type == "cuda" and not torch.cuda.is_available():
         raise PosttuneError(f"{where} {name}: no CUDA device is available here (use cpu or auto)")
     count = torch.cuda.device_count()
