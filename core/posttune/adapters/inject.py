@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,15 +24,20 @@ from posttune.adapters.lora import BASE, KINDS, Kind, LoRALinear, adapter_parame
 from posttune.errors import PosttuneError
 
 GLOB_CHARS = "*?["
-SHOWN = 6  # linear-layer names listed in an error line
 
 
 def apply_adapters(model: nn.Module, *, targets: Sequence[str], rank: int = 8, alpha: float = 16.0,
-                   dropout: float = 0.0, kind: Kind = "lora", dtype: torch.dtype | None = None) -> list[str]:
+                   dropout: float = 0.0, kind: Kind = "lora", dtype: torch.dtype | None = None,
+                   aliases: Mapping[str, str] | None = None) -> list[str]:
     """Wrap every ``nn.Linear`` matching a pattern of ``targets`` in ``LoRALinear``; freeze the rest.
 
     A pattern is an exact module name, a dotted suffix (``q_proj``, ``attn.q_proj``) or an
     fnmatch glob over the name or a dotted suffix of it (``layers.*.mlp.*``, ``*_proj``).
+    It may name a layer natively (``output``, ``attn.q_proj``) or by its checkpoint's Hugging Face
+    module name (``lm_head``, ``self_attn.q_proj``): what PEFT configs and posttune's own
+    ``adapter_config.json`` hold, so they can be pasted in. A pattern selects every layer it names in
+    either naming (the union: both name the same layers, only spelled differently). ``aliases`` maps a
+    native name to that other name (``peft_format.checkpoint_module_names``); none: native names only.
     Returns the adapted module names. Every pattern must match at least one linear layer:
     a typo would otherwise silently train fewer layers than asked.
     """
@@ -40,11 +45,12 @@ def apply_adapters(model: nn.Module, *, targets: Sequence[str], rank: int = 8, a
     if adapted_modules(model):
         raise PosttuneError("adapters: the model already has adapters; apply them once")
     linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    aliases = aliases or {}
     chosen: list[str] = []
     for pattern in targets:
-        found = [name for name in linears if matches(name, pattern)]
+        found = [name for name in linears if matches(name, pattern) or matches(aliases.get(name), pattern)]
         if not found:
-            raise PosttuneError(_stacked(model, pattern) or _unmatched(pattern, linears))
+            raise PosttuneError(_stacked(model, pattern) or _unmatched(pattern, linears, aliases))
         chosen.extend(name for name in found if name not in chosen)
     chosen.sort(key=list(linears).index)
     for name in chosen:
@@ -54,8 +60,12 @@ def apply_adapters(model: nn.Module, *, targets: Sequence[str], rank: int = 8, a
     return chosen
 
 
-def matches(name: str, pattern: str) -> bool:
-    """Whether module ``name`` is what ``pattern`` (exact, dotted suffix, or glob) means."""
+def matches(name: str | None, pattern: str) -> bool:
+    """Whether module ``name`` is what ``pattern`` (exact, dotted suffix, or glob) means; no name matches nothing.
+
+    Exact names and dotted suffixes are PEFT's rule for a ``target_modules`` list; globs are posttune's."""
+    if name is None:
+        return False
     if name == pattern or name.endswith(f".{pattern}"):
         return True
     if any(c in pattern for c in GLOB_CHARS):
@@ -76,11 +86,36 @@ def _check_settings(targets: Sequence[str], rank: int, alpha: float, dropout: fl
         raise PosttuneError(f"adapters: kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
-def _unmatched(pattern: str, linears: Iterable[str]) -> str:
-    """One line naming the pattern and the model's linear layers, generalised over layer index."""
-    shapes = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in linears))
-    listed = ", ".join(shapes[:SHOWN]) + (f" and {len(shapes) - SHOWN} more" if len(shapes) > SHOWN else "")
+def _unmatched(pattern: str, linears: Iterable[str], aliases: Mapping[str, str]) -> str:
+    """One line naming the pattern and every linear layer (none hidden: the head is often the one wanted),
+    generalised over layer index, each with its Hugging Face name in parentheses where that is spelled
+    differently: ``layers.*.attn.q_proj (self_attn.q_proj), ..., output (lm_head)``."""
+    shapes: dict[str, str | None] = {}
+    for name in linears:
+        shapes.setdefault(_generalised(name), _alias_shape(name, aliases))
+    listed = ", ".join(shape if alias is None else f"{shape} ({alias})" for shape, alias in shapes.items())
     return f"adapters: target '{pattern}' matches no linear layer (linear layers: {listed or 'none'})"
+
+
+def _generalised(name: str) -> str:
+    """A module name with its layer (and expert) indices as ``*``: one entry per kind of layer."""
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
+
+
+def _alias_shape(name: str, aliases: Mapping[str, str]) -> str | None:
+    """A short pattern over Hugging Face names picking exactly the layers of ``name``'s kind (the part
+    after the layer index when that suffices, else the whole generalised name); None when the native
+    spelling already says it (``layers.*.mlp.up_proj`` and ``mlp.up_proj``) or there is no other name."""
+    alias = aliases.get(name)
+    if alias is None:
+        return None
+    shape = _generalised(alias)
+    short = shape.rpartition("*.")[2]
+    same_kind = {other for other in aliases.values() if _generalised(other) == shape}
+    if {other for other in aliases.values() if matches(other, short)} != same_kind:
+        short = shape
+    native = _generalised(name)
+    return None if native == short or native.endswith(f".{short}") else short
 
 
 def _stacked(model: nn.Module, pattern: str) -> str | None:

@@ -145,7 +145,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
         targets = [name for name in targets if name in layers or hf_names[name] not in fused]
     else:
         apply_adapters(model, targets=targets, rank=settings["rank"], alpha=settings["alpha"],
-                       dropout=settings["dropout_p"], kind=settings["kind"])
+                       dropout=settings["dropout_p"], kind=settings["kind"])  # exact native names
         layers = adapted_modules(model)
     _check_same(directory, layers, targets, settings)
     _copy_tensors(model, directory, layers, hf_names, converter.to_native, hf_config, fused)
@@ -158,18 +158,46 @@ def hf_modules(model: nn.Module, from_native: Convert, hf_config: Mapping[str, A
     transformers layers that several native ones are joined into, by name."""
     names, fused = {}, {}
     for name, module in _linear_layers(model).items():
-        answer = list(pairs(from_native(f"{name}.weight", module.weight.detach(), hf_config)))
-        hf_key = answer[0][0] if len(answer) == 1 else None
-        if isinstance(hf_key, Join):
-            join, hf_key = hf_key, hf_key.key
-            fused[hf_key.removesuffix(".weight")] = Fused(tuple(p.removesuffix(".weight") for p in join.parts), join.join)
-        if not isinstance(hf_key, str):  # one tensor split into several
-            raise PosttuneError(f"converter splits '{name}.weight': a PEFT adapter needs one Hugging Face module "
-                                f"per linear layer or a join of several (merge the adapters and save the model instead)")
-        if not hf_key.endswith(".weight"):
-            raise PosttuneError(f"converter maps '{name}.weight' to '{hf_key}', not a module's .weight")
-        names[name] = hf_key.removesuffix(".weight")
+        names[name], join = _hf_module(name, module.weight.detach(), from_native, hf_config)
+        if join is not None:
+            fused[names[name]] = Fused(tuple(p.removesuffix(".weight") for p in join.parts), join.join)
     return names, fused
+
+
+def checkpoint_module_names(model: nn.Module) -> dict[str, str]:
+    """Native -> Hugging Face module name of each linear layer, as ``save_peft_adapter`` writes them, so that
+    ``adapter.targets`` copied from a PEFT config (``lm_head``, ``self_attn.q_proj``) or from a saved
+    ``adapter_config.json`` select what they select there. Names only: the converter sees meta tensors of
+    the weights' shapes (no copy of a real model's weights). Empty for a model with no ``hf`` converter
+    (or not built by posttune); a layer the converter cannot name on its own (split) is left out."""
+    try:
+        _, converter, hf_config = _family_io(model)
+    except PosttuneError:  # no origin, no converter, or no config.json to convert with: native names only
+        return {}
+    names = {}
+    for name, module in _linear_layers(model).items():
+        weight = torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta")
+        try:
+            names[name] = _hf_module(name, weight, converter.from_native, hf_config)[0]
+        except (PosttuneError, RuntimeError, NotImplementedError):  # split, dropped, or not computable on meta
+            continue
+    return names
+
+
+def _hf_module(name: str, weight: torch.Tensor, from_native: Convert, hf_config: Mapping[str, Any]
+               ) -> tuple[str, Join | None]:
+    """The transformers module holding native linear layer ``name``, and the join when it is fused."""
+    answer = list(pairs(from_native(f"{name}.weight", weight, hf_config)))
+    hf_key = answer[0][0] if len(answer) == 1 else None
+    join = hf_key if isinstance(hf_key, Join) else None
+    if join is not None:
+        hf_key = join.key
+    if not isinstance(hf_key, str):  # one tensor split into several
+        raise PosttuneError(f"converter splits '{name}.weight': a PEFT adapter needs one Hugging Face module "
+                            f"per linear layer or a join of several (merge the adapters and save the model instead)")
+    if not hf_key.endswith(".weight"):
+        raise PosttuneError(f"converter maps '{name}.weight' to '{hf_key}', not a module's .weight")
+    return hf_key.removesuffix(".weight"), join
 
 
 def _fused_tensors(model: nn.Module, hf_name: str, group: Fused, layers: Mapping[str, LoRALinear],

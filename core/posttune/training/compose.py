@@ -233,15 +233,17 @@ def build_model(target: ModelTarget) -> nn.Module:
 
 def inject_adapters(adapter: Any, target: ModelTarget) -> None:
     """``adapter:``'s LoRA/DoRA on ``target.model`` (the family's default targets unless listed); a score
-    head replacing the LM head learns whole beside them. Also what ``posttune plan`` counts."""
+    head replacing the LM head learns whole beside them. Also what ``posttune plan`` counts. Targets
+    may use the checkpoint's Hugging Face module names too (``lm_head``, ``self_attn.q_proj``)."""
     from posttune.adapters import apply_adapters
+    from posttune.adapters.peft_format import checkpoint_module_names
 
     targets = adapter.targets or list(target.family.lora_targets)
     if not targets:
         raise ConfigError("adapter.targets", f"family '{target.family.name}' names no default "
                                              "targets; list module-name patterns")
     apply_adapters(target.model, targets=targets, rank=adapter.rank, alpha=adapter.alpha,
-                   dropout=adapter.dropout, kind=adapter.kind)
+                   dropout=adapter.dropout, kind=adapter.kind, aliases=checkpoint_module_names(target.model))
     if target.score:  # a new head learns whole beside the adapters (PEFT's modules_to_save)
         target.model.output.requires_grad_(True)
 

@@ -1,0 +1,108 @@
+"""``adapter.targets`` in either naming: posttune's native module names (``output``, ``attn.q_proj``) or the
+checkpoint's Hugging Face ones (``lm_head``, ``self_attn.q_proj``), which PEFT configs and posttune's own
+``adapter_config.json`` hold. Users paste those; they must select what PEFT would select with them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from run_support import compose_run, sft_config
+from torch import nn
+
+import posttune
+from posttune.adapters import adapted_modules, apply_adapters, init_adapters, load_peft_adapter, save_peft_adapter
+from posttune.adapters.peft_format import checkpoint_module_names
+from posttune.errors import PosttuneError
+
+
+def tiny_llama() -> nn.Module:
+    """A random tiny Llama built from its size (no checkpoint: the HF names come from ``to_hf_config``)."""
+    torch.manual_seed(0)
+    return posttune.build_model("llama", "tiny", vocab_size=384)
+
+
+def adapt(model: nn.Module, targets: list[str]) -> list[str]:
+    """As a run injects ``adapter.targets``: with the checkpoint's module names as aliases."""
+    return apply_adapters(model, targets=targets, rank=2, alpha=4, aliases=checkpoint_module_names(model))
+
+
+def adapted_by(targets: list[str]) -> list[str]:
+    return adapt(tiny_llama(), targets)
+
+
+def test_the_hugging_face_head_name_adapts_the_output_layer_in_a_run(tmp_path):
+    session = compose_run(sft_config(tmp_path, adapter={"rank": 2, "alpha": 4, "targets": ["lm_head"]}))
+    assert list(adapted_modules(session.model)) == ["output"]
+
+
+@pytest.mark.parametrize("hf_targets, native_targets", [
+    (["self_attn.q_proj", "v_proj"], ["attn.q_proj", "attn.v_proj"]),  # dotted suffixes, as in PEFT configs
+    (["model.layers.1.self_attn.o_proj", "lm_head"], ["layers.1.attn.o_proj", "output"]),  # full names
+    (["self_attn.*"], ["attn.*"]),  # posttune's globs work over either naming
+])
+def test_hugging_face_names_select_the_layers_native_names_do(hf_targets, native_targets):
+    assert adapted_by(hf_targets) == adapted_by(native_targets)
+
+
+def test_a_fused_hugging_face_module_selects_the_native_layers_it_holds():
+    torch.manual_seed(0)
+    chosen = adapt(posttune.build_model("phi3", "tiny"), ["qkv_proj"])
+    assert chosen == [f"layers.{i}.attn.{p}_proj" for i in range(2) for p in "qkv"]
+
+
+def test_both_namings_mixed_select_the_union():
+    assert adapted_by(["lm_head", "attn.k_proj"]) == ["layers.0.attn.k_proj", "layers.1.attn.k_proj", "output"]
+
+
+def test_a_saved_adapters_target_modules_pasted_back_select_the_same_layers(tmp_path):
+    model = tiny_llama()
+    chosen = apply_adapters(model, targets=["attn.q_proj", "layers.1.mlp.down_proj", "output"], rank=2, alpha=4)
+    init_adapters(model)
+    save_peft_adapter(model, tmp_path / "adapter")
+    pasted = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert "lm_head" in pasted and "output" not in pasted  # the file holds Hugging Face names
+    again = tiny_llama()
+    assert adapt(again, pasted) == chosen
+    init_adapters(again)
+    assert load_peft_adapter(again, tmp_path / "adapter") == chosen  # what adapter.init_from checks
+
+
+def test_a_run_starts_from_a_saved_adapter_with_its_target_modules_pasted(tmp_path):
+    model = tiny_llama()
+    apply_adapters(model, targets=["q_proj", "output"], rank=2, alpha=4)
+    init_adapters(model)
+    save_peft_adapter(model, tmp_path / "adapter")
+    pasted = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    adapter = {"rank": 2, "alpha": 4, "targets": pasted, "init_from": str(tmp_path / "adapter")}
+    session = compose_run(sft_config(tmp_path / "run", adapter=adapter))
+    assert list(adapted_modules(session.model)) == ["layers.0.attn.q_proj", "layers.1.attn.q_proj", "output"]
+
+
+def test_a_miss_lists_every_linear_layer_in_both_namings_head_included():
+    with pytest.raises(PosttuneError) as info:
+        adapted_by(["lm_headx"])
+    message = str(info.value)
+    assert "target 'lm_headx' matches no linear layer" in message and "\n" not in message
+    assert "more" not in message
+    assert "layers.*.attn.q_proj (self_attn.q_proj)" in message
+    assert "layers.*.mlp.down_proj," in message  # spelled the same in both namings: said once
+    assert message.endswith("output (lm_head))")
+
+
+class Plain(nn.Module):
+    """A model posttune did not build: no family, no converter, native names only."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"proj": nn.Linear(4, 4)}) for _ in range(2))
+        self.output = nn.Linear(4, 8)
+
+
+def test_a_model_without_a_converter_takes_native_names_only():
+    assert checkpoint_module_names(Plain()) == {}
+    assert adapt(Plain(), ["output"]) == ["output"]
+    with pytest.raises(PosttuneError) as info:
+        adapt(Plain(), ["lm_head"])
+    assert str(info.value).endswith("(linear layers: layers.*.proj, output)")
