@@ -112,7 +112,7 @@ def roles(config: GRPOConfig) -> tuple[ModelRole, ...]:
 
 
 def validate(config: RunConfig, method: GRPOConfig) -> None:
-    from posttune_grpo.scoring import resolve_rewards
+    from posttune_grpo.scoring import check_row_fields, resolve_rewards
 
     positive = {"group_size": method.group_size, "max_new_tokens": method.max_new_tokens,
                 "num_iterations": method.num_iterations}
@@ -154,7 +154,7 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
         raise ConfigError("parallel.options.tp.sequence_parallel", "grpo generates one token at a time, which "
                                                                    "sequence parallelism cannot split over the TP "
                                                                    "ranks; set it to false")
-    resolve_rewards(method.rewards)
+    check_row_fields(config.data, resolve_rewards(method.rewards))
     scored = [i for i, spec in enumerate(method.rewards) if spec.name == MODEL_REWARD]
     if scored and generation_of(method) != "local":
         raise ConfigError(f"method.rewards[{scored[0]}].name", f"'{MODEL_REWARD}' scores in the learner process; "

@@ -61,8 +61,7 @@ def math_answer(prompts: Sequence[str], completions: Sequence[str], *, answer: S
     number or expression).
     """
     if answer is None:
-        raise PosttuneError("reward 'math_answer' needs an 'answer' field in each dataset row "
-                            "(map your dataset's column to it with column_map)")
+        raise PosttuneError(needs_field("reward 'math_answer'", "answer"))
     mv = _math_verify()
     golds: dict[str, list] = {}  # a group shares its gold: parse it once
     scores: list[float | None] = []
@@ -211,7 +210,7 @@ def exact_answer(prompts: Sequence[str], completions: Sequence[str], *, answer: 
                  **_: Any) -> list[float | None]:
     """1.0 where the completion, stripped of surrounding whitespace, is the row's ``answer`` exactly."""
     if answer is None:
-        raise PosttuneError("reward 'exact_answer' needs an 'answer' field in the dataset rows")
+        raise PosttuneError(needs_field("reward 'exact_answer'", "answer"))
     return [None if gold is None else float(completion.strip() == str(gold).strip())
             for completion, gold in zip(completions, answer, strict=True)]
 
@@ -232,3 +231,17 @@ REWARDS: tuple[RewardFunction, ...] = (
 
 #: work a new worker does before its first completion of a reward, so that no completion's limit pays for it
 WARM_UPS: dict[Callable[..., Any], Callable[[], None]] = {math_answer: _warm_math_answer}
+
+#: the row fields a built-in reward cannot score without: checked in the first row of a local .jsonl
+#: before launch, and named when a batch or a row lacks one (scoring.py), so that a dataset whose column
+#: has another name is a one-line configuration error, not a run of zero rewards
+ROW_FIELDS: dict[Callable[..., Any], tuple[str, ...]] = {exact_answer: ("answer",), math_answer: ("answer",)}
+
+
+def needs_field(label: str, field: str, has: Sequence[str] | None = None) -> str:
+    """The one line for a reward (``label``: "reward 'exact_answer'") given rows without a field it reads, and
+    the fields they do have (``has``): the fix is a column_map, not ``reward_errors``."""
+    article = "an" if field[:1] in "aeiou" else "a"
+    rows = "" if has is None else f" (the rows have {', '.join(map(repr, has)) or 'no other field'})"
+    return (f"{label} needs {article} '{field}' field in each dataset row{rows}; map your dataset's column to it "
+            f"with data.train.column_map: {{{field}: <column>}}")

@@ -11,7 +11,9 @@ A run lists its rewards under ``method.rewards`` (a list of `RewardSpec`):
       reward_errors: raise        # or zero: score a completion 0 when its reward fails, and count it
 
 `resolve_rewards` checks that list before launch (names, options, weights, time limits) and
-reports a bad option under its full path, e.g. ``method.rewards[1].options.pattern``; `score`
+reports a bad option under its full path, e.g. ``method.rewards[1].options.pattern``;
+`check_row_fields` checks that a local dataset's first row has the fields the built-in rewards
+read (``answer``), so a column of another name is refused before launch, not at step 1; `score`
 runs the rewards on a batch of completions and sums them with their weights; `score_batch` does
 it for a rollout batch (decoding, each completion's row fields, placeholders left out).
 
@@ -28,12 +30,14 @@ import numbers
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
-from posttune.plugin import ConfigError, PosttuneError, RewardFunction, first_line, from_dict, lookup, provenance
+from posttune.plugin import (ConfigError, PosttuneError, RewardFunction, first_jsonl_row, first_line, from_dict, lookup,
+                             provenance)
 from posttune_grpo.model_reward import scored_in_learner
 from posttune_grpo.reward_workers import Call, RemoteError, shared_pool
-from posttune_grpo.rewards import WARM_UPS
+from posttune_grpo.rewards import ROW_FIELDS, WARM_UPS, needs_field
 
 RewardErrors = Literal["raise", "zero"]
 _CONTINUE = "set method.reward_errors: zero to score such completions 0 and count them"
@@ -163,9 +167,38 @@ def _options(config: type, data: Any, path: str) -> Any:
         raise ConfigError(f"{path}.{exc.path}" if exc.path else path, exc.problem) from None
 
 
+def check_row_fields(data: Any, rewards: Sequence[ResolvedReward], *, where: str = "method.rewards") -> None:
+    """Before launch: each local ``.jsonl`` dataset's first row (``column_map`` applied) has the fields the
+    built-in rewards read (rewards.ROW_FIELDS). Without this a dataset whose column has another name passes
+    ``validate`` and stops the run at its first step. Hub datasets and unreadable first lines are left to
+    the run (and to the core's own check of the first row)."""
+    for split in ("train", "validation"):
+        dataset = getattr(data, split, None)
+        row = None if dataset is None else first_jsonl_row(Path(dataset.path).expanduser(), f"data.{split}.path",
+                                                           strict=False)
+        if row is None:
+            continue
+        for i, reward in enumerate(rewards):
+            for name in ROW_FIELDS.get(reward.fn, ()):
+                column = dataset.column_map.get(name, name)
+                if row.get(column) is None:
+                    raise ConfigError(f"{where}[{i}]", _first_row_lacks(reward.name, name, column, row, dataset.path,
+                                                                        f"data.{split}"))
+
+
+def _first_row_lacks(reward: str, name: str, column: str, row: Mapping[str, Any], path: str, at: str) -> str:
+    if column != name:
+        lacks = f"no '{column}' (the column {at}.column_map maps to '{name}')"
+    else:
+        lacks = f"'{name}': null" if name in row else f"no '{name}'"
+    return (f"reward '{reward}' reads each row's '{name}' field, and the first row of {path} has {lacks}; its fields: "
+            f"{', '.join(map(repr, row)) or 'none'}; map the column that holds it with {at}.column_map: "
+            f"{{{name}: <column>}}")
+
+
 def score(rewards: Sequence[ResolvedReward], prompts: Sequence[str], completions: Sequence[str],
           fields: Mapping[str, Sequence[Any]], *, completion_ids: Sequence[Sequence[int]] | None = None,
-          on_error: RewardErrors = "raise") -> Scores:
+          on_error: RewardErrors = "raise", rows: Sequence[int] | None = None) -> Scores:
     """Every reward on every completion, and their weighted sum.
 
     ``fields``: the rows' fields, each a list as long as ``completions``; ``completion_ids``, when
@@ -175,7 +208,8 @@ def score(rewards: Sequence[ResolvedReward], prompts: Sequence[str], completions
     its batch's ``budget_s`` runs out. With ``on_error`` ``"raise"`` a failure is a one-line
     PosttuneError naming the reward; with ``"zero"`` the completion scores 0 for it and is counted
     in ``failures`` (and a timeout in ``timeouts`` too). A result that is not one value per
-    completion is always an error.
+    completion is always an error. ``rows``: each completion's dataset row, named in an error
+    when that row lacks a field the reward reads (rewards.ROW_FIELDS).
     """
     n = len(completions)
     kwargs = dict(fields)
@@ -192,7 +226,7 @@ def score(rewards: Sequence[ResolvedReward], prompts: Sequence[str], completions
     for reward in rewards:
         if reward.in_learner:  # added by the method after this (rollouts.score_completions)
             continue
-        values, failed, timed_out = _run(reward, prompts, completions, kwargs, on_error, warm_up)
+        values, failed, timed_out = _run(reward, prompts, completions, kwargs, on_error, warm_up, rows)
         per_reward[reward.name], failures[reward.name] = values, failed
         if reward.isolated:
             timeouts[reward.name] = timed_out
@@ -209,8 +243,10 @@ def score_batch(tokenizer: Any, rewards: Sequence[ResolvedReward], on_error: Rew
     texts = [tokenizer.decode(completions[i], skip_special_tokens=True) for i in keep]
     source = [j for j in range(len(prompts["prompts"])) for _ in range(group)]
     fields = {name: [values[source[i]] for i in keep] for name, values in prompts["fields"].items()}
+    rows = prompts.get("rows")
     scored = score(rewards, [prompts["prompts"][source[i]] for i in keep], texts, fields,
-                   completion_ids=[completions[i] for i in keep], on_error=on_error)
+                   completion_ids=[completions[i] for i in keep], on_error=on_error,
+                   rows=None if rows is None else [int(rows[source[i]]) for i in keep])
     total, per_reward = [0.0] * len(completions), {name: [0.0] * len(completions) for name in scored.per_reward}
     for position, i in enumerate(keep):
         total[i] = scored.total[position]
@@ -220,10 +256,16 @@ def score_batch(tokenizer: Any, rewards: Sequence[ResolvedReward], on_error: Rew
 
 
 def _run(reward: ResolvedReward, prompts: Sequence[str], completions: Sequence[str], kwargs: dict[str, Any],
-         on_error: RewardErrors, warm_up: tuple[Callable[[], None], ...]) -> tuple[list[float], int, int]:
+         on_error: RewardErrors, warm_up: tuple[Callable[[], None], ...],
+         rows: Sequence[int] | None = None) -> tuple[list[float], int, int]:
     """One reward's values with failures scored 0, how many failed, and how many of those timed out."""
     n = len(completions)
     label = f"reward '{reward.name}' ({reward.provider})"
+    absent = [name for name in ROW_FIELDS.get(reward.fn, ()) if name not in kwargs]
+    if absent:  # no row of the batch has the field: the dataset's configuration, not one completion
+        if on_error == "raise":
+            raise PosttuneError(needs_field(label, absent[0], [name for name in kwargs if name != "completion_ids"]))
+        return [0.0] * n, n, 0
     if reward.isolated:
         raw, problems = _in_workers(reward, label, prompts, completions, kwargs, warm_up)
     else:
@@ -242,8 +284,9 @@ def _run(reward: ResolvedReward, prompts: Sequence[str], completions: Sequence[s
     if failed and on_error == "raise":
         j = failed[0]
         cause = problems[j].value if problems[j].kind == "error" else None
+        row = _row_lacks(reward, kwargs, j, rows) if problems[j].kind == "value" else ""
         raise PosttuneError(f"{label} {_what_failed(problems[j], reward)} for completion {j} ({len(failed)} of {n} "
-                            f"in this batch); {_CONTINUE}") from cause
+                            f"in this batch){row}; {_CONTINUE}") from cause
     timed_out = sum(problem is not None and problem.kind in ("timeout", "budget") for problem in problems)
     values = [0.0 if problem is not None else float(value) for value, problem in zip(raw, problems, strict=True)]
     return values, len(failed), timed_out
@@ -299,6 +342,16 @@ def _what_failed(problem: _Failed, reward: ResolvedReward) -> str:
     if problem.kind == "timeout":
         return f"took longer than timeout_s ({reward.timeout_s:g} s)"
     return f"ran out of budget_s ({reward.budget_s:g} s for the batch)"
+
+
+def _row_lacks(reward: ResolvedReward, kwargs: Mapping[str, Sequence[Any]], j: int,
+               rows: Sequence[int] | None) -> str:
+    """": dataset row 5 has no 'answer'" when completion ``j``'s row lacks a field the reward reads, else ""."""
+    missing = [name for name in ROW_FIELDS.get(reward.fn, ()) if kwargs[name][j] is None]
+    if not missing:
+        return ""
+    row = "its dataset row" if rows is None else f"dataset row {rows[j]}"
+    return f": {row} has no '{missing[0]}'"
 
 
 def _is_score(value: Any) -> bool:

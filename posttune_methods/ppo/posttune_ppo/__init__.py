@@ -106,7 +106,7 @@ def micro_batch_size(config: RunConfig, method: PPOConfig) -> int:
 
 
 def validate(config: RunConfig, method: PPOConfig) -> None:
-    from posttune_grpo.scoring import resolve_rewards
+    from posttune_grpo.scoring import check_row_fields, resolve_rewards
 
     for name in ("group_size", "max_new_tokens", "ppo_epochs", "num_mini_batches"):
         if getattr(method, name) < 1:
@@ -136,7 +136,7 @@ def validate(config: RunConfig, method: PPOConfig) -> None:
     if method.value_model == "head" and "chunked_cross_entropy" in config.memory:
         raise ConfigError("memory", "value_model: head takes the logits and the values from one forward's hidden "
                                     "states, which chunked_cross_entropy would split; drop it or use value_model: model")
-    resolve_rewards(method.rewards)
+    check_row_fields(config.data, resolve_rewards(method.rewards))
     from posttune.plugin import Sampling  # torch: imported when a run is validated, not at plugin discovery
 
     from posttune_grpo.rollouts import generation_settings
