@@ -254,8 +254,11 @@ def _check_vocabularies(plan: Plan) -> None:
     """A role with its own weights reads the policy's token ids (a reference or teacher scores the policy's
     tokens, a reward or value model reads them), so a smaller vocabulary would index past its embedding
     mid-run. A larger one may be padding rows, which only the method can judge (KD's ``teacher_extra_vocab``).
-    Sizes come from config.json or the named size; a hub id not readable offline is left to the run."""
+    Sizes come from a local config.json or the named size; a hub id is left to the run (as ``_family`` leaves
+    it when the family is named), so that `posttune validate` reaches no network for this check."""
     def vocab(model: ModelConfig, family: Registered) -> int | None:
+        if model.path is not None and not Path(str(model.path)).expanduser().is_dir():
+            return None
         try:
             hf_config = read_hf_config(model.path) if model.path is not None else None
             return build_kwargs(model, family.descriptor, hf_config).get("vocab_size")

@@ -177,3 +177,16 @@ def test_overrides_reach_a_role_under_either_spelling(tmp_path):
     old.write_text(yaml.safe_dump({"model": TINY, "method": "x", "teacher": {"path": "a"}}))
     assert load_config(old, ["models.teacher.dtype=bf16"])["models"] == {"teacher": {"path": "a", "dtype": "bf16"}}
     assert load_config(old, ["~teacher"])["models"] == {}
+
+
+def test_the_vocabulary_check_reads_no_hub_config(registry, monkeypatch):
+    """Hub ids with their family named wait for the run (validate stays offline): so does this check."""
+    import posttune.plan
+
+    def no_hub(path):
+        raise AssertionError(f"read {path}")
+
+    monkeypatch.setattr(posttune.plan, "read_hf_config", no_hub)
+    hub = {"family": "fam", "path": "org/model"}
+    plan = resolve_plan(config(model=hub, models={"critic": hub}), registry)
+    assert plan.roles["critic"].config.path == "org/model"
