@@ -458,7 +458,8 @@ def _steps(plan: Plan) -> list[Step]:
         plan.family.provenance)
     for stage in ("build", "adapt", "quantize", "parallelize", "load"):
         if stage == "adapt" and config.adapter is not None:
-            targets = ", ".join(config.adapter.targets or plan.family.descriptor.lora_targets) or "family default"
+            targets = config.adapter.targets or plan.family.descriptor.lora_targets
+            targets = (targets if isinstance(targets, str) else ", ".join(targets)) or "family default"
             add(stage, f"{config.adapter.kind} rank {config.adapter.rank} on {targets}", core)
         if stage == "load":
             what = (f"weights from {config.model.path} via converter '{plan.converter.descriptor.name}'"

@@ -106,3 +106,28 @@ def test_a_model_without_a_converter_takes_native_names_only():
     with pytest.raises(PosttuneError) as info:
         adapt(Plain(), ["lm_head"])
     assert str(info.value).endswith("(linear layers: layers.*.proj, output)")
+
+
+def test_all_linear_selects_what_peft_selects_on_the_same_checkpoint(tmp_path):
+    """PEFT's ``target_modules="all-linear"``, pasted as ``adapter.targets: all-linear``: every linear layer but
+    the output head, compared with what PEFT itself wraps in the transformers model of the same checkpoint."""
+    peft = pytest.importorskip("peft")
+    model = tiny_llama()
+    names = checkpoint_module_names(model)
+    transformers = pytest.importorskip("transformers")
+    posttune.save_model(model, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    wrapped = peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    peft_names = {name.removeprefix("base_model.model.") for name, module in wrapped.named_modules()
+                  if hasattr(module, "lora_A") and isinstance(module.lora_A, nn.ModuleDict)}
+    chosen = adapt(model, "all-linear")
+    assert "output" not in chosen and len(chosen) == 2 * 7  # q, k, v, o, gate, up, down in two layers
+    assert {names[name] for name in chosen} == peft_names
+
+
+def test_all_linear_is_a_run_configs_targets_and_other_strings_are_refused(tmp_path):
+    session = compose_run(sft_config(tmp_path, adapter={"rank": 2, "alpha": 4, "targets": "all-linear"}))
+    assert "output" not in adapted_modules(session.model) and len(adapted_modules(session.model)) == 14
+    with pytest.raises(PosttuneError, match="targets must be a non-empty list of module-name patterns or "
+                                            "'all-linear', got 'q_proj'"):
+        adapt(tiny_llama(), "q_proj")

@@ -24,9 +24,11 @@ from posttune.adapters.lora import BASE, KINDS, Kind, LoRALinear, adapter_parame
 from posttune.errors import PosttuneError
 
 GLOB_CHARS = "*?["
+#: PEFT's ``target_modules="all-linear"``: every linear layer but the output head
+ALL_LINEAR = "all-linear"
 
 
-def apply_adapters(model: nn.Module, *, targets: Sequence[str], rank: int = 8, alpha: float = 16.0,
+def apply_adapters(model: nn.Module, *, targets: Sequence[str] | str, rank: int = 8, alpha: float = 16.0,
                    dropout: float = 0.0, kind: Kind = "lora", dtype: torch.dtype | None = None,
                    aliases: Mapping[str, str] | None = None) -> list[str]:
     """Wrap every ``nn.Linear`` matching a pattern of ``targets`` in ``LoRALinear``; freeze the rest.
@@ -39,13 +41,17 @@ def apply_adapters(model: nn.Module, *, targets: Sequence[str], rank: int = 8, a
     either naming (the union: both name the same layers, only spelled differently). ``aliases`` maps a
     native name to that other name (``peft_format.checkpoint_module_names``); none: native names only.
     Returns the adapted module names. Every pattern must match at least one linear layer:
-    a typo would otherwise silently train fewer layers than asked.
+    a typo would otherwise silently train fewer layers than asked. ``targets="all-linear"`` is PEFT's
+    spelling for every linear layer but the output head (``model.output``, the LM or score head).
     """
     _check_settings(targets, rank, alpha, dropout, kind)
     if adapted_modules(model):
         raise PosttuneError("adapters: the model already has adapters; apply them once")
     linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     aliases = aliases or {}
+    if targets == ALL_LINEAR:
+        head = getattr(model, "output", None)
+        targets = [name for name, module in linears.items() if module is not head]
     chosen: list[str] = []
     for pattern in targets:
         found = [name for name in linears if matches(name, pattern) or matches(aliases.get(name), pattern)]
@@ -73,9 +79,10 @@ def matches(name: str | None, pattern: str) -> bool:
     return False
 
 
-def _check_settings(targets: Sequence[str], rank: int, alpha: float, dropout: float, kind: str) -> None:
-    if isinstance(targets, str) or not targets:
-        raise PosttuneError(f"adapters: targets must be a non-empty list of module-name patterns, got {targets!r}")
+def _check_settings(targets: Sequence[str] | str, rank: int, alpha: float, dropout: float, kind: str) -> None:
+    if (isinstance(targets, str) and targets != ALL_LINEAR) or not targets:
+        raise PosttuneError(f"adapters: targets must be a non-empty list of module-name patterns or "
+                            f"'{ALL_LINEAR}', got {targets!r}")
     if not isinstance(rank, int) or rank < 1:
         raise PosttuneError(f"adapters: rank must be a positive integer, got {rank!r}")
     if not alpha > 0:

@@ -84,7 +84,8 @@ class AdapterConfig:
     rank: int = 8  # rank of the low-rank update
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapter's input
-    targets: list[str] | None = None  # module-name patterns; default: the family's
+    # module-name patterns, or all-linear (PEFT's: every linear layer but the head); default: the family's
+    targets: list[str] | Literal["all-linear"] | None = None
     init_from: str | None = None  # a saved PEFT adapter dir to start from (same rank/alpha/kind/targets)
 
 

@@ -34,11 +34,16 @@ def of(plan: Any) -> dict[str, Any]:
             "method": plan.method.descriptor.name,
             "adapter": None if adapter is None else {
                 "kind": adapter.kind, "rank": adapter.rank, "alpha": adapter.alpha,
-                "targets": sorted(adapter.targets or family.lora_targets)},
+                "targets": _targets(adapter.targets or family.lora_targets)},
             "models": models,
         }
         plan.identity = json.loads(json.dumps(identity, default=str))  # as it reads back from the file
     return plan.identity
+
+
+def _targets(targets: str | list[str]) -> str | list[str]:
+    """A list of patterns in any order, or PEFT's ``all-linear`` as written."""
+    return targets if isinstance(targets, str) else sorted(targets)
 
 
 def _model(model: Any, family: Any) -> dict[str, Any]:
