@@ -22,8 +22,9 @@ def test_sharded_checkpoint_resumes_on_two_ranks_and_on_one(runs, tmp_path):
     config = write_config(tmp_path / "resumed", batch_size=4, parallel={"plans": ["fsdp2"]})
     train(config, f"checkpoint.output_dir={tmp_path / 'two'}", f"checkpoint.resume={checkpoint}", nproc=2)
     # one process: the same global batch (8 rows) in one micro-batch; the plans are inactive
-    train(config, f"checkpoint.output_dir={tmp_path / 'one'}", f"checkpoint.resume={checkpoint}",
-          "train.batch_size=8")
+    one = train(config, f"checkpoint.output_dir={tmp_path / 'one'}", f"checkpoint.resume={checkpoint}",
+                "train.batch_size=8")
+    assert "Warning" not in one.stderr, one.stderr  # DCP's "assuming ... a single process", at every load and save
     for name in ("two", "one"):
         resumed = metrics(tmp_path / name)
         assert [r["step"] for r in resumed] == [3, 4], name

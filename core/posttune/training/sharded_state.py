@@ -18,6 +18,7 @@ trainer state and renames it into place once all ranks are done.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,9 @@ def save(session: Session, target: Path, write_rest: Any, replaceable: tuple[str
         if distributed.active():
             dist.broadcast_object_list(shared, src=0)
         model_state, optim_state = get_state_dict(session.trainable, session.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=Path(shared[0]) / SHARDED)
+        with _one_process_quiet():
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=Path(shared[0]) / SHARDED,
+                     no_dist=not distributed.active())
         if write_each_rank is not None:
             write_each_rank(Path(shared[0]))
         if distributed.active():
@@ -69,9 +72,19 @@ def load(session: Session, path: Path) -> None:
 
     model_state, optim_state = get_state_dict(session.trainable, session.optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=path / SHARDED, no_dist=not distributed.active())
+    with _one_process_quiet():
+        dcp.load(state, checkpoint_id=path / SHARDED, no_dist=not distributed.active())
     set_state_dict(session.trainable, session.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
+
+
+@contextlib.contextmanager
+def _one_process_quiet() -> Any:
+    """DCP warns at every save and load without a process group that it assumes one process: that is
+    this run's setting (a 2-rank checkpoint resumed in one process), not news to its user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def gather_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
