@@ -233,6 +233,7 @@ def _roles(plan: Plan, registry: Registry) -> None:
         if role.score and not role.trained and section != "model":
             _check_score_source(model, name, section)
     _check_vocabularies(plan)
+    _check_tokenizers(plan)
 
 
 def _check_score_source(model: ModelConfig, name: str, section: str) -> None:
@@ -273,6 +274,27 @@ def _check_vocabularies(plan: Plan) -> None:
             raise ConfigError(role.section, f"the {name}'s vocabulary has {size} tokens and the policy's {policy}: it "
                                             f"reads the policy's token ids (up to {policy - 1}); give it a model "
                                             "with the policy's tokenizer")
+
+
+def _check_tokenizers(plan: Plan) -> None:
+    """A role with its own weights must read each token id as the policy's tokenizer writes it: another
+    tokenizer's vocabulary of the same size or larger passes the size check and scores other tokens, silently
+    (a teacher's distribution over other words, a reference's log-probs of them). Checked where the policy's
+    tokenizer and the role's folder both hold a local tokenizer.json: every id both vocabularies define names
+    the same token (added and special tokens aside)."""
+    from posttune.tokenizer_files import vocabulary
+
+    own = [(name, role) for name, role in plan.roles.items() if role.section != "model" and role.config.path]
+    source = plan.config.tokenizer.path or plan.config.model.path
+    policy = vocabulary(source) if own else None
+    for name, role in own if policy is not None else ():
+        theirs = vocabulary(role.config.path)
+        clash = next((i for i in sorted(policy.keys() & (theirs or {}).keys()) if policy[i] != theirs[i]), None)
+        if clash is not None:
+            raise ConfigError(f"{role.section}.path",
+                              f"the {name}'s tokenizer is not the policy's: token id {clash} is {theirs[clash]!r} in "
+                              f"{role.config.path} and {policy[clash]!r} in {source}; it reads the policy's token ids, "
+                              "so give it a model trained with the policy's tokenizer")
 
 
 #: the stages that build a model; frozen roles go through these (never adapt, optimizer or loss)

@@ -76,7 +76,7 @@ _LAZY: dict[str, str] = {
     "tie_groups": "posttune.checkpoint.materialize",
     # adapters
     **dict.fromkeys(["LoRALinear", "adapter_base", "adapted_modules", "load_peft_adapter", "merge_adapters",
-                     "plain_state_dict", "save_peft_adapter"], "posttune.adapters"),
+                     "plain_state_dict", "save_peft_adapter", "tokenizer_source"], "posttune.adapters"),
     # optimisation and heads: the head's effective (weight, bias), LoRA/DoRA folded in, for chunked losses
     "build_scheduler": "posttune.training.optim",
     "head_weight": "posttune.adapters",

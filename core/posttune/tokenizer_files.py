@@ -80,6 +80,42 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return value
 
 
+def chat_template_override(value: str, field: str = "tokenizer.chat_template") -> tuple[str, str]:
+    """``tokenizer.chat_template``: (the template, where it came from). A value holding ``{%`` or ``{{`` is the
+    template itself; anything else names a file. Compiled here, so a syntax error is one line before launch."""
+    from posttune.chat_template import compile_template
+    from posttune.errors import ConfigError
+
+    if "{%" in value or "{{" in value:
+        text, where = value, field
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ConfigError(field, f"no such file {value!r} (a .jinja file, or the template itself)")
+        try:
+            text, where = path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError:
+            raise ConfigError(field, f"{path}: not UTF-8 text") from None
+    try:
+        compile_template(text, where)
+    except PosttuneError as exc:
+        raise ConfigError(field, str(exc)) from None
+    return text, where
+
+
+def vocabulary(folder: str | Path | None) -> dict[int, str] | None:
+    """Id -> token of the tokenizer model's own vocabulary in ``folder``'s tokenizer.json (added and special
+    tokens left out: fine-tunes rename reserved ones); None for no local tokenizer.json or an unknown layout."""
+    if folder is None or not (Path(str(folder)).expanduser() / "tokenizer.json").is_file():
+        return None
+    vocab = (read_json(Path(str(folder)).expanduser() / "tokenizer.json") or {}).get("model", {}).get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
+        return {int(i): token for token, i in vocab.items() if isinstance(i, int)}
+    if isinstance(vocab, list):  # Unigram: [token, score] at its id
+        return {i: entry[0] for i, entry in enumerate(vocab) if isinstance(entry, list) and entry}
+    return None
+
+
 def _special_token_values(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
     """Named special tokens as written (text or serialised AddedToken): the template sees them by name."""
     where = folder / "tokenizer_config.json"

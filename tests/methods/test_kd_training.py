@@ -5,6 +5,7 @@ family; on-policy batches; what validate refuses; LoRA students with an NF4 teac
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import posttune_kd
@@ -292,3 +293,25 @@ def test_bundled_configs_validate_and_show_their_command(llama_kd, register_plug
 
 def test_the_bundled_configs_cover_the_cpu_example_qwen_and_llama_lora():
     assert {"kd-tiny-reverse", "qwen2.5-1.5b-to-0.5b-kd", "llama3.1-8b-to-3.2-1b-kd-lora"} <= set(NAMES)
+
+
+def test_a_teacher_with_another_tokenizer_of_the_same_size_is_refused(llama_kd, posttune_cli, teacher, tmp_path):
+    """Same vocabulary size, other token ids: the size check passes, the teacher would score other words."""
+    from run_support import TOKENIZER
+
+    folder = tmp_path / "teacher"
+    shutil.copytree(teacher, folder)
+    shutil.copy(Path(TOKENIZER) / "tokenizer.json", folder / "tokenizer.json")
+    config = kd_config(tmp_path, folder)
+    assert posttune_cli("validate", str(write(tmp_path, config))).exit_code == 0  # the policy's own tokenizer
+    document = json.loads((folder / "tokenizer.json").read_text())
+    vocab = document["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (folder / "tokenizer.json").write_text(json.dumps(document))
+    result = posttune_cli("validate", str(write(tmp_path, config)))
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        f"posttune: error: config: models.teacher.path: the teacher's tokenizer is not the policy's: token id 100 is "
+        f"{second!r} in {folder} and {first!r} in {TOKENIZER}; it reads the policy's token ids, so give it a model "
+        "trained with the policy's tokenizer")

@@ -32,12 +32,13 @@ from posttune.adapters.inject import (
     trainable_parameters,
 )
 from posttune.adapters.lora import KINDS, LoRALinear, head_weight
-from posttune.adapters.peft_format import adapter_base, load_peft_adapter, save_peft_adapter
+from posttune.adapters.peft_format import adapter_base, load_peft_adapter, save_peft_adapter, tokenizer_source
 from posttune.checkpoint.keymap import base_key  # the unwrapped (checkpoint) name of an adapted key
 
 __all__ = [
     "KINDS", "AdaptersOff", "LoRALinear", "active_model", "adapter_base", "adapted_key", "adapted_modules",
     "adapter_state_dict",
     "adapters_disabled", "apply_adapters", "base_key", "freeze_base", "head_weight", "init_adapters", "is_adapter_key",
-    "load_peft_adapter", "matches", "merge_adapters", "plain_state_dict", "save_peft_adapter", "trainable_parameters",
+    "load_peft_adapter", "matches", "merge_adapters", "plain_state_dict", "save_peft_adapter", "tokenizer_source",
+    "trainable_parameters",
 ]

@@ -42,7 +42,7 @@ from posttune.adapters.lora import LoRALinear
 from posttune.checkpoint.atomic import atomic_dir
 from posttune.checkpoint.convert import Join, pairs
 from posttune.checkpoint.peft_config import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, UNSUPPORTED, adapter_base, read_config,
-                                             saved_settings, settings_of)
+                                             saved_settings, settings_of, tokenizer_source)
 from posttune.checkpoint.safetensors_io import Planned, iter_tensors, write_file
 from posttune.checkpoint.score_head import HEAD, HF_SCORE, score_labels
 from posttune.errors import PosttuneError
@@ -67,8 +67,10 @@ class Fused:
 
 def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
                       base_model_name_or_path: str | None = None,
-                      state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
+                      state_dict: Mapping[str, torch.Tensor] | None = None, tokenizer: Any = None) -> Path:
     """Write the model's adapters so ``peft.PeftModel.from_pretrained(hf_model, out_dir)`` loads them.
+
+    ``tokenizer``: its files beside the adapter, as TRL saves them (a run's chat template may not be the base's).
 
     ``base_model_name_or_path`` defaults to where the model was loaded from (its origin).
     Atomic, like ``save_model``: ``out_dir`` holds the old adapter or the complete new one.
@@ -120,6 +122,10 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
     with atomic_dir(out_dir, replaceable=(ADAPTER_CONFIG, ADAPTER_WEIGHTS)) as tmp:
         write_file(tmp / ADAPTER_WEIGHTS, planned, tensors.__getitem__)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if tokenizer is not None:
+            from posttune.checkpoint.hf_save import save_tokenizer
+
+            save_tokenizer(tokenizer, tmp)
     return Path(out_dir)
 
 

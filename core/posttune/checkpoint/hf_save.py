@@ -80,7 +80,7 @@ def save_hf(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None,
         _write_json(tmp / "config.json", config)
         _write_json(tmp / GENERATION_CONFIG, generation_config_for(origin, config))
         if tokenizer is not None:
-            _save_tokenizer(tokenizer, tmp)
+            save_tokenizer(tokenizer, tmp)
     return Path(out_dir)
 
 
@@ -225,7 +225,7 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _save_tokenizer(tokenizer: Any, directory: Path) -> None:
+def save_tokenizer(tokenizer: Any, directory: Path) -> None:
     """posttune's Tokenizer has ``save(dir)``; an HF tokenizer has ``save_pretrained(dir)``."""
     save = getattr(tokenizer, "save", None) or getattr(tokenizer, "save_pretrained", None)
     if save is None:

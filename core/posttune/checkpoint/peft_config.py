@@ -95,3 +95,11 @@ def adapter_base(adapter_dir: str | Path, command: str) -> str:
         raise PosttuneError(f"{command}: --adapter {adapter_dir}: the base model its {config.name} names, {base!r}, "
                             "is no folder here (a path relative to where it was trained?); give --model")
     return str(base)
+
+
+def tokenizer_source(base: str, adapter_dir: str | Path | None = None) -> str:
+    """Where a command given ``--adapter`` reads the tokenizer: the adapter's folder when a run saved one
+    there (with the run's chat template, which may not be the base's), else the base model's."""
+    if adapter_dir is not None and (Path(adapter_dir) / "tokenizer.json").is_file():
+        return str(adapter_dir)
+    return base

@@ -54,6 +54,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from posttune.adapters import tokenizer_source
     from posttune.api import load_model, load_tokenizer
     from posttune.errors import first_line
     from posttune.generation import generate_batch
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         from posttune.adapters import load_peft_adapter
 
         load_peft_adapter(model, args.adapter)
-    tokenizer = load_tokenizer(base)
+    tokenizer = load_tokenizer(tokenizer_source(base, args.adapter))
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     prompts = [tokenizer.apply_chat_template([*system, {"role": "user", "content": prompt}], add_generation_prompt=True)
                if args.chat else tokenizer.encode(prompt) for prompt in args.prompt]

@@ -29,7 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from posttune.adapters import adapter_base, load_peft_adapter, merge_adapters
+    from posttune.adapters import adapter_base, load_peft_adapter, merge_adapters, tokenizer_source
     from posttune.api import load_model, load_tokenizer, save_model
 
     out = Path(args.output)
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     merged = load_peft_adapter(model, args.adapter)
     merge_adapters(model)
     try:
-        tokenizer = load_tokenizer(base)
+        tokenizer = load_tokenizer(tokenizer_source(base, args.adapter))
     except PosttuneError as exc:  # weights-only base: the merged weights are still the point
         tokenizer = None
         print(f"merge: no tokenizer copied ({one_line(str(exc))})")

@@ -48,7 +48,7 @@ def configs_in(folder: Path) -> list:
 
 PACKAGE = "package:"
 #: config fields that hold paths (dotted); only these are resolved
-PATH_FIELDS = ("model.path", "tokenizer.path", "data.train.path", "data.validation.path")
+PATH_FIELDS = ("model.path", "tokenizer.path", "tokenizer.chat_template", "data.train.path", "data.validation.path")
 
 
 def resolve_package_paths(raw: dict[str, Any]) -> dict[str, Any]:

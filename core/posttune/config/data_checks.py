@@ -46,6 +46,10 @@ def check_tokenizer(config: Any, *, required: bool = True) -> None:
     A model built from a size has no folder: a run needs ``tokenizer.path`` (``required``)."""
     from posttune.checkpoint.source import is_hub_id
 
+    if config.tokenizer.chat_template is not None:
+        from posttune.tokenizer_files import chat_template_override
+
+        chat_template_override(config.tokenizer.chat_template)
     field = "tokenizer.path" if config.tokenizer.path is not None else "model.path"
     path = config.tokenizer.path or config.model.path
     if path is None:  # a model built from a size has no folder to read one from

@@ -33,6 +33,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TokenizerConfig:
     path: str | None = None  # defaults to model.path
+    # a chat template to use instead of the checkpoint's (a base model often has none): a .jinja file, or the
+    # template itself (text holding {% or {{); the run's saved tokenizer carries it
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,13 @@ def load_tokenizer(session: Session) -> Any:
     path = session.config.tokenizer.path or session.config.model.path
     if path is None:  # checked by `posttune validate` too; a run composed from Python gets here
         raise ConfigError("tokenizer.path", NO_TOKENIZER)
-    return load(path)
+    tokenizer = load(path)
+    if session.config.tokenizer.chat_template is not None:
+        from posttune.tokenizer_files import chat_template_override
+
+        tokenizer.chat_template, where = chat_template_override(session.config.tokenizer.chat_template)
+        tokenizer.template_files[tokenizer.chat_template] = where
+    return tokenizer
 
 
 # ---- models ------------------------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""``tokenizer.chat_template``: a base model's tokenizer has no chat template; a run names one (a .jinja file or
+the template itself), trains chats with it, and saves it with the model, where transformers renders the same."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import posttune_llama
+import pytest
+import transformers
+
+from posttune.config import load_config, validate
+from posttune.plan import resolve_plan
+from posttune.plugins import get_registry
+from posttune.training.compose import compose
+
+def session_for(path: Path):
+    return compose(resolve_plan(validate(load_config(path, [])), get_registry()))
+
+
+DEMO_TOKENIZER = Path(posttune_llama.__file__).parent / "demo" / "tokenizer"
+CHAT = [{"role": "user", "content": "Reverse: ABC"}, {"role": "assistant", "content": "CBA"}]
+
+
+@pytest.fixture
+def base_tokenizer(tmp_path) -> tuple[Path, str]:
+    """The demo tokenizer without its chat template (a base checkpoint's), and that template's text."""
+    folder = tmp_path / "base"
+    shutil.copytree(DEMO_TOKENIZER, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder, template
+
+
+def test_a_base_tokenizer_trains_chats_with_a_template_file_and_the_run_saves_it(
+        llama_sft, posttune_cli, write_config, base_tokenizer, tmp_path):
+    folder, template = base_tokenizer
+    without = write_config("without.yaml", tokenizer={"path": str(folder)}, train={"max_steps": 1})
+    result = posttune_cli("train", str(without))
+    assert result.exit_code == 2 and "has no chat template" in result.stderr
+
+    (tmp_path / "chat.jinja").write_text(template)
+    path = write_config(tokenizer={"path": str(folder), "chat_template": str(tmp_path / "chat.jinja")},
+                        train={"max_steps": 2})
+    reference = session_for(write_config("reference.yaml", train={"max_steps": 2}))  # the demo tokenizer, same text
+    session = session_for(path)
+    assert next(iter(session.train_data))["input_ids"].tolist() == next(iter(reference.train_data))["input_ids"].tolist()
+    assert next(iter(session.train_data))["labels"].tolist() == next(iter(reference.train_data))["labels"].tolist()
+
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "out" / "model")
+    theirs = saved.apply_chat_template(CHAT, tokenize=False)
+    assert theirs == transformers.AutoTokenizer.from_pretrained(DEMO_TOKENIZER).apply_chat_template(CHAT, tokenize=False)
+    assert session.tokenizer.apply_chat_template(CHAT, tokenize=False) == theirs
+
+
+def test_the_template_itself_may_stand_in_the_config(llama_sft, write_config, base_tokenizer):
+    folder, template = base_tokenizer
+    session = session_for(write_config(tokenizer={"path": str(folder), "chat_template": template}))
+    assert session.tokenizer.chat_template == template
+
+
+@pytest.mark.parametrize("value, message", [
+    ("missing.jinja", "config: tokenizer.chat_template: no such file 'missing.jinja' (a .jinja file, or the template "
+                      "itself)"),
+    ("{% for m in messages %}{{ m.content }}", "config: tokenizer.chat_template: chat template in "
+                                                "tokenizer.chat_template: line 1: Unexpected end of template."),
+])
+def test_a_missing_or_broken_template_is_one_line_from_validate(llama_sft, posttune_cli, write_config, value, message):
+    result = posttune_cli("validate", str(write_config(tokenizer={"path": str(DEMO_TOKENIZER), "chat_template": value})))
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"posttune: error: {message}"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_adapter_run_saves_the_tokenizer_beside_the_adapter_for_generate_and_merge(
+        llama_sft, posttune_cli, write_config, base_tokenizer, tmp_path):
+    """The base folder has no template, so commands given ``--adapter`` read the one the run saved beside it."""
+    folder, template = base_tokenizer
+    base_model = tmp_path / "base_model"
+    import posttune
+
+    posttune.save_model(posttune.build_model("llama", "tiny", vocab_size=384), base_model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, base_model / name)
+    path = write_config(model={"path": str(base_model), "family": None, "size": None, "build_overrides": {}},
+                        tokenizer={"path": None, "chat_template": template}, adapter={"rank": 2, "alpha": 4},
+                        train={"max_steps": 1})
+    assert posttune_cli("train", str(path)).exit_code == 0
+    adapter = tmp_path / "out" / "adapter"
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "tokenizer.json").is_file()
+    generated = posttune_cli("generate", "--adapter", str(adapter), "--chat", "--max-new-tokens", "2",
+                             "--prompt", "Reverse: AB")
+    assert generated.exit_code == 0, generated.stderr
+    without = posttune_cli("generate", "--model", str(base_model), "--chat", "--max-new-tokens", "2",
+                           "--prompt", "Reverse: AB")
+    assert without.exit_code == 2 and "has no chat template" in without.stderr
+    assert posttune_cli("merge", "--adapter", str(adapter), "-o", str(tmp_path / "merged")).exit_code == 0
+    merged = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
+    assert merged.apply_chat_template(CHAT, tokenize=False) == transformers.AutoTokenizer.from_pretrained(
+        DEMO_TOKENIZER).apply_chat_template(CHAT, tokenize=False)
