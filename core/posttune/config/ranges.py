@@ -59,6 +59,7 @@ RANGES: dict[str, Range] = {
     "train.lr": Range(0, low_open=True),
     "train.weight_decay": Range(0),
     "train.warmup_steps": Range(0),
+    "train.warmup_ratio": Range(0, high=1, off="train.warmup_steps decides"),
     "train.max_grad_norm": Range(0, low_open=True, off="no clipping"),
     "train.skip_nonfinite": Range(0),
     "train.seed": Range(0, high=2**63),

@@ -71,6 +71,7 @@ class TrainConfig:
     optimizer: str | dict[str, Any] = "adamw"  # a name, or a mapping with `_component_`
     scheduler: str | dict[str, Any] = "constant"  # constant | linear | cosine, or `_component_`
     warmup_steps: int = 0  # optimizer steps of linear warmup to lr
+    warmup_ratio: float | None = None  # or warm up over this fraction of the run's steps, rounded up (HF's)
     max_grad_norm: float | None = 1.0  # clip the gradients' total norm to this
     skip_nonfinite: int = 0  # optimizer steps with a NaN/Inf loss or gradient norm to skip before the run stops
     seed: int = 0  # seeds the data order, a random init and sampling
@@ -148,6 +149,11 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     for key in MOVED_TO_METHOD:
         if isinstance(data, dict) and key in data:
             raise ConfigError(f"data.{key}", f"moved: set method.{key}")
+    train = raw.get("train") if isinstance(raw, dict) else None
+    warmup = train.get("warmup_steps") if isinstance(train, dict) else None
+    if isinstance(warmup, float) and 0 < warmup < 1:  # transformers 5's spelling of a ratio
+        raise ConfigError("train.warmup_steps", f"{warmup} is a fraction (transformers reads a warmup_steps below 1 as "
+                                                f"a ratio of the run); set train.warmup_ratio: {warmup}")
     config = from_dict(RunConfig, role_sections(raw))
     if isinstance(config.method, dict) and not isinstance(config.method.get("name"), str):
         raise ConfigError("method.name", "required: the method to run (e.g. sft)")
@@ -160,6 +166,9 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     _check_low_bit_optimizer(config.train.optimizer)
     _check_choice(config.train.optimizer, "train.optimizer", OPTIMIZER_NAMES)
     _check_choice(config.train.scheduler, "train.scheduler", SCHEDULE_NAMES)
+    if config.train.warmup_ratio is not None and config.train.warmup_steps:
+        raise ConfigError("train.warmup_ratio", f"train.warmup_steps ({config.train.warmup_steps}) sets the warmup "
+                                                "too; keep one")
     data = config.data
     if data is not None and data.max_prompt_len is not None and data.max_prompt_len >= data.max_seq_len:
         raise ConfigError("data.max_prompt_len", f"must be below data.max_seq_len ({data.max_seq_len}) "

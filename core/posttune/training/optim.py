@@ -113,7 +113,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, total_
     if train.scheduler not in SCHEDULES:
         raise ConfigError("train.scheduler", f"unknown schedule '{train.scheduler}' (known: {', '.join(SCHEDULES)}, "
                                              f"or a _component_ mapping){did_you_mean(train.scheduler, SCHEDULES)}")
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train.scheduler, train.warmup_steps, total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train.scheduler, warmup_steps(train, total_steps),
+                                                                  total_steps))
+
+
+def warmup_steps(train: TrainConfig, total_steps: int) -> int:
+    """``train.warmup_steps``, or ``train.warmup_ratio`` of the run's optimizer steps rounded up, as transformers'
+    Trainer counts it (a recipe's ``warmup_ratio: 0.03`` warms up over the same steps here)."""
+    if train.warmup_ratio is None:
+        return train.warmup_steps
+    return math.ceil(train.warmup_ratio * total_steps)
 
 
 def rescale_lr(optimizer: Any, scheduler: Any, ratio: float) -> None:
