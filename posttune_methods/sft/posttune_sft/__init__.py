@@ -5,6 +5,7 @@ The method builds its loaders with the core's data toolkit (chat template, promp
 the labelled tokens. Labels arrive pre-shifted (``labels[:, t]`` is the target of position t,
 -100 where nothing is learned), so packed documents never predict across a boundary; the
 trainer divides the summed loss by the labelled-token count across micro-batches and ranks.
+``neftune_alpha`` adds NEFTune's noise to the input embeddings while training (docs/training.md).
 Importing this package does not import torch.
 """
 
@@ -26,9 +27,14 @@ class SFTConfig:
     # the batch's samples (or its packed rows' samples) end to end in one row, no padding computed
     # (the padded batch's loss); false: padded rows (packed: rows of exactly max_seq_len, fixed shapes)
     padding_free: bool = True
+    # NEFTune (Jain et al. 2023; TRL's neftune_noise_alpha): uniform noise in +-alpha/sqrt(L*d) on the input
+    # embeddings of each training forward (L: the batch's row length, d: hidden); null: none
+    neftune_alpha: float | None = None
 
 
 def validate(config: RunConfig, method: SFTConfig) -> None:
+    if method.neftune_alpha is not None and not method.neftune_alpha > 0:
+        raise ConfigError("method.neftune_alpha", f"expected a number > 0 (typical: 5), got {method.neftune_alpha!r}")
     if method.packing and config.data.group_by_length:
         raise ConfigError("data.group_by_length", "packed rows are already full and need no grouping; set "
                                                   "method.packing or data.group_by_length, not both")
@@ -68,6 +74,32 @@ def sft_loader(dataset: Any, *, data: Any, fmt: Any, tokenizer: Any, batch_size:
                        where=where, group_by_length=data.group_by_length)
 
 
+def setup(session: Session) -> None:
+    """NEFTune: a forward hook on the policy's input embedding, active in training mode only (validation
+    losses and samples see clean embeddings), drawing from the run's RNG (saved with each checkpoint)."""
+    alpha = session.method_config.neftune_alpha
+    if alpha is None:
+        return
+    import torch
+
+    embed = getattr(session.model, "embed", None)
+    if not isinstance(embed, torch.nn.Module):
+        raise ConfigError("method.neftune_alpha", f"the model of family '{session.plan.family.descriptor.name}' has "
+                                                  "no input embedding at `embed` to add noise to")
+    embed.register_forward_hook(partial(noisy_embeddings, alpha=alpha))
+
+
+def noisy_embeddings(module: Any, inputs: Any, output: Any, *, alpha: float) -> Any:
+    """NEFTune's noise on an embedding's output while the module trains: uniform in +-alpha/sqrt(L*d), the bound
+    computed in float32 as transformers computes it, so a seeded draw is the same as theirs."""
+    if not module.training:
+        return None
+    import torch
+
+    bound = float(alpha / torch.sqrt(torch.tensor(output.size(1) * output.size(2))))
+    return output + torch.zeros_like(output).uniform_(-bound, bound)
+
+
 def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     from posttune.plugin import token_cross_entropy
 
@@ -83,6 +115,7 @@ def posttune_register_methods(register):
         dataset_kind="conversation",
         data=data,
         loss=loss,
+        setup=setup,
         validate=validate,
         description="supervised fine-tuning: cross-entropy on response tokens",
     ))
