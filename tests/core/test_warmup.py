@@ -28,7 +28,7 @@ def test_the_schedule_reaches_the_peak_after_the_ratio_of_the_run():
 
 @pytest.mark.parametrize("train, message", [
     ({"warmup_ratio": 0.1, "warmup_steps": 5}, "train.warmup_ratio: train.warmup_steps (5) sets the warmup too; "
-                                               "keep one"),
+                                               "keep one (train.warmup_steps=0 to use the ratio)"),
     ({"warmup_ratio": 1.0}, "train.warmup_ratio: expected a number >= 0 and < 1"),
     ({"warmup_steps": 0.03}, "train.warmup_steps: 0.03 is a fraction (transformers reads a warmup_steps below 1 as a "
                              "ratio of the run); set train.warmup_ratio: 0.03"),

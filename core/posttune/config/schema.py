@@ -168,7 +168,7 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     _check_choice(config.train.scheduler, "train.scheduler", SCHEDULE_NAMES)
     if config.train.warmup_ratio is not None and config.train.warmup_steps:
         raise ConfigError("train.warmup_ratio", f"train.warmup_steps ({config.train.warmup_steps}) sets the warmup "
-                                                "too; keep one")
+                                                "too; keep one (train.warmup_steps=0 to use the ratio)")
     data = config.data
     if data is not None and data.max_prompt_len is not None and data.max_prompt_len >= data.max_seq_len:
         raise ConfigError("data.max_prompt_len", f"must be below data.max_seq_len ({data.max_seq_len}) "
