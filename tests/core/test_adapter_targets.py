@@ -131,3 +131,12 @@ def test_all_linear_is_a_run_configs_targets_and_other_strings_are_refused(tmp_p
     with pytest.raises(PosttuneError, match="targets must be a non-empty list of module-name patterns or "
                                             "'all-linear', got 'q_proj'"):
         adapt(tiny_llama(), "q_proj")
+
+
+def test_all_linear_on_a_mixture_of_experts_is_refused_where_peft_would_adapt_more():
+    """PEFT's all-linear adapts a Mixtral's routers and stacked experts, which LoRA here does not: refused."""
+    torch.manual_seed(0)
+    with pytest.raises(PosttuneError) as info:
+        adapt(posttune.build_model("mixtral", "tiny"), "all-linear")
+    assert str(info.value).startswith("adapters: targets 'all-linear' on a mixture of experts "
+                                      "(layers.*.mlp.experts.gate_proj): PEFT's all-linear also adapts the routers")

@@ -50,6 +50,7 @@ def apply_adapters(model: nn.Module, *, targets: Sequence[str] | str, rank: int 
     linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     aliases = aliases or {}
     if targets == ALL_LINEAR:
+        _check_all_linear(model)
         head = getattr(model, "output", None)
         targets = [name for name, module in linears.items() if module is not head]
     chosen: list[str] = []
@@ -135,6 +136,17 @@ def _stacked(model: nn.Module, pattern: str) -> str | None:
     return (f"adapters: target '{pattern}' names stacked expert weights ({shape}), which LoRA does not adapt yet "
             "(PEFT's target_parameters layout is not written); target the attention and shared experts, or train "
             "the experts in full without an adapter")
+
+
+def _check_all_linear(model: nn.Module) -> None:
+    """PEFT's all-linear on a mixture of experts also adapts its routers and experts; LoRA here adapts neither,
+    so the same words would train fewer layers than they do in PEFT: refused rather than silently so."""
+    stacked = next((name for name, param in model.named_parameters() if param.dim() == 3), None)
+    if stacked is not None:
+        shape = re.sub(r"\.\d+\.", ".*.", stacked)
+        raise PosttuneError(f"adapters: targets 'all-linear' on a mixture of experts ({shape}): PEFT's all-linear also "
+                            "adapts the routers and the stacked experts, which LoRA does not adapt here yet; list the "
+                            "layers to adapt (e.g. attn.*)")
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
