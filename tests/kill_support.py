@@ -7,7 +7,12 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 #: Runs `posttune train CONFIG` after arranging for this very process to be SIGKILLed at a chosen
 #: moment, so the kill lands at the same place every time (a timer could miss a 20-step run).
@@ -61,3 +66,13 @@ REPRODUCIBLE = {"MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE", "MKL_CBWR": "AUT
 def losses(output_dir: Path) -> list[tuple[int, float]]:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
+
+
+def together(*calls: Callable[[], T]) -> list[T]:
+    """The results of independent ``calls`` (each starting its own `posttune train` process, e.g. an
+    uninterrupted run and the one to kill), run at the same time: on a 2-core machine the second
+    core trains too. What a run computes does not depend on what else runs (REPRODUCIBLE: fixed
+    thread counts and rounding), and a killer lands at a step, not at a time."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]

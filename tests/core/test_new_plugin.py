@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import venv
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -49,14 +50,29 @@ def fake_install(root: Path, site: Path) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1"}
 
 
+@pytest.fixture(scope="module")
+def own_tests(tmp_path_factory) -> dict[str, tuple[Path, dict[str, str], Future]]:
+    """Every kind's generated plugin, fake-installed, with its own tests running in a fresh interpreter, two
+    at a time (each one process, mostly one core): kind -> (its folder, its environment, the pytest run)."""
+    pool = ThreadPoolExecutor(2)
+    runs = {}
+    for kind in KINDS:  # generated here, one after the other: `posttune new` runs in this process
+        tmp_path = tmp_path_factory.mktemp(f"plugin-{kind}")
+        root = generate(kind, f"demo-{kind}", tmp_path)
+        env = fake_install(root, tmp_path / "site")
+        runs[kind] = (root, env, pool.submit(
+            subprocess.run, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=root,
+            env=env, capture_output=True, text=True, timeout=300))
+    yield runs
+    pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_generated_plugin_is_found_and_passes_its_own_tests(kind, tmp_path):
+def test_a_generated_plugin_is_found_and_passes_its_own_tests(kind, own_tests):
     name = f"demo-{kind}"
-    root = generate(kind, name, tmp_path)
-    env = fake_install(root, tmp_path / "site")
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=root,
-                           env=env, capture_output=True, text=True, timeout=300)
+    root, env, running = own_tests[kind]
+    tests = running.result()
     summary = tests.stdout.strip().splitlines()[-1]
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
     # every first-party plugin is installed here, so the tests that need one run too

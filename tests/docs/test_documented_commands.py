@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -44,8 +45,16 @@ LOCAL = ("model.path=null model.size=tiny model.dtype=fp32 tokenizer.path=packag
 SHORT = "train.max_steps=2 train.eval_every=null"
 #: a scenario step that only prepares what a documented command needs (not itself documented)
 SETUP = ": set-up &&"
+#: a scenario step that copies trained runs in from PREPARE (trained once per module, not per scenario):
+#: "runs/sft runs/lora" copies both as they are, "runs/lora:OUTPUT_DIR" copies runs/lora as OUTPUT_DIR
+PREPARED = ": prepared"
 DEMO_DATA = "$(python -c 'import os, posttune_llama; print(os.path.dirname(posttune_llama.__file__))')/demo"
 
+#: what PREPARED copies from, as the set-up steps of the quantize, eval and merge scenarios trained it: the
+#: demo shortened (runs/sft), and LoRA on that model (runs/lora)
+PREPARE = (f"posttune train llama-demo-reverse checkpoint.output_dir=runs/sft {SHORT}",
+           f"posttune train llama-demo-reverse checkpoint.output_dir=runs/lora model.path=runs/sft/model "
+           f"adapter.kind=lora {SHORT}")
 #: docs/eval.md's local task, as its YAML block shows it (the data path made absolute), with three rows
 CAPITALS_TASK = """
 import json, pathlib, re
@@ -104,22 +113,20 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("posttune train kd-tiny-reverse", SHORT),
     ],
     "quantize (docs/quantize.md)": [
-        (f"{SETUP} posttune train llama-demo-reverse checkpoint.output_dir=runs/sft {SHORT} && posttune train "
-         f"llama-demo-reverse checkpoint.output_dir=runs/lora model.path=runs/sft/model adapter.kind=lora {SHORT}", ""),
+        (f"{PREPARED} runs/sft runs/lora", ""),
         ("posttune quantize --model runs/sft/model -o runs/sft/int8", ""),
         ("posttune quantize --adapter runs/lora/adapter -o runs/lora/int8", ""),
         ("posttune quantize --model runs/sft/model --scheme int4_weight_only --group-size 64 -o runs/sft/int4", ""),
     ],
     "eval with a local task (docs/eval.md)": [
-        (f"{SETUP} posttune train llama-demo-reverse checkpoint.output_dir=runs/sft {SHORT} && mkdir tasks && "
-         f"python -c {shlex.quote(CAPITALS_TASK)}", ""),
+        (f"{PREPARED} runs/sft", ""),
+        (f"{SETUP} mkdir tasks && python -c {shlex.quote(CAPITALS_TASK)}", ""),
         ("posttune eval --model runs/sft/model --tasks capitals --include-path tasks/ --output capitals.json", ""),
         ("posttune eval --model runs/sft/model --tasks capitals --include-path tasks/ --num-fewshot 2 "
          "--apply-chat-template --system-instruction \"Answer with the city only.\" --output capitals-chat.json", ""),
     ],
     "merge an adapter (docs/training.md, docs/parallel.md)": [
-        (f"{SETUP} posttune train llama-demo-reverse checkpoint.output_dir=base {SHORT} && posttune train "
-         f"llama-demo-reverse checkpoint.output_dir=OUTPUT_DIR model.path=base/model adapter.kind=lora {SHORT}", ""),
+        (f"{PREPARED} runs/sft runs/lora:OUTPUT_DIR", ""),
         ("posttune merge --adapter OUTPUT_DIR/adapter -o OUTPUT_DIR/merged", ""),
     ],
     "a new plugin (docs/plugins.md)": [
@@ -232,7 +239,8 @@ def _documented() -> list[Shown]:
     return shown + [s for s in span_commands() if s.text != "posttune"]
 
 
-RUN_HERE = {command for steps in SCENARIOS.values() for command, _ in steps if not command.startswith(SETUP)}
+RUN_HERE = {command for steps in SCENARIOS.values() for command, _ in steps
+            if not command.startswith((SETUP, PREPARED))}
 
 
 def test_every_documented_command_is_checked():
@@ -376,9 +384,30 @@ def test_every_quoted_output_belongs_to_a_scenario():
     assert set(TRANSCRIPTS) <= RUN_HERE, f"quoted outputs of commands no scenario runs: {set(TRANSCRIPTS) - RUN_HERE}"
 
 
+@pytest.fixture(scope="module")
+def prepared_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("prepared")
+    for command in PREPARE:
+        _run(command, root)
+    return root
+
+
+def _copy_prepared(spec: str, root: Path, cwd: Path) -> None:
+    """The runs ``spec`` names, copied from ``root`` into ``cwd`` as if trained there: an adapter names its
+    base model by absolute path, so it names the copy's."""
+    for item in spec.split():
+        source, _, target = item.partition(":")
+        shutil.copytree(root / source, cwd / (target or source), symlinks=True)
+    for config in cwd.rglob("adapter_config.json"):
+        config.write_text(config.read_text().replace(str(root.resolve()), str(cwd.resolve())))
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in SCENARIOS])
-def test_documented_commands_run(name, tmp_path):
+def test_documented_commands_run(name, tmp_path, request):
     for command, extra in SCENARIOS[name]:
+        if command.startswith(PREPARED):
+            _copy_prepared(command.removeprefix(PREPARED), request.getfixturevalue("prepared_runs"), tmp_path)
+            continue
         if extra == "VALIDATE":
             words = shlex.split(command)
             result = _run(shlex.join(["posttune", "validate", *words[2:]]), tmp_path)

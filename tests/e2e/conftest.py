@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 import string
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,3 +73,38 @@ def llama_sft(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
+
+
+def _is_full_demo(item: pytest.Item) -> bool:
+    return item.path.name == "test_demo.py" and item.name == "test_full_demo_learns_to_reverse_unseen_strings"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The full demo (minutes of one process) trains in the background from the first end-to-end test on
+    (``full_demo``): it is judged after the last of them, so that they run while it trains."""
+    demo = next((item for item in items if _is_full_demo(item)), None)
+    if demo is None:
+        return
+    at = items.index(demo)
+    items.remove(demo)
+    here = Path(__file__).parent
+    last = max((i for i, item in enumerate(items) if here in item.path.parents), default=at - 1)
+    items.insert(last + 1, demo)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def full_demo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """`posttune train llama-demo-reverse` as the README runs it, started with the first end-to-end test
+    when tests/e2e/test_demo.py's full demo is selected: (the process, its folder), where stdout.txt and
+    stderr.txt are what it printed and demo/ its output_dir. None when the test is not selected."""
+    if not any(_is_full_demo(item) for item in request.session.items):
+        yield None
+        return
+    root = tmp_path_factory.mktemp("full-demo")
+    with (root / "stdout.txt").open("w") as stdout, (root / "stderr.txt").open("w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "posttune.cli.main", "train", "llama-demo-reverse",
+                                    f"checkpoint.output_dir={root / 'demo'}"], stdout=stdout, stderr=stderr, text=True)
+        yield process, root
+        if process.poll() is None:  # the test did not wait for it (deselected by -x, or it failed early)
+            process.kill()
+            process.wait()

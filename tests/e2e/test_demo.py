@@ -61,16 +61,19 @@ def readme_generate_example() -> tuple[list[str], str]:
 
 
 @pytest.mark.slow
-def test_full_demo_learns_to_reverse_unseen_strings(tmp_path):
+def test_full_demo_learns_to_reverse_unseen_strings(full_demo):
     """The whole demo as the README runs it (~2 minutes on 2 cores), judged by what robustness means
     rather than one machine's trajectory: exact answers on the whole validation split, the three
-    sample prompts and the README's example, and a validation loss well under the README's figure."""
-    out = tmp_path / "demo"
-    run = posttune_cmd("train", "llama-demo-reverse", f"checkpoint.output_dir={out}",
-                       timeout=1800)  # ~2 min alone; generous for a busy shared machine
-    assert run.returncode == 0, run.stderr
+    sample prompts and the README's example, and a validation loss well under the README's figure.
+    The run (tests/e2e/conftest.py, ``full_demo``) trains in the background while the other end-to-end
+    tests run; this test, ordered after them, waits for it."""
+    process, root = full_demo
+    process.wait(timeout=1800)  # ~2 min alone; generous for a busy shared machine
+    stdout, stderr = (root / "stdout.txt").read_text(), (root / "stderr.txt").read_text()
+    assert process.returncode == 0, stderr
+    out = root / "demo"
     answers = {}
-    for block in run.stdout.split("prompt: ")[1:]:
+    for block in stdout.split("prompt: ")[1:]:
         prompt, _, rest = block.partition("\n")
         answers[prompt] = rest.split("after:", 1)[1].strip().splitlines()[0].strip("'")
     assert answers == {"Reverse: PLUGIN": "NIGULP", "Reverse: TORCH": "HCROT", "Reverse: HELLO": "OLLEH"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from kill_support import losses, run
+from kill_support import losses, run, together
 
 pytestmark = pytest.mark.slow
 
@@ -18,9 +18,9 @@ def test_sigkill_mid_epoch_then_resume_with_group_by_length_matches_the_uninterr
         config["checkpoint"]["output_dir"] = str(tmp_path / name)
         paths[name] = tmp_path / f"{name}.yaml"
         paths[name].write_text(yaml.safe_dump(config))
-    straight = run(str(paths["straight"]))
+    straight, killed = together(lambda: run(str(paths["straight"])),
+                                lambda: run(str(paths["killed"]), killer=("step", 8)))  # last checkpoint: step 6
     assert straight.returncode == 0, straight.stderr
-    killed = run(str(paths["killed"]), killer=("step", 8))  # last checkpoint: step 6, mid-epoch 0
     assert killed.returncode == -9
     resumed = run(str(paths["killed"]), "checkpoint.resume=latest")
     assert resumed.returncode == 0, resumed.stderr

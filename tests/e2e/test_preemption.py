@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 from fault_support import error_line, train
-from kill_support import losses
+from kill_support import losses, together
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +34,9 @@ def saved(out) -> list[str]:
 
 def test_sigterm_saves_the_current_step_and_resume_matches_the_uninterrupted_run(tmp_path, make_config):
     straight, straight_out = write(tmp_path, make_config, "straight")
-    assert train(str(straight)).returncode == 0
     path, out = write(tmp_path, make_config, "preempted")
-    stopped = train(str(path), fault=("term", 5))  # mid-epoch 0
+    done, stopped = together(lambda: train(str(straight)), lambda: train(str(path), fault=("term", 5)))  # mid-epoch 0
+    assert done.returncode == 0, done.stderr
     assert stopped.returncode == PREEMPTED
     assert error_line(stopped) == (f"posttune: preempted by SIGTERM: saved checkpoint {out}/checkpoints/step-00000005 "
                                    "at step 5; resume with checkpoint.resume=latest")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from kill_support import losses, run
+from kill_support import losses, run, together
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +27,9 @@ def configs(request, tmp_path, make_config):
 
 def test_sigkill_mid_epoch_then_resume_matches_the_uninterrupted_run(configs):
     paths, root = configs
-    straight = run(str(paths["straight"]))
+    straight, killed = together(lambda: run(str(paths["straight"])),
+                                lambda: run(str(paths["killed"]), killer=("step", 8)))  # last checkpoint: step 6
     assert straight.returncode == 0, straight.stderr
-    killed = run(str(paths["killed"]), killer=("step", 8))  # last checkpoint: step 6, mid-epoch 0
     assert killed.returncode == -9
     assert sorted(p.name for p in (root / "killed" / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
     resumed = run(str(paths["killed"]), "checkpoint.resume=latest")
@@ -41,9 +41,9 @@ def test_sigkill_mid_epoch_then_resume_matches_the_uninterrupted_run(configs):
 
 def test_kill_while_writing_a_checkpoint_leaves_the_previous_one_resumable(configs):
     paths, root = configs
-    straight = run(str(paths["straight"]))
+    straight, killed = together(lambda: run(str(paths["straight"])),
+                                lambda: run(str(paths["killed"]), killer=("save", 2)))  # dies inside the step-6 save
     assert straight.returncode == 0, straight.stderr
-    killed = run(str(paths["killed"]), killer=("save", 2))  # dies inside the step-6 save
     assert killed.returncode == -9
     checkpoints = root / "killed" / "checkpoints"
     assert [p.name for p in checkpoints.iterdir() if not p.name.startswith(".")] == ["step-00000003"]

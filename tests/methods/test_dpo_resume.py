@@ -7,7 +7,7 @@ import json
 
 import pytest
 import yaml
-from kill_support import run
+from kill_support import run, together
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +21,9 @@ def test_sigkill_mid_epoch_then_resume_gives_the_same_dpo_losses(make_dpo_config
                                  train={"epochs": 2, "lr": 3e-3}, checkpoint={"save_every": 2, "keep_last": 2})
         paths[name] = tmp_path / f"{name}.yaml"
         paths[name].write_text(yaml.safe_dump(config))
-    assert run(str(paths["straight"])).returncode == 0
-    killed = run(str(paths["killed"]), killer=("step", 5))  # last checkpoint: step 4, mid-epoch 0 (6 steps each)
+    straight, killed = together(lambda: run(str(paths["straight"])),
+                                lambda: run(str(paths["killed"]), killer=("step", 5)))  # last checkpoint: step 4
+    assert straight.returncode == 0, straight.stderr  # mid-epoch 0 (6 steps each)
     assert killed.returncode == -9
     resumed = run(str(paths["killed"]), "checkpoint.resume=latest")
     assert resumed.returncode == 0, resumed.stderr

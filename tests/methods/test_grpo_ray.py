@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kill_support import run
+from kill_support import run, together
 from run_support import grpo_config
 
 pytest.importorskip("ray", reason="generation in Ray actors needs the optional extra: pip install 'posttune-grpo[ray]'")
@@ -49,8 +49,7 @@ def test_async_with_no_lag_on_one_engine_equals_sync(tmp_path, extra):
     sync = write(tmp_path, "sync", method=extra, train=train)
     lagless = write(tmp_path, "async", method={**extra, "mode": "async", "ray_options": {"max_staleness": 0}},
                     train=train)
-    for path in (sync, lagless):
-        result = run(str(path))
+    for result in together(lambda: run(str(sync)), lambda: run(str(lagless))):
         assert result.returncode == 0, result.stderr[-3000:]
     expected, got = records(tmp_path / "sync"), records(tmp_path / "async")
     assert [r["step"] for r in got] == [1, 2, 3, 4]

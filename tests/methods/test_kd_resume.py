@@ -8,7 +8,7 @@ import json
 
 import pytest
 import yaml
-from kill_support import run
+from kill_support import run, together
 from run_support import kd_config, save_hf_teacher
 
 pytestmark = pytest.mark.slow
@@ -25,8 +25,9 @@ def test_sigkill_then_resume_gives_the_same_distillation_steps(tmp_path, on_poli
                            checkpoint={"save_every": 3, "keep_last": 2})
         paths[name] = tmp_path / f"{name}.yaml"
         paths[name].write_text(yaml.safe_dump(config))
-    assert run(str(paths["straight"])).returncode == 0
-    killed = run(str(paths["killed"]), killer=("step", 5))
+    straight, killed = together(lambda: run(str(paths["straight"])),
+                                lambda: run(str(paths["killed"]), killer=("step", 5)))
+    assert straight.returncode == 0, straight.stderr
     assert killed.returncode == -9
     resumed = run(str(paths["killed"]), "checkpoint.resume=latest")
     assert resumed.returncode == 0, resumed.stderr

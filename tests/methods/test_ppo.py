@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from kill_support import run
+from kill_support import run, together
 from run_support import prompt_rows, tiny_run_config
 
 #: a reward every random model earns unevenly (installed with posttune-grpo: `format` with a pattern)
@@ -69,8 +69,9 @@ def test_sigkill_then_resume_gives_the_same_ppo_steps(tmp_path):
         config = ppo_config(tmp_path / name, train={"max_steps": 8, "lr": 5e-3},
                             checkpoint={"save_every": 3, "keep_last": 2})
         paths[name] = write(tmp_path / name, config)
-    assert run(str(paths["straight"])).returncode == 0
-    killed = run(str(paths["killed"]), killer=("step", 5))
+    straight, killed = together(lambda: run(str(paths["straight"])),
+                                lambda: run(str(paths["killed"]), killer=("step", 5)))
+    assert straight.returncode == 0, straight.stderr
     assert killed.returncode == -9
     checkpoint = tmp_path / "killed" / "out" / "checkpoints" / "step-00000003"
     assert (checkpoint / "models" / "value" / "model.safetensors").is_file()
@@ -248,8 +249,10 @@ def test_a_value_head_run_resumes_bitwise_and_saves_the_head(tmp_path):
     plan = subprocess.run([sys.executable, "-m", "posttune.cli.main", "plan", str(paths["straight"])],
                           capture_output=True, text=True, timeout=120)
     assert "value: a trained score head on the policy's hidden states (no second model)" in plan.stdout, plan.stdout
-    assert run(str(paths["straight"])).returncode == 0
-    assert run(str(paths["killed"]), killer=("step", 5)).returncode == -9
+    straight, killed = together(lambda: run(str(paths["straight"])),
+                                lambda: run(str(paths["killed"]), killer=("step", 5)))
+    assert straight.returncode == 0, straight.stderr
+    assert killed.returncode == -9
     assert (tmp_path / "killed" / "out" / "checkpoints" / "step-00000003" / "models" / "value" /
             "head.safetensors").is_file()
     resumed = run(str(paths["killed"]), "checkpoint.resume=latest")
