@@ -54,6 +54,10 @@ def test_config_changes_are_dotted_keys():
     old = {"train": {"lr": 0.001, "max_steps": 4}, "checkpoint": {"resume": None}, "memory": []}
     new = {"train": {"lr": 0.002, "max_steps": 4}, "checkpoint": {"resume": "latest"}, "memory": ["compile"]}
     assert config_changes(old, new) == ['memory [] -> ["compile"]', "train.lr 0.001 -> 0.002"]
+    # a setting added since the old file was written, off (null): not a change; set, it is one
+    assert config_changes({"method": {"name": "sft"}}, {"method": {"name": "sft", "neftune_alpha": None}}) == []
+    assert config_changes({"method": {"name": "sft"}}, {"method": {"name": "sft", "neftune_alpha": 5.0}}) == [
+        "method.neftune_alpha (unset) -> 5.0"]
 
 
 def test_log_every_evaluations_and_no_second_evaluation_at_the_end(llama_sft, posttune_cli, write_config, tmp_path,

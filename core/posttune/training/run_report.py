@@ -80,11 +80,14 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """``key old -> new`` for every dotted key whose value differs (lists compare whole)."""
+    """``key old -> new`` for every dotted key whose value differs (lists compare whole). A key the old file
+    lacks that is null now is a setting added since that file was written, left off: no change."""
     before, after = _flatten(old), _flatten(new)
     changes = []
     for key in sorted(before.keys() | after.keys()):
         if key in HOW_TO_START or before.get(key, _MISSING) == after.get(key, _MISSING):
+            continue
+        if key not in before and after[key] is None:
             continue
         changes.append(f"{key} {_show(before.get(key, _MISSING))} -> {_show(after.get(key, _MISSING))}")
     return changes
