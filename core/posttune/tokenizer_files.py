@@ -106,9 +106,10 @@ def chat_template_override(value: str, field: str = "tokenizer.chat_template") -
 def vocabulary(folder: str | Path | None) -> dict[int, str] | None:
     """Id -> token of the tokenizer model's own vocabulary in ``folder``'s tokenizer.json (added and special
     tokens left out: fine-tunes rename reserved ones); None for no local tokenizer.json or an unknown layout."""
-    if folder is None or not (Path(str(folder)).expanduser() / "tokenizer.json").is_file():
+    path = None if folder is None else Path(str(folder)).expanduser() / "tokenizer.json"
+    if path is None or not path.is_file():
         return None
-    vocab = (read_json(Path(str(folder)).expanduser() / "tokenizer.json") or {}).get("model", {}).get("vocab")
+    vocab = (read_json(path) or {}).get("model", {}).get("vocab")
     if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
         return {int(i): token for token, i in vocab.items() if isinstance(i, int)}
     if isinstance(vocab, list):  # Unigram: [token, score] at its id

@@ -128,8 +128,8 @@ def _alias_shape(name: str, aliases: Mapping[str, str]) -> str | None:
 
 def _stacked(model: nn.Module, pattern: str) -> str | None:
     """The reason a pattern that names stacked (3-D) parameters, a mixture of experts' experts, is refused."""
-    stacked = [name for name, param in model.named_parameters() if param.dim() == 3]
-    named = [name for name in stacked if matches(name, pattern) or matches(name.rpartition(".")[0], pattern)]
+    named = [name for name in _stacked_parameters(model)
+             if matches(name, pattern) or matches(name.rpartition(".")[0], pattern)]
     if not named:
         return None
     shape = re.sub(r"\.\d+\.", ".*.", named[0])
@@ -141,12 +141,16 @@ def _stacked(model: nn.Module, pattern: str) -> str | None:
 def _check_all_linear(model: nn.Module) -> None:
     """PEFT's all-linear on a mixture of experts also adapts its routers and experts; LoRA here adapts neither,
     so the same words would train fewer layers than they do in PEFT: refused rather than silently so."""
-    stacked = next((name for name, param in model.named_parameters() if param.dim() == 3), None)
+    stacked = next(_stacked_parameters(model), None)
     if stacked is not None:
-        shape = re.sub(r"\.\d+\.", ".*.", stacked)
-        raise PosttuneError(f"adapters: targets 'all-linear' on a mixture of experts ({shape}): PEFT's all-linear also "
-                            "adapts the routers and the stacked experts, which LoRA does not adapt here yet; list the "
-                            "layers to adapt (e.g. attn.*)")
+        raise PosttuneError(f"adapters: targets 'all-linear' on a mixture of experts ({_generalised(stacked)}): "
+                            "PEFT's all-linear also adapts the routers and the stacked experts, which LoRA does not "
+                            "adapt here yet; list the layers to adapt (e.g. attn.*)")
+
+
+def _stacked_parameters(model: nn.Module) -> Iterator[str]:
+    """Names of the stacked (3-D) parameters: a mixture of experts' experts, which LoRA does not adapt."""
+    return (name for name, param in model.named_parameters() if param.dim() == 3)
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
