@@ -17,7 +17,7 @@ from posttune import first_party, tracking
 from posttune.checkpoint.source import family_for, is_hub_id, read_hf_config
 from posttune.config.components import check_components
 from posttune.config.requires import check_requires, device_for
-from posttune.config.schema import ModelConfig, RunConfig
+from posttune.config.schema import DatasetConfig, ModelConfig, RunConfig, dataset_sources
 from posttune.config.typed import from_dict
 from posttune.descriptors import STAGES, MeshDim, ModelRole, ParallelPlan
 from posttune.errors import ConfigError, PosttuneError, UnknownNameError, did_you_mean
@@ -59,7 +59,9 @@ class Plan:
     world_size: int
     converter: Registered | None = None
     roles: dict[str, RolePlan] = field(default_factory=dict)  # role name -> how it is built
-    datasets: dict[str, Registered] = field(default_factory=dict)  # "train"/"validation" -> format
+    datasets: dict[str, Registered] = field(default_factory=dict)  # "train"/"validation" -> (its first) format
+    # every dataset read, by field ("data.train", or "data.train[1]" in a mixture) -> (its config, its format)
+    sources: dict[str, tuple[DatasetConfig, Registered]] = field(default_factory=dict)
     parallel: list[Registered] = field(default_factory=list)  # active plans, in order
     memory: list[Registered] = field(default_factory=list)
     mesh: dict[str, int] = field(default_factory=dict)  # dimension -> degree, outermost first
@@ -326,12 +328,18 @@ def _datasets(plan: Plan, registry: Registry) -> None:
     for split, dataset in (("train", data.train), ("validation", data.validation)):
         if dataset is None:
             continue
-        fmt = _get(registry, "dataset_format", dataset.format, f"data.{split}.format")
-        if fmt.descriptor.kind not in wanted:
-            method = plan.method.descriptor.name
-            raise ConfigError(f"data.{split}.format", f"'{dataset.format}' gives {fmt.descriptor.kind} rows; method "
-                                                      f"'{method}' needs {' or '.join(wanted)} rows")
-        plan.datasets[split] = fmt
+        for where, source in dataset_sources(dataset, f"data.{split}"):
+            fmt = _get(registry, "dataset_format", source.format, f"{where}.format")
+            if fmt.descriptor.kind not in wanted:
+                method = plan.method.descriptor.name
+                raise ConfigError(f"{where}.format", f"'{source.format}' gives {fmt.descriptor.kind} rows; method "
+                                                     f"'{method}' needs {' or '.join(wanted)} rows")
+            first = plan.datasets.setdefault(split, fmt)
+            if fmt.descriptor.kind != first.descriptor.kind:  # one maker reads them all: one kind of row
+                raise ConfigError(f"{where}.format", f"'{source.format}' gives {fmt.descriptor.kind} rows and "
+                                                     f"data.{split}[0]'s '{first.descriptor.name}' gives "
+                                                     f"{first.descriptor.kind} rows; a mixture holds one kind")
+            plan.sources[where] = (source, fmt)
 
 
 def _check_pairs(plan: Plan, registry: Registry) -> None:
@@ -502,8 +510,8 @@ def _steps(plan: Plan) -> list[Step]:
         how = f", with {', '.join(applied)}" if applied else ""
         kind = f"trained{' (' + config.adapter.kind + ')' if config.adapter is not None else ''}" if trained else "frozen"
         add("roles", f"{name}: {kind} '{role.family.descriptor.name}' model ({source}){how}", role.family.provenance)
-    for split, fmt in plan.datasets.items():
-        add("data", f"{split}: {getattr(config.data, split).path} as '{fmt.descriptor.name}'", fmt.provenance)
+    for where, (source, fmt) in plan.sources.items():
+        add("data", f"{where.removeprefix('data.')}: {source.path} as '{fmt.descriptor.name}'", fmt.provenance)
     optimizer = config.train.optimizer
     add("optimizer", f"optimizer {optimizer if isinstance(optimizer, str) else optimizer.get('_component_')}, "
                      f"lr {config.train.lr:g}", core)

@@ -20,7 +20,7 @@ from typing import Any
 from posttune.config.bundled import configs_in
 from posttune.config.data_checks import first_jsonl_row
 from posttune.config.requires import device_for, require_cuda
-from posttune.config.schema import DatasetConfig, RunConfig
+from posttune.config.schema import DatasetConfig, RunConfig, dataset_sources
 from posttune.config.typed import from_dict
 from posttune.descriptors import (
     DECODER_LINEAR_LAYERS,
@@ -94,7 +94,7 @@ __all__ = [
     "Command", "ConfigError", "DatasetConfig", "DatasetFormat", "EnginePolicy", "Estimate", "GenerationEngine",
     "LossKernel", "LossOutput", "MemoryTechnique", "MeshDim", "Method", "MetricLogger", "ModelFamily",
     "ModelRole", "ModelTarget", "ParallelPlan", "PosttuneError", "QuantizedFormat", "RewardFunction", "RunConfig",
-    "Session", "TrackerRun", "configs_in", "device_for", "did_you_mean", "first_jsonl_row", "first_line", "flat_config", "from_dict", "heap_bytes",
+    "Session", "TrackerRun", "configs_in", "dataset_sources", "device_for", "did_you_mean", "first_jsonl_row", "first_line", "flat_config", "from_dict", "heap_bytes",
     "hookimpl", "layer_bytes_per_token", "logits_bytes", "lookup", "model_kwargs", "provenance", "registered",
     "registering", "require_cuda", "resolve_engine", "scalar_metrics", "start_engine", "unique_parameters",
     *sorted(_LAZY),

@@ -37,9 +37,10 @@ FIRST_PARTY = {"posttune", *(dist for names in first_party.NAMES.values() for di
 
 
 def walk(cls: type, prefix: str) -> Iterator[tuple[str, dataclasses.Field]]:
-    """Every field of ``cls`` as (dotted key, field), into nested, optional and listed dataclasses."""
+    """Every field of ``cls`` a config sets, as (dotted key, field), into nested, optional and listed dataclasses
+    (not the ones YAML never sets, such as a dataset mixture's ``sources``, filled from a list)."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in (f for f in dataclasses.fields(cls) if f.init):
         key = f"{prefix}.{f.name}" if prefix else f.name
         yield key, f
         inner, suffix = _nested(hints[f.name])

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from posttune.config.typed import plain
 from posttune.errors import ConfigError, did_you_mean
 
 #: marks around the generated part of docs/config.md
@@ -160,17 +161,6 @@ def type_name(tp: Any) -> str:
         name = "dict" if origin in (dict, Mapping, typing.Mapping) else origin.__name__
         return f"{name}[{', '.join(type_name(a) for a in args)}]" if args else name
     return getattr(tp, "__name__", str(tp))
-
-
-def plain(value: Any) -> Any:
-    """Plain YAML data for a value: dataclasses become mappings and tuples lists, recursively."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {key: plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(item) for item in value]
-    return value
 
 
 def _yaml(value: Any) -> str:

@@ -56,11 +56,13 @@ def resolve_package_paths(raw: dict[str, Any]) -> dict[str, Any]:
     roles = [f"models.{role}.path" for role in models] if isinstance(models, dict) else []
     for dotted in [*PATH_FIELDS, *roles]:
         *parents, key = dotted.split(".")
-        node: Any = raw
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key].startswith(PACKAGE):
-            node[key] = str(package_path(node[key], dotted))
+        nodes: list[Any] = [raw]
+        for part in parents:  # a list on the way (a dataset mixture): each of its entries
+            nodes = [node.get(part) if isinstance(node, dict) else None for node in nodes]
+            nodes = [item for node in nodes for item in (node if isinstance(node, list) else [node])]
+        for node in nodes:
+            if isinstance(node, dict) and isinstance(node.get(key), str) and node[key].startswith(PACKAGE):
+                node[key] = str(package_path(node[key], dotted))
     return raw
 
 

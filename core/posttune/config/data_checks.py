@@ -30,11 +30,10 @@ def check_data(plan: Any, *, runs: bool = True) -> None:
     """Every dataset the run reads exists (a local one holds data files), each split's format reads
     its first row, and a local tokenizer loads. ``runs``: the config is about to train (``validate``,
     ``train``), so it must name a tokenizer; ``plan`` and ``config show`` need none."""
-    for split in plan.datasets:
-        dataset = getattr(plan.config.data, split, None)
-        if dataset is not None and (path := local_path(dataset, f"data.{split}")) is not None:
-            local_files(path, f"data.{split}")
-            local_split(dataset.split, f"data.{split}")
+    for where, (dataset, _) in plan.sources.items():
+        if (path := local_path(dataset, where)) is not None:
+            local_files(path, where)
+            local_split(dataset.split, where)
     check_first_rows(plan)
     check_tokenizer(plan.config, required=runs)
 
@@ -116,24 +115,21 @@ def check_first_rows(plan: Any) -> None:
     """Each split's local ``.jsonl`` file has a row, its first line is one (unless bad rows are to be
     skipped: the first may be one of them), and the format reads it."""
     skip = plan.config.data.skip_bad_rows
-    for split, fmt in plan.datasets.items():
-        dataset = getattr(plan.config.data, split, None)
-        if dataset is None:
-            continue
-        row = first_jsonl_row(Path(dataset.path).expanduser(), f"data.{split}.path", strict=not skip)
+    for where, (dataset, fmt) in plan.sources.items():
+        row = first_jsonl_row(Path(dataset.path).expanduser(), f"{where}.path", strict=not skip)
         if row is None or skip:
             continue
         renamed = dict(row)
         for field, column in dataset.column_map.items():
             if column not in row:  # the loader's check_columns, on the first row: same line
-                raise ConfigError(f"data.{split}.column_map.{field}",
+                raise ConfigError(f"{where}.column_map.{field}",
                                   f"the dataset has no column {column!r} (columns: {', '.join(map(str, row))})")
             renamed[field] = row[column]
         try:
             fmt.descriptor.transform(renamed)
         except (KeyError, ValueError, TypeError) as exc:
             shown = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-            raise ConfigError(f"data.{split}.format",
+            raise ConfigError(f"{where}.format",
                               f"'{dataset.format}' cannot read the first row of {dataset.path} ({shown}; the row "
                               f"has {', '.join(map(repr, row)) or 'no fields'}); choose the format that matches "
                               "the data, or map its columns with column_map") from None

@@ -7,7 +7,7 @@ once the plugin is resolved (see ``posttune.plan``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from posttune import first_party
@@ -47,12 +47,44 @@ class DatasetConfig:
     streaming: bool = False  # read rows as they are consumed, not loaded whole (needs train.max_steps)
     column_map: dict[str, str] = field(default_factory=dict)  # format field -> dataset column
     system_prompt: str | None = None  # a system turn put before each chat that has none
+    # a mixture's datasets (``data.train`` written as a list), each read with its own settings; the fields above
+    # are the first one's, so code that reads one dataset sees it. Set by `mixture`, never written in YAML.
+    sources: tuple[DatasetConfig, ...] = field(default=(), init=False, repr=False)
+
+
+def mixture(sources: list[DatasetConfig], where: str) -> DatasetConfig:
+    """The datasets of a ``data.train`` (or ``validation``) list as one dataset section holding them.
+
+    A mixture is read whole, its rows concatenated in the order listed and shuffled as one: a source's
+    share of an epoch is its share of the rows (list a file twice to double it). A streamed source is
+    refused: interleaving streams would need weights and a resumable position per stream.
+    """
+    if not sources:
+        raise ConfigError(where, "an empty list: name at least one dataset")
+    for i, source in enumerate(sources):
+        if source.streaming and len(sources) > 1:
+            raise ConfigError(f"{where}[{i}].streaming", "a list of datasets is read whole and shuffled as one; "
+                                                        "streaming mixtures are not supported (drop streaming, or "
+                                                        "stream one dataset)")
+    if len(sources) == 1:
+        return sources[0]
+    mixed = replace(sources[0])
+    object.__setattr__(mixed, "sources", tuple(sources))
+    return mixed
+
+
+def dataset_sources(dataset: DatasetConfig, where: str) -> list[tuple[str, DatasetConfig]]:
+    """``(field, dataset)`` for every dataset a data section reads: itself, or each of a mixture's as
+    ``data.train[i]``, which is how errors about it are named."""
+    if not dataset.sources:
+        return [(where, dataset)]
+    return [(f"{where}[{i}]", source) for i, source in enumerate(dataset.sources)]
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    train: DatasetConfig  # the training dataset
-    validation: DatasetConfig | None = None  # a dataset for the validation loss (see train.eval_every)
+    train: DatasetConfig  # the training dataset, or a list of them read as one (a mixture, docs/training.md)
+    validation: DatasetConfig | None = None  # a dataset (or a list) for the validation loss (see train.eval_every)
     max_seq_len: int = 2048  # tokens per sample (prompt and response together)
     max_prompt_len: int | None = None  # preference/prompt data: keep the prompt's last N tokens
     skip_bad_rows: bool = False  # skip and count rows that cannot be read or rendered, instead of stopping
@@ -154,7 +186,7 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     if isinstance(warmup, float) and 0 < warmup < 1:  # transformers 5's spelling of a ratio
         raise ConfigError("train.warmup_steps", f"{warmup} is a fraction (transformers reads a warmup_steps below 1 as "
                                                 f"a ratio of the run); set train.warmup_ratio: {warmup}")
-    config = from_dict(RunConfig, role_sections(raw))
+    config = from_dict(RunConfig, _mixtures(role_sections(raw)))
     if isinstance(config.method, dict) and not isinstance(config.method.get("name"), str):
         raise ConfigError("method.name", "required: the method to run (e.g. sft)")
     if "policy" in config.models:
@@ -199,6 +231,19 @@ def role_sections(raw: dict[str, Any]) -> dict[str, Any]:
     if models is not None:
         raw["models"] = models
     return raw
+
+
+def _mixtures(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with a ``data.train`` / ``data.validation`` list read into one dataset section (`mixture`)."""
+    data = raw.get("data") if isinstance(raw, dict) else None
+    lists = [split for split in ("train", "validation") if isinstance(data, dict) and isinstance(data.get(split), list)]
+    if not lists:
+        return raw
+    data = dict(data)
+    for split in lists:
+        sources = [from_dict(DatasetConfig, entry, f"data.{split}[{i}]") for i, entry in enumerate(data[split])]
+        data[split] = mixture(sources, f"data.{split}")
+    return {**raw, "data": data}
 
 
 def _check_grouping(data: DataConfig) -> None:

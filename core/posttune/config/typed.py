@@ -143,6 +143,17 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def to_dict(obj: Any) -> Any:
-    """A dataclass config back to plain data (for printing and saving with checkpoints)."""
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+def plain(value: Any) -> Any:
+    """YAML-safe data: dataclasses by their init fields (what the loader accepts back), tuples as lists.
+
+    A dataset mixture (``DatasetConfig.sources``, filled from a YAML list) is written back as that list.
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if getattr(value, "sources", None):
+            return [plain(source) for source in value.sources]
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    if isinstance(value, Mapping):
+        return {str(key): plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    return value

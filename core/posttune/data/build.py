@@ -9,18 +9,20 @@ becomes in a batch is the method's ``collate``.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from posttune.config.schema import DatasetConfig
+from posttune.config.schema import DatasetConfig, dataset_sources
 from posttune.data.loader import BatchLoader
 from posttune.data.loading import check_columns, load_rows
 from posttune.data.local_files import guarded
 from posttune.data.packing import pack
 from posttune.data.samples import Sample, SampleStore
 from posttune.errors import PosttuneError
+from posttune.plugins import get_registry
 
 
 def build_loader(session: Any, dataset: DatasetConfig, split: str, *, make: Any,
@@ -53,20 +55,24 @@ def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[li
     Every rank reads and tokenizes the whole dataset, so shuffling and packing agree across ranks
     without communication; each then keeps its own share of every global batch.
     """
-    rows = load_rows(dataset, where=where, skip_bad_rows=getattr(make, "skip_bad_rows", False), skipped=make.skipped)
-    check_columns(rows, dataset.column_map, where)
+    parts = sources(dataset, make, where)
     common = dict(collate=collate, batch_size=batch_size, seed=seed, shuffle=shuffle, rank=rank,
                   world_size=world_size, skipped=make.skipped)
-    if dataset.streaming:
+    if dataset.streaming:  # one dataset (a mixture is never streamed)
+        rows = parts[0][0]
+
         def open_stream(start_row: int) -> Iterator[list[Sample]]:
             shard = rows.skip(start_row) if start_row else rows
             groups = make.groups(guarded(shard, where, start_row), start=start_row)
             return pack((s for group in groups for s in group), max_seq_len) if packing else groups
 
         return BatchLoader(open_stream=open_stream, **common)
-    store = SampleStore.build(guarded(rows, where), make)
+    if len(parts) == 1:
+        store = SampleStore.build(guarded(parts[0][0], where), make)
+    else:
+        store = SampleStore.build((row for rows, part in parts for row in guarded(rows, part.where)), _Mixed(parts))
     if len(store) == 0:
-        raise PosttuneError(f"{where}: no usable samples in {dataset.path!r} ({make.skipped.bad_rows} bad rows "
+        raise PosttuneError(f"{where}: no usable samples in {_paths(dataset)} ({make.skipped.bad_rows} bad rows "
                             f"skipped, {make.skipped.untrained} with nothing to train on within "
                             f"max_seq_len={max_seq_len})")
     if packing:
@@ -93,21 +99,57 @@ def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoad
     make = PromptMaker(dataset_format(session, split), session.tokenizer, max_prompt_len=config.data.max_prompt_len,
                        skip_bad_rows=config.data.skip_bad_rows, column_map=dataset.column_map, where=where,
                        system_prompt=dataset.system_prompt)
-    rows = load_rows(dataset, where=where, skip_bad_rows=make.skip_bad_rows, skipped=make.skipped)
-    check_columns(rows, dataset.column_map, where)
+    parts = sources(dataset, make, where)
     rank, world = data_rank(session)
     common = dict(collate=prompt_batch, batch_size=config.train.batch_size, seed=config.train.seed,
                   shuffle=split == "train", rank=rank, world_size=world, skipped=make.skipped)
     if dataset.streaming:
+        rows = parts[0][0]
         return BatchLoader(open_stream=lambda start: make.groups(guarded(rows.skip(start) if start else rows, where,
                                                                          start), start=start), **common)
-    items = list(make.groups(guarded(rows, where)))
+    items = [item for rows, part in parts for item in part.groups(guarded(rows, part.where), start=part.first_row)]
     if not items:
-        raise PosttuneError(f"{where}: no usable prompts in {dataset.path!r} ({make.skipped.bad_rows} bad rows "
+        raise PosttuneError(f"{where}: no usable prompts in {_paths(dataset)} ({make.skipped.bad_rows} bad rows "
                             f"skipped, {make.skipped.untrained} empty)")
     lengths = (torch.tensor([max(len(sample) for sample in item) for item in items])
                if config.data.group_by_length and split == "train" else None)  # similar prompts generate together
     return BatchLoader(num_items=len(items), get_item=items.__getitem__, lengths=lengths, **common)
+
+
+def sources(dataset: DatasetConfig, make: Any, where: str) -> list[tuple[Any, Any]]:
+    """``(rows, maker)`` for each dataset a section reads: ``make`` itself for one dataset; for a mixture
+    (``data.train`` as a list), ``make.for_source`` per source, reading its own format, columns and system
+    prompt, its rows numbered on from the previous source's, so every row of the mixture has its own number."""
+    parts, first_row = [], 0
+    for at, source in dataset_sources(dataset, where):
+        maker = make
+        if dataset.sources:
+            if not hasattr(make, "for_source"):
+                raise PosttuneError(f"{where}: a list of datasets needs a maker that can read each (SampleMaker's "
+                                    f"for_source); this method's {type(make).__name__} reads one dataset")
+            fmt = get_registry().get("dataset_format", source.format)
+            maker = make.for_source(source, fmt, at, first_row)
+        rows = load_rows(source, where=at, skip_bad_rows=getattr(make, "skip_bad_rows", False), skipped=make.skipped)
+        check_columns(rows, source.column_map, at)
+        parts.append((rows, maker))
+        if dataset.sources:
+            first_row += len(rows)
+    return parts
+
+
+class _Mixed:
+    """One ``make(row, index)`` over a mixture's rows read one source after another: the source's own maker."""
+
+    def __init__(self, parts: list[tuple[Any, Any]]):
+        self.makers = [maker for _, maker in parts]
+        self.starts = [maker.first_row for maker in self.makers]
+
+    def __call__(self, row: Any, index: int) -> Any:
+        return self.makers[bisect.bisect_right(self.starts, index) - 1](row, index)
+
+
+def _paths(dataset: DatasetConfig) -> str:
+    return ", ".join(repr(source.path) for _, source in dataset_sources(dataset, ""))
 
 
 def pair_loader(session: Any, dataset: DatasetConfig, split: str, *,

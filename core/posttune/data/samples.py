@@ -9,6 +9,7 @@ side by side no position predicts the first token of the next document, and a lo
 
 from __future__ import annotations
 
+import copy
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -87,6 +88,18 @@ class SampleMaker:
         self.skip_bad_rows, self.column_map, self.where = skip_bad_rows, dict(column_map or {}), where
         self.skipped = skipped if skipped is not None else SkipCounts()
         self.system_prompt = system_prompt
+        self.first_row = 0  # the number of this dataset's first row among all the run reads (a mixture's)
+
+    def for_source(self, dataset: Any, fmt: DatasetFormat, where: str, first_row: int) -> SampleMaker:
+        """This maker reading another dataset of a mixture (``data.train[i]``): its format, ``column_map``
+        and system prompt, its rows numbered on from ``first_row`` (errors still say the dataset's own row)."""
+        if fmt.kind != self.kind:
+            raise PosttuneError(f"{where}: format '{fmt.name}' gives {fmt.kind} rows; this data needs a "
+                                f"{self.kind} format")
+        other = copy.copy(self)
+        other.fmt, other.column_map, other.system_prompt = fmt, dict(dataset.column_map), dataset.system_prompt
+        other.where, other.first_row = where, first_row
+        return other
 
     def with_system(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` with the configured system turn first, unless they open with their own."""
@@ -101,7 +114,7 @@ class SampleMaker:
         except (KeyError, ValueError) as exc:
             return self._bad(index, self._problem(exc))
         except TemplateLimitError as exc:  # the template is at fault, not the row: skipping rows would not help
-            raise TemplateLimitError(f"{self.where}: row {index}: {exc}") from None
+            raise TemplateLimitError(f"{self.where}: row {index - self.first_row}: {exc}") from None
         except PosttuneError as exc:  # the chat template refused these messages
             if getattr(self.tokenizer, "chat_template", True) is None:
                 raise PosttuneError(f"{self.where}: format '{self.fmt.name}' gives chat messages: {exc}") from None
@@ -137,7 +150,7 @@ class SampleMaker:
 
     def _bad(self, index: int, problem: str) -> None:
         if not self.skip_bad_rows:
-            raise PosttuneError(f"{self.where}: row {index}: {problem} "
+            raise PosttuneError(f"{self.where}: row {index - self.first_row}: {problem} "
                                 f"(set data.skip_bad_rows: true to skip such rows)")
         self.skipped.record("bad_rows", index)
         return None

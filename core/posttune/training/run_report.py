@@ -13,7 +13,6 @@ A run used to start with seconds of silence and end with raw JSON. Now, on the m
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import uuid
@@ -23,6 +22,7 @@ from typing import Any
 import yaml
 
 from posttune.checkpoint.atomic import fsync_file
+from posttune.config.typed import plain
 from posttune.training.write_errors import writing
 
 CONFIG_FILE = "config.yaml"
@@ -40,17 +40,6 @@ def resolved_config(plan: Any) -> dict[str, Any]:
     config = plain(plan.config)
     config["method"] = {"name": plan.config.method_name, **plain(plan.method_config)}
     return config
-
-
-def plain(value: Any) -> Any:
-    """YAML-safe data: dataclasses by their init fields (what the loader accepts back), tuples as lists."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-    if isinstance(value, dict):
-        return {str(key): plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(item) for item in value]
-    return value
 
 
 def save_config(plan: Any, out: Path, resumed: bool = False) -> str | None:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from posttune.plugin import (ConfigError, PosttuneError, RewardFunction, first_jsonl_row, first_line, from_dict, lookup,
-                             provenance)
+from posttune.plugin import (ConfigError, PosttuneError, RewardFunction, dataset_sources, first_jsonl_row, first_line,
+                             from_dict, lookup, provenance)
 from posttune_grpo.model_reward import scored_in_learner
 from posttune_grpo.reward_workers import Call, RemoteError, shared_pool
 from posttune_grpo.rewards import ROW_FIELDS, WARM_UPS, needs_field
@@ -172,10 +172,10 @@ def check_row_fields(data: Any, rewards: Sequence[ResolvedReward], *, where: str
     built-in rewards read (rewards.ROW_FIELDS). Without this a dataset whose column has another name passes
     ``validate`` and stops the run at its first step. Hub datasets and unreadable first lines are left to
     the run (and to the core's own check of the first row)."""
-    for split in ("train", "validation"):
-        dataset = getattr(data, split, None)
-        row = None if dataset is None else first_jsonl_row(Path(dataset.path).expanduser(), f"data.{split}.path",
-                                                           strict=False)
+    sections = [(f"data.{split}", getattr(data, split, None)) for split in ("train", "validation")]
+    for at, dataset in [source for split, section in sections if section is not None
+                        for source in dataset_sources(section, split)]:
+        row = first_jsonl_row(Path(dataset.path).expanduser(), f"{at}.path", strict=False)
         if row is None:
             continue
         for i, reward in enumerate(rewards):
@@ -183,7 +183,7 @@ def check_row_fields(data: Any, rewards: Sequence[ResolvedReward], *, where: str
                 column = dataset.column_map.get(name, name)
                 if row.get(column) is None:
                     raise ConfigError(f"{where}[{i}]", _first_row_lacks(reward.name, name, column, row, dataset.path,
-                                                                        f"data.{split}"))
+                                                                        at))
 
 
 def _first_row_lacks(reward: str, name: str, column: str, row: Mapping[str, Any], path: str, at: str) -> str:

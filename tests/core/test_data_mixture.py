@@ -1,0 +1,214 @@
+"""Dataset mixtures: ``data.train`` as a list, each dataset read with its own format, columns, split and
+system prompt, their rows concatenated and shuffled as one; errors name the entry (``data.train[1]``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import yaml
+from run_support import compose_run, preference_rows, prompt_rows, reversal_rows, sft_config
+
+from posttune.config import validate
+from posttune.config.schema import DataConfig, DatasetConfig, mixture
+from posttune.config.typed import plain
+from posttune.data import SampleMaker, make_loader
+from posttune.errors import ConfigError, PosttuneError
+from posttune.plugins import new_plugin_set
+from posttune.tiny_tokenizer import save_tiny_tokenizer
+from posttune.tokenizer import load_tokenizer
+from posttune_sft import sft_loader
+
+ALPACA = [{"instruction": f"Spell {word}", "input": "", "output": " ".join(word)} for word in ("CAT", "DOG", "OWL")]
+CHATS = [{"dialogue": [{"role": "user", "content": f"Reverse: {word}"}, {"role": "assistant", "content": word[::-1]}]}
+         for word in ("ABC", "HELLO", "XY", "QRST")]
+CHAT_COLUMNS = {"messages": "dialogue"}
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(save_tiny_tokenizer(tmp_path_factory.mktemp("tok"), template="chatml"))
+
+
+@pytest.fixture(scope="module")
+def formats():
+    registry = new_plugin_set().registry
+    return {name: registry.get("dataset_format", name) for name in ("alpaca", "chat")}
+
+
+def write(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def sources(tmp_path: Path) -> list[DatasetConfig]:
+    """An alpaca file, and chats in a column of another name, with a system prompt."""
+    return [DatasetConfig(path=write(tmp_path / "alpaca.jsonl", ALPACA), format="alpaca"),
+            DatasetConfig(path=write(tmp_path / "chats.jsonl", CHATS), format="chat", column_map=CHAT_COLUMNS,
+                          system_prompt="Answer in capitals.")]
+
+
+def loader(dataset: DatasetConfig, tokenizer, formats, *, shuffle=False, **data):
+    config = DataConfig(train=dataset, **{"max_seq_len": 96, **data})
+    return sft_loader(dataset, data=config, fmt=formats[dataset.format], tokenizer=tokenizer, batch_size=64,
+                      shuffle=shuffle, padding_free=False)
+
+
+def samples(built) -> list[tuple[list[int], list[int]]]:
+    return [(sample.ids.tolist(), sample.labels.tolist())
+            for index in range(len(built.samples)) for sample in built.samples.group(index)]
+
+
+def test_each_dataset_reads_with_its_own_settings_and_the_mixture_is_them_in_order(tmp_path, tokenizer, formats):
+    alpaca, chats = sources(tmp_path)
+    mixed = loader(mixture([alpaca, chats], "data.train"), tokenizer, formats)
+    alone = [loader(source, tokenizer, formats) for source in (alpaca, chats)]
+    assert samples(mixed) == samples(alone[0]) + samples(alone[1])
+    # the chats got their system prompt, the alpaca rows did not
+    system = tokenizer.encode("Answer in capitals.")
+    texts = [ids for ids, _ in samples(mixed)]
+    assert [any(ids[i:i + len(system)] == system for i in range(len(ids))) for ids in texts] == [False] * 3 + [True] * 4
+    assert mixed.samples.rows.tolist() == list(range(7))  # every row of the mixture has its own number
+
+
+def test_a_shuffled_mixture_mixes_the_datasets_and_holds_every_sample_once(tmp_path, tokenizer, formats):
+    rows = [{"messages": row["messages"]} for row in reversal_rows(40)]
+    first = DatasetConfig(path=write(tmp_path / "a.jsonl", rows[:20]), format="chat")
+    second = DatasetConfig(path=write(tmp_path / "b.jsonl", rows[20:]), format="chat")
+    make = SampleMaker(formats["chat"], tokenizer, max_seq_len=96)
+    built = make_loader(mixture([first, second], "data.train"), make=make, max_seq_len=96, batch_size=8,
+                        collate=lambda rows: [row[0].row for row in rows])
+    seen = [row for batch in built for row in batch]
+    assert sorted(seen) == list(range(40))
+    assert {row < 20 for row in seen[:8]} == {True, False}  # the first batch draws from both files
+
+
+def test_packing_packs_the_mixture_as_one_dataset(tmp_path, tokenizer, formats):
+    dataset = mixture(sources(tmp_path), "data.train")
+    config = DataConfig(train=dataset, max_seq_len=96)
+    packed = sft_loader(dataset, data=config, fmt=formats["alpaca"], tokenizer=tokenizer, batch_size=64,
+                        shuffle=False, packing=True, padding_free=True)
+    (batch,) = list(packed)
+    assert int(batch["document_ids"].max()) + 1 == 7  # all seven rows, as documents of the packed rows
+
+
+def test_a_bad_row_names_the_entry_and_its_own_row(tmp_path, tokenizer, formats):
+    alpaca, chats = sources(tmp_path)
+    write(Path(chats.path), [*CHATS[:2], {"dialogue": None}, CHATS[3]])
+    with pytest.raises(PosttuneError, match=r"^data\.train\[1\]: row 2: "):
+        loader(mixture([alpaca, chats], "data.train"), tokenizer, formats)
+    skipped = loader(mixture([alpaca, chats], "data.train"), tokenizer, formats, skip_bad_rows=True)
+    assert len(skipped.samples) == 6 and skipped.skipped.bad_rows == 1
+
+
+def test_a_missing_column_names_the_entry(tmp_path, tokenizer, formats):
+    alpaca, chats = sources(tmp_path)
+    with pytest.raises(ConfigError, match=r"data\.train\[1\]\.column_map\.messages: .*'talk'"):
+        loader(mixture([alpaca, DatasetConfig(path=chats.path, column_map={"messages": "talk"})], "data.train"),
+               tokenizer, formats)
+
+
+# -- the config ---------------------------------------------------------------------------------------------------
+
+def run_config(tmp_path: Path, train) -> dict:
+    return {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"train": train}}
+
+
+def test_a_list_is_a_mixture_written_back_as_the_list(tmp_path):
+    entries = [{"path": "a.jsonl", "format": "alpaca"}, {"path": "b.jsonl", "system_prompt": "Be brief."}]
+    config = validate(run_config(tmp_path, entries))
+    train = config.data.train
+    assert (train.path, train.format) == ("a.jsonl", "alpaca")  # code that reads one dataset sees the first
+    assert [(s.path, s.format, s.system_prompt) for s in train.sources] == [
+        ("a.jsonl", "alpaca", None), ("b.jsonl", "chat", "Be brief.")]
+    written = plain(config)
+    assert [entry["path"] for entry in written["data"]["train"]] == ["a.jsonl", "b.jsonl"]
+    assert validate(yaml.safe_load(yaml.safe_dump(written))) == config
+    assert validate(run_config(tmp_path, entries[:1])).data.train == validate(run_config(tmp_path, entries[0])).data.train
+
+
+@pytest.mark.parametrize("train, field, says", [
+    ([], "data.train", "an empty list"),
+    ([{"path": "a"}, {"path": "b", "streaming": True}], "data.train[1].streaming", "streaming mixtures"),
+    ([{"path": "a"}, {"format": "chat"}], "data.train[1].path", "required"),
+    ([{"path": "a"}, {"path": "b", "colum_map": {}}], "data.train[1].colum_map", "unknown key"),
+])
+def test_a_bad_entry_is_named(tmp_path, train, field, says):
+    with pytest.raises(ConfigError) as caught:
+        validate(run_config(tmp_path, train))
+    assert caught.value.path == field and says in str(caught.value)
+
+
+def cli_error(posttune_cli, tmp_path: Path, config: dict) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = posttune_cli("validate", str(path))
+    errors = [line for line in result.stderr.splitlines() if "posttune: error:" in line]
+    assert result.exit_code == 2 and len(errors) == 1, result.stderr
+    return errors[0].split("posttune: error: ", 1)[1]
+
+
+def with_mixture(config: dict, tmp_path: Path, second: dict) -> dict:
+    config["data"]["train"] = [config["data"]["train"], second]
+    return config
+
+
+@pytest.fixture
+def llama_sft(register_plugin):
+    import posttune_llama
+    import posttune_sft
+
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+
+
+def test_validate_checks_every_entry_before_launch(llama_sft, posttune_cli, tmp_path):
+    missing = with_mixture(sft_config(tmp_path), tmp_path, {"path": str(tmp_path / "nope.jsonl")})
+    assert cli_error(posttune_cli, tmp_path, missing).startswith("config: data.train[1].path: no such file")
+    pairs = write(tmp_path / "pairs.jsonl", preference_rows(4))
+    kinds = with_mixture(sft_config(tmp_path), tmp_path, {"path": pairs, "format": "preference"})
+    assert cli_error(posttune_cli, tmp_path, kinds) == (
+        "config: data.train[1].format: 'preference' gives preference rows; method 'sft' needs conversation rows")
+    alpaca = write(tmp_path / "alpaca.jsonl", ALPACA)
+    unreadable = with_mixture(sft_config(tmp_path), tmp_path, {"path": alpaca, "format": "chat"})
+    assert cli_error(posttune_cli, tmp_path, unreadable).startswith(
+        f"config: data.train[1].format: 'chat' cannot read the first row of {alpaca}")
+
+
+def test_a_mixture_trains_and_its_config_yaml_holds_the_list(llama_sft, posttune_cli, tmp_path):
+    alpaca = write(tmp_path / "alpaca.jsonl", ALPACA * 2)
+    config = with_mixture(sft_config(tmp_path, rows=10), tmp_path, {"path": alpaca, "format": "alpaca"})
+    config["train"]["max_steps"] = 2
+    session = compose_run(config)
+    assert len(session.train_data.samples) == 16
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    saved = yaml.safe_load((Path(config["checkpoint"]["output_dir"]) / "config.yaml").read_text())
+    assert [entry["path"] for entry in saved["data"]["train"]] == [config["data"]["train"][0]["path"], alpaca]
+
+
+def test_grpo_prompts_from_a_mixture_are_numbered_apart_and_their_fields_checked(register_plugin, posttune_cli,
+                                                                                 tmp_path):
+    import posttune_grpo
+    import posttune_llama
+    from run_support import grpo_config
+
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
+    renamed = [{"question": row["prompt"], "solution": row["answer"]} for row in prompt_rows(6, seed=1)]
+    second = {"path": write(tmp_path / "more.jsonl", renamed), "format": "prompt",
+              "column_map": {"prompt": "question"}}
+    config = with_mixture(grpo_config(tmp_path, rows=4), tmp_path, second)
+    assert "data.train[1].column_map: {answer: <column>}" in cli_error(posttune_cli, tmp_path, config)
+    second["column_map"]["answer"] = "solution"
+    prompts = compose_run(config).train_data
+    assert sorted(int(row) for batch in prompts for row in batch["rows"]) == list(range(10))
