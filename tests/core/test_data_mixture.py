@@ -90,6 +90,26 @@ def test_a_shuffled_mixture_mixes_the_datasets_and_holds_every_sample_once(tmp_p
     assert {row < 20 for row in seen[:8]} == {True, False}  # the first batch draws from both files
 
 
+def test_preference_pairs_from_a_mixture_are_each_source_s_pairs(tmp_path, tokenizer):
+    from posttune.data import PairMaker
+
+    fmt = new_plugin_set().registry.get("dataset_format", "preference")
+    pairs = preference_rows(5)
+    renamed = [{"question": row["prompt"], "good": row["chosen"], "bad": row["rejected"]}
+               for row in preference_rows(3, 1)]
+    first = DatasetConfig(path=write(tmp_path / "pairs.jsonl", pairs), format="preference")
+    second = DatasetConfig(path=write(tmp_path / "renamed.jsonl", renamed), format="preference",
+                           column_map={"prompt": "question", "chosen": "good", "rejected": "bad"})
+
+    def groups(dataset):
+        make = PairMaker(fmt, tokenizer, max_seq_len=96, column_map=dataset.column_map)
+        built = make_loader(dataset, make=make, max_seq_len=96, batch_size=8, shuffle=False, collate=list)
+        store = built.samples
+        return [[(s.ids.tolist(), s.labels.tolist()) for s in store.group(i)] for i in range(len(store))]
+
+    assert groups(mixture([first, second], "data.train")) == groups(first) + groups(second)
+
+
 def test_packing_packs_the_mixture_as_one_dataset(tmp_path, tokenizer, formats):
     dataset = mixture(sources(tmp_path), "data.train")
     config = DataConfig(train=dataset, max_seq_len=96)
@@ -131,7 +151,8 @@ def test_a_list_is_a_mixture_written_back_as_the_list(tmp_path):
     written = plain(config)
     assert [entry["path"] for entry in written["data"]["train"]] == ["a.jsonl", "b.jsonl"]
     assert validate(yaml.safe_load(yaml.safe_dump(written))) == config
-    assert validate(run_config(tmp_path, entries[:1])).data.train == validate(run_config(tmp_path, entries[0])).data.train
+    one = validate(run_config(tmp_path, entries[:1])).data.train
+    assert one == validate(run_config(tmp_path, entries[0])).data.train and not one.sources
 
 
 @pytest.mark.parametrize("train, field, says", [
