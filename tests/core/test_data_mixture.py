@@ -19,6 +19,7 @@ from posttune.errors import ConfigError, PosttuneError
 from posttune.plugins import new_plugin_set
 from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
+from posttune.training.run_report import describe_data
 from posttune_sft import sft_loader
 
 ALPACA = [{"instruction": f"Spell {word}", "input": "", "output": " ".join(word)} for word in ("CAT", "DOG", "OWL")]
@@ -76,6 +77,8 @@ def test_each_dataset_reads_with_its_own_settings_and_the_mixture_is_them_in_ord
     texts = [ids for ids, _ in samples(mixed)]
     assert [any(ids[i:i + len(system)] == system for i in range(len(ids))) for ids in texts] == [False] * 3 + [True] * 4
     assert mixed.samples.rows.tolist() == list(range(7))  # every row of the mixture has its own number
+    assert describe_data(mixed).endswith("samples, 1 batch an epoch, "
+                                         f"{mixed.samples.ids.numel()} tokens from train[0] 3, train[1] 4")
 
 
 def test_a_shuffled_mixture_mixes_the_datasets_and_holds_every_sample_once(tmp_path, tokenizer, formats):

@@ -82,6 +82,10 @@ def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[li
         lengths = store.group_lengths() if group_by_length and shuffle else None
         loader = BatchLoader(num_items=len(store), get_item=store.group, lengths=lengths, **common)
     loader.samples, loader.packed = store, packing
+    if len(parts) > 1:  # each dataset's kept rows, for the banner
+        firsts = torch.tensor([part.first_row for _, part in parts[1:]])
+        kept = torch.bincount(torch.bucketize(store.rows, firsts, right=True), minlength=len(parts))
+        loader.shares = [(part.where, int(n)) for (_, part), n in zip(parts, kept)]
     return loader
 
 

@@ -191,6 +191,9 @@ def describe_data(loader: Any) -> str:
     skipped = getattr(loader, "skipped", None)
     if skipped is not None and getattr(skipped, "total", 0):
         text += f" ({count(skipped.total, 'row')} skipped)"
+    shares = getattr(loader, "shares", None)  # a mixture: what each of its datasets gave
+    if shares:
+        text += " from " + ", ".join(f"{where.rpartition('.')[2]} {kept:,}" for where, kept in shares)
     return text
 
 
