@@ -1,5 +1,6 @@
-"""DPO, cDPO, IPO and SimPO on a real model and batch: losses, rewards and gradients equal the
-papers' formulas computed independently (plain log-softmax over padded rows, no posttune loss code),
+"""DPO, cDPO, IPO, SimPO, SLiC's hinge, robust DPO, RPO and ORPO on a real model and batch: losses, rewards,
+metrics and gradients equal the papers' formulas computed independently (plain log-softmax over padded
+rows, no posttune loss code),
 fp32, 1e-6, for padded and padding-free (one row of documents) batches alike, with each pair's prompt
 computed once (``share_prompt``) or per response."""
 
@@ -19,7 +20,17 @@ CASES = {
     "ipo": {"loss_type": "ipo", "beta": 0.5},
     "simpo": {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.3},
     "simpo_smoothed": {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.3, "label_smoothing": 0.1},
+    "hinge": {"loss_type": "hinge", "beta": 0.5},
+    "robust": {"loss_type": "robust", "beta": 0.5, "label_smoothing": 0.2},
+    "rpo": {"loss_type": "sigmoid", "beta": 0.5, "rpo_alpha": 0.7},
+    "rpo_ipo": {"loss_type": "ipo", "beta": 0.5, "rpo_alpha": 0.7},
+    "orpo": {"loss_type": "orpo", "beta": 0.3},
 }
+#: the loss types computed on per-token mean log-probabilities, and those without a reference model
+AVERAGED, REFERENCE_FREE = ("ipo", "simpo", "orpo"), ("simpo", "orpo")
+#: how far the policy is moved off its reference, where not the default: hinge's pairs fall on both sides of
+#: its corner, ``1 - beta h`` from -0.38 to 1.6 (checked in the test)
+PERTURB = {"hinge": 0.1}
 
 
 @torch.no_grad()
@@ -40,20 +51,37 @@ def independent_logps(model, batch, *, average: bool) -> tuple[torch.Tensor, tor
     return sequences.chunk(2)
 
 
-def paper(settings: dict, pc, pr, rc, rr) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair loss and rewards as the papers write them (DPO eq. 7, cDPO, IPO eq. 17, SimPO eq. 6)."""
+def paper(settings: dict, pc, pr, rc, rr, chosen_means) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Per-pair loss, rewards and extra metrics as the papers write them (DPO eq. 7, cDPO, IPO eq. 17, SimPO
+    eq. 6, SLiC-HF's calibration loss as TRL scales it, rDPO eq. 8, RPO eq. 2 with its length-normalised NLL,
+    ORPO eq. 4, 6 and 7); ``chosen_means``: the chosen responses' per-token mean log-probs."""
     beta, eps = settings["beta"], settings.get("label_smoothing", 0.0)
-    kind = settings["loss_type"]
+    kind, extra = settings["loss_type"], {}
     if kind == "simpo":
         z = beta * pc - beta * pr - settings["simpo_gamma"]
         loss = -(1 - eps) * torch.log(torch.sigmoid(z)) - eps * torch.log(torch.sigmoid(-z))
-        return loss, beta * pc, beta * pr
+        return loss, beta * pc, beta * pr, extra
+    if kind == "orpo":
+        def log_odds(logp):  # log(p / (1 - p)), p the per-token mean probability exp(logp)
+            return torch.log(torch.exp(logp) / (1 - torch.exp(logp)))
+
+        ratio = log_odds(pc) - log_odds(pr)
+        extra = {"nll_loss": -pc, "log_odds_ratio": torch.log(torch.sigmoid(ratio)), "log_odds_chosen": ratio}
+        return -pc - beta * torch.log(torch.sigmoid(ratio)), beta * pc, beta * pr, extra
     h = (pc - rc) - (pr - rr)
     if kind == "ipo":
         loss = (h - 1 / (2 * beta)) ** 2
+    elif kind == "hinge":
+        loss = torch.clamp(1 - beta * h, min=0)
+    elif kind == "robust":
+        loss = ((1 - eps) * -torch.log(torch.sigmoid(beta * h)) - eps * -torch.log(torch.sigmoid(-beta * h))) \
+            / (1 - 2 * eps)
     else:
         loss = -(1 - eps) * torch.log(torch.sigmoid(beta * h)) - eps * torch.log(torch.sigmoid(-beta * h))
-    return loss, beta * (pc - rc), beta * (pr - rr)
+    if settings.get("rpo_alpha") is not None:
+        extra = {"nll_loss": -chosen_means}
+        loss = loss + settings["rpo_alpha"] * -chosen_means
+    return loss, beta * (pc - rc), beta * (pr - rr), extra
 
 
 def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -69,8 +97,8 @@ def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dp
     padding_free, shared = layout != "padded", layout == "shared_prompt"
     session = compose_run(make_dpo_config(tmp_path, rows=8, method={"name": "dpo", "padding_free": padding_free,
                                                                     "share_prompt": shared, **settings}))
-    assert ("reference" in session.models) == (settings["loss_type"] != "simpo")
-    perturb(session.model)
+    assert ("reference" in session.models) == (settings["loss_type"] not in REFERENCE_FREE)
+    perturb(session.model, scale=PERTURB.get(case, 0.05))
     batch = next(iter(session.train_data))
     forwards = []
     handle = session.model.register_forward_hook(lambda _m, args, out: forwards.append((args[0].shape, out.shape)))
@@ -89,13 +117,17 @@ def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dp
     (out.loss_sum / out.normaliser).backward()
     ours = gradients(session.model)
 
-    average = settings["loss_type"] in ("ipo", "simpo")
+    average = settings["loss_type"] in AVERAGED
     pc, pr = independent_logps(session.model, pair_rows(batch), average=average)
     rc = rr = None
     if "reference" in session.models:
         with torch.no_grad():
             rc, rr = independent_logps(session.models["reference"], pair_rows(batch), average=average)
-    losses, chosen_rewards, rejected_rewards = paper(settings, pc, pr, rc, rr)
+    chosen_means = independent_logps(session.model, pair_rows(batch), average=True)[0]
+    losses, chosen_rewards, rejected_rewards, extra = paper(settings, pc, pr, rc, rr, chosen_means)
+    if settings["loss_type"] == "hinge":  # some pairs inside the margin, some past it (no gradient)
+        margins = 1 - (chosen_rewards - rejected_rewards)  # 1 - beta h
+        assert bool((margins > 0.1).any()) and bool((margins < -0.1).any()), margins
     losses.mean().backward()
     theirs = gradients(session.model)
 
@@ -107,7 +139,9 @@ def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dp
     expected = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
                 "rewards/margin": (chosen_rewards - rejected_rewards).mean(),
                 "rewards/accuracy": (chosen_rewards > rejected_rewards).float().mean(),
-                "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}
+                "logps/chosen": pc.mean(), "logps/rejected": pr.mean(),
+                **{key: values.mean() for key, values in extra.items()}}
+    assert metrics.keys() == expected.keys()
     for key, value in expected.items():
         assert abs(metrics[key] - float(value.detach())) <= TOL, key
 

@@ -20,6 +20,13 @@ What is compared, and why only that:
   batch sorting is the identity and ``d`` is DPO's ``(pi_c - ref_c) - (pi_r - ref_r)``, so
   one-pair batches of ``aot`` are exactly cDPO. posttune's mean over four pairs is compared with
   the mean of TRL's four one-pair steps.
+- ``hinge`` and ``robust``: TRL's loss types of those names, the same formulas (``robust`` with
+  ``label_smoothing`` as the flip rate).
+- RPO (``rpo_alpha``): TRL 1.x has no ``rpo_alpha`` any more; RPO is ``loss_type: [sigmoid, sft]``
+  with ``loss_weights: [1, alpha]``, its ``sft`` term the mean NLL over the batch's chosen tokens.
+  posttune's NLL is each chosen response's per-token mean, averaged over pairs (so it does not
+  depend on how a step is split, docs/dpo.md); with one pair per batch the two are the same, so
+  posttune's mean over four pairs is compared with the mean of TRL's four one-pair steps.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,7 +60,14 @@ CASES = {
     "dpo": ({"loss_type": "sigmoid"}, {"loss_type": ["sigmoid"]}, PAIRS),
     "ipo": ({"loss_type": "ipo"}, {"loss_type": ["ipo"]}, PAIRS),
     "cdpo": ({"loss_type": "sigmoid", "label_smoothing": 0.2}, {"loss_type": ["aot"], "label_smoothing": 0.2}, 1),
+    "hinge": ({"loss_type": "hinge"}, {"loss_type": ["hinge"]}, PAIRS),
+    "robust": ({"loss_type": "robust", "label_smoothing": 0.2}, {"loss_type": ["robust"], "label_smoothing": 0.2},
+               PAIRS),
+    "rpo": ({"loss_type": "sigmoid", "rpo_alpha": 0.5}, {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
+            1),
 }
+#: the loss types whose rewards and log-probs both libraries log alike (log-ratios of token sums)
+SUMMED = ("sigmoid", "hinge", "robust")
 #: posttune metric -> TRL's logged name, where both log the same quantity (sigmoid losses)
 SAME_METRICS = {"rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejected",
                 "rewards/margin": "rewards/margins", "rewards/accuracy": "rewards/accuracies",
@@ -169,7 +184,11 @@ def test_dpo_loss_equals_trl_dpo_trainer_loss(llama_dpo, checkpoints, tmp_path, 
     theirs = sum(entry["loss"] for entry in logs) / len(logs)  # the mean over pairs: steps hold equal counts
 
     assert math.isfinite(ours) and abs(ours - theirs) <= TOL, (ours, theirs)
-    if ours_settings["loss_type"] == "sigmoid":
+    if case == "hinge":  # not every pair past the margin, where both losses would be 0
+        assert ours > 0.1
+    if case == "rpo":  # the NLL term is a real part of the loss
+        assert metrics["nll_loss"] > 1.0
+    if ours_settings["loss_type"] in SUMMED:
         # the policy is well off its reference, so a wrong reference or ratio would show
         assert min(abs(metrics["rewards/chosen"]), abs(metrics["rewards/rejected"])) > 0.1
         for key, name in SAME_METRICS.items():
@@ -180,3 +199,63 @@ def test_dpo_loss_equals_trl_dpo_trainer_loss(llama_dpo, checkpoints, tmp_path, 
             scale = abs(value) if key.startswith("logps/") else BETA * abs(metrics["logps/chosen"])
             tolerance = TOL * max(1.0, scale) if key != "rewards/accuracy" else TOL
             assert abs(metrics[key] - value) <= tolerance, (key, metrics[key], value)
+
+
+def trl_orpo() -> tuple[type, Any]:
+    """TRL's ORPOTrainer and its ``log1mexp`` (``trl.experimental``: imported without its instability warning)."""
+    import warnings
+
+    from trl.import_utils import TRLExperimentalWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TRLExperimentalWarning)
+        from trl.experimental.orpo import orpo_trainer
+    return orpo_trainer.ORPOTrainer, orpo_trainer.log1mexp
+
+
+def mean_logps(generator: torch.Generator, count: int) -> torch.Tensor:
+    """Per-token mean log-probs from near-certain (-1e-4) to improbable (-12), on both sides of log1mexp's
+    switch at -log 2."""
+    edges = torch.tensor([-1e-4, -0.01, -0.5, -math.log(2.0), -0.7, -12.0], dtype=torch.float64)
+    return torch.cat([edges, -torch.rand(count, generator=generator, dtype=torch.float64) * 6]).float()
+
+
+def test_orpo_loss_equals_trl_odds_ratio_loss_plus_the_chosen_nll():
+    """ORPO on the same random mean log-probs: TRL's ``ORPOTrainer.odds_ratio_loss`` (the method itself, on a
+    stand-in trainer holding ``beta``) gives the odds-ratio term and its logged ``log_odds_ratio`` and
+    ``log_odds_chosen``; TRL's loss is ``nll - mean(odds-ratio term)``, and posttune's per-pair loss is the
+    chosen response's NLL (minus its mean log-prob) minus that term; losses and gradients, fp32."""
+    from posttune_dpo.losses import _log1mexp, orpo_log_odds, preference_losses
+
+    ORPOTrainer, log1mexp = trl_orpo()
+    generator = torch.Generator().manual_seed(0)
+    chosen = mean_logps(generator, 58).requires_grad_()
+    rejected = mean_logps(generator, 58).flip(0).requires_grad_()
+    beta = 0.25
+    stand_in = type("Trainer", (), {"beta": beta, "accelerator": type("Accelerator", (), {"device": "cpu"})()})()
+
+    ours, chosen_rewards, rejected_rewards = preference_losses(chosen, rejected, None, None, loss_type="orpo",
+                                                                beta=beta)
+    theirs, their_chosen, their_rejected, log_odds_ratio, log_odds_chosen = ORPOTrainer.odds_ratio_loss(
+        stand_in, chosen, rejected)
+    nll = -chosen  # each pair's chosen NLL per token: TRL's nll_loss where every chosen response has one length
+    torch.testing.assert_close(ours, nll - theirs, atol=1e-6, rtol=0)
+    torch.testing.assert_close(chosen_rewards, their_chosen, atol=0, rtol=0)
+    torch.testing.assert_close(rejected_rewards, their_rejected, atol=0, rtol=0)
+    log_odds = orpo_log_odds(chosen, rejected)
+    torch.testing.assert_close(log_odds.mean(), log_odds_chosen, atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.nn.functional.logsigmoid(log_odds).mean(), log_odds_ratio, atol=1e-6, rtol=0)
+
+    grads = torch.autograd.grad(ours.mean(), (chosen, rejected))
+    their_grads = torch.autograd.grad(nll.mean() - theirs.mean(), (chosen, rejected))
+    for got, want in zip(grads, their_grads, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+    # the paper's log odds, p / (1 - p) with p = exp(mean log-prob), in float64 where it is accurate
+    p_chosen, p_rejected = chosen.detach().double().exp(), rejected.detach().double().exp()
+    paper = torch.log(p_chosen / (1 - p_chosen)) - torch.log(p_rejected / (1 - p_rejected))
+    torch.testing.assert_close(log_odds.detach().double(), paper, atol=1e-4, rtol=1e-5)
+    # log(1 - exp(x)) as TRL computes it, near 0 and far from it
+    x = torch.cat([torch.linspace(-30, -1e-6, 2001), torch.tensor([-math.log(2.0)])])
+    torch.testing.assert_close(_log1mexp(x), log1mexp(x), atol=1e-7, rtol=1e-6)

@@ -1,11 +1,13 @@
-"""posttune-dpo: direct preference optimisation -- DPO, cDPO (label smoothing), IPO and SimPO.
+"""posttune-dpo: direct preference optimisation -- DPO, cDPO (label smoothing), IPO, SimPO, SLiC's hinge,
+robust DPO, RPO (an NLL term on the chosen responses) and ORPO.
 
     method:
       name: dpo
-      loss_type: sigmoid          # sigmoid (DPO) | ipo | simpo (reference-free)
+      loss_type: sigmoid          # sigmoid (DPO) | ipo | simpo | hinge | robust | orpo (simpo, orpo: reference-free)
       beta: 0.1
-      label_smoothing: 0.0        # cDPO: the chance a preference label is wrong (sigmoid, simpo)
+      label_smoothing: 0.0        # cDPO: the chance a preference label is wrong (sigmoid, simpo); robust: its flip rate
       simpo_gamma: 0.5            # SimPO's target reward margin (simpo only)
+      rpo_alpha: null             # RPO: add alpha x the chosen responses' per-token NLL (not with orpo)
       precompute_reference: false # score every pair with the reference once, then free it
       padding_free: true          # every response its own document of one row; false: padded rows
       share_prompt: true          # padding-free: each pair's prompt computed once for both responses
@@ -32,10 +34,15 @@ CONFIGS = Path(__file__).parent / "configs"
 
 @dataclass(frozen=True)
 class DPOConfig:
-    loss_type: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"  # DPO's logistic loss, IPO's squared loss, or SimPO
-    beta: float = 0.1  # strength of the implicit KL to the reference (SimPO: the reward scale, ~2)
-    label_smoothing: float = 0.0  # cDPO: probability that a pair's preference label is flipped
+    # DPO's logistic loss, IPO's squared loss, SimPO, SLiC's hinge loss, robust DPO, or ORPO (docs/dpo.md)
+    loss_type: Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "orpo"] = "sigmoid"
+    # strength of the implicit KL to the reference (SimPO: the reward scale, ~2; ORPO: the odds-ratio weight lambda)
+    beta: float = 0.1
+    # cDPO (sigmoid, simpo): probability that a pair's preference label is flipped; robust: the flip rate it corrects
+    label_smoothing: float = 0.0
     simpo_gamma: float = 0.5  # SimPO: target margin between the chosen and rejected rewards
+    # RPO: add alpha x the chosen response's per-token NLL (its mean over the response's tokens) to each pair's loss
+    rpo_alpha: float | None = None
     precompute_reference: bool = False  # reference log-probs computed once before training; no reference model
     # the batch's responses end to end in one row, each its own document: no padding computed (the
     # padded batch's losses); false: padded rows, 2 x batch_size of them
@@ -45,10 +52,18 @@ class DPOConfig:
     share_prompt: bool = True
 
 
+#: the loss types that use no reference model
+REFERENCE_FREE: tuple[str, ...] = ("simpo", "orpo")
+#: the loss types that read ``label_smoothing``: cDPO's mixture of both labels, or robust DPO's correction
+SMOOTHED: tuple[str, ...] = ("sigmoid", "simpo", "robust")
+
+
 def roles(config: DPOConfig) -> tuple[ModelRole, ...]:
-    """A reference model, except for reference-free SimPO: by default from the policy's source, and with
-    LoRA the policy without its adapters; `models.reference` (or `reference:`) gives another."""
-    return () if config.loss_type == "simpo" else (ModelRole("reference", from_policy=True, adapters_off=True),)
+    """A reference model, except for reference-free SimPO and ORPO: by default from the policy's source, and
+    with LoRA the policy without its adapters; `models.reference` (or `reference:`) gives another."""
+    if config.loss_type in REFERENCE_FREE:
+        return ()
+    return (ModelRole("reference", from_policy=True, adapters_off=True),)
 
 
 def validate(config: RunConfig, method: DPOConfig) -> None:
@@ -59,10 +74,19 @@ def validate(config: RunConfig, method: DPOConfig) -> None:
     if method.label_smoothing and method.loss_type == "ipo":
         raise ConfigError("method.label_smoothing", "ipo has no label smoothing (it is a squared loss); "
                                                     "use loss_type sigmoid for cDPO")
+    if method.label_smoothing and method.loss_type not in SMOOTHED:
+        raise ConfigError("method.label_smoothing", f"{method.loss_type} has no label smoothing; loss types "
+                                                    f"{', '.join(SMOOTHED)} use it")
     if method.simpo_gamma != DPOConfig.simpo_gamma and method.loss_type != "simpo":
         raise ConfigError("method.simpo_gamma", f"only loss_type simpo uses it (this run: {method.loss_type})")
-    if method.precompute_reference and method.loss_type == "simpo":
-        raise ConfigError("method.precompute_reference", "simpo uses no reference model; remove it")
+    if method.rpo_alpha is not None:
+        if not (math.isfinite(method.rpo_alpha) and method.rpo_alpha > 0):
+            raise ConfigError("method.rpo_alpha", f"expected a positive number (null: no NLL term), "
+                                                  f"got {method.rpo_alpha}")
+        if method.loss_type == "orpo":
+            raise ConfigError("method.rpo_alpha", "orpo already adds the chosen responses' NLL; remove it")
+    if method.precompute_reference and method.loss_type in REFERENCE_FREE:
+        raise ConfigError("method.precompute_reference", f"{method.loss_type} uses no reference model; remove it")
     streaming = [split for split in ("train", "validation")
                  if getattr(config.data, split) is not None and getattr(config.data, split).streaming]
     if method.precompute_reference and streaming:
@@ -106,7 +130,8 @@ def posttune_register_methods(register):
         roles=roles,
         setup=_setup,
         validate=validate,
-        description="direct preference optimisation: DPO, cDPO, IPO, SimPO; chosen and rejected in one forward",
+        description="direct preference optimisation: DPO, cDPO, IPO, SimPO, hinge, robust DPO, RPO, ORPO; chosen "
+                    "and rejected in one forward",
         micro_batch_tokens=micro_batch_tokens,
     ))
 

@@ -1,30 +1,41 @@
 """The preference losses, per pair, from sequence log-probabilities (pure functions of tensors).
 
 With ``pi_c, pi_r`` the policy's and ``ref_c, ref_r`` the reference's log-probabilities of the
-chosen and rejected responses, ``beta`` the strength of the implicit KL constraint:
+chosen and rejected responses, ``beta`` the strength of the implicit KL constraint and
+``h = (pi_c - ref_c) - (pi_r - ref_r)``:
 
-- ``sigmoid`` (DPO, Rafailov et al. 2023): ``z = beta * ((pi_c - ref_c) - (pi_r - ref_r))``,
-  ``loss = -log sigmoid(z)``. With ``label_smoothing`` eps (cDPO, Mitchell 2023: the label is
-  wrong with probability eps): ``-(1 - eps) log sigmoid(z) - eps log sigmoid(-z)``.
-- ``ipo`` (Azar et al. 2023): ``h = (pi_c - ref_c) - (pi_r - ref_r)``,
-  ``loss = (h - 1 / (2 beta))^2``, a squared loss that does not saturate; computed on
-  per-token *mean* log-probabilities, as TRL does.
+- ``sigmoid`` (DPO, Rafailov et al. 2023): ``z = beta * h``, ``loss = -log sigmoid(z)``. With
+  ``label_smoothing`` eps (cDPO, Mitchell 2023: the label is wrong with probability eps):
+  ``-(1 - eps) log sigmoid(z) - eps log sigmoid(-z)``.
+- ``ipo`` (Azar et al. 2023): ``loss = (h - 1 / (2 beta))^2``, a squared loss that does not
+  saturate; computed on per-token *mean* log-probabilities, as TRL does.
 - ``simpo`` (Meng et al. 2024), reference-free: ``z = beta * (pi_c - pi_r) - gamma`` on mean
   log-probabilities, ``loss = -log sigmoid(z)`` (label smoothing as in cDPO).
+- ``hinge`` (SLiC, Zhao et al. 2023): ``loss = max(0, 1 - beta * h)``, as TRL writes it (``1 / beta``
+  is the margin the log-ratio difference must clear; past it the pair gives no gradient).
+- ``robust`` (rDPO, Chowdhury et al. 2024), with eps the rate at which labels are flipped:
+  ``((1 - eps) * -log sigmoid(z) - eps * -log sigmoid(-z)) / (1 - 2 eps)``, an unbiased estimate of
+  the clean-label DPO loss (cDPO *adds* the flipped term; rDPO subtracts it).
+- ``orpo`` (Hong et al. 2024), reference-free, on mean log-probabilities: the odds of a response
+  are ``p / (1 - p)`` with ``log p`` its mean log-probability, ``r = log odds(chosen) - log odds(rejected)``,
+  ``loss = -pi_c - beta * log sigmoid(r)``: the chosen response's per-token NLL plus the odds-ratio
+  term weighted by ``beta`` (the paper's lambda, TRL's ``ORPOConfig.beta``).
 
-The implicit rewards are ``beta * (pi - ref)`` (DPO, IPO) and ``beta * pi`` (SimPO), detached.
+The implicit rewards are ``beta * (pi - ref)`` and, for the reference-free ``simpo`` and ``orpo``,
+``beta * pi``; detached. RPO's NLL term (``rpo_alpha``) is added by the method (method.py).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-LossType = Literal["sigmoid", "ipo", "simpo"]
+LossType = Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "orpo"]
 #: the loss types computed on per-token mean log-probabilities (the others on sums)
-LENGTH_NORMALISED: tuple[str, ...] = ("ipo", "simpo")
+LENGTH_NORMALISED: tuple[str, ...] = ("ipo", "simpo", "orpo")
 
 
 def preference_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
@@ -36,16 +47,44 @@ def preference_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor
         logits = beta * (policy_chosen - policy_rejected) - gamma
         losses = _smoothed_sigmoid_loss(logits, label_smoothing)
         return losses, (beta * policy_chosen).detach(), (beta * policy_rejected).detach()
+    if loss_type == "orpo":
+        losses = -policy_chosen - beta * F.logsigmoid(orpo_log_odds(policy_chosen, policy_rejected))
+        return losses, (beta * policy_chosen).detach(), (beta * policy_rejected).detach()
     chosen_ratio = policy_chosen - reference_chosen
     rejected_ratio = policy_rejected - reference_rejected
     if loss_type == "sigmoid":
         losses = _smoothed_sigmoid_loss(beta * (chosen_ratio - rejected_ratio), label_smoothing)
     elif loss_type == "ipo":
         losses = (chosen_ratio - rejected_ratio - 1.0 / (2.0 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1.0 - beta * (chosen_ratio - rejected_ratio))
+    elif loss_type == "robust":
+        losses = _robust_loss(beta * (chosen_ratio - rejected_ratio), label_smoothing)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
 
 
+def orpo_log_odds(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor) -> torch.Tensor:
+    """ORPO's log odds ratio ``log odds(chosen) - log odds(rejected)`` from per-token mean log-probabilities,
+    ``log odds = log p - log(1 - p)``, with ``log(1 - p)`` computed from ``log p`` without forming ``p``
+    (accurate where ``p`` is close to 0 or 1; the ORPO paper's eq. 4 and 7)."""
+    return (policy_chosen - _log1mexp(policy_chosen)) - (policy_rejected - _log1mexp(policy_rejected))
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x <= 0``: ``log1p(-exp(x))`` far from 0, ``log(-expm1(x))`` near it (Maechler
+    2012); each branch is fed only the inputs it serves, so the other cannot put a NaN in the gradient."""
+    split = -math.log(2.0)
+    far = x < split
+    return torch.where(far, torch.log1p(-torch.exp(torch.clamp(x, max=split))),
+                       torch.log(-torch.expm1(torch.clamp(x, min=split))))
+
+
 def _smoothed_sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+
+
+def _robust_loss(logits: torch.Tensor, flip_rate: float) -> torch.Tensor:
+    clean, flipped = -F.logsigmoid(logits), -F.logsigmoid(-logits)
+    return ((1.0 - flip_rate) * clean - flip_rate * flipped) / (1.0 - 2.0 * flip_rate)

@@ -10,7 +10,8 @@
   policy's source (sharded like the policy under FSDP2), or hands the policy itself with its
   adapters disabled when LoRA/DoRA trains (no copy); with ``precompute_reference`` it is used
   once, in ``setup``, and then released.
-- ``loss``: the summed per-pair loss, normalised by the trainer over the pairs of the whole step.
+- ``loss``: the summed per-pair loss, normalised by the trainer over the pairs of the whole step;
+  RPO's NLL term (``rpo_alpha``) and ORPO's are per pair too (each chosen response's per-token mean).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import gc
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from posttune.plugin import DatasetConfig, LossOutput, Session, sequence_logps, token_logps
-from posttune_dpo.losses import LENGTH_NORMALISED, preference_losses
+from posttune_dpo import REFERENCE_FREE
+from posttune_dpo.losses import LENGTH_NORMALISED, orpo_log_odds, preference_losses
 
 REFERENCE = "reference"
 
@@ -46,13 +49,31 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
 def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     config = session.method_config
     average = config.loss_type in LENGTH_NORMALISED
-    policy_chosen, policy_rejected = pair_logps(token_logps(session, batch), batch, average)
+    policy_tokens = token_logps(session, batch)
+    policy_chosen, policy_rejected = pair_logps(policy_tokens, batch, average)
+    if config.loss_type == "orpo":
+        # a placeholder pair (no targets) has mean log-prob 0, probability 1: its odds would be infinite and
+        # its loss NaN, which its weight 0 would not cancel; any finite value gives it a finite loss
+        placeholder = batch["rows"] < 0
+        policy_chosen, policy_rejected = policy_chosen.masked_fill(placeholder, -1.0), \
+            policy_rejected.masked_fill(placeholder, -1.0)
     reference_chosen = reference_rejected = None
-    if config.loss_type != "simpo":
+    if config.loss_type not in REFERENCE_FREE:
         reference_chosen, reference_rejected = reference_logps(session, batch, average)
     losses, chosen_rewards, rejected_rewards = preference_losses(
         policy_chosen, policy_rejected, reference_chosen, reference_rejected, loss_type=config.loss_type,
         beta=config.beta, label_smoothing=config.label_smoothing, gamma=config.simpo_gamma)
+    extra: dict[str, torch.Tensor] = {}
+    if config.loss_type == "orpo" or config.rpo_alpha is not None:
+        # the chosen response's NLL per token, one value per pair (its tokens' mean): summed over pairs and
+        # divided by the step's pairs, as every pair's loss, so no split of the step changes it (docs/dpo.md)
+        chosen_means = policy_chosen if average else pair_logps(policy_tokens, batch, True)[0]
+        extra["nll_loss"] = -chosen_means
+        if config.rpo_alpha is not None:
+            losses = losses + config.rpo_alpha * extra["nll_loss"]
+    if config.loss_type == "orpo":
+        log_odds = orpo_log_odds(policy_chosen, policy_rejected)
+        extra["log_odds_ratio"], extra["log_odds_chosen"] = F.logsigmoid(log_odds), log_odds
     real = (batch["rows"] >= 0).to(losses.dtype)  # a placeholder pair (an empty share) weighs nothing
     pairs = real.sum()
 
@@ -66,6 +87,7 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
         "rewards/margin": mean(chosen_rewards - rejected_rewards),
         "logps/chosen": mean(policy_chosen),
         "logps/rejected": mean(policy_rejected),
+        **{key: mean(values) for key, values in extra.items()},
     })
 
 
