@@ -14,7 +14,7 @@ from run_support import compose_run, preference_rows, prompt_rows, reversal_rows
 from posttune.config import validate
 from posttune.config.schema import DataConfig, DatasetConfig, mixture
 from posttune.config.typed import plain
-from posttune.data import SampleMaker, make_loader
+from posttune.data import SampleMaker, SkipCounts, make_loader
 from posttune.errors import ConfigError, PosttuneError
 from posttune.plugins import new_plugin_set
 from posttune.tiny_tokenizer import save_tiny_tokenizer
@@ -136,6 +136,19 @@ def test_a_missing_column_names_the_entry(tmp_path, tokenizer, formats):
     with pytest.raises(ConfigError, match=r"data\.train\[1\]\.column_map\.messages: .*'talk'"):
         loader(mixture([alpaca, DatasetConfig(path=chats.path, column_map={"messages": "talk"})], "data.train"),
                tokenizer, formats)
+
+
+def test_a_maker_that_reads_one_dataset_refuses_a_mixture_by_name(tmp_path):
+    class OwnMaker:  # a method's maker that is not a SampleMaker: it has no for_source
+        skipped = SkipCounts()
+
+        def __call__(self, row, index):
+            return [1, 2], [2, -100]
+
+    with pytest.raises(PosttuneError, match=r"^data\.train: a list of datasets needs .* this method's OwnMaker "
+                                            "reads one dataset"):
+        make_loader(mixture(sources(tmp_path), "data.train"), make=OwnMaker(), max_seq_len=96, batch_size=8,
+                    collate=list)
 
 
 # -- the config ---------------------------------------------------------------------------------------------------
