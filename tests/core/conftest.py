@@ -29,6 +29,14 @@ def run_folder(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mon
 
 
 @pytest.fixture
+def datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep the Arrow cache of local files inside the test's folder (data tests: ``pytestmark``)."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+@pytest.fixture
 def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
     """``fake_distribution(dist, module, source, version="1.0")`` installs a plugin distribution.
 

@@ -26,11 +26,7 @@ CHAT = [[{"role": "system", "content": "You are a helpful assistant."},
          {"role": "assistant", "content": "You are welcome."}]]
 SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
 
-
-@pytest.fixture(autouse=True)
-def datasets_cache(tmp_path, monkeypatch):
-    """Keep the Arrow cache of local files inside the test's folder."""
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+pytestmark = pytest.mark.usefixtures("datasets_cache")
 
 
 @pytest.fixture(scope="module")

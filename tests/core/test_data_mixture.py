@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import datasets
 import pytest
 import yaml
 from run_support import compose_run, preference_rows, prompt_rows, reversal_rows, sft_config
+from test_data import formats, tokenizer  # noqa: F401 - the SFT data tests' fixtures: chatml, alpaca and chat
 
 from posttune.config import validate
 from posttune.config.schema import DataConfig, DatasetConfig, mixture
@@ -17,8 +17,6 @@ from posttune.config.typed import plain
 from posttune.data import SampleMaker, SkipCounts, make_loader
 from posttune.errors import ConfigError, PosttuneError
 from posttune.plugins import new_plugin_set
-from posttune.tiny_tokenizer import save_tiny_tokenizer
-from posttune.tokenizer import load_tokenizer
 from posttune.training.run_report import describe_data
 from posttune_sft import sft_loader
 
@@ -27,21 +25,7 @@ CHATS = [{"dialogue": [{"role": "user", "content": f"Reverse: {word}"}, {"role":
          for word in ("ABC", "HELLO", "XY", "QRST")]
 CHAT_COLUMNS = {"messages": "dialogue"}
 
-
-@pytest.fixture(autouse=True)
-def datasets_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(save_tiny_tokenizer(tmp_path_factory.mktemp("tok"), template="chatml"))
-
-
-@pytest.fixture(scope="module")
-def formats():
-    registry = new_plugin_set().registry
-    return {name: registry.get("dataset_format", name) for name in ("alpaca", "chat")}
+pytestmark = pytest.mark.usefixtures("datasets_cache")
 
 
 def write(path: Path, rows: list[dict]) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import datasets
 import pytest
 
 from posttune.config.schema import DatasetConfig
@@ -16,10 +15,7 @@ from posttune.tokenizer import load_tokenizer
 
 PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
-
-@pytest.fixture(autouse=True)
-def datasets_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+pytestmark = pytest.mark.usefixtures("datasets_cache")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import datasets
 import pytest
 
 from posttune.config.schema import DataConfig, DatasetConfig, TrainConfig
@@ -16,10 +15,7 @@ from posttune.plugins import new_plugin_set
 from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
 
-
-@pytest.fixture(autouse=True)
-def datasets_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+pytestmark = pytest.mark.usefixtures("datasets_cache")
 
 
 @pytest.fixture(scope="module")
