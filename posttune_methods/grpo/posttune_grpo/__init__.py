@@ -10,6 +10,8 @@
       loss_aggregation: token        # token (DAPO) | sequence (GRPO) | constant (Dr. GRPO)
       num_iterations: 1              # optimisation passes per generation batch
       epsilon: 0.2                   # clip range; epsilon_high > epsilon is DAPO's clip-higher
+      importance_sampling_level: token  # token | sequence (GSPO: one ratio per completion)
+      mask_truncated_completions: false # DAPO's overlong filtering: no loss from completions cut off
       beta: 0.0                      # KL to the reference (k3); 0 builds no reference model
       engine: builtin                # the generation engine (`posttune ls engines`)
       padding_free: true             # the learner's rows end to end, each group's prompt once
@@ -74,6 +76,10 @@ class GRPOConfig:
     num_iterations: int = 1  # optimisation passes over each generation batch
     epsilon: float = 0.2  # clip range: a token's ratio is clipped to [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = None  # default: epsilon (symmetric clipping)
+    # token: one ratio per token; sequence: GSPO's one ratio per completion, exp(mean over its tokens of
+    # logp - logp_old), clipped as a whole (GSPO's clip ranges are tiny: epsilon 3e-4, epsilon_high 4e-4)
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    mask_truncated_completions: bool = False  # completions cut off at max_new_tokens left out of the loss (DAPO)
     beta: float = 0.0  # weight of the per-token KL to the reference model; 0 builds no reference
     filter_equal_rewards: bool = False  # leave out groups whose rewards are all equal (they teach nothing)
     micro_batch_size: int | None = None  # completions per forward/backward; default: the rank's whole batch
