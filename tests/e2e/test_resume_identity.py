@@ -116,6 +116,8 @@ def test_removing_the_adapter_says_so(runs, tmp_path):
     (["adapter.alpha=16"], "adapter.alpha", "its adapter has alpha 8, this run's 16"),
     (["adapter.kind=dora"], "adapter.kind", 'its adapter has kind "lora", this run\'s "dora"'),
     (["adapter.targets=[q_proj]"], "adapter.targets", "its adapter has targets [\"layers.*.attn.k_proj\", "),
+    (["adapter.loraplus_lr_ratio=16"], "adapter.loraplus_lr_ratio",
+     "its adapter has loraplus_lr_ratio null, this run's 16"),
 ])
 def test_another_adapter_is_refused(runs, tmp_path, overrides, field, words):
     line = outcome(tmp_path, runs["lora"], *overrides)[0]

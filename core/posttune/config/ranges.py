@@ -69,6 +69,7 @@ RANGES: dict[str, Range] = {
     "adapter.rank": Range(1),
     "adapter.alpha": Range(0, low_open=True),
     "adapter.dropout": Range(0, high=1),
+    "adapter.loraplus_lr_ratio": Range(0, low_open=True, off="the B matrices learn at train.lr"),
     "checkpoint.save_every": Range(1, off="save at the end only"),
     "checkpoint.keep_last": Range(1, off="keep every checkpoint"),
 }

@@ -123,6 +123,9 @@ class AdapterConfig:
     # module-name patterns, or all-linear (PEFT's: every linear layer but the head); default: the family's
     targets: list[str] | Literal["all-linear"] | None = None
     init_from: str | None = None  # a saved PEFT adapter dir to start from (same rank/alpha/kind/targets)
+    # LoRA+: the B matrices (and DoRA's magnitudes) learn at train.lr times this (PEFT's and axolotl's
+    # loraplus_lr_ratio; the paper suggests 16, with a smaller train.lr than plain LoRA's)
+    loraplus_lr_ratio: float | None = None
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,9 @@ def compose(plan: Plan) -> Session:
     build_data(session)
     session.total_steps = total_steps(session)
     check_resume_step(plan.config, session.resume_from, session.total_steps)  # past train.epochs: before config.yaml
-    session.optimizer = build_optimizer(session.trainable.named_parameters(), plan.config.train)
+    adapter = plan.config.adapter
+    session.optimizer = build_optimizer(session.trainable.named_parameters(), plan.config.train,
+                                        loraplus_lr_ratio=adapter.loraplus_lr_ratio if adapter is not None else None)
     session.scheduler = build_scheduler(session.optimizer, plan.config.train, session.total_steps)
     policy = session.targets["policy"]
     run_stage(session, "optimizer", policy)

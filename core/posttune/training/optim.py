@@ -26,19 +26,35 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 
 
-def param_groups(params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
-    """Trainable parameters split into decayed (2-D and up) and not decayed (1-D) groups."""
-    decay, no_decay = [], []
-    for _, param in params:
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+def param_groups(params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float, *,
+                 lora_plus: tuple[float, float] | None = None) -> list[dict[str, Any]]:
+    """Trainable parameters split into decayed (2-D and up) and not decayed (1-D) groups.
+
+    ``lora_plus`` ``(lr, ratio)``: LoRA+ (Hayou et al. 2024), the adapters' B matrices and every 1-D
+    trainable weight (DoRA's magnitudes) in groups of their own at ``lr x ratio``, as PEFT's
+    ``create_loraplus_optimizer`` groups them; the rest keep the optimizer's ``lr``.
+    """
+    decay, no_decay, fast_decay, fast_no_decay = [], [], [], []
+    for name, param in params:
+        if not param.requires_grad:
+            continue
+        fast = lora_plus is not None and ("lora_B" in name.split(".") or param.ndim < 2)
+        if param.ndim >= 2:
+            (fast_decay if fast else decay).append(param)
+        else:
+            (fast_no_decay if fast else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if lora_plus is not None:
+        lr, ratio = lora_plus
+        groups += [{"params": fast_decay, "weight_decay": weight_decay, "lr": lr * ratio},
+                   {"params": fast_no_decay, "weight_decay": 0.0, "lr": lr * ratio}]
     return [g for g in groups if g["params"]]
 
 
 def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]],
-                    train: TrainConfig) -> torch.optim.Optimizer:
-    """The optimizer ``train`` names over the trainable parameters, in decayed and not-decayed groups.
+                    train: TrainConfig, *, loraplus_lr_ratio: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer ``train`` names over the trainable parameters, in decayed and not-decayed groups
+    (and LoRA+'s faster groups with ``loraplus_lr_ratio``, see `param_groups`).
 
     A process's first torch optimizer imports ``torch._dynamo``, whose import runs torch.fx's
     ``wrap``; that keeps its own frame in a reference cycle, and with it every frame above it:
@@ -48,14 +64,16 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]],
     as soon as it drops it.
     """
     first = "torch._dynamo" not in sys.modules
-    optimizer = _optimizer(named_params, train)
+    optimizer = _optimizer(named_params, train, loraplus_lr_ratio)
     if first and "torch._dynamo" in sys.modules:
         gc.collect()
     return optimizer
 
 
-def _optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig) -> torch.optim.Optimizer:
-    groups = param_groups(named_params, train.weight_decay)
+def _optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig,
+               loraplus_lr_ratio: float | None) -> torch.optim.Optimizer:
+    lora_plus = None if loraplus_lr_ratio is None else (train.lr, loraplus_lr_ratio)
+    groups = param_groups(named_params, train.weight_decay, lora_plus=lora_plus)
     if not groups:
         raise ConfigError("train", "the model has no trainable parameters")
     if isinstance(train.optimizer, dict):

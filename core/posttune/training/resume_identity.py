@@ -34,7 +34,9 @@ def of(plan: Any) -> dict[str, Any]:
             "method": plan.method.descriptor.name,
             "adapter": None if adapter is None else {
                 "kind": adapter.kind, "rank": adapter.rank, "alpha": adapter.alpha,
-                "targets": _targets(adapter.targets or family.lora_targets)},
+                "targets": _targets(adapter.targets or family.lora_targets),
+                # LoRA+'s groups shape the optimizer state (written only when set: older checkpoints match)
+                **({"loraplus_lr_ratio": adapter.loraplus_lr_ratio} if adapter.loraplus_lr_ratio is not None else {})},
             "models": models,
         }
         plan.identity = json.loads(json.dumps(identity, default=str))  # as it reads back from the file
@@ -109,9 +111,9 @@ def _adapter(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> It
                           "this run has no adapter: section (keep it to continue; posttune merge folds the adapter "
                           "into its base)")
     elif old is not None and new is not None:
-        for key in ("kind", "rank", "alpha", "targets"):
-            if old.get(key) != new[key]:
-                yield f"adapter.{key}", f"its adapter has {key} {_show(old.get(key))}, this run's {_show(new[key])}"
+        for key in ("kind", "rank", "alpha", "targets", "loraplus_lr_ratio"):
+            if old.get(key) != new.get(key):
+                yield f"adapter.{key}", f"its adapter has {key} {_show(old.get(key))}, this run's {_show(new.get(key))}"
 
 
 def _describe(model: Any) -> str:
@@ -122,5 +124,7 @@ def _describe(model: Any) -> str:
 
 
 def _show(value: Any) -> str:
+    if value is None:
+        return "null"
     return json.dumps(value) if isinstance(value, (list, dict, str)) else f"{value:g}" if isinstance(value, float) \
         else str(value)

@@ -23,7 +23,9 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
 def apply(session: Session, name: str) -> None:
     train = session.config.train
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in session.optimizer.param_groups]
+    # each group's own base lr (LoRA+'s faster groups), not the one the scheduler has already scaled
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"], "lr": g.get("initial_lr", g["lr"])}
+              for g in session.optimizer.param_groups]
     session.optimizer = optimizer_class(name)(groups, lr=train.lr)
     session.scheduler = build_scheduler(session.optimizer, train, session.total_steps)
 
