@@ -118,6 +118,7 @@ def test_removing_the_adapter_says_so(runs, tmp_path):
     (["adapter.targets=[q_proj]"], "adapter.targets", "its adapter has targets [\"layers.*.attn.k_proj\", "),
     (["adapter.loraplus_lr_ratio=16"], "adapter.loraplus_lr_ratio",
      "its adapter has loraplus_lr_ratio null, this run's 16"),
+    (["adapter.rslora=true"], "adapter.rslora", "its adapter has rslora null, this run's true"),
 ])
 def test_another_adapter_is_refused(runs, tmp_path, overrides, field, words):
     line = outcome(tmp_path, runs["lora"], *overrides)[0]

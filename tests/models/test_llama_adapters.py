@@ -22,6 +22,7 @@ from posttune.adapters import (
     save_peft_adapter,
 )
 from posttune.checkpoint import materialize as mat
+from posttune.errors import PosttuneError
 from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
 
 peft = pytest.importorskip("peft")
@@ -63,9 +64,9 @@ def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert (a - b).abs().max().item() <= FP32_TOLERANCE
 
 
-def adapted_llama(checkpoint, kind: str, seed: int = 1):
+def adapted_llama(checkpoint, kind: str, seed: int = 1, rslora: bool = False):
     model = posttune.load_model(checkpoint)
-    apply_adapters(model, targets=TARGETS, rank=4, alpha=8, dropout=0.1, kind=kind)
+    apply_adapters(model, targets=TARGETS, rank=4, alpha=8, dropout=0.1, kind=kind, rslora=rslora)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for key, tensor in adapter_state_dict(model).items():
@@ -74,12 +75,14 @@ def adapted_llama(checkpoint, kind: str, seed: int = 1):
     return model
 
 
-@pytest.mark.parametrize("kind", ["lora", "dora"])
-def test_peft_loads_the_saved_adapter_with_posttune_logits(checkpoint, tmp_path, kind):
-    model = adapted_llama(checkpoint, kind)
+@pytest.mark.parametrize(("kind", "rslora"), [("lora", False), ("dora", False), ("lora", True), ("dora", True)])
+def test_peft_loads_the_saved_adapter_with_posttune_logits(checkpoint, tmp_path, kind, rslora):
+    model = adapted_llama(checkpoint, kind, rslora=rslora)
+    assert model.layers[0].attn.q_proj.scaling == (8 / 2 if rslora else 8 / 4)  # alpha / sqrt(r), alpha / r
     save_peft_adapter(model, tmp_path / "adapter")
     reference = peft.PeftModel.from_pretrained(hf_model(checkpoint), tmp_path / "adapter").eval()
     assert reference.peft_config["default"].use_dora is (kind == "dora")
+    assert reference.peft_config["default"].use_rslora is rslora
     adapted = logits(model)
     assert_close(adapted, logits(reference))
     model.train(), reference.train()  # dropout too: same random draws in the same order as peft
@@ -101,10 +104,10 @@ def test_merged_model_saves_as_a_checkpoint_transformers_loads(checkpoint, tmp_p
     assert_close(logits(hf_model(tmp_path / "merged")), adapted)
 
 
-@pytest.mark.parametrize("kind", ["lora", "dora"])
-def test_an_adapter_trained_with_peft_loads_into_posttune(checkpoint, tmp_path, kind):
+@pytest.mark.parametrize(("kind", "rslora"), [("lora", False), ("dora", False), ("lora", True)])
+def test_an_adapter_trained_with_peft_loads_into_posttune(checkpoint, tmp_path, kind, rslora):
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"],
-                             use_dora=kind == "dora", task_type="CAUSAL_LM")
+                             use_dora=kind == "dora", task_type="CAUSAL_LM", use_rslora=rslora)
     reference = peft.get_peft_model(hf_model(checkpoint), config)
     torch.manual_seed(2)
     with torch.no_grad():
@@ -116,6 +119,17 @@ def test_an_adapter_trained_with_peft_loads_into_posttune(checkpoint, tmp_path, 
     names = load_peft_adapter(model, tmp_path / "peft")
     assert names == [f"layers.{i}.{m}" for i in range(2) for m in ("attn.q_proj", "attn.v_proj", "mlp.down_proj")]
     assert_close(logits(model), logits(reference.eval()))
+
+
+@pytest.mark.parametrize(("key", "value"), [("bias", "all"), ("fan_in_fan_out", True), ("lora_bias", True)])
+def test_a_peft_option_posttune_does_not_implement_is_refused_naming_it(checkpoint, tmp_path, key, value):
+    import json
+
+    out = save_peft_adapter(adapted_llama(checkpoint, "lora"), tmp_path / "adapter")
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(PosttuneError, match=rf"adapter_config.json: {key}={value!r} is not supported by posttune's"):
+        load_peft_adapter(posttune.load_model(checkpoint), out)
 
 
 @pytest.mark.parametrize("kind", ["lora", "dora"])

@@ -171,10 +171,10 @@ def test_a_fused_tensor_of_the_wrong_size_is_one_line(checkpoint):
                                  "config.json's sizes give 128 + 128 = 256")
 
 
-def trained_adapters(path, *, kind: str, targets: list[str]):
+def trained_adapters(path, *, kind: str, targets: list[str], rslora: bool = False):
     """The checkpoint with adapters whose A, B (and magnitudes) are random, as after training."""
     model = posttune.load_model(path, dtype="float32")
-    apply_adapters(model, targets=targets, rank=2, alpha=6, kind=kind)
+    apply_adapters(model, targets=targets, rank=2, alpha=6, kind=kind, rslora=rslora)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -183,21 +183,23 @@ def trained_adapters(path, *, kind: str, targets: list[str]):
     return model.eval()
 
 
-@pytest.mark.parametrize(("kind", "targets"), [("lora", ALL_LINEAR), ("dora", ALL_LINEAR[:3] + ALL_LINEAR[4:6]),
-                                               ("lora", ["attn.q_proj", "attn.v_proj"])],
-                         ids=["lora-all-linear", "dora-fused-only", "lora-q-v-only"])
-def test_adapters_load_in_peft_on_transformers_phi3_with_equal_logits(checkpoint, tmp_path, kind, targets):
+@pytest.mark.parametrize(("kind", "targets", "rslora"), [
+    ("lora", ALL_LINEAR, False), ("dora", ALL_LINEAR[:3] + ALL_LINEAR[4:6], False),
+    ("lora", ["attn.q_proj", "attn.v_proj"], False), ("lora", ALL_LINEAR, True)],
+    ids=["lora-all-linear", "dora-fused-only", "lora-q-v-only", "rslora-all-linear"])
+def test_adapters_load_in_peft_on_transformers_phi3_with_equal_logits(checkpoint, tmp_path, kind, targets, rslora):
     """q/k/v adapters of rank r become one qkv_proj adapter of rank 3r (gate/up: 2r) with a
-    block-diagonal B and alpha scaled alike; a part without an adapter gets zero blocks."""
+    block-diagonal B and alpha scaled to keep each part's scale (rank-stabilised: sqrt(3) alpha, as
+    alpha / sqrt(r) is the scale); a part without an adapter gets zero blocks."""
     hf_model, path = checkpoint("phi4_mini")
-    model = trained_adapters(path, kind=kind, targets=targets)
+    model = trained_adapters(path, kind=kind, targets=targets, rslora=rslora)
     out = save_peft_adapter(model, tmp_path / "adapter")
     config = json.loads((out / "adapter_config.json").read_text())
     fused = {"qkv_proj": 3} if "attn.q_proj" in targets else {}
     if "mlp.gate_proj" in targets:
         fused["gate_up_proj"] = 2
     assert config["rank_pattern"] == {name: 2 * n for name, n in fused.items()}
-    assert config["alpha_pattern"] == {name: 6 * n for name, n in fused.items()}
+    assert config["alpha_pattern"] == {name: 6 * (n ** 0.5 if rslora else n) for name, n in fused.items()}
     peft_model = peft.PeftModel.from_pretrained(tiny_hf_model(hf_model.config), out).eval()
     assert max_diff(peft_model, model, ids(40)) <= TOL
     assert max_diff(hf_model, model, ids(40)) > 1e-2  # the adapters change the model

@@ -30,7 +30,7 @@ ALL_LINEAR = "all-linear"
 
 def apply_adapters(model: nn.Module, *, targets: Sequence[str] | str, rank: int = 8, alpha: float = 16.0,
                    dropout: float = 0.0, kind: Kind = "lora", dtype: torch.dtype | None = None,
-                   aliases: Mapping[str, str] | None = None) -> list[str]:
+                   aliases: Mapping[str, str] | None = None, rslora: bool = False) -> list[str]:
     """Wrap every ``nn.Linear`` matching a pattern of ``targets`` in ``LoRALinear``; freeze the rest.
 
     A pattern is an exact module name, a dotted suffix (``q_proj``, ``attn.q_proj``) or an
@@ -43,6 +43,7 @@ def apply_adapters(model: nn.Module, *, targets: Sequence[str] | str, rank: int 
     Returns the adapted module names. Every pattern must match at least one linear layer:
     a typo would otherwise silently train fewer layers than asked. ``targets="all-linear"`` is PEFT's
     spelling for every linear layer but the output head (``model.output``, the LM or score head).
+    ``rslora``: scale each update by ``alpha / sqrt(rank)`` (rank-stabilised LoRA) instead of ``alpha / rank``.
     """
     _check_settings(targets, rank, alpha, dropout, kind)
     if adapted_modules(model):
@@ -61,7 +62,8 @@ def apply_adapters(model: nn.Module, *, targets: Sequence[str] | str, rank: int 
         chosen.extend(name for name in found if name not in chosen)
     chosen.sort(key=list(linears).index)
     for name in chosen:
-        layer = LoRALinear(linears[name], rank=rank, alpha=alpha, dropout=dropout, kind=kind, dtype=dtype)
+        layer = LoRALinear(linears[name], rank=rank, alpha=alpha, dropout=dropout, kind=kind, dtype=dtype,
+                           rslora=rslora)
         _replace(model, name, layer)
     freeze_base(model)
     return chosen

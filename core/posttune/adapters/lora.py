@@ -14,7 +14,8 @@ model's own state-dict key is recovered by dropping one ``.base`` segment (``bas
 ``lora_A``/``lora_B`` are ``nn.Linear`` too, so tensor parallelism can shard ``lora_B`` like
 the base layer and replicate ``lora_A``.
 
-LoRA:  ``y = base(x) + s * B(A(dropout(x)))`` with ``s = alpha / rank``.
+LoRA:  ``y = base(x) + s * B(A(dropout(x)))`` with ``s = alpha / rank`` (rank-stabilised LoRA,
+Kalajdzievski 2023, PEFT's ``use_rslora``: ``s = alpha / sqrt(rank)``, so a higher rank still learns).
 
 DoRA, as PEFT computes it: the weight is ``m * V / ||V||_row`` with ``V = W + s * B @ A`` and
 the norm detached from the graph (section 4.3 of the paper), so::
@@ -45,7 +46,7 @@ class LoRALinear(nn.Module):
     """A frozen ``nn.Linear`` plus a trainable low-rank update (see the module docstring)."""
 
     def __init__(self, base: nn.Linear, *, rank: int, alpha: float, dropout: float = 0.0,
-                 kind: Kind = "lora", dtype: torch.dtype | None = None):
+                 kind: Kind = "lora", dtype: torch.dtype | None = None, rslora: bool = False):
         super().__init__()
         weight = base.weight
         dtype = dtype or weight.dtype
@@ -56,7 +57,8 @@ class LoRALinear(nn.Module):
         self.magnitude = (nn.Parameter(torch.empty(base.out_features, device=weight.device, dtype=dtype))
                           if kind == "dora" else None)
         self.rank, self.alpha, self.dropout_p, self.kind = rank, float(alpha), float(dropout), kind
-        self.scaling = self.alpha / rank
+        self.rslora = rslora
+        self.scaling = self.alpha / (math.sqrt(rank) if rslora else rank)
         self.disabled = False  # set by adapters_disabled(): the layer is then exactly ``base``
         self.train(base.training)  # an adapter added to a model in eval mode must not drop out
         if weight.device.type != "meta":
@@ -139,7 +141,7 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         drop = f", dropout={self.dropout_p}" if self.dropout_p else ""
-        return f"kind={self.kind}, rank={self.rank}, alpha={self.alpha:g}{drop}"
+        return f"kind={self.kind}, rank={self.rank}, alpha={self.alpha:g}{drop}{', rslora' if self.rslora else ''}"
 
 
 def row_norm(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

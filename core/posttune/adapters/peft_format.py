@@ -28,6 +28,7 @@ layer itself: merge it into the model instead).
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -111,10 +112,10 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
         **UNSUPPORTED, "peft_type": "LORA", "task_type": task,
         "base_model_name_or_path": base_model_name_or_path or _where_from(origin.source),
         "r": settings["rank"], "lora_alpha": settings["alpha"], "lora_dropout": settings["dropout_p"],
-        "use_dora": settings["kind"] == "dora",
+        "use_dora": settings["kind"] == "dora", "use_rslora": settings["rslora"],
         "target_modules": peft_targets([hf_names[n] for n in layers], hf_names.values()),
         "exclude_modules": None, "init_lora_weights": True, "inference_mode": True, "revision": None,
-        **fused_patterns(patterns, hf_names.values(), settings["rank"], settings["alpha"]),
+        **fused_patterns(patterns, hf_names.values(), settings["rank"], settings["alpha"], settings["rslora"]),
     }
     if task == "SEQ_CLS":
         config["modules_to_save"] = [HF_SCORE.removesuffix(".weight")]
@@ -151,7 +152,8 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
         targets = [name for name in targets if name in layers or hf_names[name] not in fused]
     else:
         apply_adapters(model, targets=targets, rank=settings["rank"], alpha=settings["alpha"],
-                       dropout=settings["dropout_p"], kind=settings["kind"])  # exact native names
+                       dropout=settings["dropout_p"], kind=settings["kind"],
+                       rslora=settings["rslora"])  # exact native names
         layers = adapted_modules(model)
     _check_same(directory, layers, targets, settings)
     _copy_tensors(model, directory, layers, hf_names, converter.to_native, hf_config, fused)
@@ -239,10 +241,12 @@ def _fused_tensors(model: nn.Module, hf_name: str, group: Fused, layers: Mapping
     return {f"{PREFIX}{hf_name}.{PEFT_SUFFIX[suffix]}": tensor.contiguous() for suffix, tensor in out.items()}
 
 
-def fused_patterns(counts: Mapping[str, int], all_linear: Any, rank: int, alpha: Any) -> dict[str, Any]:
+def fused_patterns(counts: Mapping[str, int], all_linear: Any, rank: int, alpha: Any,
+                   rslora: bool = False) -> dict[str, Any]:
     """``rank_pattern``/``alpha_pattern`` giving each fused layer (name -> its number of parts) rank n*r
-    and alpha n*alpha; keyed by the last name part (PEFT matches a key as a dotted suffix) when every
-    layer of that name is fused from the same number of parts, else by the full name."""
+    and the alpha that keeps its parts' scale (`fused_alpha`); keyed by the last name part (PEFT matches
+    a key as a dotted suffix) when every layer of that name is fused from the same number of parts, else
+    by the full name."""
     keys: dict[str, int] = {}
     everything = list(all_linear)
     for name, count in counts.items():
@@ -251,7 +255,14 @@ def fused_patterns(counts: Mapping[str, int], all_linear: Any, rank: int, alpha:
         uniform = same_leaf <= set(counts) and {counts[n] for n in same_leaf} == {count}
         keys[leaf if uniform else name] = count
     return {"rank_pattern": {key: count * rank for key, count in sorted(keys.items())},
-            "alpha_pattern": {key: count * alpha for key, count in sorted(keys.items())}}
+            "alpha_pattern": {key: fused_alpha(count, alpha, rslora) for key, count in sorted(keys.items())}}
+
+
+def fused_alpha(count: int, alpha: Any, rslora: bool) -> Any:
+    """The alpha of a layer fused from ``count`` parts of rank r each (rank count*r) whose scale is each
+    part's: ``count * alpha`` keeps ``alpha / r``; rank-stabilised, ``sqrt(count) * alpha`` keeps
+    ``alpha / sqrt(r)``."""
+    return math.sqrt(count) * alpha if rslora else count * alpha
 
 
 def _pattern_value(patterns: Mapping[str, Any] | None, hf_name: str, default: Any) -> Any:
@@ -264,14 +275,16 @@ def _pattern_value(patterns: Mapping[str, Any] | None, hf_name: str, default: An
 
 def _check_patterns(directory: Path, config: Mapping[str, Any], adapted: set[str], fused: Mapping[str, Fused],
                     settings: Mapping[str, Any]) -> None:
-    """Every adapted layer's rank and alpha, after PEFT's patterns, are r and alpha, or n*r and n*alpha
+    """Every adapted layer's rank and alpha, after PEFT's patterns, are r and alpha, or n*r and `fused_alpha`
     for a layer fused from n native ones (the only patterns posttune's per-layer adapters can hold)."""
     for hf_name in sorted(adapted):
         count = len(fused[hf_name].parts) if hf_name in fused else 1
         rank = _pattern_value(config.get("rank_pattern"), hf_name, settings["rank"])
         alpha = _pattern_value(config.get("alpha_pattern"), hf_name, settings["alpha"])
-        if (rank, float(alpha)) != (count * settings["rank"], count * settings["alpha"]):
-            what = f"fused from {count} layers, so rank {count} x r and alpha {count} x lora_alpha" if count > 1 \
+        expected = fused_alpha(count, settings["alpha"], settings["rslora"])
+        if rank != count * settings["rank"] or not math.isclose(float(alpha), expected, rel_tol=1e-9):
+            times = f"sqrt({count})" if settings["rslora"] else str(count)
+            what = f"fused from {count} layers, so rank {count} x r and alpha {times} x lora_alpha" if count > 1 \
                 else "rank r and lora_alpha (posttune's adapters share one rank and alpha)"
             raise PosttuneError(f"{directory / ADAPTER_CONFIG}: '{hf_name}' has rank {rank} and alpha {alpha:g} after "
                                 f"rank_pattern/alpha_pattern; expected {what}")
@@ -325,13 +338,13 @@ def _layer_tensors(layer: LoRALinear) -> dict[str, torch.Tensor]:
 
 def _uniform_settings(layers: Mapping[str, LoRALinear]) -> dict[str, Any]:
     """One rank/alpha/dropout/kind for all layers: what one adapter_config.json can express here."""
-    found = {(layer.rank, layer.alpha, layer.dropout_p, layer.kind) for layer in layers.values()}
+    found = {(layer.rank, layer.alpha, layer.dropout_p, layer.kind, layer.rslora) for layer in layers.values()}
     if len(found) > 1:
-        raise PosttuneError(f"save_peft_adapter: adapters differ in (rank, alpha, dropout, kind): {sorted(found)}; "
-                            f"the PEFT format written here needs one setting for all layers")
-    rank, alpha, dropout, kind = found.pop()
+        raise PosttuneError(f"save_peft_adapter: adapters differ in (rank, alpha, dropout, kind, rslora): "
+                            f"{sorted(found)}; the PEFT format written here needs one setting for all layers")
+    rank, alpha, dropout, kind, rslora = found.pop()
     return {"rank": rank, "alpha": int(alpha) if float(alpha).is_integer() else alpha,
-            "dropout_p": dropout, "kind": kind}
+            "dropout_p": dropout, "kind": kind, "rslora": rslora}
 
 
 def _family_io(model: nn.Module) -> tuple[Any, Any, dict[str, Any]]:
@@ -404,8 +417,10 @@ def _check_same(directory: Path, layers: Mapping[str, LoRALinear], targets: list
         raise PosttuneError(f"{directory}: the adapter targets differ from the model's adapters "
                             f"(only in the file: {missing[:3]}; only in the model: {extra[:3]})")
     for name, layer in layers.items():
-        mine = {"rank": layer.rank, "alpha": layer.alpha, "dropout_p": layer.dropout_p, "kind": layer.kind}
-        if {k: mine[k] for k in ("rank", "alpha", "kind")} != {k: settings[k] for k in ("rank", "alpha", "kind")}:
+        mine = {"rank": layer.rank, "alpha": layer.alpha, "dropout_p": layer.dropout_p, "kind": layer.kind,
+                "rslora": layer.rslora}
+        same = ("rank", "alpha", "kind", "rslora")
+        if {k: mine[k] for k in same} != {k: settings[k] for k in same}:
             raise PosttuneError(f"{directory}: adapter settings {dict(settings)} differ from the model's "
                                 f"'{name}' {mine}")
 

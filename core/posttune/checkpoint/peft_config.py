@@ -17,7 +17,7 @@ from posttune.errors import ConfigError, PosttuneError
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: PEFT options posttune's adapters do not implement, with the value that means "not used"
-UNSUPPORTED: dict[str, Any] = {"use_rslora": False, "bias": "none", "fan_in_fan_out": False, "lora_bias": False,
+UNSUPPORTED: dict[str, Any] = {"bias": "none", "fan_in_fan_out": False, "lora_bias": False,
                                "modules_to_save": None, "layers_to_transform": None, "target_parameters": None}
 #: per-layer rank and alpha: loadable only where a layer is fused from several native ones (its rank and
 #: alpha are then n times r and lora_alpha); the loader checks each layer against the model
@@ -50,14 +50,14 @@ def read_config(directory: Path) -> dict[str, Any]:
 
 
 def settings_of(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Rank, alpha, dropout and kind as posttune's ``adapter:`` section spells them."""
+    """Rank, alpha, dropout, kind and rslora as posttune's ``adapter:`` section spells them."""
     return {"rank": int(config["r"]), "alpha": float(config.get("lora_alpha", 8)),
             "dropout_p": float(config.get("lora_dropout") or 0.0),
-            "kind": "dora" if config.get("use_dora") else "lora"}
+            "kind": "dora" if config.get("use_dora") else "lora", "rslora": bool(config.get("use_rslora"))}
 
 
 def saved_settings(adapter_dir: str | Path) -> dict[str, Any]:
-    """Rank, alpha and kind of a saved adapter, from its ``adapter_config.json`` (checked as a load would)."""
+    """Rank, alpha, kind and rslora of a saved adapter, from its ``adapter_config.json`` (checked as a load would)."""
     return settings_of(read_config(Path(adapter_dir)))
 
 
@@ -72,7 +72,7 @@ def check_init_from(adapter: Any) -> None:
         saved = saved_settings(path)
     except PosttuneError as exc:
         raise ConfigError("adapter.init_from", str(exc)) from None
-    mine = {"rank": adapter.rank, "alpha": float(adapter.alpha), "kind": adapter.kind}
+    mine = {"rank": adapter.rank, "alpha": float(adapter.alpha), "kind": adapter.kind, "rslora": adapter.rslora}
     differ = [f"{key} {saved[key]} (saved) vs {mine[key]} (adapter.{key})" for key in mine if saved[key] != mine[key]]
     if differ:
         raise ConfigError("adapter.init_from", f"{path} does not match this run's adapter: {'; '.join(differ)}")

@@ -118,7 +118,8 @@ class TrainConfig:
 class AdapterConfig:
     kind: Literal["lora", "dora"] = "lora"  # LoRA, or DoRA (LoRA on a weight's direction, plus its magnitude)
     rank: int = 8  # rank of the low-rank update
-    alpha: float = 16.0  # the update is scaled by alpha / rank
+    alpha: float = 16.0  # the update is scaled by alpha / rank (alpha / sqrt(rank) with rslora)
+    rslora: bool = False  # rank-stabilised LoRA (PEFT's use_rslora): scale by alpha / sqrt(rank), for high ranks
     dropout: float = 0.0  # dropout on the adapter's input
     # module-name patterns, or all-linear (PEFT's: every linear layer but the head); default: the family's
     targets: list[str] | Literal["all-linear"] | None = None

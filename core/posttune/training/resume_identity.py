@@ -36,7 +36,8 @@ def of(plan: Any) -> dict[str, Any]:
                 "kind": adapter.kind, "rank": adapter.rank, "alpha": adapter.alpha,
                 "targets": _targets(adapter.targets or family.lora_targets),
                 # LoRA+'s groups shape the optimizer state (written only when set: older checkpoints match)
-                **({"loraplus_lr_ratio": adapter.loraplus_lr_ratio} if adapter.loraplus_lr_ratio is not None else {})},
+                **({"loraplus_lr_ratio": adapter.loraplus_lr_ratio} if adapter.loraplus_lr_ratio is not None else {}),
+                **({"rslora": True} if adapter.rslora else {})},
             "models": models,
         }
         plan.identity = json.loads(json.dumps(identity, default=str))  # as it reads back from the file
@@ -111,7 +112,7 @@ def _adapter(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> It
                           "this run has no adapter: section (keep it to continue; posttune merge folds the adapter "
                           "into its base)")
     elif old is not None and new is not None:
-        for key in ("kind", "rank", "alpha", "targets", "loraplus_lr_ratio"):
+        for key in ("kind", "rank", "alpha", "targets", "loraplus_lr_ratio", "rslora"):
             if old.get(key) != new.get(key):
                 yield f"adapter.{key}", f"its adapter has {key} {_show(old.get(key))}, this run's {_show(new.get(key))}"
 
@@ -126,5 +127,5 @@ def _describe(model: Any) -> str:
 def _show(value: Any) -> str:
     if value is None:
         return "null"
-    return json.dumps(value) if isinstance(value, (list, dict, str)) else f"{value:g}" if isinstance(value, float) \
+    return json.dumps(value) if isinstance(value, (list, dict, str, bool)) else f"{value:g}" if isinstance(value, float) \
         else str(value)
