@@ -4,6 +4,7 @@ system prompt, their rows concatenated and shuffled as one; errors name the entr
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,55 @@ def test_a_missing_column_names_the_entry(tmp_path, tokenizer, formats):
                tokenizer, formats)
 
 
+def streamed(tmp_path: Path, weights=(3.0, 1.0), count=(300, 200)) -> DatasetConfig:
+    rows = [{"messages": row["messages"]} for row in reversal_rows(sum(count))]
+    first = DatasetConfig(path=write(tmp_path / "a.jsonl", rows[:count[0]]), format="chat", streaming=True,
+                          weight=weights[0])
+    second = DatasetConfig(path=write(tmp_path / "b.jsonl", rows[count[0]:]), format="chat", streaming=True,
+                           weight=weights[1], system_prompt="Reverse it.")
+    return mixture([first, second], "data.train")
+
+
+def drawn(dataset, tokenizer, formats, *, state=None, batches=None):
+    """(which file, its own row) of each sample, in order: the file told by the system prompt."""
+    make = SampleMaker(formats["chat"], tokenizer, max_seq_len=96)
+    built = make_loader(dataset, make=make, max_seq_len=96, batch_size=4, seed=7,
+                        collate=lambda rows: [(row[0].row, row[0].ids.tolist()) for row in rows])
+    if state is not None:
+        built.load_state_dict(state)
+    out = []
+    for batch in built:
+        out.extend(batch)
+        if batches is not None and len(out) == 4 * batches:
+            return out, built.state_dict()
+    return out, built.state_dict()
+
+
+def test_a_streamed_mixture_interleaves_by_weight_each_file_in_order_and_resumes(tmp_path, tokenizer, formats):
+    system = tokenizer.encode("Reverse it.")
+    rows, _ = drawn(streamed(tmp_path), tokenizer, formats)
+    assert [row for row, _ in rows] == list(range(len(rows)))  # numbered in the order drawn
+    second = [any(ids[i:i + len(system)] == system for i in range(len(ids))) for _, ids in rows]
+    # it stops when the first file runs out (300 rows at 3:1 run out long before b's 200): no file is read twice
+    assert second.count(False) == 300 and 60 <= second.count(True) <= 140
+    first_half = second[: len(second) // 2]
+    assert 0.15 <= sum(first_half) / len(first_half) <= 0.35  # about a quarter drawn from b all along
+    alone = [ids for _, ids in drawn(replace(streamed(tmp_path).sources[0], weight=None), tokenizer, formats)[0]]
+    assert [ids for (_, ids), b in zip(rows, second) if not b] == alone  # a's rows in a's order
+    head, state = drawn(streamed(tmp_path), tokenizer, formats, batches=5)
+    tail, _ = drawn(streamed(tmp_path), tokenizer, formats, state=state)
+    assert head + tail == rows  # resumed mid-stream: the same rows after as an uninterrupted read
+
+
+def test_a_bad_row_of_a_streamed_mixture_names_the_entry_and_its_own_row(tmp_path, tokenizer, formats):
+    dataset = streamed(tmp_path, weights=(1.0, 1.0), count=(30, 20))
+    rows = [json.loads(line) for line in Path(dataset.sources[1].path).read_text().splitlines()]
+    rows[3] = {"messages": [{"role": "robot", "content": "?"}]}
+    write(Path(dataset.sources[1].path), rows)
+    with pytest.raises(PosttuneError, match=r"^data\.train\[1\]: row 3: .*unknown role 'robot'"):
+        drawn(dataset, tokenizer, formats)
+
+
 def test_a_maker_that_reads_one_dataset_refuses_a_mixture_by_name(tmp_path):
     class OwnMaker:  # a method's maker that is not a SampleMaker: it has no for_source
         skipped = SkipCounts()
@@ -157,7 +207,11 @@ def test_a_list_is_a_mixture_written_back_as_the_list(tmp_path):
 
 @pytest.mark.parametrize("train, field, says", [
     ([], "data.train", "an empty list"),
-    ([{"path": "a"}, {"path": "b", "streaming": True}], "data.train[1].streaming", "streaming mixtures"),
+    ([{"path": "a"}, {"path": "b", "streaming": True}], "data.train[1].streaming", "all stream, or none does"),
+    ([{"path": "a", "weight": 2}, {"path": "b"}], "data.train[0].weight", "weights draw rows from streamed"),
+    ([{"path": "a", "streaming": True}, {"path": "b", "streaming": True, "weight": 0}], "data.train[1].weight",
+     "expected a number > 0, or null (an equal share), got 0"),
+    ({"path": "a", "streaming": True, "weight": 2}, "data.train.weight", "this section names one dataset"),
     ([{"path": "a"}, {"format": "chat"}], "data.train[1].path", "required"),
     ([{"path": "a"}, {"path": "b", "colum_map": {}}], "data.train[1].colum_map", "unknown key"),
 ])
@@ -233,3 +287,10 @@ def test_grpo_prompts_from_a_mixture_are_numbered_apart_and_their_fields_checked
     second["column_map"]["answer"] = "solution"
     prompts = compose_run(config).train_data
     assert sorted(int(row) for batch in prompts for row in batch["rows"]) == list(range(10))
+    for entry in config["data"]["train"]:
+        entry["streaming"] = True
+    streamed_prompts = compose_run(config).train_data
+    batches = list(streamed_prompts)
+    assert [int(row) for batch in batches for row in batch["rows"]] == list(range(sum(len(b["rows"]) for b in batches)))
+    assert {answer for batch in batches for answer in batch["fields"]["answer"]} <= {
+        row["answer"] for row in prompt_rows(4)} | {row["solution"] for row in renamed}

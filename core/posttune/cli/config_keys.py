@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import re
 import sys
 import textwrap
 import tokenize
@@ -209,7 +210,7 @@ def _allowed(dotted: str, tp: Any) -> str:
         return f"{' | '.join(names)}, or a mapping with `_component_`"
     if dotted == "parallel.dims":
         return "each degree an integer >= 1, or -1 for the rest of the processes"
-    allowed = RANGES.get(dotted)
+    allowed = RANGES.get(dotted) or RANGES.get(re.sub(r"^data\.(train|validation)\.", "dataset.", dotted))
     if allowed is None:
         return ""
     integer = "int" in type_name(tp).split(" | ")

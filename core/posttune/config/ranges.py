@@ -70,6 +70,8 @@ RANGES: dict[str, Range] = {
     "adapter.alpha": Range(0, low_open=True),
     "adapter.dropout": Range(0, high=1),
     "adapter.loraplus_lr_ratio": Range(0, low_open=True, off="the B matrices learn at train.lr"),
+    # `dataset.`: every dataset section (data.train, data.validation, each dataset of a list)
+    "dataset.weight": Range(0, low_open=True, off="an equal share"),
     "checkpoint.save_every": Range(1, off="save at the end only"),
     "checkpoint.keep_last": Range(1, off="keep every checkpoint"),
 }
@@ -79,12 +81,27 @@ def check_ranges(config: Any) -> None:
     """The first field of ``config`` (a ``RunConfig``) outside its range raises ConfigError."""
     for dotted, allowed in RANGES.items():
         section_name, name = dotted.split(".")
-        section = getattr(config, section_name)
-        if section is None:  # an optional section left out (data in a bare config, adapter)
-            continue
-        value = getattr(section, name)
-        if value is None:
-            continue  # the type allows null only where `off` says what it means
-        if not allowed.contains(value):
-            off = f", or null ({allowed.off})" if allowed.off else ""
-            raise ConfigError(dotted, f"expected {allowed.describe(isinstance(value, int))}{off}, got {value!r}")
+        for where, section in _sections(config, section_name):
+            value = getattr(section, name)
+            if value is None:
+                continue  # the type allows null only where `off` says what it means
+            if not allowed.contains(value):
+                off = f", or null ({allowed.off})" if allowed.off else ""
+                raise ConfigError(f"{where}.{name}", f"expected {allowed.describe(isinstance(value, int))}{off}, "
+                                                     f"got {value!r}")
+
+
+def _sections(config: Any, name: str) -> list[tuple[str, Any]]:
+    """(field, section) for a RANGES prefix: the config's section of that name unless left out (data in a
+    bare config, adapter); ``dataset``: every dataset section, each of a list's as ``data.train[i]``."""
+    if name != "dataset":
+        section = getattr(config, name)
+        return [] if section is None else [(name, section)]
+    found = []
+    for split in ("train", "validation"):
+        dataset = getattr(config.data, split) if config.data is not None else None
+        if dataset is not None:
+            sources = dataset.sources or (dataset,)
+            found += [(f"data.{split}[{i}]" if dataset.sources else f"data.{split}", source)
+                      for i, source in enumerate(sources)]
+    return found

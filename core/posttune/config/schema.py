@@ -47,6 +47,7 @@ class DatasetConfig:
     streaming: bool = False  # read rows as they are consumed, not loaded whole (needs train.max_steps)
     column_map: dict[str, str] = field(default_factory=dict)  # format field -> dataset column
     system_prompt: str | None = None  # a system turn put before each chat that has none
+    weight: float | None = None  # in a streamed list of datasets: its share of the rows drawn (default 1)
     # a mixture's datasets (``data.train`` written as a list), each read with its own settings; the fields above
     # are the first one's, so code that reads one dataset sees it. Set by `mixture`, never written in YAML.
     sources: tuple[DatasetConfig, ...] = field(default=(), init=False, repr=False)
@@ -55,17 +56,22 @@ class DatasetConfig:
 def mixture(sources: list[DatasetConfig], where: str) -> DatasetConfig:
     """The datasets of a ``data.train`` (or ``validation``) list as one dataset section holding them.
 
-    A mixture is read whole, its rows concatenated in the order listed and shuffled as one: a source's
-    share of an epoch is its share of the rows (list a file twice to double it). A streamed source is
-    refused: interleaving streams would need weights and a resumable position per stream.
+    A map-style mixture is read whole, its rows concatenated in the order listed and shuffled as one: a
+    source's share of an epoch is its share of the rows (list a file twice to double it). A streamed one
+    (every entry ``streaming: true``) interleaves its datasets, each next row drawn from one chosen at
+    random in proportion to its ``weight`` (`posttune.data.build`), so weights belong to streams only.
     """
     if not sources:
         raise ConfigError(where, "an empty list: name at least one dataset")
+    streamed = sources[0].streaming
     for i, source in enumerate(sources):
-        if source.streaming and len(sources) > 1:
-            raise ConfigError(f"{where}[{i}].streaming", "a list of datasets is read whole and shuffled as one; "
-                                                        "streaming mixtures are not supported (drop streaming, or "
-                                                        "stream one dataset)")
+        if source.streaming != streamed:
+            raise ConfigError(f"{where}[{i}].streaming", f"{where}[0] {'streams' if streamed else 'does not stream'}; "
+                                                        "the datasets of a list all stream, or none does")
+        if source.weight is not None and not (streamed and len(sources) > 1):
+            raise ConfigError(f"{where}[{i}].weight", "weights draw rows from streamed datasets; a map-style list "
+                                                     "takes every row of each (slice one with split: train[:50%], "
+                                                     "or list one twice)")
     if len(sources) == 1:
         return sources[0]
     mixed = replace(sources[0])
@@ -211,6 +217,10 @@ def validate(raw: dict[str, Any]) -> RunConfig:
                                                  "to leave room for a response")
     if data is not None:
         _check_grouping(data)
+        for split, dataset in (("train", data.train), ("validation", data.validation)):
+            if dataset is not None and not dataset.sources and dataset.weight is not None:
+                raise ConfigError(f"data.{split}.weight", "a weight shares the rows drawn between the datasets of a "
+                                                         "streamed list; this section names one dataset")
     _check_unique(config.logging, "logging")
     for dim, degree in config.parallel.dims.items():
         if degree != -1 and degree < 1:

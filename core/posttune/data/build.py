@@ -10,6 +10,8 @@ becomes in a batch is the method's ``collate``.
 from __future__ import annotations
 
 import bisect
+import itertools
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,12 +60,9 @@ def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[li
     parts = sources(dataset, make, where)
     common = dict(collate=collate, batch_size=batch_size, seed=seed, shuffle=shuffle, rank=rank,
                   world_size=world_size, skipped=make.skipped)
-    if dataset.streaming:  # one dataset (a mixture is never streamed)
-        rows = parts[0][0]
-
+    if dataset.streaming:
         def open_stream(start_row: int) -> Iterator[list[Sample]]:
-            shard = rows.skip(start_row) if start_row else rows
-            groups = make.groups(guarded(shard, where, start_row), start=start_row)
+            groups = streamed_groups(dataset, parts, start_row, seed, where)
             return pack((s for group in groups for s in group), max_seq_len) if packing else groups
 
         return BatchLoader(open_stream=open_stream, **common)
@@ -108,9 +107,8 @@ def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoad
     common = dict(collate=prompt_batch, batch_size=config.train.batch_size, seed=config.train.seed,
                   shuffle=split == "train", rank=rank, world_size=world, skipped=make.skipped)
     if dataset.streaming:
-        rows = parts[0][0]
-        return BatchLoader(open_stream=lambda start: make.groups(guarded(rows.skip(start) if start else rows, where,
-                                                                         start), start=start), **common)
+        return BatchLoader(open_stream=lambda start: streamed_groups(dataset, parts, start, config.train.seed, where),
+                           **common)
     items = [item for rows, part in parts for item in part.groups(guarded(rows, part.where), start=part.first_row)]
     if not items:
         raise PosttuneError(f"{where}: no usable prompts in {_paths(dataset)} ({make.skipped.bad_rows} bad rows "
@@ -136,9 +134,39 @@ def sources(dataset: DatasetConfig, make: Any, where: str) -> list[tuple[Any, An
         rows = load_rows(source, where=at, skip_bad_rows=getattr(make, "skip_bad_rows", False), skipped=make.skipped)
         check_columns(rows, source.column_map, at)
         parts.append((rows, maker))
-        if dataset.sources:
+        if dataset.sources and not dataset.streaming:  # a stream's rows are numbered as they are drawn
             first_row += len(rows)
     return parts
+
+
+def streamed_groups(dataset: DatasetConfig, parts: list[tuple[Any, Any]], start_row: int, seed: int,
+                    where: str) -> Iterator[Any]:
+    """The sample groups of a streamed section from its row ``start_row`` on (``BatchLoader``'s resume point).
+
+    One dataset: its rows in order, skipped to ``start_row``. A mixture: its datasets interleaved, each next
+    row drawn from one chosen at random (seeded by ``seed``, the same every epoch) in proportion to its
+    ``weight``, until one runs out (as ``datasets.interleave_datasets`` stops by default, so no dataset is
+    read twice in an epoch); rows are numbered in the order drawn, and a resume draws again from the start,
+    reading the rows before ``start_row`` without tokenizing them.
+    """
+    if len(parts) == 1:
+        ((rows, make),) = parts
+        shard = rows.skip(start_row) if start_row else rows
+        yield from make.groups(guarded(shard, where, start_row), start=start_row)
+        return
+    weights = [1.0 if source.weight is None else source.weight for _, source in dataset_sources(dataset, "")]
+    streams = [iter(guarded(rows, maker.where)) for rows, maker in parts]
+    read, choose, end = [0] * len(parts), random.Random(seed), object()
+    for index in itertools.count():
+        k = choose.choices(range(len(parts)), weights)[0]
+        row = next(streams[k], end)
+        if row is end:
+            return
+        if index >= start_row:
+            maker = parts[k][1]
+            maker.first_row = index - read[k]  # its errors name the row of its own dataset
+            yield from maker.groups([row], start=index)
+        read[k] += 1
 
 
 class _Mixed:
