@@ -9,24 +9,9 @@ from typing import Any
 
 import pytest
 import yaml
-from run_support import TOKENIZER, check_bundled_config, compose_run, tiny_run_config, words
+from run_support import check_bundled_config, compose_run, feedback_rows, kto_config
 
 import posttune_dpo
-
-
-def feedback_rows(count: int, seed: int = 0) -> list[dict]:
-    """``count`` reverse-a-string prompts, each with both answers as separate rows: the reversal desirable,
-    the string copied undesirable (3-7 letters)."""
-    rows = []
-    for word in words(count, seed, (3, 7)):
-        rows.append({"prompt": f"Reverse: {word}", "completion": word[::-1], "label": True})
-        rows.append({"prompt": f"Reverse: {word}", "completion": word, "label": False})
-    return rows
-
-
-def kto_config(tmp_path: Path, *, prompts: int = 8, rows: list[dict] | None = None, **sections: Any) -> dict:
-    return tiny_run_config(tmp_path, rows if rows is not None else feedback_rows(prompts), fmt="unpaired",
-                           base_method={"name": "kto", "beta": 0.5}, batch_size=4, **sections)
 
 
 def write(tmp_path: Path, config: dict, name: str = "run.yaml") -> Path:
@@ -157,3 +142,33 @@ def test_kto_trains_desirable_rewards_above_undesirable_ones(llama_dpo, posttune
     margin = last["val_rewards/chosen"] - last["val_rewards/rejected"]
     assert margin > 0.5, (first["val_rewards/chosen"] - first["val_rewards/rejected"], margin)
     assert last["val_loss"] < first["val_loss"] - 0.05
+
+
+SPLIT_SEED = 1  # rows whose two micro-batches hold different numbers of scored tokens
+
+
+def test_the_first_step_split_two_ways_gives_one_update(llama_dpo, tmp_path):
+    """The loss is summed per example and divided once by the step's examples, so one step of batch 4 and
+    one of batch 2 x accumulation 2 over the same rows, whose completions differ in length, give the same
+    update (SGD, lr 1, no clipping: the update is the gradient). On the first step the policy is its
+    reference, so z0 is 0 whatever pairs estimate it; later steps differ by z0 alone, which is estimated
+    per micro-batch (as TRL's per device batch): docs/dpo.md, "KTO"."""
+    import torch
+
+    from posttune.training.trainer import train
+
+    updates = []
+    for batch, accumulation in ((4, 1), (2, 2)):
+        root = tmp_path / f"{batch}x{accumulation}"
+        session = compose_run(kto_config(
+            root, rows=feedback_rows(8, seed=SPLIT_SEED), train={"optimizer": "sgd", "lr": 1.0, "max_grad_norm": None, "max_steps": 1, "weight_decay": 0.0,
+                         "batch_size": batch, "grad_accum_steps": accumulation}))
+        before = {n: p.detach().clone() for n, p in session.model.named_parameters()}
+        first = list(session.train_data)[:2]
+        lengths = [int((b["labels"] != -100).sum()) for b in first]
+        train(session)
+        updates.append({n: before[n] - p.detach() for n, p in session.model.named_parameters()})
+    assert len(set(lengths)) > 1  # the micro-batches hold different numbers of scored tokens
+    for name, delta in updates[0].items():
+        assert float(delta.abs().max()) > 0, name
+        torch.testing.assert_close(updates[1][name], delta, atol=1e-6, rtol=0, msg=name)
