@@ -172,3 +172,10 @@ def test_the_first_step_split_two_ways_gives_one_update(llama_dpo, tmp_path):
     for name, delta in updates[0].items():
         assert float(delta.abs().max()) > 0, name
         torch.testing.assert_close(updates[1][name], delta, atol=1e-6, rtol=0, msg=name)
+
+
+def test_the_bundled_kto_config_is_valid(llama_dpo, posttune_cli):
+    check_bundled_config(posttune_cli, posttune_dpo.CONFIGS, "kto-tiny-reverse")
+    plan = posttune_cli("plan", "kto-tiny-reverse")
+    assert plan.exit_code == 0, plan.stderr
+    assert "roles        reference:" in plan.stdout
