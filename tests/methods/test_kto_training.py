@@ -126,8 +126,8 @@ def test_padding_free_and_padded_batches_give_the_same_loss(llama_dpo, tmp_path)
 
 def test_kto_trains_desirable_rewards_above_undesirable_ones(llama_dpo, posttune_cli, tmp_path):
     """Eight prompts, each with its reversal (desirable) and its copy (undesirable): the policy learns to
-    tell them apart. Measured: the validation reward margin grows from 0.15 (step 4) to 5.4 (step 32; asserted: 0.5), the
-    validation loss from 0.48 to 0.09."""
+    tell them apart. Measured: the validation reward margin grows from 0.15 (step 4) to 5.4 (step 32; asserted:
+    0.5), the validation loss from 0.48 to 0.09."""
     config = kto_config(tmp_path, train={"epochs": 8, "lr": 3e-3, "eval_every": 4})
     config["data"]["validation"] = dict(config["data"]["train"])
     result = posttune_cli("train", str(write(tmp_path, config)))
@@ -161,8 +161,9 @@ def test_the_first_step_split_two_ways_gives_one_update(llama_dpo, tmp_path):
     for batch, accumulation in ((4, 1), (2, 2)):
         root = tmp_path / f"{batch}x{accumulation}"
         session = compose_run(kto_config(
-            root, rows=feedback_rows(8, seed=SPLIT_SEED), train={"optimizer": "sgd", "lr": 1.0, "max_grad_norm": None, "max_steps": 1, "weight_decay": 0.0,
-                         "batch_size": batch, "grad_accum_steps": accumulation}))
+            root, rows=feedback_rows(8, seed=SPLIT_SEED),
+            train={"optimizer": "sgd", "lr": 1.0, "max_grad_norm": None, "max_steps": 1, "weight_decay": 0.0,
+                   "batch_size": batch, "grad_accum_steps": accumulation}))
         before = {n: p.detach().clone() for n, p in session.model.named_parameters()}
         first = list(session.train_data)[:2]
         lengths = [int((b["labels"] != -100).sum()) for b in first]

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from posttune.plugin import (ConfigError, DatasetConfig, DatasetFormat, Method, ModelRole, RunConfig, Session, configs_in,
-                             hookimpl)
+from posttune.plugin import (ConfigError, DatasetConfig, DatasetFormat, Method, ModelRole, RunConfig, Session,
+                             configs_in, hookimpl)
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
@@ -150,7 +150,7 @@ def posttune_register_methods(register):
         roles=kto_roles,
         validate=kto_validate,
         description="KTO: unpaired desirable/undesirable feedback against a KL reference point (format unpaired)",
-        micro_batch_tokens=micro_batch_tokens,  # a completion and its mismatched pair per row: DPO's batch
+        micro_batch_tokens=kto_micro_batch_tokens,
     ))
 
 
@@ -185,6 +185,16 @@ def kto_validate(config: RunConfig, method: KTOConfig) -> None:
         raise ConfigError("train.batch_size", f"kto estimates its KL reference point from each row's prompt with "
                                               f"another row's completion; needs at least 2, got "
                                               f"{config.train.batch_size}")
+
+
+def kto_micro_batch_tokens(config: Any, method: KTOConfig) -> tuple[int, str]:
+    """`posttune plan`'s tokens per forward: each row's completion and its mismatched pair, laid out as DPO's
+    chosen and rejected responses, so DPO's worst case."""
+    from posttune.plugin import pair_tokens
+
+    tokens, how = pair_tokens(config, padding_free=method.padding_free)
+    return tokens, how.replace("chosen and rejected in one forward", "each completion and its mismatched pair in "
+                                                                     "one forward")
 
 
 def _kto_data(session: Session, dataset: DatasetConfig, split: str) -> Any:
