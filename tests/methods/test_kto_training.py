@@ -14,6 +14,10 @@ from run_support import check_bundled_config, compose_run, feedback_rows, kto_co
 import posttune_dpo
 
 
+#: a perturbation of the policy after which the first batch's mismatched pairs have a positive mean log-ratio
+PERTURB_SEED = 3
+
+
 def write(tmp_path: Path, config: dict, name: str = "run.yaml") -> Path:
     path = tmp_path / name
     path.write_text(yaml.safe_dump(config))
@@ -102,6 +106,16 @@ def test_each_row_is_paired_with_the_previous_rows_completion(llama_dpo, tmp_pat
     assert batch["kl_scored"].all()
 
 
+def perturb(model: Any, seed: int = PERTURB_SEED, scale: float = 0.05) -> None:
+    """Move the policy off its reference, so that the log-ratios, the rewards and z0 are not 0."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+
+
 def test_padding_free_and_padded_batches_give_the_same_loss(llama_dpo, tmp_path):
     import torch
 
@@ -111,9 +125,7 @@ def test_padding_free_and_padded_batches_give_the_same_loss(llama_dpo, tmp_path)
     for padding_free in (False, True):
         session = compose_run(kto_config(tmp_path / str(padding_free),
                                          method={"name": "kto", "padding_free": padding_free}))
-        with torch.no_grad():  # the policy, moved off its reference, so that z0 (0.65) and the rewards are not 0
-            for parameter in session.model.parameters():
-                parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(3)))
+        perturb(session.model)
         outs.append(loss(session, next(iter(session.train_data))))
     padded, free = outs
     torch.testing.assert_close(free.loss_sum, padded.loss_sum, rtol=0, atol=1e-5)
@@ -122,6 +134,56 @@ def test_padding_free_and_padded_batches_give_the_same_loss(llama_dpo, tmp_path)
         got = free.metrics[key][0] if isinstance(value, tuple) else free.metrics[key]
         torch.testing.assert_close(got, total, rtol=0, atol=1e-4, msg=key)
     assert float(padded.metrics["kl"]) > 0
+
+
+def test_the_methods_loss_is_the_formula_on_independent_log_probs(llama_dpo, tmp_path):
+    """The method's loss, metrics and gradients on a padding-free batch equal KTO's formula on sequence
+    log-probs computed independently (full logits of padded rows, log-softmax, gather, masked sum) for the
+    completions and for each row's prompt with the previous row's completion; fp32, 1e-5."""
+    import torch
+    from run_support import pair_rows
+
+    from posttune_dpo.kto import loss
+
+    session = compose_run(kto_config(tmp_path, method={"name": "kto", "beta": 0.5, "desirable_weight": 1.5,
+                                                       "undesirable_weight": 0.8}))
+    perturb(session.model)
+    batch = next(iter(session.train_data))
+    out = loss(session, batch)
+    out.loss_sum.backward()
+    got = {name: p.grad.clone() for name, p in session.model.named_parameters()}
+    session.model.zero_grad()
+
+    padded = pair_rows(batch)
+
+    def logps(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(padded["input_ids"]).float()
+        mask = padded["labels"] != -100
+        per_token = logits.log_softmax(-1).gather(-1, padded["labels"].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return (per_token * mask).sum(-1).chunk(2)
+
+    policy, policy_kl = logps(session.model)
+    with torch.no_grad():
+        reference, reference_kl = logps(session.models["reference"])
+    z0 = (policy_kl.detach() - reference_kl).mean().clamp(min=0)
+    desirable = batch["desirable"]
+    r = policy - reference
+    losses = torch.where(desirable, 1.5 * (1 - torch.sigmoid(0.5 * (r - z0))),
+                         0.8 * (1 - torch.sigmoid(0.5 * (z0 - r))))
+    losses.sum().backward()
+    assert float(z0) > 0 and desirable.any() and not desirable.all()
+    torch.testing.assert_close(out.loss_sum, losses.sum(), rtol=0, atol=1e-5)
+    assert float(out.normaliser) == 4
+    torch.testing.assert_close(out.metrics["kl"], z0, rtol=0, atol=1e-5)
+    rewards = 0.5 * r.detach()
+    for key, values, where in (("rewards/chosen", rewards, desirable), ("rewards/rejected", rewards, ~desirable),
+                               ("logps/chosen", policy.detach(), desirable),
+                               ("logps/rejected", policy.detach(), ~desirable)):
+        total, count = out.metrics[key]
+        torch.testing.assert_close(total, values[where].sum(), rtol=0, atol=1e-4, msg=key)
+        assert float(count) == int(where.sum()), key
+    for name, parameter in session.model.named_parameters():
+        torch.testing.assert_close(got[name], parameter.grad, rtol=0, atol=1e-5, msg=name)
 
 
 def test_kto_trains_desirable_rewards_above_undesirable_ones(llama_dpo, posttune_cli, tmp_path):
