@@ -69,6 +69,18 @@ def dpo_config(tmp_path: Path, *, rows: int = 16, **sections: Any) -> dict:
                            batch_size=4, **sections)
 
 
+def feedback_rows(count: int, seed: int = 0) -> list[dict]:
+    """Unpaired feedback (KTO's ``unpaired`` format): ``count`` reverse-a-string prompts, each with both answers
+    as separate rows, the reversal desirable and the string copied undesirable (3-7 letters)."""
+    return [{"prompt": f"Reverse: {word}", "completion": answer, "label": label}
+            for word in words(count, seed, (3, 7)) for answer, label in ((word[::-1], True), (word, False))]
+
+
+def kto_config(tmp_path: Path, *, prompts: int = 8, rows: list[dict] | None = None, **sections: Any) -> dict:
+    return tiny_run_config(tmp_path, rows if rows is not None else feedback_rows(prompts), fmt="unpaired",
+                           base_method={"name": "kto", "beta": 0.5}, batch_size=4, **sections)
+
+
 def grpo_config(tmp_path: Path, *, rows: int = 8, **sections: Any) -> dict:
     """GRPO on a random tiny Llama: 4 completions of up to 6 tokens per prompt, exact_answer reward."""
     method = {"name": "grpo", "group_size": 4, "max_new_tokens": 6, "rewards": [{"name": "exact_answer"}]}

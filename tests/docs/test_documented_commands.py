@@ -100,6 +100,7 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("posttune plan dpo-tiny-reverse adapter.kind=lora", ""),
         ("posttune train dpo-tiny-reverse", SHORT),
         ("posttune plot outputs/dpo-tiny-reverse", ""),
+        ("posttune train kto-tiny-reverse", SHORT),
     ],
     "GRPO (README, docs/grpo.md)": [
         ("python -m posttune_grpo.example prepare", "--steps 20"),

@@ -1,5 +1,5 @@
 """posttune-dpo: direct preference optimisation -- DPO, cDPO (label smoothing), IPO, SimPO, SLiC's hinge,
-robust DPO, RPO (an NLL term on the chosen responses) and ORPO.
+robust DPO, RPO (an NLL term on the chosen responses) and ORPO -- and KTO, from unpaired feedback.
 
     method:
       name: dpo
@@ -12,9 +12,15 @@ robust DPO, RPO (an NLL term on the chosen responses) and ORPO.
       padding_free: true          # every response its own document of one row; false: padded rows
       share_prompt: true          # padding-free: each pair's prompt computed once for both responses
 
+    method:
+      name: kto                   # rows of the dataset format `unpaired`: prompt, completion, label
+      beta: 0.1
+      desirable_weight: 1.0
+      undesirable_weight: 1.0
+
 Written against the public plugin surface only (``posttune.plugin``). Importing this package
 does not import torch. The losses are in ``losses.py``, the data, reference and loss wiring
-in ``method.py``.
+in ``method.py``; KTO's loss in ``kto_losses.py``, its data and wiring in ``kto.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from posttune.plugin import ConfigError, DatasetConfig, Method, ModelRole, RunConfig, Session, configs_in, hookimpl
+from posttune.plugin import (ConfigError, DatasetConfig, DatasetFormat, Method, ModelRole, RunConfig, Session,
+                             configs_in, hookimpl)
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
@@ -134,6 +141,85 @@ def posttune_register_methods(register):
                     "and rejected in one forward",
         micro_batch_tokens=micro_batch_tokens,
     ))
+    register(Method(
+        name="kto",
+        config=KTOConfig,
+        dataset_kind="feedback",
+        data=_kto_data,
+        loss=_kto_loss,
+        roles=kto_roles,
+        validate=kto_validate,
+        description="KTO: unpaired desirable/undesirable feedback against a KL reference point (format unpaired)",
+        micro_batch_tokens=kto_micro_batch_tokens,
+    ))
+
+
+@dataclass(frozen=True)
+class KTOConfig:
+    # strength of the implicit KL to the reference: the scale of the log-ratios inside KTO's sigmoid
+    beta: float = 0.1
+    # weight of each desirable example's loss (the paper's lambda_D)
+    desirable_weight: float = 1.0
+    # weight of each undesirable example's loss (lambda_U); the paper keeps lambda_D n_D / (lambda_U n_U) in [1, 4/3]
+    undesirable_weight: float = 1.0
+    # each row's completion and its mismatched pair (the KL estimate's) end to end in one row, each its
+    # own document: no padding computed; false: padded rows, 2 x batch_size of them
+    padding_free: bool = True
+    # padding-free: each row's prompt computed once for its completion and its mismatched pair (the same
+    # losses); off under a plan that splits the sequence (context parallelism)
+    share_prompt: bool = True
+
+
+def kto_roles(config: KTOConfig) -> tuple[ModelRole, ...]:
+    """The frozen reference, as DPO's: a copy of the policy's source, or the policy without its adapters."""
+    return (ModelRole("reference", from_policy=True, adapters_off=True),)
+
+
+def kto_validate(config: RunConfig, method: KTOConfig) -> None:
+    for field in ("beta", "desirable_weight", "undesirable_weight"):
+        value = getattr(method, field)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"method.{field}", f"expected a positive number, got {value}")
+    if config.train.batch_size < 2:
+        # one row would be paired with its own completion: z0 would be the row's own log-ratio (TRL refuses it too)
+        raise ConfigError("train.batch_size", f"kto estimates its KL reference point from each row's prompt with "
+                                              f"another row's completion; needs at least 2, got "
+                                              f"{config.train.batch_size}")
+
+
+def kto_micro_batch_tokens(config: Any, method: KTOConfig) -> tuple[int, str]:
+    """`posttune plan`'s tokens per forward: each row's completion and its mismatched pair, laid out as DPO's
+    chosen and rejected responses, so DPO's worst case."""
+    from posttune.plugin import pair_tokens
+
+    tokens, how = pair_tokens(config, padding_free=method.padding_free)
+    return tokens, how.replace("chosen and rejected in one forward", "each completion and its mismatched pair in "
+                                                                     "one forward")
+
+
+def _kto_data(session: Session, dataset: DatasetConfig, split: str) -> Any:
+    from posttune_dpo.kto import data
+
+    return data(session, dataset, split)
+
+
+def _kto_loss(session: Session, batch: Any) -> Any:
+    from posttune_dpo.kto import loss
+
+    return loss(session, batch)
+
+
+def _unpaired(row: Any) -> Any:
+    from posttune_dpo.kto import unpaired
+
+    return unpaired(row)
+
+
+@hookimpl
+def posttune_register_datasets(register):
+    register(DatasetFormat("unpaired", "feedback", _unpaired, ("prompt", "completion", "label"),
+                           "unpaired binary feedback (TRL's unpaired preference rows): prompt, completion, label "
+                           "(true: desirable)"))
 
 
 @hookimpl
