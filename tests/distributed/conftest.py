@@ -33,6 +33,9 @@ def rows(count: int, seed: int = 0, *, kind: str = "sft") -> list[dict]:
         word = "".join(rng.choice(string.ascii_uppercase) for _ in range(rng.randint(3, 9)))
         if kind == "preference":
             out.append({"prompt": f"Reverse: {word}", "chosen": word[::-1], "rejected": word})
+        elif kind == "unpaired":  # KTO's feedback: the reversal desirable, the copy not, in turn
+            answer, label = (word[::-1], True) if len(out) % 2 == 0 else (word, False)
+            out.append({"prompt": f"Reverse: {word}", "completion": answer, "label": label})
         elif kind == "prompt":
             out.append({"prompt": f"Reverse: {word}", "answer": word[::-1]})
         else:
@@ -48,7 +51,7 @@ def write_config(directory: Path, *, batch_size: int, parallel: dict | None = No
     (kd on the SFT chats, from the ``teacher`` section)."""
     directory.mkdir(parents=True, exist_ok=True)
     method = method or {"name": "sft"}
-    kind = {"dpo": "preference", "grpo": "prompt", "ppo": "prompt"}.get(method["name"], "sft")
+    kind = {"dpo": "preference", "kto": "unpaired", "grpo": "prompt", "ppo": "prompt"}.get(method["name"], "sft")
     data = directory / "train.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows(ROWS, kind=kind)))
     config = {

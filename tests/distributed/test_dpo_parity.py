@@ -1,10 +1,11 @@
 """DPO on 2 gloo ranks trains exactly like one process (fp32, per step, 1e-5): FSDP2 with full
 fine-tuning (the frozen reference sharded too) and with LoRA (the adapters-disabled reference), and
-tensor parallelism, with and without loss parallel."""
+tensor parallelism, with and without loss parallel. KTO's first step too (see its test)."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,21 @@ def test_the_frozen_reference_is_sharded_like_the_policy(tmp_path):
     assert found["all_dtensors"] and found["frozen"] and found["policy_frozen_params"] == 0
     assert found["placements"] == ["(Shard(dim=0),)"]
     assert found["local_values"] * 2 <= found["full_values"] + 2 * 384  # each rank holds about half of it
+
+
+def test_kto_under_fsdp2_takes_the_first_step_of_one_process(runs):
+    """On step 1 the policy is its reference, so KTO's reference point z0 is 0 wherever it is estimated, and two
+    ranks holding 4 rows each must take one process's step over the same 8 (the loss normalised over both
+    ranks' examples, the sharded reference). Later steps estimate z0 from each rank's own micro-batch pooled
+    over the ranks, as TRL does per device, which no single process reproduces: they are checked for finite
+    values only."""
+    kto = {"name": "kto", "beta": 0.5}
+    single = metrics(runs("kto_single", batch_size=8, method=kto, steps=3))
+    sharded = metrics(runs("kto_fsdp2", nproc=2, batch_size=4, parallel={"plans": ["fsdp2"]}, method=kto, steps=3))
+    assert [r["step"] for r in sharded] == [r["step"] for r in single] == [1, 2, 3]
+    first, want = sharded[0], single[0]
+    assert first["examples"] == want["examples"] == 8 and first["kl"] == want["kl"] == 0
+    for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+        assert abs(first[key] - want[key]) <= TOL * max(1.0, abs(want[key])), (key, first[key], want[key])
+    assert all(math.isfinite(r[key]) for r in sharded for key in ("loss", "grad_norm", "kl"))
+    assert sharded[-1]["loss"] != first["loss"]  # it trained
