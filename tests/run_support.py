@@ -39,6 +39,20 @@ def prompt_rows(count: int, seed: int = 0) -> list[dict]:
     return [{"prompt": f"Reverse: {word}", "answer": word[::-1]} for word in words(count, seed, (3, 6))]
 
 
+def write(tmp_path: Path, config: dict, name: str = "run.yaml") -> Path:
+    """``config`` as the YAML file ``tmp_path / name``, for `posttune train/validate FILE`."""
+    import yaml
+
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def metrics(output_dir: str | Path) -> list[dict]:
+    """A run's ``metrics.jsonl`` records."""
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def tiny_run_config(tmp_path: Path, rows: list[dict], *, fmt: str, base_method: dict, batch_size: int,
                     **sections: Any) -> dict:
     """A tiny random-init Llama run over ``rows`` (written to a file); sections merged over the defaults

@@ -8,17 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 from fault_support import tree_digest
-from run_support import TOKENIZER, preference_rows, save_hf_teacher, sft_config
+from run_support import TOKENIZER, preference_rows, save_hf_teacher, sft_config, write
 
 from posttune.testing import run_cli  # the installed plugins: this file mixes methods and families
-
-
-def write(tmp_path: Path, config: dict, name: str = "run.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -3,38 +3,17 @@ reward metrics) are bitwise those of the uninterrupted run, with a live or a pre
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import yaml
-from kill_support import run, together
+from kill_support import killed_and_resumed
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("precompute", [False, True], ids=["live", "precomputed"])
 def test_sigkill_mid_epoch_then_resume_gives_the_same_dpo_losses(make_dpo_config, tmp_path, precompute):
-    paths = {}
-    for name in ("straight", "killed"):
-        config = make_dpo_config(tmp_path / name, rows=24,
-                                 method={"name": "dpo", "beta": 0.5, "precompute_reference": precompute},
-                                 train={"epochs": 2, "lr": 3e-3}, checkpoint={"save_every": 2, "keep_last": 2})
-        paths[name] = tmp_path / f"{name}.yaml"
-        paths[name].write_text(yaml.safe_dump(config))
-    straight, killed = together(lambda: run(str(paths["straight"])),
-                                lambda: run(str(paths["killed"]), killer=("step", 5)))  # last checkpoint: step 4
-    assert straight.returncode == 0, straight.stderr  # mid-epoch 0 (6 steps each)
-    assert killed.returncode == -9
-    resumed = run(str(paths["killed"]), "checkpoint.resume=latest")
-    assert resumed.returncode == 0, resumed.stderr
+    def config(path):  # 24 pairs, batch 4: 6 steps an epoch, the kill at step 5 mid-epoch 0
+        return make_dpo_config(path, rows=24, method={"name": "dpo", "beta": 0.5, "precompute_reference": precompute},
+                               train={"epochs": 2, "lr": 3e-3}, checkpoint={"save_every": 2, "keep_last": 2})
 
-    def curve(name: str) -> list[tuple]:
-        records = [json.loads(line) for line in (tmp_path / name / "out" / "metrics.jsonl").read_text().splitlines()]
-        return [(r["step"], r["loss"], r["rewards/margin"], r["logps/chosen"]) for r in records]
-
-    expected = curve("straight")
+    expected = killed_and_resumed(tmp_path, config, ("loss", "rewards/margin", "logps/chosen"))
     assert [step for step, *_ in expected] == list(range(1, 13))
-    killed_curve = curve("killed")
-    assert killed_curve[:4] == expected[:4], ("two fresh runs differed before the kill: this machine does not round "
-                                             "alike run to run (docs/training.md, resume), not a resume defect")
-    assert killed_curve == expected

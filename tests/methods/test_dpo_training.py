@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import posttune_dpo
 import pytest
-import yaml
-from run_support import check_bundled_config
-
-
-def write(tmp_path: Path, config: dict, name: str = "run.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def metrics(output_dir: str | Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+from run_support import check_bundled_config, metrics, write
 
 
 def test_a_preference_config_trains_with_dpo_and_logs_pair_metrics(llama_dpo, posttune_cli, make_dpo_config,

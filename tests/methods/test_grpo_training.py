@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 from posttune.plugin import RewardFunction, hookimpl
-from run_support import check_bundled_config, compose_run, grpo_config, prompt_rows
+from run_support import check_bundled_config, compose_run, grpo_config, prompt_rows, write
 
 VOWELS = set("AEIOU")
 
@@ -54,12 +54,6 @@ def llama_grpo(register_plugin):
 def vowel_config(tmp_path: Path, **sections) -> dict:
     method = {"rewards": [{"name": "vowel_share"}], "temperature": 1.0, **sections.pop("method", {})}
     return grpo_config(tmp_path, method=method, **sections)
-
-
-def write(tmp_path: Path, config: dict, name: str = "run.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def records(config: dict) -> list[dict]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from run_support import check_bundled_config, compose_run, kd_config, save_hf_teacher
+from run_support import check_bundled_config, compose_run, kd_config, save_hf_teacher, write
 
 TOL = 1e-6
 
@@ -33,12 +33,6 @@ def llama_kd(register_plugin):
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> Path:
     return save_hf_teacher(tmp_path_factory.mktemp("kd") / "teacher")
-
-
-def write(tmp_path: Path, config: dict, name: str = "run.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def records(config: dict) -> list[dict]:

@@ -3,29 +3,16 @@ learns and resumes, config refusals, and one step split two ways giving one upda
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from run_support import check_bundled_config, compose_run, feedback_rows, kto_config
+from run_support import check_bundled_config, compose_run, feedback_rows, kto_config, metrics, write
 
 import posttune_dpo
 
 
 #: a perturbation of the policy after which the first batch's mismatched pairs have a positive mean log-ratio
 PERTURB_SEED = 3
-
-
-def write(tmp_path: Path, config: dict, name: str = "run.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def metrics(output_dir: str | Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_unpaired_rows_read_strings_and_messages():
