@@ -79,9 +79,9 @@ def together(*calls: Callable[[], T]) -> list[T]:
 
 
 def killed_and_resumed(tmp_path: Path, config_for: Callable[[Path], dict], keys: tuple[str, ...]) -> list[tuple]:
-    """An uninterrupted run beside the same run SIGKILLed at step 5 (``config_for`` must save every 2 steps, so
-    the last checkpoint is step 4), then the killed one resumed with ``checkpoint.resume=latest``: the
-    uninterrupted run's per-step (step, *keys), after checking that the resumed run logged exactly those."""
+    """An uninterrupted run beside the same run SIGKILLed at step 5 (``config_for(folder)`` saves checkpoints
+    before it), then the killed one resumed with ``checkpoint.resume=latest``: the uninterrupted run's
+    per-step (step, *keys), after checking that the resumed run logged exactly those."""
     import yaml
 
     paths = {}
