@@ -15,6 +15,7 @@ import posttune_sft
 import posttune_torchao
 from posttune.adapters import apply_adapters
 from posttune.training.optim import param_groups, rescale_lr
+from posttune.training.run_report import banner
 from posttune.training.trainer import train
 
 LR, RATIO = 1e-3, 16.0
@@ -64,7 +65,8 @@ def test_the_groups_are_peft_s(plugins):
 @pytest.mark.parametrize("memory", [[], ["adamw_8bit"]])
 def test_the_ratio_holds_through_the_schedule(plugins, tmp_path, memory):
     session = compose_run(sft_config(tmp_path, train=TRAIN, memory=memory,
-                                     adapter={"kind": "dora", "rank": 4, "alpha": 8, "loraplus_lr_ratio": RATIO}))
+                                     adapter={"kind": "dora", "rank": 4, "alpha": 8, "loraplus_lr_ratio": RATIO,
+                                              "rslora": True}))
     fast = [group for group in session.optimizer.param_groups if group["initial_lr"] == pytest.approx(LR * RATIO)]
     slow = [group for group in session.optimizer.param_groups if group["initial_lr"] == pytest.approx(LR)]
     assert len(fast) + len(slow) == len(session.optimizer.param_groups) and fast and slow
@@ -72,6 +74,7 @@ def test_the_ratio_holds_through_the_schedule(plugins, tmp_path, memory):
     assert {names[id(p)].split(".")[-2 if p.ndim > 1 else -1] for g in fast for p in g["params"]} == {
         "lora_B", "magnitude"}
     assert {names[id(p)].split(".")[-2] for g in slow for p in g["params"]} == {"lora_A"}
+    assert banner(session)[0].endswith(", dora rank 4 alpha 8, rsLoRA, LoRA+ ratio 16")  # what the run prints
     train(session)  # past warmup, into the cosine: every group's lr keeps its ratio to the first's
     rescale_lr(session.optimizer, session.scheduler, 0.5)  # what a resume with half the train.lr does
     for group in fast:

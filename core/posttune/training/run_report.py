@@ -129,8 +129,9 @@ def banner(session: Any) -> list[str]:
     config, plan = session.config, session.plan
     total, trainable = parameter_counts(session.trainable)
     adapter = config.adapter
-    tuned = (f"{adapter.kind} rank {adapter.rank} alpha {adapter.alpha:g}" if adapter is not None
-             else "full fine-tuning")
+    tuned = (f"{adapter.kind} rank {adapter.rank} alpha {adapter.alpha:g}" + (", rsLoRA" if adapter.rslora else "")
+             + (f", LoRA+ ratio {adapter.loraplus_lr_ratio:g}" if adapter.loraplus_lr_ratio is not None else "")
+             if adapter is not None else "full fine-tuning")
     data_ranks = distributed.data_rank(session)[1]
     batch, accumulation = config.train.batch_size, config.train.grad_accum_steps
     lines = [
