@@ -41,11 +41,18 @@ class PairMaker(SampleMaker):
         self.max_prompt_len = max_prompt_len
 
     def make(self, pair: PreferencePair) -> list[tuple[list[int], list[int]]] | None:
-        messages = self.with_system(pair.prompt)
+        return self.responses(pair.prompt, (pair.chosen, pair.rejected))
+
+    def responses(self, prompt_messages: Messages,
+                  responses: Sequence[Messages]) -> list[tuple[list[int], list[int]]] | None:
+        """``(ids, labels)`` of each response rendered after the prompt, the prompt masked (its tail kept under
+        ``max_prompt_len``), cut to ``max_seq_len``; None when truncation leaves one with nothing to score.
+        A preference pair has two responses; a method scoring one (KTO's feedback) passes one."""
+        messages = self.with_system(prompt_messages)
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         cut = max(0, len(prompt) - self.max_prompt_len) if self.max_prompt_len is not None else 0
         samples = []
-        for response in (pair.chosen, pair.rejected):
+        for response in responses:
             ids, trained = self.tokenizer.tokenize_messages([*messages, *response])
             if list(ids[: len(prompt)]) != list(prompt):
                 raise ValueError("the chat template renders the prompt differently once a response follows it, "

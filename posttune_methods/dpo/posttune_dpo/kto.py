@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from posttune.plugin import (IGNORE_INDEX, DatasetConfig, LossOutput, PairMaker, PreferencePair, Session,
+from posttune.plugin import (IGNORE_INDEX, DatasetConfig, LossOutput, PairMaker, Session,
                              as_messages, token_logps)
 from posttune_dpo.kto_losses import kl_reference_point, kto_losses
 from posttune_dpo.method import REFERENCE, pair_logps
@@ -61,15 +61,14 @@ def unpaired(row: Mapping[str, Any]) -> FeedbackRow:
 class FeedbackMaker(PairMaker):
     """Feedback rows -> ``[(completion ids, labels), ([label], [IGNORE_INDEX])]`` (a sample group).
 
-    The completion is tokenized exactly as DPO tokenizes a response (``PairMaker``); row errors,
+    The completion is tokenized exactly as DPO tokenizes a response (``PairMaker.responses``); row errors,
     ``skip_bad_rows`` and the skip counts are ``SampleMaker``'s.
     """
 
     kind = KIND
 
     def make(self, row: FeedbackRow) -> list[tuple[list[int], list[int]]] | None:
-        # PairMaker scores two responses; the same one twice costs a second tokenization, once per row
-        samples = super().make(PreferencePair(row.prompt, row.completion, row.completion))
+        samples = self.responses(row.prompt, (row.completion,))
         if samples is None:  # truncation left nothing of the completion to score
             return None
         return [samples[0], ([int(row.desirable)], [IGNORE_INDEX])]
