@@ -17,7 +17,8 @@ from posttune import first_party, tracking
 from posttune.checkpoint.source import family_for, is_hub_id, read_hf_config
 from posttune.config.components import check_components
 from posttune.config.requires import check_requires, device_for
-from posttune.config.schema import DatasetConfig, ModelConfig, RunConfig, dataset_sources
+from posttune.config.mixture import dataset_sources
+from posttune.config.schema import DatasetConfig, ModelConfig, RunConfig
 from posttune.config.typed import from_dict
 from posttune.descriptors import STAGES, MeshDim, ModelRole, ParallelPlan
 from posttune.errors import ConfigError, PosttuneError, UnknownNameError, did_you_mean

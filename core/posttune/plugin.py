@@ -20,7 +20,8 @@ from typing import Any
 from posttune.config.bundled import configs_in
 from posttune.config.data_checks import first_jsonl_row
 from posttune.config.requires import device_for, require_cuda
-from posttune.config.schema import DatasetConfig, RunConfig, dataset_sources
+from posttune.config.mixture import dataset_sources
+from posttune.config.schema import DatasetConfig, RunConfig
 from posttune.config.typed import from_dict
 from posttune.descriptors import (
     DECODER_LINEAR_LAYERS,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from posttune.config.mixture import dataset_sources
 from posttune.errors import ConfigError
 
 
@@ -97,11 +98,7 @@ def _sections(config: Any, name: str) -> list[tuple[str, Any]]:
     if name != "dataset":
         section = getattr(config, name)
         return [] if section is None else [(name, section)]
-    found = []
-    for split in ("train", "validation"):
-        dataset = getattr(config.data, split) if config.data is not None else None
-        if dataset is not None:
-            sources = dataset.sources or (dataset,)
-            found += [(f"data.{split}[{i}]" if dataset.sources else f"data.{split}", source)
-                      for i, source in enumerate(sources)]
-    return found
+    sections = [(split, getattr(config.data, split) if config.data is not None else None)
+                for split in ("train", "validation")]
+    return [source for split, dataset in sections if dataset is not None
+            for source in dataset_sources(dataset, f"data.{split}")]

@@ -79,14 +79,6 @@ def mixture(sources: list[DatasetConfig], where: str) -> DatasetConfig:
     return mixed
 
 
-def dataset_sources(dataset: DatasetConfig, where: str) -> list[tuple[str, DatasetConfig]]:
-    """``(field, dataset)`` for every dataset a data section reads: itself, or each of a mixture's as
-    ``data.train[i]``, which is how errors about it are named."""
-    if not dataset.sources:
-        return [(where, dataset)]
-    return [(f"{where}[{i}]", source) for i, source in enumerate(dataset.sources)]
-
-
 @dataclass(frozen=True)
 class DataConfig:
     train: DatasetConfig  # the training dataset, or a list of them read as one (a mixture, docs/training.md)

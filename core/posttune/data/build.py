@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from posttune.config.schema import DatasetConfig, dataset_sources
+from posttune.config.mixture import dataset_sources
+from posttune.config.schema import DatasetConfig
 from posttune.data.loader import BatchLoader
 from posttune.data.loading import check_columns, load_rows
 from posttune.data.local_files import guarded
