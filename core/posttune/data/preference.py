@@ -47,7 +47,7 @@ class PairMaker(SampleMaker):
                   responses: Sequence[Messages]) -> list[tuple[list[int], list[int]]] | None:
         """``(ids, labels)`` of each response rendered after the prompt, the prompt masked (its tail kept under
         ``max_prompt_len``), cut to ``max_seq_len``; None when truncation leaves one with nothing to score.
-        A preference pair has two responses; a method scoring one (KTO's feedback) passes one."""
+        A preference pair has two responses; a method that scores a single response passes one."""
         messages = self.with_system(prompt_messages)
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         cut = max(0, len(prompt) - self.max_prompt_len) if self.max_prompt_len is not None else 0
