@@ -166,6 +166,16 @@ def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
     return prepared
 
 
+def check_tool_use(source: str, messages: Sequence[Mapping[str, Any]], tools: Any, where: str) -> None:
+    """Tool definitions or tool calls given to a template that never reads them would vanish from the text the
+    model trains on without a word: refused instead, naming what the template leaves out."""
+    calls = any("tool_calls" in message for message in messages)
+    for given, name, what in ((tools, "tools", "the tool definitions"), (calls, "tool_calls", "the tool calls")):
+        if given and not re.search(rf"\b{name}\b", source):
+            raise PosttuneError(f"the chat template in {where} never reads `{name}`, so {what} would be left out "
+                                "of the text; use a template that renders them (tokenizer.chat_template)")
+
+
 def render(source: str, messages: list[dict[str, Any]], *, where: str, add_generation_prompt: bool = False,
            tools: Any = None, variables: Mapping[str, Any] | None = None, limits: RenderLimits | None = None) -> str:
     """The rendered chat text. ``variables`` are the special tokens and the caller's extra template kwargs.

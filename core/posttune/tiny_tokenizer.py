@@ -55,7 +55,13 @@ CHATML_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
 {{- '<|im_end|>\\n' }}
 {%- for message in messages %}
     {%- if message.role != 'system' or not loop.first %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+        {{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}
+        {%- for call in message.tool_calls | default([]) %}
+            {%- set function = call.function if call.function is defined else call %}
+            {{- ('\\n' if message.content or not loop.first else '') + '<tool_call>\\n' + function | tojson }}
+            {{- '\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}

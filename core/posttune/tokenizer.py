@@ -118,6 +118,7 @@ class Tokenizer:
         """
         prepared = ct.prepare_messages(messages)
         source = self._template(tools)
+        ct.check_tool_use(source, prepared, tools, self._where(source))  # training text must hold them
         variables = {**self.special_tokens, **template_kwargs}
         if ct.has_generation_blocks(source):
             text, spans = ct.render_generation_spans(source, prepared, where=self._where(source), tools=tools,
@@ -133,6 +134,12 @@ class Tokenizer:
         if max_seq_len is not None:
             ids, mask = ids[:max_seq_len], mask[:max_seq_len]
         return ids, mask
+
+    def check_tool_use(self, messages: Sequence[Mapping[str, Any]], tools: Any) -> None:
+        """Refuse tools or tool calls this tokenizer's template never reads (`chat_template.check_tool_use`):
+        ``tokenize_messages`` does for training text; ``apply_chat_template`` renders as transformers does."""
+        source = self._template(tools)
+        ct.check_tool_use(source, ct.prepare_messages(messages), tools, self._where(source))
 
     def _added_token_texts(self) -> list[str]:
         return [token.content for token in self.backend.get_added_tokens_decoder().values()]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from posttune.chat_messages import chat_message
 from posttune.descriptors import DatasetFormat
 from posttune.plugins import PLUGIN_API, hookimpl
 
@@ -43,12 +44,13 @@ def alpaca(row: Mapping[str, Any]) -> list[dict[str, str]]:
             {"role": "assistant", "content": field_of(row, "output")}]
 
 
-def chat(row: Mapping[str, Any]) -> list[dict[str, str]]:
+def chat(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The turns, with their tool calls, tool results' ids and reasoning (`posttune.chat_messages`)."""
     if row.get("messages") is not None:
-        return [_message(m, i, "messages", "role", "content", {r: r for r in ROLES})
+        return [chat_message(m, f"messages[{i}]", {r: r for r in ROLES})
                 for i, m in enumerate(_turns(row, "messages"))]
     if row.get("conversations") is not None:
-        return [_message(m, i, "conversations", "from", "value", SHAREGPT_ROLES)
+        return [chat_message(m, f"conversations[{i}]", SHAREGPT_ROLES, role_key="from", content_key="value")
                 for i, m in enumerate(_turns(row, "conversations"))]
     raise KeyError("messages")
 
@@ -58,20 +60,6 @@ def _turns(row: Mapping[str, Any], name: str) -> list[Any]:
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"field '{name}' must be a non-empty list of turns")
     return turns
-
-
-def _message(turn: Any, index: int, field: str, role_key: str, content_key: str,
-             roles: Mapping[str, str]) -> dict[str, str]:
-    where = f"{field}[{index}]"
-    if not isinstance(turn, Mapping):
-        raise ValueError(f"field '{where}' must be an object with '{role_key}' and '{content_key}'")
-    role, content = turn.get(role_key), turn.get(content_key)
-    if not isinstance(role, str) or role not in roles:  # a list or mapping is no role (and not hashable)
-        raise ValueError(f"field '{where}.{role_key}': unknown role {role!r} (expected one of "
-                         f"{', '.join(sorted(roles))})")
-    if not isinstance(content, str):
-        raise ValueError(f"field '{where}.{content_key}' must be a string")
-    return {"role": roles[role], "content": content}
 
 
 def text(row: Mapping[str, Any]) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from posttune import hub
+from posttune.chat_messages import row_tools
 from posttune.errors import ConfigError
 
 #: file extension -> the `datasets` packaged builder that reads it
@@ -125,6 +126,10 @@ def check_first_rows(plan: Any) -> None:
                 raise ConfigError(f"{where}.column_map.{field}",
                                   f"the dataset has no column {column!r} (columns: {', '.join(map(str, row))})")
             renamed[field] = row[column]
+        try:
+            row_tools(renamed)
+        except ValueError as exc:
+            raise ConfigError(where, f"the first row of {dataset.path}: {exc}") from None
         try:
             fmt.descriptor.transform(renamed)
         except (KeyError, ValueError, TypeError) as exc:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from posttune.chat_messages import chat_message
 from posttune.data.samples import SampleMaker, shift_labels
 
 Messages = list[dict[str, Any]]
@@ -49,11 +50,11 @@ class PairMaker(SampleMaker):
         ``max_prompt_len``), cut to ``max_seq_len``; None when truncation leaves one with nothing to score.
         A preference pair has two responses; a method that scores a single response passes one."""
         messages = self.with_system(prompt_messages)
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=self.tools)
         cut = max(0, len(prompt) - self.max_prompt_len) if self.max_prompt_len is not None else 0
         samples = []
         for response in responses:
-            ids, trained = self.tokenizer.tokenize_messages([*messages, *response])
+            ids, trained = self.tokenizer.tokenize_messages([*messages, *response], tools=self.tools)
             if list(ids[: len(prompt)]) != list(prompt):
                 raise ValueError("the chat template renders the prompt differently once a response follows it, "
                                  "so the prompt cannot be masked")
@@ -66,18 +67,13 @@ class PairMaker(SampleMaker):
 
 
 def as_messages(value: Any, field: str, role: str) -> Messages:
-    """A string (one ``role`` turn) or a list of ``{"role", "content"}`` messages, checked."""
+    """A string (one ``role`` turn) or a list of ``{"role", "content"}`` messages (tool calls and reasoning
+    kept, `posttune.chat_messages`), checked."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     if not isinstance(value, Sequence) or not value:
         raise ValueError(f"field '{field}' must be a string or a non-empty list of messages")
-    messages = []
-    for index, message in enumerate(value):
-        if not isinstance(message, Mapping) or not isinstance(message.get("content"), str) \
-                or not isinstance(message.get("role"), str):
-            raise ValueError(f"field '{field}[{index}]' must be an object with string 'role' and 'content'")
-        messages.append({"role": message["role"], "content": message["content"]})
-    return messages
+    return [chat_message(message, f"{field}[{index}]") for index, message in enumerate(value)]
 
 
 def preference_pair(row: Mapping[str, Any]) -> PreferencePair:

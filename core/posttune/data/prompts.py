@@ -52,7 +52,9 @@ class PromptMaker(SampleMaker):
 
     def make(self, row: PromptRow) -> tuple[list[int], PromptRow] | None:
         if self.tokenizer.chat_template is not None:
-            ids = list(self.tokenizer.apply_chat_template(self.with_system(row.messages), add_generation_prompt=True))
+            self.tokenizer.check_tool_use(row.messages, self.tools)
+            ids = list(self.tokenizer.apply_chat_template(self.with_system(row.messages), add_generation_prompt=True,
+                                                          tools=self.tools))
         elif isinstance(row.prompt, str):
             ids = list(self.tokenizer.encode(row.prompt))
         else:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from posttune.chat_messages import row_tools
 from posttune.data.loading import rename
 from posttune.descriptors import DatasetFormat
 from posttune.errors import PosttuneError
@@ -88,6 +89,7 @@ class SampleMaker:
         self.skip_bad_rows, self.column_map, self.where = skip_bad_rows, dict(column_map or {}), where
         self.skipped = skipped if skipped is not None else SkipCounts()
         self.system_prompt = system_prompt
+        self.tools: list[dict[str, Any]] | None = None  # the current row's tool definitions (`row_tools`)
         self.first_row = 0  # the number of this dataset's first row among all the run reads (a mixture's)
 
     def for_source(self, dataset: Any, fmt: DatasetFormat, where: str, first_row: int) -> SampleMaker:
@@ -110,7 +112,9 @@ class SampleMaker:
     def __call__(self, row: Mapping[str, Any], index: int) -> Any:
         """What a row becomes (here: ``(ids, labels)``), or None when it is skipped (and counted)."""
         try:
-            made = self.make(self.fmt.transform(rename(row, self.column_map)))
+            row = rename(row, self.column_map)
+            self.tools = row_tools(row)  # the row's `tools` reach the chat template with its messages
+            made = self.make(self.fmt.transform(row))
         except (KeyError, ValueError) as exc:
             return self._bad(index, self._problem(exc))
         except TemplateLimitError as exc:  # the template is at fault, not the row: skipping rows would not help
@@ -138,7 +142,7 @@ class SampleMaker:
             return ids, [True] * len(ids)
         ids, trained = self.tokenizer.tokenize_messages(self.with_system(content),
                                                         train_on_input=self.train_on_input,
-                                                        max_seq_len=self.max_seq_len)
+                                                        max_seq_len=self.max_seq_len, tools=self.tools)
         return list(ids), list(trained)
 
     def _problem(self, exc: KeyError | ValueError) -> str:
