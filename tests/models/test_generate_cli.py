@@ -164,3 +164,26 @@ def test_system_without_chat_is_one_line(checkpoint, posttune_cli):
     path, _ = checkpoint
     result = posttune_cli("generate", "--model", str(path), "--prompt", "hi", "--system", "be brief")
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "--system needs --chat" in result.stderr
+
+
+def test_tools_reach_the_chat_template_as_transformers_renders_them(checkpoint, posttune_cli, tmp_path):
+    path, tokenizer = checkpoint
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "number"}}}}}]
+    (tmp_path / "tools.json").write_text(json.dumps(tools))
+    messages = [{"role": "user", "content": "add one"}]
+    text = transformers.AutoTokenizer.from_pretrained(path).apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert '"name": "add"' in text
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    flags = ["--model", str(path), "--prompt", "add one", "--chat", "--max-new-tokens", "6", "--show-ids"]
+    result = posttune_cli("generate", *flags, "--tools", str(tmp_path / "tools.json"))
+    assert result.exit_code == 0, result.stderr
+    assert [int(i) for i in result.stdout.rstrip("\n").rsplit("\n", 1)[1].split()] == reference(
+        path, ids, 6, tokenizer.eos_ids)
+    (tmp_path / "bad.json").write_text('{"name": "add"}')
+    bad = posttune_cli("generate", *flags, "--tools", str(tmp_path / "bad.json"))
+    assert bad.exit_code == 2 and bad.stderr.count("\n") == 1
+    assert f"--tools {tmp_path / 'bad.json'}: field 'tools' must be a non-empty list" in bad.stderr
+    plain = posttune_cli("generate", "--model", str(path), "--prompt", "hi", "--tools", str(tmp_path / "tools.json"))
+    assert plain.exit_code == 2 and "--tools needs --chat" in plain.stderr

@@ -35,6 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the text to complete; repeat it to complete several prompts in one batch")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
+    parser.add_argument("--tools", metavar="FILE", help="with --chat: a JSON file holding a list of tool definitions "
+                                                        "(JSON schemas), given to the chat template as `tools`")
     parser.add_argument("--adapter", help="a PEFT adapter directory to apply on top of the model")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="tokens to generate at most, >= 1 (default 128; capped to the model's context)")
@@ -60,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from posttune.generation import generate_batch
 
     check_options(args)
+    tools = read_tools(args.tools)
     base = args.model or adapter_base(args.adapter)
     check_causal(base)
     model = load_model(base, dtype=args.dtype, device=device_of(args.device))
@@ -69,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
         load_peft_adapter(model, args.adapter)
     tokenizer = load_tokenizer(tokenizer_source(base, args.adapter))
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
-    prompts = [tokenizer.apply_chat_template([*system, {"role": "user", "content": prompt}], add_generation_prompt=True)
+    if args.chat and tools is not None:
+        tokenizer.check_tool_use([{"role": "user", "content": args.prompt[0]}], tools)
+    prompts = [tokenizer.apply_chat_template([*system, {"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tools=tools)
                if args.chat else tokenizer.encode(prompt) for prompt in args.prompt]
     max_new_tokens = fit_prompts(model, prompts, args.max_new_tokens)
     with torch.no_grad():
@@ -92,6 +98,8 @@ def check_options(args: argparse.Namespace) -> None:
 
     if args.system is not None and not args.chat:
         raise PosttuneError("generate: --system needs --chat (a system message is a turn of the chat template)")
+    if args.tools is not None and not args.chat:
+        raise PosttuneError("generate: --tools needs --chat (the chat template renders the tool definitions)")
     if args.max_new_tokens < 1:
         raise PosttuneError(f"generate: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
@@ -104,6 +112,22 @@ def check_options(args: argparse.Namespace) -> None:
     if given and args.temperature == 0:
         raise PosttuneError(f"generate: {given[0]} only applies when sampling: add --temperature above 0 "
                             f"(the default, 0, is greedy)")
+
+
+def read_tools(path: str | None) -> list[dict] | None:
+    """``--tools FILE``'s tool definitions, checked as a dataset row's ``tools`` are; one line naming the file."""
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    from posttune.chat_messages import row_tools
+    from posttune.errors import PosttuneError
+
+    try:
+        return row_tools({"tools": json.loads(Path(path).read_text(encoding="utf-8"))})
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # json's errors are ValueErrors too
+        raise PosttuneError(f"generate: --tools {path}: {exc}") from None
 
 
 def fit_prompts(model: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> int:
