@@ -130,13 +130,15 @@ def pair_rows(batch: dict) -> dict:
 
 def assert_same_step(got: tuple[Any, dict], expected: tuple[Any, dict], *, loss_atol: float, msg: str) -> None:
     """Two (LossOutput, gradients by name) of one step on the same weights: the same loss sum (``loss_atol``),
-    metrics (1e-5) and gradients (1e-6), naming ``msg`` on a failure."""
+    metrics (1e-5, or 1e-6 relative: a sum of log-probs over a batch is in the hundreds, where one fp32 step
+    is 1.5e-5 and the layouts sum in another order; seen off by that step on an AMD EPYC) and gradients (1e-6),
+    naming ``msg`` on a failure."""
     import torch
 
     (out, grads), (want, want_grads) = got, expected
     torch.testing.assert_close(out.loss_sum, want.loss_sum, rtol=0, atol=loss_atol, msg=msg)
     for key, (total, _count) in want.metrics.items():
-        torch.testing.assert_close(out.metrics[key][0], total, rtol=0, atol=1e-5, msg=f"{msg} {key}")
+        torch.testing.assert_close(out.metrics[key][0], total, rtol=1e-6, atol=1e-5, msg=f"{msg} {key}")
     assert grads.keys() == want_grads.keys()
     for key, grad in want_grads.items():
         torch.testing.assert_close(grads[key], grad, rtol=0, atol=1e-6, msg=f"{msg} {key}")
