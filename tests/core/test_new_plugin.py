@@ -200,6 +200,7 @@ def test_a_missing_output_folder_is_an_error(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a venv and pip: minutes; tox -e isolation does the same for the first-party ones
 def test_pip_install_into_a_fresh_venv_then_its_tests_pass(tmp_path):
     """What a plugin author does: generate, pip install next to posttune, run the plugin's tests."""
     root = generate("method", "demo", tmp_path)

@@ -4,8 +4,8 @@ one process; an EP run resumes after a kill -9 (gloo on CPU, fp32; docs/moe.md).
 The checkpoint is a tiny Qwen3-MoE whose routing is skewed on purpose: every token's two
 experts are experts 0 and 1, so with ep=2 rank 1 (experts 4-7) and with ep=4 ranks 1-3 receive
 no token at all, and the all-to-all runs with empty splits. Each parallel run sees the same
-global batch as the single process (8 rows); per-step losses and gradient norms agree within
-1e-5, and so do the saved weights, full fine-tuning and LoRA.
+global batch as the single process (8 rows); per-step losses agree within 1e-5, and so does the first
+step's gradient norm; later gradient norms and the saved weights within 5e-5, full fine-tuning and LoRA.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ TOL = 1e-5
 #: saved weights across ranks: TP's all-reduces and the data ranks' gradient reductions sum in another
 #: order than one process, and Adam's division by the root of the second moment magnifies that rounding
 #: where a gradient is near zero (after 3 steps: 1.1e-5 seen on q_proj under TP, 1.6e-5 under ep4 once
-#: RMSNorm's backward summed its input's gradient in another order); losses and gradient norms still
-#: agree within TOL
+#: RMSNorm's backward summed its input's gradient in another order; 2.2e-5 under TP on an AMD EPYC, whose
+#: gradient norm at step 2 then differed by 1.9e-5 relative); losses still agree within TOL
 WEIGHTS_TOL = 5e-5
 EP = {"plans": ["fsdp2", "ep"]}
 LORA = {"rank": 4, "alpha": 8}
@@ -89,7 +89,9 @@ def assert_same_run(run: Path, reference: Path, weights: str, weights_tol: float
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
     for a, b in zip(got, want):
         assert abs(a["loss"] - b["loss"]) <= TOL, (a["step"], a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= TOL * max(1.0, b["grad_norm"]), a["step"]
+        # step 1 starts from the same weights; later steps from weights apart by Adam-magnified rounding
+        norm_tol = TOL if a["step"] == 1 else WEIGHTS_TOL
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= norm_tol * max(1.0, b["grad_norm"]), a["step"]
         assert a["aux_loss"] == pytest.approx(b["aux_loss"], abs=TOL) and a["expert_tokens_dropped"] == 0
     assert want[0]["expert_tokens_min"] == 0  # the skew holds: six experts get no token
     saved, expected = load_file(run / weights), load_file(reference / weights)
@@ -107,7 +109,12 @@ def test_routing_is_skewed_onto_two_experts(skewed):
     assert torch.unique(router(hidden.reshape(-1, 64))[3]).tolist() == [0, 1]
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+#: the default run keeps one layout of each kind (EP with FSDP, TP alone, EP x TP); tox -e extended the rest
+EXTENDED = {"ep2", "ep4", "tp2_no_sequence_parallel"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.extended) if name in EXTENDED else name
+                                  for name in RUNS])
 def test_full_finetuning_matches_one_process(ep_runs, name):
     reference = ep_runs("single", batch_size=8)
     assert_same_run(ep_runs(name, **RUNS[name]), reference, "model/model.safetensors", WEIGHTS_TOL)

@@ -153,6 +153,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited; its new parent reaps it
 
 
+@pytest.mark.extended
 def test_workers_whose_launcher_is_killed_stop_with_a_checkpoint_and_resume(tmp_path):
     """SIGKILL to `posttune train --nproc-per-node 2` (torchrun's agent runs in that process): no
     signal reaches the workers, so each notices its parent is gone, they agree on a step, save it

@@ -41,7 +41,9 @@ def method(on_policy_fraction: float = 0.0, **settings) -> dict:
             "max_new_tokens": 6, **settings}
 
 
-@pytest.mark.parametrize("on_policy_fraction", [0.0, 0.5], ids=["off_policy", "on_policy"])
+# the on-policy run takes the off-policy path too (a fraction of its steps); tox -e extended runs both
+@pytest.mark.parametrize("on_policy_fraction", [pytest.param(0.0, marks=pytest.mark.extended), 0.5],
+                         ids=["off_policy", "on_policy"])
 def test_kd_under_fsdp2_matches_one_process(runs, teacher, on_policy_fraction):
     name = "kd_on" if on_policy_fraction else "kd_off"
     kd = method(on_policy_fraction)
@@ -53,6 +55,7 @@ def test_kd_under_fsdp2_matches_one_process(runs, teacher, on_policy_fraction):
         assert 0 < sum(r["on_policy"] for r in reference) < len(reference)
 
 
+@pytest.mark.extended
 def test_kd_with_a_lora_student_under_fsdp2_matches_one_process(runs, teacher):
     lora = {"rank": 4, "alpha": 8, "dropout": 0.0}
     single = runs("kd_lora_single", batch_size=8, method=method(), teacher=teacher, adapter=lora)

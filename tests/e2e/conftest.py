@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import string
 import subprocess
@@ -94,17 +95,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def full_demo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """`posttune train llama-demo-reverse` as the README runs it, started with the first end-to-end test
-    when tests/e2e/test_demo.py's full demo is selected: (the process, its folder), where stdout.txt and
-    stderr.txt are what it printed and demo/ its output_dir. None when the test is not selected."""
-    if not any(_is_full_demo(item) for item in request.session.items):
-        yield None
-        return
-    root = tmp_path_factory.mktemp("full-demo")
-    with (root / "stdout.txt").open("w") as stdout, (root / "stderr.txt").open("w") as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "posttune.cli.main", "train", "llama-demo-reverse",
-                                    f"checkpoint.output_dir={root / 'demo'}"], stdout=stdout, stderr=stderr, text=True)
-        yield process, root
+    """`posttune train llama-demo-reverse` as the README runs it: a function giving (the process, its folder),
+    where stdout.txt and stderr.txt are what it printed and demo/ its output_dir. The run starts with the first
+    end-to-end test when tests/e2e/test_demo.py's full demo is selected, so that it trains while they run;
+    under pytest-xdist every worker collects every test, so there it starts when the test asks for it (the
+    other worker's tests are what overlaps it)."""
+    started: list[tuple[subprocess.Popen, Path]] = []
+
+    def start() -> tuple[subprocess.Popen, Path]:
+        if not started:
+            root = tmp_path_factory.mktemp("full-demo")
+            with (root / "stdout.txt").open("w") as stdout, (root / "stderr.txt").open("w") as stderr:
+                # with torch's own thread count, as the README's command runs (tox sets one thread per worker)
+                env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+                process = subprocess.Popen([sys.executable, "-m", "posttune.cli.main", "train", "llama-demo-reverse",
+                                            f"checkpoint.output_dir={root / 'demo'}"], stdout=stdout, stderr=stderr,
+                                           text=True, env=env)
+            started.append((process, root))
+        return started[0]
+
+    if any(_is_full_demo(item) for item in request.session.items) and not hasattr(request.config, "workerinput"):
+        start()
+    yield start
+    for process, _ in started:
         if process.poll() is None:  # the test did not wait for it (deselected by -x, or it failed early)
             process.kill()
             process.wait()

@@ -1,5 +1,6 @@
 """The benchmark scripts that are run by hand (on an idle machine, on a lent GPU) still run: their
-smoke modes end with a JSON report whose numbers are there and positive."""
+smoke modes end with a JSON report whose numbers are there and positive. Minutes of tooling that no user
+runs, so `tox -e extended` runs them (before a change to a benchmark script lands), not the default run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from run_support import run_python
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+pytestmark = pytest.mark.extended
 
 
 @pytest.mark.slow

@@ -63,6 +63,7 @@ def test_resume_latest_skips_a_damaged_checkpoint_and_matches_the_uninterrupted_
     assert losses(out) == expected
 
 
+@pytest.mark.extended
 def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, expected):
     path, out = killed_at_step_7(tmp_path)
     with open(out / "metrics.jsonl", "a") as f:
@@ -72,6 +73,7 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, expected):
     assert losses(out) == expected
 
 
+@pytest.mark.extended
 def test_resume_latest_without_a_checkpoint_redoes_every_logged_step(tmp_path, expected):
     path, out = write(tmp_path, "early", save_every=None)
     assert run(str(path), killer=("step", 3)).returncode == -9  # logged 3 steps, saved none
@@ -110,10 +112,12 @@ FREE = r"\d+\.\d (KiB|MiB|GiB|TiB) free on its disk"
 @pytest.mark.parametrize(("fault", "what", "reason"), [
     ("enospc", "checkpoint {out}/checkpoints/step-00000006 (optimizer.pt)",
      f"No space left on device; {FREE}; the previous checkpoints are intact"),
-    ("eacces", "checkpoint {out}/checkpoints/step-00000006 (optimizer.pt)",
-     f"Permission denied; {FREE}; the previous checkpoints are intact"),
-    ("fsize", "checkpoint {out}/checkpoints/step-00000006 (optimizer.pt)",  # torch's RuntimeError, as on a full disk
-     rf"the write stopped short \(unexpected pos \d+ vs \d+\); {FREE}; the previous checkpoints are intact"),
+    # another errno, and torch's RuntimeError as on a full disk: the same path, so tox -e extended runs them
+    pytest.param("eacces", "checkpoint {out}/checkpoints/step-00000006 (optimizer.pt)",
+                 f"Permission denied; {FREE}; the previous checkpoints are intact", marks=pytest.mark.extended),
+    pytest.param("fsize", "checkpoint {out}/checkpoints/step-00000006 (optimizer.pt)",
+                 rf"the write stopped short \(unexpected pos \d+ vs \d+\); {FREE}; the previous checkpoints are intact",
+                 marks=pytest.mark.extended),
     ("final_enospc", "model {out}/model (model.safetensors)",
      f"No space left on device; {FREE}; a previous final model there is intact"),
 ])

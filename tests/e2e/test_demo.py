@@ -67,7 +67,7 @@ def test_full_demo_learns_to_reverse_unseen_strings(full_demo):
     sample prompts and the README's example, and a validation loss well under the README's figure.
     The run (tests/e2e/conftest.py, ``full_demo``) trains in the background while the other end-to-end
     tests run; this test, ordered after them, waits for it."""
-    process, root = full_demo
+    process, root = full_demo()
     process.wait(timeout=1800)  # ~2 min alone; generous for a busy shared machine
     stdout, stderr = (root / "stdout.txt").read_text(), (root / "stderr.txt").read_text()
     assert process.returncode == 0, stderr

@@ -77,6 +77,7 @@ def test_a_diverging_run_never_writes_over_a_good_model(config):
     assert steps_saved(out) == [1] and tree_digest(out / "model") == good
 
 
+@pytest.mark.extended
 def test_an_overflowing_run_keeps_the_last_trusted_checkpoint_and_resumes_with_a_lower_lr(config):
     """lr 1e30: step 1 leaves weights that are finite (~1e29) but give a NaN/Inf at step 2. That
     checkpoint is set aside; with none left, a resume starts afresh, and a lowered train.lr applies
@@ -135,6 +136,7 @@ def test_an_exploding_step_sets_the_checkpoint_it_ran_on_aside(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step-00000003.unstable", "step-00000004"]
 
 
+@pytest.mark.extended
 def test_probation_keeps_keep_last_when_the_trusted_checkpoint_is_among_them(tmp_path):
     """keep_last 2: while the newest checkpoint is on probation the trusted one before it is one of the
     2 kept already; keeping a third (as before) broke keep_last. keep_last 1 keeps both for the step."""

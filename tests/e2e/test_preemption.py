@@ -62,6 +62,7 @@ def test_an_external_sigterm_stops_at_a_step_boundary(tmp_path, make_config):
     assert 3 <= last < 600 and saved(out) == [f"step-{last:08d}"]  # the checkpoint is the last logged step
 
 
+@pytest.mark.extended
 def test_a_second_sigterm_exits_at_once(tmp_path, make_config):
     path, out = write(tmp_path, make_config, "run")
     result = train(str(path), fault=("term2", 3))  # the second one arrives while the checkpoint is due
@@ -69,6 +70,7 @@ def test_a_second_sigterm_exits_at_once(tmp_path, make_config):
     assert not (out / "checkpoints").exists() or saved(out) == []
 
 
+@pytest.mark.extended
 def test_a_preempted_run_keeps_keep_last_checkpoints(tmp_path, make_config):
     """keep_last 2, saves every 2, SIGTERM after step 5: step-4 (trusted) and step-5 (on probation until
     the resumed run's first step) stay; step-2 went (before, keep_last + 1 were kept: three)."""

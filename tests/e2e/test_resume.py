@@ -39,6 +39,8 @@ def test_sigkill_mid_epoch_then_resume_matches_the_uninterrupted_run(configs):
     assert losses(root / "killed") == expected  # bitwise: floats round-trip through JSON exactly
 
 
+# a save is as atomic with adapters as without: tox -e extended runs the LoRA case too
+@pytest.mark.parametrize("configs", ["full", pytest.param("lora", marks=pytest.mark.extended)], indirect=True)
 def test_kill_while_writing_a_checkpoint_leaves_the_previous_one_resumable(configs):
     paths, root = configs
     straight, killed = together(lambda: run(str(paths["straight"])),

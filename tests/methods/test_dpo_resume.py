@@ -9,7 +9,8 @@ from kill_support import killed_and_resumed
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("precompute", [False, True], ids=["live", "precomputed"])
+@pytest.mark.parametrize("precompute", [False, pytest.param(True, marks=pytest.mark.extended)],
+                         ids=["live", "precomputed"])
 def test_sigkill_mid_epoch_then_resume_gives_the_same_dpo_losses(make_dpo_config, tmp_path, precompute):
     def config(path):  # 24 pairs, batch 4: 6 steps an epoch, the kill at step 5 mid-epoch 0
         return make_dpo_config(path, rows=24, method={"name": "dpo", "beta": 0.5, "precompute_reference": precompute},

@@ -11,7 +11,9 @@ from run_support import kd_config, save_hf_teacher
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("on_policy_fraction", [0.0, 0.5], ids=["off_policy", "on_policy"])
+# the on-policy run takes both paths (a fraction of its steps); tox -e extended runs the off-policy one too
+@pytest.mark.parametrize("on_policy_fraction", [pytest.param(0.0, marks=pytest.mark.extended), 0.5],
+                         ids=["off_policy", "on_policy"])
 def test_sigkill_then_resume_gives_the_same_distillation_steps(tmp_path, on_policy_fraction):
     teacher = save_hf_teacher(tmp_path / "teacher")
 

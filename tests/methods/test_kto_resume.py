@@ -8,7 +8,8 @@ import pytest
 from kill_support import killed_and_resumed
 from run_support import kto_config
 
-pytestmark = pytest.mark.slow
+# the DPO family's resume (tests/methods/test_dpo_resume.py) is in the default run; tox -e extended runs KTO's
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def test_sigkill_mid_epoch_then_resume_gives_the_same_kto_losses(tmp_path):
