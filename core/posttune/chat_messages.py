@@ -41,6 +41,8 @@ def chat_message(turn: Any, where: str, roles: Mapping[str, str] | None = None, 
     role = roles[role] if roles is not None else role
     message: dict[str, Any] = {"role": role}
     calls = turn.get("tool_calls")
+    if isinstance(calls, list) and not calls:  # exports write [] for a turn without calls, as for a row's tools
+        calls = None
     if calls is not None:
         if role != "assistant":
             raise ValueError(f"field '{where}.tool_calls': only an assistant turn calls tools, this one is {role!r}")

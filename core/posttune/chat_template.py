@@ -168,8 +168,9 @@ def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
 
 def check_tool_use(source: str, messages: Sequence[Mapping[str, Any]], tools: Any, where: str) -> None:
     """Tool definitions or tool calls given to a template that never reads them would vanish from the text the
-    model trains on without a word: refused instead, naming what the template leaves out."""
-    calls = any("tool_calls" in message for message in messages)
+    model trains on without a word: refused instead, naming what the template leaves out. ``messages`` as given
+    or prepared: a null or empty ``tool_calls`` holds nothing to leave out."""
+    calls = any(isinstance(message, Mapping) and message.get("tool_calls") for message in messages)
     for given, name, what in ((tools, "tools", "the tool definitions"), (calls, "tool_calls", "the tool calls")):
         if given and not re.search(rf"\b{name}\b", source):
             raise PosttuneError(f"the chat template in {where} never reads `{name}`, so {what} would be left out "

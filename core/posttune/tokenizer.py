@@ -139,7 +139,7 @@ class Tokenizer:
         """Refuse tools or tool calls this tokenizer's template never reads (`chat_template.check_tool_use`):
         ``tokenize_messages`` does for training text; ``apply_chat_template`` renders as transformers does."""
         source = self._template(tools)
-        ct.check_tool_use(source, ct.prepare_messages(messages), tools, self._where(source))
+        ct.check_tool_use(source, messages, tools, self._where(source))
 
     def _added_token_texts(self) -> list[str]:
         return [token.content for token in self.backend.get_added_tokens_decoder().values()]

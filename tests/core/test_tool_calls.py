@@ -140,6 +140,8 @@ BAD = [
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [call("add")]}]},
      "field 'messages[0].tool_calls': only an assistant turn calls tools, this one is 'user'"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": []}]},
+     "field 'messages[1].content' must be a string"),  # no calls ([] as from an export) and no text
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": call("add")}]},
      "field 'messages[1].tool_calls' must be a non-empty list"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": {}}]}]},
      "field 'messages[1].tool_calls[0].function.name' must be a string (the function called)"),
@@ -171,6 +173,10 @@ def test_a_template_that_ignores_tools_is_refused_rather_than_dropping_them(tmp_
     with pytest.raises(PosttuneError, match="never reads `tool_calls`, so the tool calls would be left out"):
         make({"messages": [{"role": "user", "content": "hi"},
                            {"role": "assistant", "tool_calls": [call("add", a=1)]}]}, 0)
+    # an empty list of calls (Arrow's value for a turn without any) holds nothing to leave out
+    ids, labels = make({"messages": [{"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": "ok", "tool_calls": []}]}, 0)
+    assert any(label != -100 for label in labels)
 
 
 def test_rows_without_tools_are_unchanged():
