@@ -32,7 +32,7 @@ def assert_same_curve(run: list[dict], reference: list[dict]) -> None:
     assert run[-1]["loss"] != reference[0]["loss"]  # it trained
 
 
-@pytest.mark.parametrize("adapter", [None, LORA], ids=["full", "lora"])
+@pytest.mark.parametrize("adapter", [None, pytest.param(LORA, marks=pytest.mark.extended)], ids=["full", "lora"])
 def test_dpo_under_fsdp2_matches_one_process(runs, adapter):
     name = "lora" if adapter else "full"
     single = runs(f"dpo_{name}_single", batch_size=8, method=DPO, adapter=adapter)

@@ -104,6 +104,7 @@ def test_a_rank_killed_by_sigkill_ends_the_job_and_resume_continues_the_losses(r
     assert [(r["step"], r["loss"]) for r in metrics(out)] == [(r["step"], r["loss"]) for r in metrics(straight)]
 
 
+@pytest.mark.extended
 def test_sigterm_to_posttune_train_under_torchrun_saves_on_every_rank_and_resumes(tmp_path):
     """What SLURM does on preemption: SIGTERM to the launcher; torchrun forwards it to the workers,
     which agree on a step, write one checkpoint there and exit; the launcher exits with 143."""

@@ -50,7 +50,7 @@ def test_ppo_with_four_sharded_roles_on_two_ranks_matches_one_process(runs, tmp_
     assert (split / "value" / ("model.safetensors" if value_model == "model" else "head.safetensors")).is_file()
 
 
-@pytest.mark.parametrize("value_model", ["model", "head"])
+@pytest.mark.parametrize("value_model", ["model", pytest.param("head", marks=pytest.mark.extended)])
 def test_a_sharded_ppo_checkpoint_resumes_both_trained_models_exactly(tmp_path, value_model):
     """FSDP2 on 2 ranks writes DCP checkpoints holding the policy, the value model and their one optimizer
     (and each rank's pending experience); resuming step 2's checkpoint redoes steps 3-4 exactly."""

@@ -144,6 +144,11 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
     ],
 }
 SLOW = {"GRPO (README, docs/grpo.md)", "KD (README, docs/kd.md)", "eval with a local task (docs/eval.md)"}
+#: scenarios that train a method or model of their own (a minute or two each on 2 cores): `tox -e extended` runs
+#: them; the default run keeps the training quick start and the README demo, and every scenario's commands are
+#: still checked to be here (test_every_documented_command_is_checked)
+EXTENDED = {"DPO (README, docs/dpo.md)", "GRPO (README, docs/grpo.md)", "KD (README, docs/kd.md)",
+            "quantize (docs/quantize.md)", "eval with a local task (docs/eval.md)"}
 
 #: documented commands not run here, and why (each still has to be in the docs: no stale entries)
 NOT_RUN: dict[str, str] = {
@@ -403,7 +408,9 @@ def _copy_prepared(spec: str, root: Path, cwd: Path) -> None:
         config.write_text(config.read_text().replace(str(root.resolve()), str(cwd.resolve())))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in SCENARIOS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[*([pytest.mark.slow] if n in SLOW else []),
+                                                         *([pytest.mark.extended] if n in EXTENDED else [])])
+                                  for n in SCENARIOS])
 def test_documented_commands_run(name, tmp_path, request):
     for command, extra in SCENARIOS[name]:
         if command.startswith(PREPARED):

@@ -82,9 +82,15 @@ def _is_full_demo(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The full demo (minutes of one process) trains in the background from the first end-to-end test on
-    (``full_demo``): it is judged after the last of them, so that they run while it trains."""
+    (``full_demo``): it is judged after the last of them, so that they run while it trains. Under
+    pytest-xdist it is the longest test of all and is run first, so that the other worker takes the rest
+    meanwhile rather than waiting for it at the end."""
     demo = next((item for item in items if _is_full_demo(item)), None)
     if demo is None:
+        return
+    if hasattr(config, "workerinput"):  # every worker orders alike: xdist hands out files in this order
+        items[:] = [demo, *(item for item in items if item.path == demo.path and item is not demo),
+                    *(item for item in items if item.path != demo.path)]
         return
     at = items.index(demo)
     items.remove(demo)

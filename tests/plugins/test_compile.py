@@ -61,10 +61,9 @@ def graphs() -> int:
 # ---- compiled runs give the eager run's losses -----------------------------------------------------
 
 @pytest.mark.slow
-# the default run compiles the plain model and DoRA (adapted layers in the graph); tox -e extended every variant
+# the default run compiles the plain model; tox -e extended every variant
 @pytest.mark.parametrize("variant", ["plain", *(pytest.param(v, marks=pytest.mark.extended)
-                                                for v in ("activation_checkpointing", "lora")), "dora",
-                                     pytest.param("packed", marks=pytest.mark.extended)])
+                                                for v in ("activation_checkpointing", "lora", "dora", "packed"))])
 def test_compiled_training_logs_the_losses_of_the_eager_run(llama_sft, tmp_path, variant):
     sections: dict = {"method": {"packing": True}} if variant == "packed" else {"data": ONE_SHAPE}
     sections["train"] = TRAIN
