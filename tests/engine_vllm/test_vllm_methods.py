@@ -36,7 +36,8 @@ def _records(config) -> list[dict]:
         return [json.loads(line) for line in lines]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+# each case starts vLLM for a run of its own: the default run keeps one per method (tox -e vllm -- -m extended)
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.extended)])
 def test_grpo_trains_with_the_vllm_engine(tmp_path, mode):
     if mode == "async":
         pytest.importorskip("ray", reason="async mode needs pip install 'posttune-grpo[ray]'")
@@ -47,7 +48,7 @@ def test_grpo_trains_with_the_vllm_engine(tmp_path, mode):
     assert len(records) == 3 and all("reward" in r and r["completion_length"] > 0 for r in records)
 
 
-@pytest.mark.parametrize("value_model", ["model", "head"])
+@pytest.mark.parametrize("value_model", ["model", pytest.param("head", marks=pytest.mark.extended)])
 def test_ppo_trains_with_the_vllm_engine(tmp_path, value_model):
     """PPO's rollouts come from vLLM, brought to the policy's weights before each batch (the second batch,
     at step 3, samples from an updated policy: its KL to the reference is no longer 0)."""
@@ -70,7 +71,7 @@ def test_on_policy_kd_samples_with_the_vllm_engine(tmp_path):
     assert len(_records(config)) == 2
 
 
-@pytest.mark.parametrize("stop", ["interrupt", "kill"])
+@pytest.mark.parametrize("stop", [pytest.param("interrupt", marks=pytest.mark.extended), "kill"])
 def test_a_stopped_run_leaves_no_process_behind(tmp_path, stop):
     config = grpo_config(tmp_path, rows=64, method={"name": "grpo", "group_size": 4, "max_new_tokens": 6,
                                                     "rewards": [{"name": "exact_answer"}], **ENGINE},
