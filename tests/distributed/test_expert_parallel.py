@@ -126,6 +126,7 @@ def test_lora_matches_one_process(ep_runs):
     assert_same_run(run, reference, "adapter/adapter_model.safetensors")
 
 
+@pytest.mark.extended  # DCP resume on two ranks stays in the default run (tests/distributed/test_sharded_resume.py)
 def test_kill_9_and_resume_is_bitwise_the_uninterrupted_run(ep_runs, skewed, tmp_path):
     # rank 1 dies by SIGKILL right after step 3; the checkpoint of step 2 is the one to resume from
     straight = ep_runs("ep2_saving", steps=4, checkpoint={"save_every": 2}, **RUNS["ep2"])

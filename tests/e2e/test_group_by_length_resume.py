@@ -7,7 +7,8 @@ import pytest
 import yaml
 from kill_support import losses, run, together
 
-pytestmark = pytest.mark.slow
+# another sampler's resume beside tests/e2e/test_resume.py's: tox -e extended
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def test_sigkill_mid_epoch_then_resume_with_group_by_length_matches_the_uninterrupted_run(tmp_path, make_config):

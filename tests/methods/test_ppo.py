@@ -239,6 +239,7 @@ def test_a_value_head_on_the_policy_reads_the_policys_own_forward(tmp_path):
         torch.testing.assert_close(values, value(ids)[..., 0], rtol=0, atol=0)
 
 
+@pytest.mark.extended  # the value model's resume stays in the default run (above)
 def test_a_value_head_run_resumes_bitwise_and_saves_the_head(tmp_path):
     paths = {}
     method = {**PPO, "value_model": "head"}
