@@ -385,7 +385,8 @@ def test_estimate_is_within_15_percent_of_a_measured_training_peak(registry, tmp
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
-@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.extended) for case in ("full", "lora")])
+@pytest.mark.extended
+@pytest.mark.parametrize("case", ["full", "lora"])
 def test_dpo_estimate_is_within_15_percent_of_a_measured_training_peak(registry, tmp_path, case):
     """DPO on the calibration model above, 4 pairs x 256 tokens: 2048 tokens per forward (chosen and
     rejected), and a reference forward on them while the policy's activations are held (a frozen copy

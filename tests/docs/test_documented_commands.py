@@ -408,9 +408,9 @@ def _copy_prepared(spec: str, root: Path, cwd: Path) -> None:
         config.write_text(config.read_text().replace(str(root.resolve()), str(cwd.resolve())))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[*([pytest.mark.slow] if n in SLOW else []),
-                                                         *([pytest.mark.extended] if n in EXTENDED else [])])
-                                  for n in SCENARIOS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[mark for mark, names in ((pytest.mark.slow, SLOW),
+                                                                                  (pytest.mark.extended, EXTENDED))
+                                                         if n in names]) for n in SCENARIOS])
 def test_documented_commands_run(name, tmp_path, request):
     for command, extra in SCENARIOS[name]:
         if command.startswith(PREPARED):

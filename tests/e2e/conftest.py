@@ -80,6 +80,10 @@ def _is_full_demo(item: pytest.Item) -> bool:
     return item.path.name == "test_demo.py" and item.name == "test_full_demo_learns_to_reverse_unseen_strings"
 
 
+def _xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The full demo (minutes of one process) trains in the background from the first end-to-end test on
     (``full_demo``): it is judged after the last of them, so that they run while it trains. Under
@@ -88,7 +92,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     demo = next((item for item in items if _is_full_demo(item)), None)
     if demo is None:
         return
-    if hasattr(config, "workerinput"):  # every worker orders alike: xdist hands out files in this order
+    if _xdist_worker(config):  # every worker orders alike: xdist hands out files in this order
         items[:] = [demo, *(item for item in items if item.path == demo.path and item is not demo),
                     *(item for item in items if item.path != demo.path)]
         return
@@ -120,7 +124,7 @@ def full_demo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
             started.append((process, root))
         return started[0]
 
-    if any(_is_full_demo(item) for item in request.session.items) and not hasattr(request.config, "workerinput"):
+    if any(_is_full_demo(item) for item in request.session.items) and not _xdist_worker(request.config):
         start()
     yield start
     for process, _ in started:
