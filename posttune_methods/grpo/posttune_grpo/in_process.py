@@ -60,10 +60,11 @@ class InProcessSource:
 
 
 def learner_scorer(session: Session) -> Any:
-    """``(reward, prompts, completions) -> [n]`` for the rewards GRPO scores itself (model_reward.py)."""
+    """``(reward, prompts, completions, tools) -> [n]`` for the rewards GRPO scores itself (model_reward.py)."""
     from posttune_grpo.model_reward import model_scores
 
-    return lambda reward, prompts, texts: model_scores(session, prompts, texts, reward.options.batch_size)
+    return lambda reward, prompts, texts, tools: model_scores(session, prompts, texts, reward.options.batch_size,
+                                                              tools=tools)
 
 
 def make_rollouts(session: Session, prompts: dict[str, Any]) -> Rollouts:

@@ -56,19 +56,23 @@ def load_reward_tokenizer(session: Session) -> Any:
     return session.tokenizer
 
 
-def conversation_ids(tokenizer: Any, prompt: Any, completion: str) -> list[int]:
-    """The prompt's messages and the completion as the assistant's turn, as the reward model's tokenizer renders it."""
-    from posttune.plugin import as_messages
+def conversation_ids(tokenizer: Any, prompt: Any, completion: str, tools: Any = None) -> list[int]:
+    """The prompt's messages and the completion as the assistant's turn, as the reward model's tokenizer renders
+    it; with the row's ``tools`` (a list of definitions or its JSON string), as the policy saw them."""
+    from posttune.plugin import as_messages, row_tools
 
     if tokenizer.chat_template is None:
         text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
         return list(tokenizer.encode(text + completion))
     messages = [*as_messages(prompt, "prompt", "user"), {"role": "assistant", "content": completion}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                              tools=row_tools({"tools": tools})))
 
 
-def model_scores(session: Session, prompts: list[Any], completions: list[str], batch_size: int) -> torch.Tensor:
-    """``[n]``: the reward model's score of each (prompt, completion), ``batch_size`` rows per forward."""
+def model_scores(session: Session, prompts: list[Any], completions: list[str], batch_size: int, *,
+                 tools: list[Any] | None = None) -> torch.Tensor:
+    """``[n]``: the reward model's score of each (prompt, completion), ``batch_size`` rows per forward;
+    ``tools``: each row's tool definitions (None: no row has any)."""
     import torch
 
     from posttune.plugin import pad_id, sequence_scores
@@ -77,7 +81,8 @@ def model_scores(session: Session, prompts: list[Any], completions: list[str], b
     tokenizer = state.reward_tokenizer
     pad = pad_id(tokenizer)
     model = session.models[ROLE]
-    rows = [conversation_ids(tokenizer, p, c) for p, c in zip(prompts, completions, strict=True)]
+    tools = tools if tools is not None else [None] * len(prompts)
+    rows = [conversation_ids(tokenizer, p, c, t) for p, c, t in zip(prompts, completions, tools, strict=True)]
     values = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]

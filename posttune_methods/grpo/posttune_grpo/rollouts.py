@@ -147,7 +147,8 @@ def generate_rollouts(engine: Any, tokenizer: Any, prompts: dict[str, Any], epoc
 
     ``batch_std(rewards, real)``: the standard deviation for ``scale_rewards: batch`` over every
     data-parallel rank (the training process's); without it, this batch's own. ``in_learner(reward,
-    prompts, completions) -> [n]``: the values of a reward the method scores itself (a reward model).
+    prompts, completions, tools) -> [n]``: the values of a reward the method scores itself (a reward model;
+    ``tools``: each row's ``tools`` field, or None).
     """
     generated = generate_completions(engine, tokenizer, prompts, epoch, spec)
     return score_completions(tokenizer, rewards, prompts, generated, spec, batch_std=batch_std,
@@ -212,11 +213,15 @@ def add_in_learner(tokenizer: Any, rewards: list[Any], prompts: dict[str, Any], 
     if not scored:
         return total
     raw = list(prompts["prompts"])
-    raw += [raw[0] if raw else ""] * (len(completions) // group - len(raw))
+    tools = list(prompts.get("fields", {}).get("tools") or [None] * len(raw))  # the rows' tool definitions
+    missing = len(completions) // group - len(raw)
+    raw += [raw[0] if raw else ""] * missing
+    tools += [tools[0] if tools else None] * missing
     row_prompts = [raw[i // group] for i in range(len(completions))]
+    row_tools = [tools[i // group] for i in range(len(completions))]
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
     for reward in scored:
-        values = in_learner(reward, row_prompts, texts) * real
+        values = in_learner(reward, row_prompts, texts, row_tools) * real
         per_reward[reward.name] = values
         total = total + reward.weight * values
     return total
