@@ -151,7 +151,7 @@ def test_validate_and_plan_list_the_components(fake_plugin, posttune_cli, tmp_pa
      "train.optimizer: unknown name 'adamww' (known: adamw, adam, sgd, or a _component_ mapping) (did you mean "
      "'adamw'?)"),
     ("train", {"scheduler": "cosin"},
-     "train.scheduler: unknown name 'cosin' (known: constant, linear, cosine, or a _component_ mapping) (did you "
+     "train.scheduler: unknown name 'cosin' (known: constant, linear, cosine, wsd, or a _component_ mapping) (did you "
      "mean 'cosine'?)"),
     ("train", {"optimizer": {"momentum": 0.9}},
      "train.optimizer: a mapping needs `_component_: dotted.path` (or give a name: adamw, adam, sgd)"),

@@ -18,7 +18,8 @@ from posttune.errors import ConfigError, did_you_mean
 Dtype = Literal["fp32", "bf16", "fp16"]
 #: what `train.optimizer` and `train.scheduler` may name (built in `posttune.training.optim`)
 OPTIMIZER_NAMES = ("adamw", "adam", "sgd")
-SCHEDULE_NAMES = ("constant", "linear", "cosine")
+SCHEDULE_NAMES = ("constant", "linear", "cosine", "wsd")
+DECAY_RATIO = 0.1  # wsd's decay, when train.decay_ratio is not set: the last tenth of the run
 
 
 @dataclass(frozen=True)
@@ -99,15 +100,18 @@ class TrainConfig:
     lr: float = 2e-5  # peak learning rate, reached after warmup_steps
     weight_decay: float = 0.0  # the optimizer's weight decay
     optimizer: str | dict[str, Any] = "adamw"  # a name, or a mapping with `_component_`
-    scheduler: str | dict[str, Any] = "constant"  # constant | linear | cosine, or `_component_`
+    scheduler: str | dict[str, Any] = "constant"  # constant | linear | cosine | wsd, or `_component_`
     warmup_steps: int = 0  # optimizer steps of linear warmup to lr
     warmup_ratio: float | None = None  # or warm up over this fraction of the run's steps, rounded up (HF's)
+    min_lr_ratio: float = 0.0  # linear, cosine, wsd: decay to lr * this, not to 0 (HF's min_lr_rate)
+    decay_ratio: float | None = None  # wsd: hold lr, then decay (cosine) over this last fraction of the steps
     max_grad_norm: float | None = 1.0  # clip the gradients' total norm to this
     skip_nonfinite: int = 0  # optimizer steps with a NaN/Inf loss or gradient norm to skip before the run stops
     seed: int = 0  # seeds the data order, a random init and sampling
     device: str = "auto"  # auto (CUDA if available, else CPU), or a torch device: cpu, cuda, cuda:1
     log_every: int = 1  # write a metrics record every N optimizer steps (and the last)
     eval_every: int | None = None  # validation loss every N optimizer steps (needs data.validation)
+    early_stopping_patience: int | None = None  # stop after N evaluations without a better checkpoint.best_metric
     sample_prompts: list[str] = field(default_factory=list)  # greedy completions shown before and after
     sample_max_new_tokens: int = 32  # tokens generated for each of sample_prompts
 
@@ -138,7 +142,9 @@ class ParallelConfig:
 class CheckpointConfig:
     output_dir: str = "outputs/run"  # checkpoints, the final model or adapter, metrics.jsonl
     save_every: int | None = None  # a resumable checkpoint every N optimizer steps (and at the end)
-    keep_last: int | None = 2  # checkpoints kept; older ones are deleted
+    keep_last: int | None = 2  # checkpoints kept; older ones are deleted (the best one stays too)
+    best_metric: str | None = None  # an evaluation's metric (val_loss, val_reward): its best checkpoint is kept
+    greater_is_better: bool | None = None  # for best_metric; default: lower for a *loss, higher otherwise (HF's)
     resume: str | None = None  # "latest" or a checkpoint path
     save_merged: bool = False  # with an adapter: also write the merged HF model at the end
     overwrite: bool = False  # start afresh in an output_dir that holds another run's results
@@ -177,6 +183,37 @@ class RunConfig:
 MOVED_TO_METHOD = ("packing", "padding_free")
 
 
+def _check_decay(train: TrainConfig) -> None:
+    """A decay setting the schedule would ignore is refused: the run would not do what the config says."""
+    name = train.scheduler if isinstance(train.scheduler, str) else "a _component_ mapping"
+    if train.min_lr_ratio and name not in ("linear", "cosine", "wsd"):
+        raise ConfigError("train.min_lr_ratio", f"train.scheduler {name} has no decay to end at a floor "
+                                                "(linear, cosine and wsd have)")
+    if train.decay_ratio is not None and name != "wsd":
+        raise ConfigError("train.decay_ratio", f"only the wsd schedule has a separate decay phase "
+                                               f"(train.scheduler: {name})")
+
+
+def _check_best(config: RunConfig) -> None:
+    """``checkpoint.best_metric`` needs evaluations that score every checkpoint; early stopping needs the metric."""
+    checkpoint, train = config.checkpoint, config.train
+    if checkpoint.best_metric is None:
+        for key, value in (("checkpoint.greater_is_better", checkpoint.greater_is_better),
+                           ("train.early_stopping_patience", train.early_stopping_patience)):
+            if value is not None:
+                raise ConfigError(key, "set checkpoint.best_metric too: the evaluation metric it judges")
+        return
+    if not checkpoint.best_metric.startswith("val_"):
+        raise ConfigError("checkpoint.best_metric", f"'{checkpoint.best_metric}' is not an evaluation's metric; "
+                                                    "name one it logs, e.g. val_loss (GRPO: val_reward)")
+    if not train.eval_every or (config.data is not None and config.data.validation is None):
+        raise ConfigError("checkpoint.best_metric", "needs evaluations: set train.eval_every and data.validation")
+    if checkpoint.save_every and checkpoint.save_every % train.eval_every:
+        raise ConfigError("checkpoint.save_every", f"with checkpoint.best_metric it must be a multiple of "
+                                                   f"train.eval_every ({train.eval_every}), so that every checkpoint "
+                                                   "is scored")
+
+
 def validate(raw: dict[str, Any]) -> RunConfig:
     """Check a raw config mapping against the schema; the first problem raises ConfigError."""
     data = raw.get("data") if isinstance(raw, dict) else None
@@ -203,6 +240,8 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     if config.train.warmup_ratio is not None and config.train.warmup_steps:
         raise ConfigError("train.warmup_ratio", f"train.warmup_steps ({config.train.warmup_steps}) sets the warmup "
                                                 "too; keep one (train.warmup_steps=0 to use the ratio)")
+    _check_decay(config.train)
+    _check_best(config)
     data = config.data
     if data is not None and data.max_prompt_len is not None and data.max_prompt_len >= data.max_seq_len:
         raise ConfigError("data.max_prompt_len", f"must be below data.max_seq_len ({data.max_seq_len}) "

@@ -75,10 +75,11 @@ UNSTABLE = ".unstable"
 class Probation:
     """Judges each new checkpoint by the step that runs on its weights (rank 0 renames and prunes)."""
 
-    def __init__(self, session: Any, records: Iterable[Mapping[str, Any]] = ()):
+    def __init__(self, session: Any, records: Iterable[Mapping[str, Any]] = (), best: Any = None):
         from posttune.training import distributed
 
         self.main = distributed.is_main()
+        self.best = best  # a `posttune.training.best.Best`: its checkpoint is never pruned
         self.pending: Path | None = session.resume_from  # a resumed checkpoint is judged by its first step
         self.losses: deque[float] = deque(maxlen=HISTORY)
         self.grad_norms: deque[float] = deque(maxlen=HISTORY)
@@ -144,8 +145,9 @@ class Probation:
         too. Only ``keep_last: 1`` needs one more for that: with 2 or more it is among them already."""
         if self.main:
             keep = session.config.checkpoint.keep_last
+            best = self.best.best_checkpoint(output_dir.lineage(_root(session), session.run_id)) if self.best else None
             output_dir.prune(_root(session), None if keep is None else max(keep, 2) if on_probation else keep,
-                             session.run_id)
+                             session.run_id, keep=best)
 
 
 def _root(session: Any) -> Path:

@@ -1,7 +1,7 @@
 """Optimizers and learning-rate schedules from the `train:` section.
 
 A name (`adamw`, `adam`, `sgd`) or a `_component_` mapping; schedules `constant`, `linear`,
-`cosine` (each with linear warmup) or a `_component_` mapping. Weight decay applies to
+`cosine`, `wsd` (each with linear warmup) or a `_component_` mapping. Weight decay applies to
 matrices only: biases and norm scales are not decayed, as in most LLM recipes.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from posttune.config.components import instantiate
-from posttune.config.schema import SCHEDULE_NAMES, TrainConfig
+from posttune.config.schema import DECAY_RATIO, SCHEDULE_NAMES, TrainConfig
 from posttune.errors import ConfigError, did_you_mean
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -106,18 +106,23 @@ def kernel_options(factory: Callable[..., torch.optim.Optimizer], groups: list[d
     return {}
 
 
-def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
-    """Multiplier of the base LR at optimizer step ``step`` (0-based)."""
+def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float = 0.0, decay: int = 0) -> Callable[[int], float]:
+    """Multiplier of the base LR at optimizer step ``step`` (0-based).
+
+    ``linear`` and ``cosine`` decay from the end of the warmup to the run's last step, ``wsd`` holds the peak
+    and decays (cosine) over its last ``decay`` steps only; each ends at ``min_ratio`` (transformers'
+    ``cosine_with_min_lr`` and ``warmup_stable_decay`` compute the same decay).
+    """
+    start = max(warmup, total - decay) if kind == "wsd" else warmup  # where the decay begins
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
-        if kind == "constant":
+        if kind == "constant" or step < start:
             return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+        progress = min(1.0, (step - start) / max(1, total - start))
+        shape = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return min_ratio + (1.0 - min_ratio) * shape
 
     return factor
 
@@ -131,8 +136,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, total_
     if train.scheduler not in SCHEDULES:
         raise ConfigError("train.scheduler", f"unknown schedule '{train.scheduler}' (known: {', '.join(SCHEDULES)}, "
                                              f"or a _component_ mapping){did_you_mean(train.scheduler, SCHEDULES)}")
+    decay = math.ceil((train.decay_ratio or DECAY_RATIO) * total_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train.scheduler, warmup_steps(train, total_steps),
-                                                                  total_steps))
+                                                                  total_steps, train.min_lr_ratio, decay))
 
 
 def warmup_steps(train: TrainConfig, total_steps: int) -> int:

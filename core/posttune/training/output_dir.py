@@ -242,9 +242,9 @@ def lineage(root: Path, run_id: str | None) -> list[Path]:
     return [p for p in checkpoints(root) if run_id is None or run_id_of(p) in (run_id, "")]
 
 
-def prune(root: Path, keep_last: int | None, run_id: str | None = None) -> None:
+def prune(root: Path, keep_last: int | None, run_id: str | None = None, keep: Path | None = None) -> None:
     """Keep the newest ``keep_last`` checkpoints of lineage ``run_id`` (another run's are never
-    touched); remove temp dirs that a killed save left behind."""
+    touched) and ``keep`` (the best one); remove temp dirs that a killed save left behind."""
     for torn in root.glob(".step-*"):
         if LEFTOVER.match(torn.name):
             shutil.rmtree(torn, ignore_errors=True)
@@ -252,7 +252,8 @@ def prune(root: Path, keep_last: int | None, run_id: str | None = None) -> None:
         return
     mine = lineage(root, run_id)
     for old in mine[:-keep_last] if keep_last > 0 else mine:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def resume_candidate(config: Any) -> Path | None:

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from posttune.session import Session
-from posttune.training import distributed, nonfinite, preemption, state
+from posttune.training import distributed, nonfinite, output_dir, preemption, state
+from posttune.training.best import Best
 from posttune.training.metrics import MetricsLog, peak_memory_mib, read_metrics
 
 
@@ -98,9 +99,11 @@ def train(session: Session) -> dict[str, Any]:
     session.trainable.train()
     window = Window()
     run_start, run_tokens = time.perf_counter(), 0.0
-    probation = nonfinite.Probation(session, read_metrics(log.path.parent) if session.resume_from else ())
+    records = read_metrics(log.path.parent) if session.resume_from else ()
+    best = Best.of(session.config, records)
+    probation = nonfinite.Probation(session, records, best)
     with preemption.watching(), contextlib.closing(log):
-        while session.step < session.total_steps:
+        while session.step < session.total_steps and not _stopped_early(session, log, probation):
             for batch in batches(session):
                 batch = distributed.to_device(batch, session.device)
                 # Plans' contexts (loss parallel, context parallel, sequence padding) wrap forward and backward.
@@ -116,10 +119,10 @@ def train(session: Session) -> dict[str, Any]:
                     run_tokens += _optimizer_step(session, window, log, probation)
                     _stop_if_asked(session, log, probation)
                     window = Window()
-                    if session.step >= session.total_steps:
+                    if session.step >= session.total_steps or best.stop_reason() is not None:
                         break
             else:  # the epoch ran out: a partial accumulation still makes a step
-                if window.micro:
+                if window.micro and best.stop_reason() is None:
                     run_tokens += _optimizer_step(session, window, log, probation)
                     _stop_if_asked(session, log, probation)
                     window = Window()
@@ -127,8 +130,9 @@ def train(session: Session) -> dict[str, Any]:
                 if hasattr(session.train_data, "set_epoch"):
                     session.train_data.set_epoch(session.epoch)
         probation.finish(session)
-        return _summary(session, log, steps_run=session.step - first_step, tokens=run_tokens,
-                        seconds=time.perf_counter() - run_start)
+        summary = _summary(session, log, steps_run=session.step - first_step, tokens=run_tokens,
+                           seconds=time.perf_counter() - run_start)
+        return {**summary, **_best_summary(session, best)}
 
 
 def pop_aux_loss(session: Session, *, summed: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
@@ -166,6 +170,36 @@ def _stop_if_asked(session: Session, log: MetricsLog, probation: nonfinite.Proba
     if not _checkpoint_due(session):  # else the step just wrote it
         _save(session, log, probation)
     raise preemption.Preempted(session.step, path)
+
+
+def _stopped_early(session: Session, log: MetricsLog, probation: nonfinite.Probation) -> bool:
+    """Whether ``train.early_stopping_patience`` ends the run here; it then ends as a finished run does,
+    with a checkpoint of this step when the run saves any."""
+    reason = probation.best.stop_reason() if probation.best is not None else None
+    if reason is None:
+        return False
+    log.note(f"stopping early at step {session.step}: {reason}")
+    saved = (state.checkpoint_root(session) / f"step-{session.step:08d}").is_dir()  # due, or resumed from
+    if session.config.checkpoint.save_every and not saved:
+        _save(session, log, probation)
+    return True
+
+
+def _best_summary(session: Session, best: Best) -> dict[str, Any]:
+    """The best checkpoint of ``checkpoint.best_metric`` (and why the run stopped early), for the summary."""
+    if best.metric is None:
+        return {}
+    out: dict[str, Any] = {}
+    step = best.best_step()
+    if step is not None:
+        out[f"best_{best.metric}"], out["best_step"] = best.scores[step], step
+    root = state.checkpoint_root(session)
+    path = best.best_checkpoint(output_dir.lineage(root, session.run_id))
+    if path is not None:
+        out["best_checkpoint"] = str(path)
+    if (reason := best.stop_reason()) is not None:
+        out["stopped_early"] = reason
+    return out
 
 
 def _checkpoint_due(session: Session) -> bool:
@@ -246,6 +280,8 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
             results = _prefixed(evaluate(session))
         log.evaluated(session.step, results)
         record.update(results)
+        if probation is not None and probation.best is not None:
+            probation.best.evaluated(session.step, results)
     log.write(record)
     _save_when_due(session, log, probation)
     return tokens
