@@ -1,5 +1,5 @@
-"""GRPO's ``importance_sampling_level: sequence`` (GSPO) and ``mask_truncated_completions`` (DAPO's overlong
-filtering).
+"""GRPO's ``importance_sampling_level: sequence`` (GSPO), ``mask_truncated_completions`` (DAPO's overlong
+filtering) and ``objective`` ``cispo`` (MiniMax-M1) and ``sapo`` (Qwen's SAPO).
 
 - The loss and its gradient against TRL's own ``GRPOTrainer._compute_loss`` run on the same log-probs,
   advantages and masks (its forward replaced by the given log-probs), for both ratio levels and each
@@ -9,6 +9,9 @@ filtering).
 - A batch with truncated completions, masked, gives exactly the loss, normaliser and gradients of the batch
   without them, and logs the share it left out; halving the micro-batch leaves the step's gradient unchanged.
 - A tiny run with both options logs finite losses; refusals of values that make no sense.
+- CISPO and SAPO against TRL's ``_compute_loss`` with its ``cispo`` and ``sapo`` loss types the same way (in this
+  file: importing TRL's trainer costs a test process tens of seconds, once); at ratio 1 both give the clip's
+  gradient; a tiny run with each.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def trl_loss(logps: torch.Tensor, inputs: dict[str, torch.Tensor], *, loss_type:
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
         loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon_high, max_completion_length=MAX_NEW_TOKENS,
-        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
+                             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
         use_vllm=is_weights is not None, vllm_importance_sampling_correction=is_weights is not None,
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
         aux_loss_enabled=False, accelerator=OneProcess(), _metrics=defaultdict(lambda: defaultdict(list)))
@@ -332,3 +336,73 @@ def test_values_that_make_no_sense_are_refused(llama_grpo, posttune_cli, tmp_pat
     result = posttune_cli("validate", str(write(tmp_path, vowel_config(tmp_path, method=method))))
     assert result.exit_code == 2
     assert result.stderr.startswith(f"posttune: error: {message}")
+
+
+#: the aggregation of TRL's loss type: cispo divides by the batch's tokens (posttune's token), sapo takes
+#: each completion's mean and then their mean (sequence)
+AGGREGATION = {"cispo": "token", "sapo": "sequence"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("objective", ["cispo", "sapo"])
+def test_cispo_and_sapo_loss_and_gradient_equal_trls_compute_loss(objective, level, case):
+    inputs, old, beta, is_weights = case_tensors(case)
+    epsilon, epsilon_high = EPSILONS[level]
+    mask = inputs["mask"]
+    ours_logps = inputs["logps"].clone().requires_grad_()
+    result = policy_loss(ours_logps, old, inputs["advantages"], mask, epsilon=epsilon, epsilon_high=epsilon_high,
+                         ref_logps=inputs["ref"] if beta else None, beta=beta, is_weights=is_weights, level=level,
+                         objective=objective)
+    loss_sum, normaliser = aggregate(result.per_token, mask, AGGREGATION[objective], 8, torch.ones(len(LENGTHS)))
+    (loss_sum / normaliser).backward()
+
+    theirs_logps = inputs["logps"].clone().requires_grad_()
+    # TRL's cispo caps the weight at epsilon_high itself; here the cap is 1 + epsilon_high, as the clip's bound
+    theirs = trl_loss(theirs_logps, inputs, loss_type=objective, level=level, epsilon=epsilon,
+                      epsilon_high=1 + epsilon_high if objective == "cispo" else epsilon_high, beta=beta, old=old,
+                      is_weights=is_weights, mask=mask)
+    theirs.backward()
+    torch.testing.assert_close(loss_sum / normaliser, theirs.detach(), atol=TOL, rtol=0)
+    torch.testing.assert_close(ours_logps.grad, theirs_logps.grad, atol=TOL, rtol=0)
+    capped = float((result.clipped * mask).sum())
+    if objective == "cispo" and old is not None:  # the cap acted on some tokens, not all: the comparison sees it
+        assert 0 < capped < float(mask.sum())
+    elif objective == "sapo":
+        assert capped == 0
+
+
+def test_on_policy_both_give_the_policy_gradient_of_the_clip():
+    """At ratio 1 (one pass per batch) CISPO's and SAPO's gradients are REINFORCE's, as the clip's is."""
+    inputs, _, _, _ = case_tensors("first_pass")
+    grads = []
+    for objective in ("clip", "cispo", "sapo"):
+        logps = inputs["logps"].clone().requires_grad_()
+        result = policy_loss(logps, None, inputs["advantages"], inputs["mask"], epsilon=0.2, objective=objective)
+        result.per_token.sum().backward()
+        grads.append(logps.grad)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(grads[2], grads[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("objective", ["cispo", "sapo"])
+def test_a_run_with_each_objective_trains_and_logs_finite_losses(llama_grpo, posttune_cli, tmp_path,  # noqa: F811
+                                                                  objective):
+    config = vowel_config(tmp_path, method={"objective": objective, "num_iterations": 2}, train={"max_steps": 2})
+    result = posttune_cli("train", str(write(tmp_path, config)))
+    assert result.exit_code == 0, result.stderr
+    logged = records(config)
+    assert [r["step"] for r in logged] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in logged)
+    if objective == "sapo":
+        assert all(r["clip_fraction"] == 0.0 for r in logged)  # a gate, no hard clip
+
+
+@pytest.mark.parametrize(("method", "message"), [
+    ({"objective": "cispo", "epsilon_high": -1.0}, "method.epsilon_high: expected a number >= 0, got -1.0"),
+    ({"objective": "sapo", "sapo_temperature_neg": 0.0}, "method.sapo_temperature_neg: expected a positive number"),
+    ({"objective": "ppo"}, "method.objective"),
+])
+def test_bad_objective_settings_are_refused(llama_grpo, posttune_cli, tmp_path, method, message):  # noqa: F811
+    result = posttune_cli("validate", str(write(tmp_path, vowel_config(tmp_path, method=method))))
+    assert result.exit_code == 2 and message in result.stderr, result.stderr

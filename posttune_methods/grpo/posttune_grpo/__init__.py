@@ -75,7 +75,12 @@ class GRPOConfig:
     loss_aggregation: Literal["token", "sequence", "constant"] = "token"  # mean per token, per completion, or constant
     num_iterations: int = 1  # optimisation passes over each generation batch
     epsilon: float = 0.2  # clip range: a token's ratio is clipped to [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float | None = None  # default: epsilon (symmetric clipping)
+    epsilon_high: float | None = None  # default: epsilon (symmetric clipping); cispo: 4.0 (weights capped at 5)
+    # clip: PPO's clipped surrogate; cispo: the importance weight clipped (at 1 + epsilon_high) and detached,
+    # every token keeps its gradient (MiniMax-M1); sapo: a smooth gate in place of the clip (Qwen's SAPO)
+    objective: Literal["clip", "cispo", "sapo"] = "clip"
+    sapo_temperature_pos: float = 1.0  # sapo: the gate's temperature for positive advantages
+    sapo_temperature_neg: float = 1.05  # sapo: and for the others (a steeper gate: negative updates fade sooner)
     # token: one ratio per token; sequence: GSPO's one ratio per completion, exp(mean over its tokens of
     # logp - logp_old), clipped as a whole (GSPO's clip ranges are tiny: epsilon 3e-4, epsilon_high 4e-4)
     importance_sampling_level: Literal["token", "sequence"] = "token"
@@ -127,13 +132,15 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
             raise ConfigError(f"method.{name}", f"expected a positive integer, got {value}")
     if method.group_size < 2:
         raise ConfigError("method.group_size", "GRPO compares completions within a group: at least 2")
-    for name in ("temperature", "epsilon"):
+    for name in ("temperature", "epsilon", "sapo_temperature_pos", "sapo_temperature_neg"):
         value = getattr(method, name)
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"method.{name}", f"expected a positive number, got {value}")
-    if method.epsilon_high is not None and not method.epsilon_high >= method.epsilon:
-        raise ConfigError("method.epsilon_high", f"must be at least epsilon ({method.epsilon}), got "
-                                                 f"{method.epsilon_high}")
+    high = method.epsilon_high
+    if high is not None and method.objective == "clip" and not high >= method.epsilon:
+        raise ConfigError("method.epsilon_high", f"must be at least epsilon ({method.epsilon}), got {high}")
+    if high is not None and not (math.isfinite(high) and high >= 0):
+        raise ConfigError("method.epsilon_high", f"expected a number >= 0, got {high}")
     if not (math.isfinite(method.beta) and method.beta >= 0):
         raise ConfigError("method.beta", f"expected a number >= 0, got {method.beta}")
     if method.top_k is not None and method.top_k < 1:
