@@ -54,7 +54,8 @@ def test_early_stopping_ends_the_run_after_patience_evaluations_without_a_better
     else:
         pytest.fail(f"val_loss kept rising: nothing to stop ({scores})")
     assert steps[-1] == stop == summary["final_step"] < 12
-    assert f"stopping early at step {stop}: val_loss has not improved for 2 evaluations" in result.stdout + result.stderr
+    said = result.stdout + result.stderr
+    assert f"stopping early at step {stop}: val_loss has not improved for 2 evaluations" in said
     assert summary["stopped_early"].startswith("val_loss has not improved for 2 evaluations")
     assert (out / "checkpoints" / f"step-{stop:08d}").is_dir() and (out / "model" / "config.json").is_file()
 

@@ -98,25 +98,34 @@ def case_tensors(case: str) -> tuple[dict[str, torch.Tensor], torch.Tensor | Non
     return inputs, old, beta, is_weights
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("how", ["token", "sequence", "constant"])
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_loss_and_gradient_equal_trls_compute_loss(level, how, case):
+def check_against_trl(case: str, level: str, how: str, loss_type: str, objective: str = "clip") -> tuple[Any, Any, Any]:
+    """posttune's loss and gradient equal TRL's ``loss_type`` on case ``case``; (the loss, the mask, old log-probs)."""
     inputs, old, beta, is_weights = case_tensors(case)
     epsilon, epsilon_high = EPSILONS[level]
     mask = inputs["mask"]
     ours_logps = inputs["logps"].clone().requires_grad_()
     result = policy_loss(ours_logps, old, inputs["advantages"], mask, epsilon=epsilon, epsilon_high=epsilon_high,
-                         ref_logps=inputs["ref"] if beta else None, beta=beta, is_weights=is_weights, level=level)
+                         ref_logps=inputs["ref"] if beta else None, beta=beta, is_weights=is_weights, level=level,
+                         objective=objective)
     loss_sum, normaliser = aggregate(result.per_token, mask, how, MAX_NEW_TOKENS, torch.ones(len(LENGTHS)))
     (loss_sum / normaliser).backward()
 
     theirs_logps = inputs["logps"].clone().requires_grad_()
-    theirs = trl_loss(theirs_logps, inputs, loss_type=TRL_LOSS_TYPE[how], level=level, epsilon=epsilon,
-                      epsilon_high=epsilon_high, beta=beta, old=old, is_weights=is_weights, mask=mask)
+    # TRL's cispo caps the weight at epsilon_high itself; posttune's cap is 1 + epsilon_high, as the clip's bound
+    theirs = trl_loss(theirs_logps, inputs, loss_type=loss_type, level=level, epsilon=epsilon,
+                      epsilon_high=1 + epsilon_high if objective == "cispo" else epsilon_high, beta=beta, old=old,
+                      is_weights=is_weights, mask=mask)
     theirs.backward()
     torch.testing.assert_close(loss_sum / normaliser, theirs.detach(), atol=TOL, rtol=0)
     torch.testing.assert_close(ours_logps.grad, theirs_logps.grad, atol=TOL, rtol=0)
+    return result, mask, old
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("how", ["token", "sequence", "constant"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_loss_and_gradient_equal_trls_compute_loss(level, how, case):
+    result, mask, old = check_against_trl(case, level, how, TRL_LOSS_TYPE[how])
     clipped_sequences = result.clipped.amax(dim=1)
     if old is not None and level == "sequence":  # the sequence-level clip was active on some completions, not all
         assert 0 < float(clipped_sequences.sum()) < len(LENGTHS)
@@ -347,24 +356,7 @@ AGGREGATION = {"cispo": "token", "sapo": "sequence"}
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("objective", ["cispo", "sapo"])
 def test_cispo_and_sapo_loss_and_gradient_equal_trls_compute_loss(objective, level, case):
-    inputs, old, beta, is_weights = case_tensors(case)
-    epsilon, epsilon_high = EPSILONS[level]
-    mask = inputs["mask"]
-    ours_logps = inputs["logps"].clone().requires_grad_()
-    result = policy_loss(ours_logps, old, inputs["advantages"], mask, epsilon=epsilon, epsilon_high=epsilon_high,
-                         ref_logps=inputs["ref"] if beta else None, beta=beta, is_weights=is_weights, level=level,
-                         objective=objective)
-    loss_sum, normaliser = aggregate(result.per_token, mask, AGGREGATION[objective], 8, torch.ones(len(LENGTHS)))
-    (loss_sum / normaliser).backward()
-
-    theirs_logps = inputs["logps"].clone().requires_grad_()
-    # TRL's cispo caps the weight at epsilon_high itself; here the cap is 1 + epsilon_high, as the clip's bound
-    theirs = trl_loss(theirs_logps, inputs, loss_type=objective, level=level, epsilon=epsilon,
-                      epsilon_high=1 + epsilon_high if objective == "cispo" else epsilon_high, beta=beta, old=old,
-                      is_weights=is_weights, mask=mask)
-    theirs.backward()
-    torch.testing.assert_close(loss_sum / normaliser, theirs.detach(), atol=TOL, rtol=0)
-    torch.testing.assert_close(ours_logps.grad, theirs_logps.grad, atol=TOL, rtol=0)
+    result, mask, old = check_against_trl(case, level, AGGREGATION[objective], objective, objective)
     capped = float((result.clipped * mask).sum())
     if objective == "cispo" and old is not None:  # the cap acted on some tokens, not all: the comparison sees it
         assert 0 < capped < float(mask.sum())

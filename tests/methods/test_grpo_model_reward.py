@@ -132,22 +132,24 @@ def test_a_rows_tools_reach_the_reward_models_chat_template(tmp_path):
 
     folder = save_tiny_tokenizer(tmp_path, template="chatml")
     ours, theirs = load_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)
-    weather = {"type": "function", "function": {"name": "weather", "description": "Today's weather in a city",
-                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    weather = {"type": "function", "function": {"name": "weather", "parameters": city}}
     prompts = {"prompts": ["Weather in Paris?", "Hello"], "fields": {"tools": [json.dumps([weather]), None]}}
     completions = [ours.encode(text, add_special_tokens=False) for text in ("sunny", "rain", "hi", "yo", "a", "b")]
     rendered = []
 
     def scorer(reward, row_prompts, texts, tools):
-        rendered.extend(conversation_ids(ours, p, t, tool) for p, t, tool in zip(row_prompts, texts, tools, strict=True))
+        rows = zip(row_prompts, texts, tools, strict=True)
+        rendered.extend(conversation_ids(ours, prompt, text, tool) for prompt, text, tool in rows)
         return torch.ones(len(texts))
 
     reward = SimpleNamespace(name="reward_model", weight=1.0, in_learner=True)
     add_in_learner(ours, [reward], prompts, completions, 2, torch.tensor([1.0, 1, 1, 1, 0, 0]), torch.zeros(6), {},
                    scorer)  # the third group is a placeholder: scored with the first prompt, then zeroed
     texts = [ours.decode(c, skip_special_tokens=True) for c in completions]
+    groups = [("Weather in Paris?", [weather]), ("Hello", None), ("Weather in Paris?", [weather])]
     for index, (ids, text) in enumerate(zip(rendered, texts, strict=True)):
-        prompt, tools = [("Weather in Paris?", [weather]), ("Hello", None), ("Weather in Paris?", [weather])][index // 2]
+        prompt, tools = groups[index // 2]
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]
         assert ids == theirs.apply_chat_template(messages, tools=tools, return_dict=False)
     assert len(rendered[0]) > len(rendered[2]) + 20  # the tool's definition is in the first rendering
