@@ -21,6 +21,8 @@ from posttune.errors import ConfigError
 
 @dataclass
 class Best:
+    """``checkpoint.best_metric``'s value at each evaluation of the run, and the judgements drawn from them."""
+
     metric: str | None
     greater: bool = False
     patience: int | None = None
