@@ -181,6 +181,8 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
 ERRORS: dict[str, str] = {
     "posttune: error: config: train.lr: expected a number, got 'f": "posttune validate llama-demo-reverse train.lr=fast",
     "posttune: error: config: train.lrr: unknown key (did you mean ": "posttune validate llama-demo-reverse train.lrr=1",
+    "posttune: error: config: train.learning_rate: unknown key; learni": "posttune validate llama-demo-reverse "
+                                                                         "train.learning_rate=1",
     "posttune: error: config: method: no method 'sftt' is installed": "posttune validate llama-demo-reverse method=sftt",
     "posttune: error: config: train.max_grad_norm: expected a number":
         "posttune validate llama-demo-reverse train.max_grad_norm=-1",

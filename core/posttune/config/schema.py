@@ -8,7 +8,7 @@ once the plugin is resolved (see ``posttune.plan``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from posttune import first_party
 from posttune.config.ranges import check_ranges
@@ -19,6 +19,19 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 #: what `train.optimizer` and `train.scheduler` may name (built in `posttune.training.optim`)
 OPTIMIZER_NAMES = ("adamw", "adam", "sgd")
 SCHEDULE_NAMES = ("constant", "linear", "cosine", "wsd")
+#: keys of transformers' TrainingArguments (which TRL's configs extend) -> where they are here: an unknown key of
+#: the run config's sections names its place (`posttune.config.typed`, ``KNOWN_AS``)
+TRAINING_ARGUMENTS = {
+    "learning_rate": "train.lr", "per_device_train_batch_size": "train.batch_size",
+    "gradient_accumulation_steps": "train.grad_accum_steps", "num_train_epochs": "train.epochs",
+    "lr_scheduler_type": "train.scheduler (cosine_with_min_lr: cosine with train.min_lr_ratio)",
+    "lr_scheduler_kwargs": "train.min_lr_ratio (min_lr_rate) and train.decay_ratio", "eval_steps": "train.eval_every",
+    "logging_steps": "train.log_every", "save_steps": "checkpoint.save_every", "save_total_limit": "checkpoint.keep_last",
+    "metric_for_best_model": "checkpoint.best_metric", "resume_from_checkpoint": "checkpoint.resume",
+    "output_dir": "checkpoint.output_dir", "seed": "train.seed", "max_length": "data.max_seq_len",
+    "max_seq_length": "data.max_seq_len", "max_prompt_length": "data.max_prompt_len",
+    "bf16": "model.dtype: bf16",
+}
 DECAY_RATIO = 0.1  # wsd's decay, when train.decay_ratio is not set: the last tenth of the run
 
 
@@ -82,6 +95,7 @@ def mixture(sources: list[DatasetConfig], where: str) -> DatasetConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    KNOWN_AS: ClassVar[dict[str, str]] = TRAINING_ARGUMENTS
     train: DatasetConfig  # the training dataset, or a list of them read as one (a mixture, docs/training.md)
     validation: DatasetConfig | None = None  # a dataset (or a list) for the validation loss (see train.eval_every)
     max_seq_len: int = 2048  # tokens per sample (prompt and response together)
@@ -93,6 +107,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    KNOWN_AS: ClassVar[dict[str, str]] = TRAINING_ARGUMENTS
     epochs: int = 1  # passes over the training data (when max_steps is null)
     max_steps: int | None = None  # optimizer steps to run, over epochs (required with streaming data)
     batch_size: int = 1  # rows (samples, pairs, prompts) per micro-batch on each data-parallel rank
@@ -140,6 +155,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    KNOWN_AS: ClassVar[dict[str, str]] = TRAINING_ARGUMENTS
     output_dir: str = "outputs/run"  # checkpoints, the final model or adapter, metrics.jsonl
     save_every: int | None = None  # a resumable checkpoint every N optimizer steps (and at the end)
     keep_last: int | None = 2  # checkpoints kept; older ones are deleted (the best one stays too)
@@ -152,6 +168,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    KNOWN_AS: ClassVar[dict[str, str]] = TRAINING_ARGUMENTS
     model: ModelConfig  # the policy: the model that trains
     method: str | dict[str, Any]  # a name, or a mapping with `name` and the method's settings
     description: str = ""  # one line, shown by `posttune ls configs` for a bundled config

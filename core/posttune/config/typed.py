@@ -17,6 +17,13 @@ T = TypeVar("T")
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
+def _known_as(cls: type, key: str) -> str:
+    """Where a key of transformers' or TRL's configs is here, from the dataclass's ``KNOWN_AS`` mapping (a
+    ``ClassVar``: their name -> ours), for users bringing a recipe from there; "" for other keys."""
+    here = getattr(cls, "KNOWN_AS", {}).get(key)
+    return f"; {key}, as transformers or TRL names it, is {here} here" if here else ""
+
+
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     """Build dataclass ``cls`` from ``data``; unknown keys, missing keys and bad types raise ConfigError."""
     if isinstance(data, cls):
@@ -27,7 +34,7 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
-            hint = did_you_mean(str(key), fields) or f" (keys: {', '.join(fields)})"
+            hint = _known_as(cls, str(key)) or did_you_mean(str(key), fields) or f" (keys: {', '.join(fields)})"
             raise ConfigError(_join(path, str(key)), "unknown key" + hint)
     values = {}
     for name, f in fields.items():

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from posttune.plugin import (ConfigError, DatasetConfig, DatasetFormat, Method, ModelRole, RunConfig, Session,
                              configs_in, hookimpl)
@@ -41,6 +41,10 @@ CONFIGS = Path(__file__).parent / "configs"
 
 @dataclass(frozen=True)
 class DPOConfig:
+    KNOWN_AS: ClassVar[dict[str, str]] = {  # TRL's DPOConfig -> here
+        "precompute_ref_log_probs": "method.precompute_reference", "max_length": "data.max_seq_len",
+        "max_prompt_length": "data.max_prompt_len", "ref_model": "models.reference",
+    }
     # DPO's logistic loss, IPO's squared loss, SimPO, SLiC's hinge loss, robust DPO, or ORPO (docs/dpo.md)
     loss_type: Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "orpo"] = "sigmoid"
     # strength of the implicit KL to the reference (SimPO: the reward scale, ~2; ORPO: the odds-ratio weight lambda)

@@ -27,7 +27,7 @@ import importlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from posttune.plugin import ConfigError, Method, ModelRole, RunConfig, configs_in, hookimpl, resolve_engine
 from posttune_grpo.model_reward import NAME as MODEL_REWARD
@@ -63,6 +63,13 @@ class RayOptions:
 
 @dataclass(frozen=True)
 class GRPOConfig:
+    KNOWN_AS: ClassVar[dict[str, str]] = {  # TRL's GRPOConfig -> here
+        "num_generations": "method.group_size", "max_completion_length": "method.max_new_tokens",
+        "loss_type": "method.loss_aggregation (dapo: token, grpo: sequence, dr_grpo: constant) and method.objective "
+                     "(cispo, sapo)",
+        "reward_weights": "the weight of each method.rewards entry", "use_vllm": "method.engine: vllm (posttune-vllm)",
+        "max_prompt_length": "data.max_prompt_len",
+    }
     group_size: int = 8  # completions sampled per prompt, compared within their group (at least 2)
     max_new_tokens: int = 256  # the longest completion
     temperature: float = 1.0  # sampling temperature (> 0); the loss's log-probs are taken at it too

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 from posttune.plugin import ConfigError, DatasetConfig, LossOutput, Method, RunConfig, Session, hookimpl
 
@@ -22,6 +22,12 @@ POSTTUNE_PLUGIN_API = 2
 
 @dataclass(frozen=True)
 class SFTConfig:
+    KNOWN_AS: ClassVar[dict[str, str]] = {  # TRL's SFTConfig -> here
+        "max_length": "data.max_seq_len", "max_seq_length": "data.max_seq_len",
+        "completion_only_loss": "method.train_on_input: false (the default: only responses train)",
+        "assistant_only_loss": "method.train_on_input: false (the default: only assistant turns train)",
+        "neftune_noise_alpha": "method.neftune_alpha", "dataset_text_field": "data.train.column_map",
+    }
     train_on_input: bool = False  # also learn the prompt (user/system) tokens
     packing: bool = False  # concatenate samples into rows of data.max_seq_len tokens (docs/training.md)
     # the batch's samples (or its packed rows' samples) end to end in one row, no padding computed
