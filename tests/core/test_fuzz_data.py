@@ -27,7 +27,7 @@ from posttune.tokenizer import load_tokenizer
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 FIELDS = ["instruction", "input", "output", "messages", "conversations", "text", "prompt", "chosen", "rejected",
-          "answer", "role", "content", "from", "value"]
+          "answer", "completion", "role", "content", "from", "value"]
 ROLES = ["system", "user", "assistant", "tool", "human", "gpt", "observation", "function_call", "bot", ""]
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
@@ -65,7 +65,7 @@ def maker(kind: str, fmt, tokenizer, skip: bool, system_prompt: str | None):
     return SampleMaker(fmt, tokenizer, max_seq_len=48, train_on_input=skip, **common)
 
 
-@pytest.mark.parametrize("name", ["alpaca", "chat", "text", "preference", "prompt"])
+@pytest.mark.parametrize("name", ["alpaca", "chat", "text", "completion", "preference", "prompt"])
 @pytest.mark.parametrize("template", ["chat", "plain"])
 @FUZZ
 @given(row=rows, skip=st.booleans(), system_prompt=st.none() | st.text(max_size=10))

@@ -72,8 +72,8 @@ def test_one_process_runs_the_same_config_with_plans_inactive(registry):
     ({"method": "fdpo"}, 1, "config: data.train.format: 'chat' gives conversation rows; method 'fdpo' needs preference rows"),
     ({"data": None}, 1, "config: data: required: method 'fsft' trains on a dataset"),
     ({"data": {"train": {"path": "x", "format": "alpacca"}}}, 1,
-     "config: data.train.format: no dataset format 'alpacca' is installed (installed: alpaca, chat, preference, "
-     "prompt, text) "
+     "config: data.train.format: no dataset format 'alpacca' is installed (installed: alpaca, chat, completion, "
+     "preference, prompt, text) "
      "(did you mean 'alpaca'?)"),
     ({"model": {"family": "fam", "size": "huge"}}, 1,
      "config: model.size: family 'fam' has no size 'huge' (sizes: tiny)"),

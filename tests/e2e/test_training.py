@@ -85,6 +85,23 @@ def test_streaming_dataset_trains(llama_sft, posttune_cli, write_config, tmp_pat
     assert [r["step"] for r in metrics(tmp_path / "out")] == [1, 2, 3, 4]
 
 
+def test_prompt_completion_rows_validate_and_train(llama_sft, posttune_cli, write_config, tmp_path):
+    """TRL's prompt-completion text rows (no chat template needed): the completion trains, so each row's
+    labelled tokens are its completion's and EOS, a fixed count per row here."""
+    rows = [{"prompt": f"Reverse: {word}\nAnswer:", "completion": f" {word[::-1]}"} for word in ("ABC", "XYZW")]
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows * 4))
+    path = write_config(train={"max_steps": 2, "batch_size": 8},
+                        data={"train": {"path": str(tmp_path / "pc.jsonl"), "format": "completion"}})
+    assert posttune_cli("validate", str(path)).exit_code == 0
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    first = metrics(tmp_path / "out")[0]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out" / "model")
+    completion = [len(tokenizer(r["prompt"] + r["completion"])["input_ids"]) - len(tokenizer(r["prompt"])["input_ids"])
+                  + 1 for r in rows]  # the completion's tokens and EOS
+    assert first["labelled_tokens"] == 4 * sum(completion)
+
+
 def test_streaming_without_max_steps_is_refused(llama_sft, posttune_cli, write_config, tmp_path):
     path = write_config(data={"train": {"path": str(tmp_path / "train.jsonl"), "format": "chat", "streaming": True}})
     result = posttune_cli("train", str(path))

@@ -1,8 +1,10 @@
-"""Built-in dataset formats: alpaca, chat (OpenAI ``messages`` or ShareGPT ``conversations``), text
-(kind ``conversation``), preference (kind ``preference``) and prompt (kind ``prompt``).
+"""Built-in dataset formats: alpaca, chat (OpenAI ``messages`` or ShareGPT ``conversations``), text,
+completion (TRL's prompt-completion rows) (kind ``conversation``), preference (kind ``preference``) and
+prompt (kind ``prompt``).
 
 A ``conversation`` transform returns chat messages (``[{"role", "content"}]``) to be rendered with the
-checkpoint's chat template, or a plain string for completion-style training on every token. A
+checkpoint's chat template, a plain string for completion-style training on every token, or a
+``PromptCompletion`` (a prompt and the completion that trains, text or messages). A
 ``preference`` transform returns a ``PreferencePair`` (prompt, chosen and rejected messages); a
 ``prompt`` transform a ``PromptRow`` (the prompt and the row's other fields, for online methods).
 """
@@ -66,6 +68,22 @@ def text(row: Mapping[str, Any]) -> str:
     return field_of(row, "text")
 
 
+def completion(row: Mapping[str, Any]) -> Any:
+    """TRL's prompt-completion rows: ``prompt`` and ``completion``, both text or both lists of messages."""
+    from posttune.data.preference import as_messages
+    from posttune.data.samples import PromptCompletion
+
+    prompt, answer = row.get("prompt"), row.get("completion")
+    for name, value in (("prompt", prompt), ("completion", answer)):
+        if value is None:
+            raise KeyError(name)
+    if isinstance(prompt, str) != isinstance(answer, str):
+        raise ValueError("fields 'prompt' and 'completion' must both be text or both be lists of messages")
+    if isinstance(prompt, str):
+        return PromptCompletion(prompt, answer)
+    return PromptCompletion(as_messages(prompt, "prompt", "user"), as_messages(answer, "completion", "assistant"))
+
+
 def preference(row: Mapping[str, Any]) -> Any:
     from posttune.data.preference import preference_pair
 
@@ -86,6 +104,9 @@ def posttune_register_datasets(register):
                            "OpenAI `messages` (role/content) or ShareGPT `conversations` (from/value)"))
     register(DatasetFormat("text", "conversation", text, ("text",),
                            "plain text, trained on every token (no chat template)"))
+    register(DatasetFormat("completion", "conversation", completion, ("prompt", "completion"),
+                           "TRL's prompt-completion rows, trained on the completion: both text (no chat template) "
+                           "or both messages"))
     register(DatasetFormat("preference", "preference", preference, ("prompt", "chosen", "rejected"),
                            "prompt + chosen/rejected (strings or messages), or chosen/rejected conversations "
                            "sharing a prompt"))

@@ -38,6 +38,15 @@ class Sample:
         return self.ids.numel()
 
 
+@dataclass(frozen=True)
+class PromptCompletion:
+    """A prompt and its completion (TRL's prompt-completion rows), of which only the completion trains: both
+    text (no chat template: the completion and EOS train) or both messages (the completion's assistant turns)."""
+
+    prompt: str | list[dict[str, Any]]
+    completion: str | list[dict[str, Any]]
+
+
 @dataclass
 class SkipCounts:
     """Rows left out of training, for the trainer's end-of-run report.
@@ -135,6 +144,8 @@ class SampleMaker:
         return ids, shift_labels(ids, trained)
 
     def _tokenize(self, content: Any) -> tuple[list[int], list[bool]]:
+        if isinstance(content, PromptCompletion):
+            return self._prompt_completion(content)
         if isinstance(content, str):  # completion-style text: every token is trained on
             eos = self.tokenizer.eos_id
             ids = list(self.tokenizer.encode(content)) + ([] if eos is None else [eos])
@@ -144,6 +155,22 @@ class SampleMaker:
                                                         train_on_input=self.train_on_input,
                                                         max_seq_len=self.max_seq_len, tools=self.tools)
         return list(ids), list(trained)
+
+    def _prompt_completion(self, content: PromptCompletion) -> tuple[list[int], list[bool]]:
+        """The whole row tokenized and, unless ``train_on_input``, its first tokens untrained: those of the prompt
+        alone (text: encoded; messages: rendered with the generation prompt), as TRL counts them."""
+        if isinstance(content.prompt, str):
+            eos = self.tokenizer.eos_id
+            ids = list(self.tokenizer.encode(content.prompt + content.completion)) + ([] if eos is None else [eos])
+            trained = [True] * len(ids)
+            prompt = len(self.tokenizer.encode(content.prompt))
+        else:
+            ids, trained = self._tokenize([*content.prompt, *content.completion])
+            prompt = len(self.tokenizer.apply_chat_template(self.with_system(content.prompt), tools=self.tools,
+                                                            add_generation_prompt=True))
+        if not self.train_on_input:
+            trained = [flag and i >= prompt for i, flag in enumerate(trained)]
+        return ids[: self.max_seq_len], trained[: self.max_seq_len]
 
     def _problem(self, exc: KeyError | ValueError) -> str:
         if isinstance(exc, KeyError):
