@@ -222,6 +222,11 @@ def test_truncation_and_samples_left_with_nothing_to_train_on(tmp_path, tokenize
     assert [ids for ids, _ in unpadded(batch)] == [
         expected_sample(tokenizer, alpaca_messages(row), max_seq_len=56)[0] for row in (ALPACA[0], ALPACA[1])]
     assert (loader.skipped.bad_rows, loader.skipped.untrained) == (0, 1)
+    cut = sum(len(expected_sample(tokenizer, alpaca_messages(row))[0]) > 56 for row in (ALPACA[0], ALPACA[1]))
+    assert loader.skipped.truncated == cut == 1  # kept but cut (the row left with nothing is not counted twice)
+    from posttune.training.run_report import describe_data
+
+    assert describe_data(loader).endswith("(1 row skipped) (1 sample cut to data.max_seq_len)")
 
 
 # -- batching --------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ class SkipCounts:
 
     bad_rows: int = 0
     untrained: int = 0
+    truncated: int = 0  # kept, but cut to max_seq_len: their end does not train (not a skip: not in ``total``)
     upto: int = 0
 
     def record(self, kind: str, row: int) -> None:
@@ -120,6 +121,7 @@ class SampleMaker:
 
     def __call__(self, row: Mapping[str, Any], index: int) -> Any:
         """What a row becomes (here: ``(ids, labels)``), or None when it is skipped (and counted)."""
+        self.cut = False  # set by `make` when the row's tokens ran past max_seq_len
         try:
             row = rename(row, self.column_map)
             self.tools = row_tools(row)  # the row's `tools` reach the chat template with its messages
@@ -134,11 +136,16 @@ class SampleMaker:
             return self._bad(index, str(exc))
         if made is None:  # no token left to train on
             self.skipped.record("untrained", index)
+        elif self.cut:
+            self.skipped.record("truncated", index)
         return made
 
     def make(self, content: Any) -> tuple[list[int], list[int]] | None:
-        """(ids, pre-shifted labels) of one transformed row; None when no token is trained on."""
+        """(ids, pre-shifted labels) of one transformed row, cut to ``max_seq_len``; None when no token is trained
+        on."""
         ids, trained = self._tokenize(content)
+        self.cut = len(ids) > self.max_seq_len
+        ids, trained = ids[: self.max_seq_len], trained[: self.max_seq_len]
         if not any(trained[1:]):  # the first token is never a target
             return None
         return ids, shift_labels(ids, trained)
@@ -149,11 +156,9 @@ class SampleMaker:
         if isinstance(content, str):  # completion-style text: every token is trained on
             eos = self.tokenizer.eos_id
             ids = list(self.tokenizer.encode(content)) + ([] if eos is None else [eos])
-            ids = ids[: self.max_seq_len]
             return ids, [True] * len(ids)
-        ids, trained = self.tokenizer.tokenize_messages(self.with_system(content),
-                                                        train_on_input=self.train_on_input,
-                                                        max_seq_len=self.max_seq_len, tools=self.tools)
+        ids, trained = self.tokenizer.tokenize_messages(self.with_system(content), train_on_input=self.train_on_input,
+                                                        tools=self.tools)
         return list(ids), list(trained)
 
     def _prompt_completion(self, content: PromptCompletion) -> tuple[list[int], list[bool]]:
@@ -170,7 +175,7 @@ class SampleMaker:
                                                             add_generation_prompt=True))
         if not self.train_on_input:
             trained = [flag and i >= prompt for i, flag in enumerate(trained)]
-        return ids[: self.max_seq_len], trained[: self.max_seq_len]
+        return ids, trained
 
     def _problem(self, exc: KeyError | ValueError) -> str:
         if isinstance(exc, KeyError):

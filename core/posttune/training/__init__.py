@@ -190,6 +190,9 @@ def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], befor
     if skipped is not None and skipped.total:
         print(f"data: skipped {skipped.bad_rows} bad row(s) and {skipped.untrained} sample(s) with no trained "
               "token after truncation")
+    if skipped is not None and getattr(skipped, "truncated", 0):
+        print(f"data: {skipped.truncated} sample(s) cut to data.max_seq_len ({session.config.data.max_seq_len}): "
+              "their ends did not train")
     for key, value in outputs.items():
         print(f"{key}: {value}")
     for (prompt, old), (_, new) in zip(before, after, strict=True):

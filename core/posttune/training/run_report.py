@@ -192,6 +192,8 @@ def describe_data(loader: Any) -> str:
     skipped = getattr(loader, "skipped", None)
     if skipped is not None and getattr(skipped, "total", 0):
         text += f" ({count(skipped.total, 'row')} skipped)"
+    if skipped is not None and getattr(skipped, "truncated", 0):  # their ends do not train: max_seq_len may be short
+        text += f" ({count(skipped.truncated, 'sample')} cut to data.max_seq_len)"
     shares = getattr(loader, "shares", None)  # a mixture: what each of its datasets gave
     if shares:
         text += " from " + ", ".join(f"{where.rpartition('.')[2]} {kept:,}" for where, kept in shares)
