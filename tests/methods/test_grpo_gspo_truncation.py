@@ -12,6 +12,8 @@ filtering) and ``objective`` ``cispo`` (MiniMax-M1) and ``sapo`` (Qwen's SAPO).
 - CISPO and SAPO against TRL's ``_compute_loss`` with its ``cispo`` and ``sapo`` loss types the same way (in this
   file: importing TRL's trainer costs a test process tens of seconds, once); at ratio 1 both give the clip's
   gradient; a tiny run with each.
+- RLOO (``baseline: leave_one_out``, ``importance_sampling_level: sequence_sum``, ``loss_aggregation:
+  sequence``) against TRL's ``RLOOTrainer._compute_loss`` the same way, and a tiny run.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from typing import Any
 import pytest
 import torch
 from run_support import compose_run
-from test_grpo_loss import LENGTHS, fixed_inputs
+from test_grpo_loss import LENGTHS, REWARDS, G, fixed_inputs
 from test_grpo_training import llama_grpo, records, vowel_config, write  # noqa: F401  (a fixture and helpers)
 
-from posttune_grpo.loss import aggregate, policy_loss, tis_weights
+from posttune_grpo.loss import aggregate, group_advantages, policy_loss, tis_weights
 
 TOL = 1e-6
 #: posttune's loss_aggregation -> TRL's loss_type computing the same normaliser on one micro-batch
@@ -45,6 +47,18 @@ CASES = {  # name: (old log-probs used, beta, truncated importance weights)
 }
 
 
+class OneProcess:
+    """TRL's accelerator, for one process: gathering and reducing leave a tensor as it is."""
+
+    num_processes = 1
+
+    def gather(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def reduce(self, value: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return value
+
+
 def trl_loss(logps: torch.Tensor, inputs: dict[str, torch.Tensor], *, loss_type: str, level: str, epsilon: float,
              epsilon_high: float, beta: float, old: torch.Tensor | None, is_weights: torch.Tensor | None,
              mask: torch.Tensor) -> torch.Tensor:
@@ -54,16 +68,6 @@ def trl_loss(logps: torch.Tensor, inputs: dict[str, torch.Tensor], *, loss_type:
     ratio); per-token importance weights are TRL's ``vllm_importance_sampling_mode: token_truncate``."""
     grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer", reason="the reference is TRL's GRPO trainer")
     rows, width = logps.shape
-
-    class OneProcess:
-        num_processes = 1
-
-        def gather(self, value: torch.Tensor) -> torch.Tensor:
-            return value
-
-        def reduce(self, value: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-            return value
-
     trainer = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
@@ -336,8 +340,8 @@ def test_a_run_whose_completions_are_all_truncated_trains_on_none_of_them(llama_
 
 @pytest.mark.parametrize("method, message", [
     ({"importance_sampling_level": "sentence"},
-     "config: method.importance_sampling_level: expected one of 'token', 'sequence', got 'sentence' (did you mean "
-     "'sequence'?)"),
+     "config: method.importance_sampling_level: expected one of 'token', 'sequence', 'sequence_sum', got 'sentence' "
+     "(did you mean 'sequence'?)"),
     ({"mask_truncated_completions": "maybe"}, "config: method.mask_truncated_completions: expected true or false, "
                                               "got 'maybe'"),
 ])
@@ -377,17 +381,71 @@ def test_on_policy_both_give_the_policy_gradient_of_the_clip():
     torch.testing.assert_close(grads[2], grads[0], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("objective", ["cispo", "sapo"])
+#: TRL's RLOOTrainer, in GRPO's settings (docs/grpo.md, "RLOO")
+RLOO = {"baseline": "leave_one_out", "scale_rewards": "none", "importance_sampling_level": "sequence_sum",
+        "loss_aggregation": "sequence"}
+
+
+@pytest.mark.parametrize("method", [{"objective": "cispo"}, {"objective": "sapo"}, RLOO], ids=["cispo", "sapo", "rloo"])
 def test_a_run_with_each_objective_trains_and_logs_finite_losses(llama_grpo, posttune_cli, tmp_path,  # noqa: F811
-                                                                  objective):
-    config = vowel_config(tmp_path, method={"objective": objective, "num_iterations": 2}, train={"max_steps": 2})
+                                                                  method):
+    # RLOO's ratio is the whole completion's: at the tiny model's default rate the second pass clips every
+    # completion that has an advantage (no gradient left), at a smaller one it keeps some
+    lr = {"lr": 1e-4} if method is RLOO else {}
+    config = vowel_config(tmp_path, method={**method, "num_iterations": 2}, train={"max_steps": 2, **lr})
     result = posttune_cli("train", str(write(tmp_path, config)))
     assert result.exit_code == 0, result.stderr
     logged = records(config)
     assert [r["step"] for r in logged] == [1, 2]
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in logged)
-    if objective == "sapo":
+    if method.get("objective") == "sapo":
         assert all(r["clip_fraction"] == 0.0 for r in logged)  # a gate, no hard clip
+    if method is RLOO:  # one ratio per completion: a share of the 8 completions
+        assert all(r["clip_fraction"] in {i / 8 for i in range(9)} for r in logged)
+
+
+def trl_rloo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, old: torch.Tensor | None, *,
+                  epsilon: float, epsilon_high: float) -> torch.Tensor:
+    """TRL's ``RLOOTrainer._compute_loss`` itself, its forward replaced by ``logps`` (as ``trl_loss``): the old
+    log-probs are summed per completion first, as its generation step does."""
+    rloo_trainer = pytest.importorskip("trl.trainer.rloo_trainer", reason="the reference is TRL's RLOO trainer")
+    rows, width = logps.shape
+    trainer = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None),
+        epsilon_low=epsilon, epsilon_high=epsilon_high, model=SimpleNamespace(training=True), aux_loss_enabled=False,
+        accelerator=OneProcess(), _metrics=defaultdict(lambda: defaultdict(list)))
+    batch = {
+        "prompt_ids": torch.zeros(rows, 1, dtype=torch.long), "prompt_mask": torch.ones(rows, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(rows, width, dtype=torch.long), "completion_mask": mask,
+        "old_logps": ((logps.detach() if old is None else old) * mask).sum(1), "advantages": advantages,
+    }
+    return rloo_trainer.RLOOTrainer._compute_loss(trainer, None, batch)
+
+
+@pytest.mark.parametrize("case", ["first_pass", "clipped"])
+def test_rloo_loss_and_gradient_equal_trls_rloo_trainer(case):
+    """RLOO's settings give TRL's RLOO loss and gradient: the leave-one-out advantages (the formula's, in
+    test_grpo_loss.py), the completion's whole likelihood ratio clipped, the mean over completions. Clipped:
+    the old log-probs move the ratios past the clip for some completions, not all."""
+    inputs, old, _, _ = case_tensors(case)
+    advantages = group_advantages(torch.tensor(REWARDS), G, "none", baseline="leave_one_out")[0]
+    mask = inputs["mask"]
+    ours = inputs["logps"].clone().requires_grad_()
+    result = policy_loss(ours, old, advantages, mask, epsilon=0.2, level="sequence_sum")
+    loss_sum, normaliser = aggregate(result.per_token, mask, "sequence", MAX_NEW_TOKENS, torch.ones(len(LENGTHS)))
+    (loss_sum / normaliser).backward()
+    theirs = inputs["logps"].clone().requires_grad_()
+    reference = trl_rloo_loss(theirs, advantages, mask, old, epsilon=0.2, epsilon_high=0.2)
+    reference.backward()
+    torch.testing.assert_close(loss_sum / normaliser, reference.detach(), atol=TOL, rtol=0)
+    torch.testing.assert_close(ours.grad, theirs.grad, atol=TOL, rtol=0)
+    clipped = float(result.clipped.amax(dim=1).sum())
+    if old is None:  # ratio 1: REINFORCE on the whole completion, -A_i / n on each of its tokens
+        assert clipped == 0
+        expected = -advantages.unsqueeze(1) * mask / len(LENGTHS)
+        torch.testing.assert_close(ours.grad, expected, atol=TOL, rtol=0)
+    else:
+        assert 0 < clipped < len(LENGTHS)
 
 
 @pytest.mark.parametrize(("method", "message"), [

@@ -1,6 +1,7 @@
 """The GRPO objective against a direct implementation of each formula, written token by token.
 
-On fixed completions, rewards and log-probabilities: advantages (group, batch, none), the clipped
+On fixed completions, rewards and log-probabilities: advantages (group, batch, none; the group's mean or
+RLOO's leave-one-out baseline), the clipped
 surrogate with and without clipping active, with and without the k3 KL, and each aggregation
 (token, sequence, constant) -- losses and gradients equal within 1e-6.
 """
@@ -20,7 +21,9 @@ LENGTHS = [3, 5, 2, 4, 6, 1, 4, 3]  # completion tokens of 8 completions (2 grou
 REWARDS = [1.0, 0.0, 0.5, 1.0, 0.0, 0.0, 0.0, 0.0]  # the second group: all equal
 
 
-def direct_advantages(rewards: list[float], scale: str) -> list[float]:
+def direct_advantages(rewards: list[float], scale: str, baseline: str = "mean") -> list[float]:
+    """Completion by completion; ``leave_one_out`` as Kool et al. 2019 and Ahmadian et al. 2024 (RLOO) write it:
+    ``r_i - 1 / (G - 1) * sum_{j != i} r_j``."""
     out = []
     everything = rewards
     mean_all = sum(everything) / len(everything)
@@ -29,23 +32,39 @@ def direct_advantages(rewards: list[float], scale: str) -> list[float]:
         group = rewards[start:start + G]
         mean = sum(group) / G
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / (G - 1))
-        for r in group:
+        for i, r in enumerate(group):
+            others = [group[j] for j in range(G) if j != i]
+            centred = r - (sum(others) / len(others) if baseline == "leave_one_out" else mean)
             if scale == "group":
-                out.append((r - mean) / (std + STD_EPS))
+                out.append(centred / (std + STD_EPS))
             elif scale == "batch":
-                out.append((r - mean) / (std_all + STD_EPS))
+                out.append(centred / (std_all + STD_EPS))
             else:
-                out.append(r - mean)
+                out.append(centred)
     return out
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_advantages_normalise_within_each_group(scale):
+@pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
+def test_advantages_normalise_within_each_group(scale, baseline):
     rewards = torch.tensor(REWARDS)
     batch_std = rewards.std() if scale == "batch" else None
-    advantages, equal = group_advantages(rewards, G, scale, batch_std)
-    assert advantages.tolist() == pytest.approx(direct_advantages(REWARDS, scale), abs=TOL)
+    advantages, equal = group_advantages(rewards, G, scale, batch_std, baseline)
+    assert advantages.tolist() == pytest.approx(direct_advantages(REWARDS, scale, baseline), abs=TOL)
     assert equal.tolist() == [False] * 4 + [True] * 4
+
+
+def test_leave_one_out_is_the_mean_centred_advantage_scaled_by_g_over_g_minus_1():
+    """RLOO's advantage is GRPO's (unscaled) times G / (G - 1): the same direction, a larger step, and a
+    completion's own reward no longer in its baseline (with G = 2, the other completion's reward)."""
+    rewards = torch.tensor([0.3, 1.0, 0.0, 0.9, 2.0, -1.0, 0.5, 0.5])
+    mean_centred, _ = group_advantages(rewards, G, "none")
+    loo, _ = group_advantages(rewards, G, "none", baseline="leave_one_out")
+    torch.testing.assert_close(loo, mean_centred * G / (G - 1), atol=TOL, rtol=0)
+    pairs, _ = group_advantages(rewards, 2, "none", baseline="leave_one_out")
+    assert pairs.tolist() == pytest.approx([-0.7, 0.7, -0.9, 0.9, 3.0, -3.0, 0.0, 0.0], abs=TOL)
+    with pytest.raises(ValueError, match="unknown baseline 'median'"):
+        group_advantages(rewards, G, "none", baseline="median")
 
 
 def fixed_inputs(seed: int = 0) -> dict[str, torch.Tensor]:

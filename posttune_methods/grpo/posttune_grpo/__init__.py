@@ -7,10 +7,11 @@
       temperature: 1.0
       rewards: [{name: math_answer}, {name: format, weight: 0.5}]
       scale_rewards: group           # group | batch | none (Dr. GRPO)
+      baseline: mean                 # mean | leave_one_out (RLOO: the mean of the other completions)
       loss_aggregation: token        # token (DAPO) | sequence (GRPO) | constant (Dr. GRPO)
       num_iterations: 1              # optimisation passes per generation batch
       epsilon: 0.2                   # clip range; epsilon_high > epsilon is DAPO's clip-higher
-      importance_sampling_level: token  # token | sequence (GSPO: one ratio per completion)
+      importance_sampling_level: token  # token | sequence (GSPO) | sequence_sum (RLOO): one ratio per completion
       mask_truncated_completions: false # DAPO's overlong filtering: no loss from completions cut off
       beta: 0.0                      # KL to the reference (k3); 0 builds no reference model
       engine: builtin                # the generation engine (`posttune ls engines`)
@@ -68,7 +69,7 @@ class GRPOConfig:
         "loss_type": "method.loss_aggregation (dapo: token, grpo: sequence, dr_grpo: constant) and method.objective "
                      "(cispo, sapo)",
         "reward_weights": "the weight of each method.rewards entry", "use_vllm": "method.engine: vllm (posttune-vllm)",
-        "max_prompt_length": "data.max_prompt_len",
+        "max_prompt_length": "data.max_prompt_len", "rloo_k": "method.group_size",
     }
     group_size: int = 8  # completions sampled per prompt, compared within their group (at least 2)
     max_new_tokens: int = 256  # the longest completion
@@ -79,6 +80,8 @@ class GRPOConfig:
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math_answer")])  # summed, weighted
     reward_errors: Literal["raise", "zero"] = "raise"  # a reward returning None or raising: stop, or score 0
     scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage / the group's or batch's std, or not
+    # what a reward is compared with: its group's mean, or (RLOO) the mean of the group's other rewards
+    baseline: Literal["mean", "leave_one_out"] = "mean"
     loss_aggregation: Literal["token", "sequence", "constant"] = "token"  # mean per token, per completion, or constant
     num_iterations: int = 1  # optimisation passes over each generation batch
     epsilon: float = 0.2  # clip range: a token's ratio is clipped to [1 - epsilon, 1 + epsilon_high]
@@ -89,8 +92,9 @@ class GRPOConfig:
     sapo_temperature_pos: float = 1.0  # sapo: the gate's temperature for positive advantages
     sapo_temperature_neg: float = 1.05  # sapo: and for the others (a steeper gate: negative updates fade sooner)
     # token: one ratio per token; sequence: GSPO's one ratio per completion, exp(mean over its tokens of
-    # logp - logp_old), clipped as a whole (GSPO's clip ranges are tiny: epsilon 3e-4, epsilon_high 4e-4)
-    importance_sampling_level: Literal["token", "sequence"] = "token"
+    # logp - logp_old), clipped as a whole (GSPO's clip ranges are tiny: epsilon 3e-4, epsilon_high 4e-4);
+    # sequence_sum: RLOO's, the completion's likelihood ratio exp(sum over its tokens of logp - logp_old)
+    importance_sampling_level: Literal["token", "sequence", "sequence_sum"] = "token"
     mask_truncated_completions: bool = False  # completions cut off at max_new_tokens left out of the loss (DAPO)
     beta: float = 0.0  # weight of the per-token KL to the reference model; 0 builds no reference
     filter_equal_rewards: bool = False  # leave out groups whose rewards are all equal (they teach nothing)

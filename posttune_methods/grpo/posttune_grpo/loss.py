@@ -6,6 +6,9 @@ For completion i of a group (one prompt's ``G`` completions) with reward ``r_i``
 - advantages (``scale_rewards``): ``A_i = r_i - mean(r_group)``, divided by the group's standard
   deviation (``group``, DeepSeekMath's GRPO), by the whole batch's (``batch``), or not at all
   (``none``, Dr. GRPO: dividing by a group's std favours groups that are nearly solved);
+  ``baseline: leave_one_out`` (RLOO) takes the mean of the group's other completions instead,
+  ``A_i = r_i - (sum_j r_j - r_i) / (G - 1)``: a baseline independent of ``r_i``, so the estimate is
+  unbiased (it is ``G / (G - 1)`` times the mean-centred one);
 - per token t of completion i, with ``ratio = exp(logp - logp_old)`` (the generating policy's
   log-prob: with one optimisation pass per batch the ratio is 1 and only its gradient acts):
   ``l_it = -min(ratio * A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A_i)``
@@ -16,6 +19,9 @@ For completion i of a group (one prompt's ``G`` completions) with reward ``r_i``
   ``-min(s_i * A_i, clip(s_i, ...) * A_i)`` (TRL broadcasts it the same way), so the aggregation below
   sums it ``|o_i|`` times (``sequence``: once per completion, GSPO's objective). The gradient flows
   through the mean of the log-ratios: ``s_i * A_i / |o_i| * sum_t grad(logp_it)``;
+  ``sequence_sum`` (RLOO, the completion as one action) takes the completion's likelihood ratio itself,
+  ``exp(sum_t(logp_it - logp_old_it))``, the same way: at ratio 1 its gradient is ``A_i * sum_t grad(logp_it)``,
+  REINFORCE on the whole completion;
 - ``objective`` replaces the clipped surrogate: ``cispo`` (MiniMax-M1's CISPO) clips the importance
   weight instead of the update, ``l_it = -sg(min(ratio, 1 + epsilon_high)) * A_i * logp_it``: every token
   keeps a gradient, the weight only bounds it; ``sapo`` (Qwen's SAPO) replaces the hard clip by a smooth gate,
@@ -40,7 +46,8 @@ from posttune.plugin import LossOutput, Session
 
 ScaleRewards = Literal["group", "batch", "none"]
 Aggregation = Literal["token", "sequence", "constant"]
-Level = Literal["token", "sequence"]
+Level = Literal["token", "sequence", "sequence_sum"]
+Baseline = Literal["mean", "leave_one_out"]
 Objective = Literal["clip", "cispo", "sapo"]
 #: CISPO's default weight cap, 1 + epsilon_high: the ratio cap of 5 TRL recommends for it
 CISPO_EPSILON_HIGH = 4.0
@@ -49,15 +56,23 @@ STD_EPS = 1e-4
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: ScaleRewards,
-                     batch_std: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     batch_std: torch.Tensor | float | None = None,
+                     baseline: Baseline = "mean") -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages ``[N]``, whether each completion's group has all-equal rewards ``[N]``).
 
     ``rewards`` holds whole groups in order (``N = groups * group_size``). Standard deviations
     are unbiased (Bessel-corrected), as TRL's. ``batch_std`` is the standard deviation over the
-    whole batch (every data-parallel rank's rewards), needed for ``scale="batch"``.
+    whole batch (every data-parallel rank's rewards), needed for ``scale="batch"``. ``baseline``:
+    what a reward is compared with, its group's mean or (``leave_one_out``, RLOO) the mean of the
+    group's other rewards; the scaling then divides either the same way.
     """
     grouped = rewards.float().view(-1, group_size)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if baseline == "mean":
+        centred = grouped - grouped.mean(dim=1, keepdim=True)
+    elif baseline == "leave_one_out":
+        centred = grouped - (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    else:
+        raise ValueError(f"unknown baseline {baseline!r}")
     if scale == "group":
         centred = centred / (grouped.std(dim=1, keepdim=True) + STD_EPS)
     elif scale == "batch":
@@ -107,7 +122,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages:
     noisy). The surrogate is ``[n, 1]`` and broadcasts onto the completion's tokens, where the truncated
     importance weights and the KL term stay per token, as TRL's ``importance_sampling_level="sequence"``
     does. Nothing is detached but ``old_logps``: with ``old_logps`` None the ratio's value is 1 and its
-    gradient, ``mean_t grad(logp_it)``, is the update.
+    gradient, ``mean_t grad(logp_it)``, is the update. ``level="sequence_sum"`` (RLOO, TRL's
+    ``RLOOTrainer``) is the same with the completion's whole likelihood ratio, the sum of the log-ratios.
 
     ``objective`` ``cispo`` and ``sapo`` replace the clipped surrogate (the module docstring); for them
     ``clipped`` marks where CISPO capped the weight, and nothing for SAPO, which has no hard clip.
@@ -115,10 +131,11 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages:
     high = (CISPO_EPSILON_HIGH if objective == "cispo" else epsilon) if epsilon_high is None else epsilon_high
     old = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old
-    if level == "sequence":
+    if level in ("sequence", "sequence_sum"):
         # outside the mask the log-probs are padding: zeroed, not multiplied, so no stray value can leak in
-        log_ratio = torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio))
-        log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        log_ratio = torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio)).sum(dim=1, keepdim=True)
+        if level == "sequence":
+            log_ratio = log_ratio / mask.sum(dim=1, keepdim=True).clamp(min=1)
     elif level != "token":
         raise ValueError(f"unknown importance sampling level {level!r}")
     ratio = torch.exp(log_ratio)
@@ -215,7 +232,7 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     kept = (weights > 0).to(logps.dtype)
     tokens = (mask * kept.unsqueeze(1)).sum()
     real = (batch["rows"] >= 0).to(logps.dtype)  # every generated completion (not placeholders), kept or not
-    if level == "sequence":  # one ratio per completion: the share of completions clipped
+    if level != "token":  # one ratio per completion: the share of completions clipped
         clip_fraction = ((result.clipped.amax(dim=1) * kept).sum(), kept.sum())
     else:
         clip_fraction = ((result.clipped * kept.unsqueeze(1)).sum(), tokens)

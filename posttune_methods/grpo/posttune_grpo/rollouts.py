@@ -121,7 +121,7 @@ def rollout_spec(session: Session) -> dict[str, Any]:
     return {
         "generation": generation_settings(config),
         "group_size": config.group_size, "batch_size": session.config.train.batch_size,
-        "seed": session.config.train.seed, "scale_rewards": config.scale_rewards,
+        "seed": session.config.train.seed, "scale_rewards": config.scale_rewards, "baseline": config.baseline,
         "filter_equal_rewards": config.filter_equal_rewards, "reward_errors": config.reward_errors,
     }
 
@@ -191,7 +191,7 @@ def score_completions(tokenizer: Any, rewards: list[Any], prompts: dict[str, Any
     std = batch_std(total, real) if spec["scale_rewards"] == "batch" and batch_std is not None else None
     if spec["scale_rewards"] == "batch" and std is None:
         std = total[real > 0].std() if int(real.sum()) > 1 else torch.tensor(0.0)
-    advantages, equal = group_advantages(total, group, spec["scale_rewards"], std)
+    advantages, equal = group_advantages(total, group, spec["scale_rewards"], std, spec["baseline"])
     weights = real * (~equal).float() if spec["filter_equal_rewards"] else real
     return Rollouts(input_ids, labels, behaviour_logps, advantages, weights, total, lengths,
                     torch.tensor([len(ids) for ids in repeated]), truncated,

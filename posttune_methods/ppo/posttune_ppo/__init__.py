@@ -78,6 +78,10 @@ class PPOConfig:
         return "none"  # PPO's baseline is the value model: the scores stay as they are
 
     @property
+    def baseline(self) -> str:
+        return "mean"
+
+    @property
     def filter_equal_rewards(self) -> bool:
         return False
 
