@@ -134,7 +134,10 @@ def test_loss_rewards_and_gradients_equal_the_papers_formulas(llama_dpo, make_dp
     torch.testing.assert_close(out.loss_sum / out.normaliser, losses.mean().detach(), atol=TOL, rtol=0)
     assert ours.keys() == theirs.keys() and len(ours) == len(list(session.model.parameters()))
     for name, grad in theirs.items():
-        torch.testing.assert_close(ours[name], grad, atol=TOL, rtol=0, msg=name)
+        # fp32 rounding grows with the gradient: hinge's larger perturbation gives entries near 1.3, where two
+        # orders of summing differ by about 1e-6 on some CPUs (measured 1.13e-6 on an Intel Xeon): twice that
+        scale = max(1.0, float(grad.abs().max()))
+        torch.testing.assert_close(ours[name], grad, atol=2 * TOL * scale, rtol=0, msg=name)
     metrics = {key: float(total.detach() / count) for key, (total, count) in out.metrics.items()}
     expected = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
                 "rewards/margin": (chosen_rewards - rejected_rewards).mean(),
