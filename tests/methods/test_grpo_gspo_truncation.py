@@ -13,7 +13,8 @@ filtering) and ``objective`` ``cispo`` (MiniMax-M1) and ``sapo`` (Qwen's SAPO).
   file: importing TRL's trainer costs a test process tens of seconds, once); at ratio 1 both give the clip's
   gradient; a tiny run with each.
 - RLOO (``baseline: leave_one_out``, ``importance_sampling_level: sequence_sum``, ``loss_aggregation:
-  sequence``) against TRL's ``RLOOTrainer._compute_loss`` the same way, and a tiny run.
+  sequence``) against TRL's ``RLOOTrainer._compute_loss`` the same way; ``kl_in_reward`` on a real model
+  against the rewards less beta times the summed log-ratio written out; a tiny run with both.
 """
 
 from __future__ import annotations
@@ -386,12 +387,17 @@ RLOO = {"baseline": "leave_one_out", "scale_rewards": "none", "importance_sampli
         "loss_aggregation": "sequence"}
 
 
-@pytest.mark.parametrize("method", [{"objective": "cispo"}, {"objective": "sapo"}, RLOO], ids=["cispo", "sapo", "rloo"])
+#: and with TRL's RLOO default KL penalty in the reward
+RLOO_KL = {**RLOO, "beta": 0.05, "kl_in_reward": True}
+
+
+@pytest.mark.parametrize("method", [{"objective": "cispo"}, {"objective": "sapo"}, RLOO_KL],
+                         ids=["cispo", "sapo", "rloo"])
 def test_a_run_with_each_objective_trains_and_logs_finite_losses(llama_grpo, posttune_cli, tmp_path,  # noqa: F811
                                                                   method):
     # RLOO's ratio is the whole completion's: at the tiny model's default rate the second pass clips every
     # completion that has an advantage (no gradient left), at a smaller one it keeps some
-    lr = {"lr": 1e-4} if method is RLOO else {}
+    lr = {"lr": 1e-4} if method is RLOO_KL else {}
     config = vowel_config(tmp_path, method={**method, "num_iterations": 2}, train={"max_steps": 2, **lr})
     result = posttune_cli("train", str(write(tmp_path, config)))
     assert result.exit_code == 0, result.stderr
@@ -400,8 +406,9 @@ def test_a_run_with_each_objective_trains_and_logs_finite_losses(llama_grpo, pos
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in logged)
     if method.get("objective") == "sapo":
         assert all(r["clip_fraction"] == 0.0 for r in logged)  # a gate, no hard clip
-    if method is RLOO:  # one ratio per completion: a share of the 8 completions
+    if method is RLOO_KL:  # one ratio per completion: a share of the 8 completions; the KL logged
         assert all(r["clip_fraction"] in {i / 8 for i in range(9)} for r in logged)
+        assert all(math.isfinite(r["kl"]) for r in logged) and logged[0]["kl"] == 0.0  # step 1: the reference
 
 
 def trl_rloo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, old: torch.Tensor | None, *,
@@ -452,7 +459,50 @@ def test_rloo_loss_and_gradient_equal_trls_rloo_trainer(case):
     ({"objective": "cispo", "epsilon_high": -1.0}, "method.epsilon_high: expected a number >= 0, got -1.0"),
     ({"objective": "sapo", "sapo_temperature_neg": 0.0}, "method.sapo_temperature_neg: expected a positive number"),
     ({"objective": "ppo"}, "method.objective"),
+    ({"kl_in_reward": True}, "method.kl_in_reward: puts beta times the KL in the reward, and beta is 0: set "
+                             "method.beta (TRL's RLOO uses 0.05)"),
 ])
 def test_bad_objective_settings_are_refused(llama_grpo, posttune_cli, tmp_path, method, message):  # noqa: F811
     result = posttune_cli("validate", str(write(tmp_path, vowel_config(tmp_path, method=method))))
     assert result.exit_code == 2 and message in result.stderr, result.stderr
+
+
+def test_kl_in_reward_takes_the_summed_log_ratio_from_the_reward_before_the_baseline(llama_grpo,  # noqa: F811
+                                                                                     tmp_path):
+    """TRL's RLOO: r_i - beta * sum_t(logp_it - ref_it), then the leave-one-out baseline, written out here from
+    plain forwards of the policy (moved off its reference) and the reference; the loss then has no KL term of
+    its own (its value is the surrogate's alone) and logs the penalty's log-ratio per token as ``kl``."""
+    from posttune_grpo.method import batches
+
+    beta = 0.5
+    session = compose_run(vowel_config(tmp_path, method={**RLOO, "beta": beta, "kl_in_reward": True}))
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(1)
+        for param in session.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    batch = next(iter(batches(session)))
+    rollouts = session.method_state.pending
+    mask = (rollouts.labels != -100).float()
+
+    def summed_logps(model: Any) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(rollouts.input_ids).float()
+        logps = logits.log_softmax(-1).gather(-1, rollouts.labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return (logps * mask).sum(dim=1)
+
+    kl = summed_logps(session.model) - summed_logps(session.models["reference"])
+    assert bool((kl.abs() > 1e-3).all())  # the penalty acts on every completion
+    penalised = (rollouts.rewards - beta * kl).tolist()
+    expected = []
+    for i, reward in enumerate(penalised):
+        others = [penalised[j] for j in range(i - i % G, i - i % G + G) if j != i]
+        expected.append(reward - sum(others) / len(others))
+    torch.testing.assert_close(rollouts.kl, kl, atol=1e-4, rtol=0)
+    torch.testing.assert_close(rollouts.advantages, torch.tensor(expected), atol=1e-4, rtol=0)
+
+    out = session.plan.method.descriptor.loss(session, batch)
+    # ratio 1: each completion's term is -A_i, and nothing else (a KL term would add beta times a positive k3)
+    assert float(out.loss_sum.detach()) == pytest.approx(-float((batch["advantages"] * batch["weights"]).sum()),
+                                                         abs=1e-6)
+    kl_sum, tokens = out.metrics["kl"]
+    assert float(kl_sum) == pytest.approx(float(kl.sum()), abs=1e-3) and float(tokens) == float(mask.sum())

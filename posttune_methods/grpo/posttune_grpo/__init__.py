@@ -14,6 +14,7 @@
       importance_sampling_level: token  # token | sequence (GSPO) | sequence_sum (RLOO): one ratio per completion
       mask_truncated_completions: false # DAPO's overlong filtering: no loss from completions cut off
       beta: 0.0                      # KL to the reference (k3); 0 builds no reference model
+      kl_in_reward: false            # true: beta x the summed log-ratio off the reward instead (RLOO)
       engine: builtin                # the generation engine (`posttune ls engines`)
       padding_free: true             # the learner's rows end to end, each group's prompt once
 
@@ -97,6 +98,9 @@ class GRPOConfig:
     importance_sampling_level: Literal["token", "sequence", "sequence_sum"] = "token"
     mask_truncated_completions: bool = False  # completions cut off at max_new_tokens left out of the loss (DAPO)
     beta: float = 0.0  # weight of the per-token KL to the reference model; 0 builds no reference
+    # where the KL to the reference acts: false, beta times its k3 estimate in each token's loss (GRPO); true,
+    # beta times the completion's summed log-ratio taken from its reward before the baseline (RLOO, TRL's RLOO)
+    kl_in_reward: bool = False
     filter_equal_rewards: bool = False  # leave out groups whose rewards are all equal (they teach nothing)
     micro_batch_size: int | None = None  # completions per forward/backward; default: the rank's whole batch
     mode: Literal["sync", "async", "off_policy"] = "sync"  # alternate, overlap (staleness <= 1), or bounded lag
@@ -154,6 +158,9 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
         raise ConfigError("method.epsilon_high", f"expected a number >= 0, got {high}")
     if not (math.isfinite(method.beta) and method.beta >= 0):
         raise ConfigError("method.beta", f"expected a number >= 0, got {method.beta}")
+    if method.kl_in_reward and method.beta == 0:
+        raise ConfigError("method.kl_in_reward", "puts beta times the KL in the reward, and beta is 0: set "
+                                                 "method.beta (TRL's RLOO uses 0.05)")
     if method.top_k is not None and method.top_k < 1:
         raise ConfigError("method.top_k", f"expected a positive integer, got {method.top_k}")
     if method.top_p is not None and not 0 < method.top_p <= 1:

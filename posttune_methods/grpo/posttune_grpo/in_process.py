@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from posttune_grpo.rollouts import (
     generate_rollouts,
     micro_batch_size,
     micro_batches_per_generation,
+    penalise_kl,
     rollout_spec,
 )
 from posttune_grpo.state import count_rollouts, learner_engine
@@ -79,23 +80,32 @@ def make_rollouts(session: Session, prompts: dict[str, Any]) -> Rollouts:
     # more than one optimizer step per generation batch: every step after the first trains a policy that
     # has moved, so the ratio needs the generating policy's log-probs (TRL records them the same way)
     several_steps = micro_batches_per_generation(session) > session.config.train.grad_accum_steps
-    add_learner_logps(session, rollouts, old=several_steps)
+    add_learner_logps(session, rollouts, old=several_steps,
+                      batch_std=lambda total, real: batch_std(session, total, real))
     rollouts.seconds = time.perf_counter() - started
     count_rollouts(state, rollouts)
     return rollouts
 
 
-def add_learner_logps(session: Session, rollouts: Rollouts, *, old: bool) -> None:
+def add_learner_logps(session: Session, rollouts: Rollouts, *, old: bool,
+                      batch_std: Callable[..., Any] | None = None) -> None:
     """Score ``rollouts`` in the learner: the policy's own log-probs before any update (``old``) and the
-    reference's (when the run has one), as training computes them."""
+    reference's (when the run has one), as training computes them. With ``kl_in_reward`` the rewards then
+    pay the KL to the reference and the advantages are taken again (``batch_std`` as for scoring)."""
     wanted = [("old_logps", session.model)] if old else []
     if REFERENCE in session.models:
         wanted.append(("ref_logps", session.models[REFERENCE]))
     if not wanted:
         return
     session.model.eval()
+    size = micro_batch_size(session)
     for name, model in wanted:
-        setattr(rollouts, name, scored_by(session, rollouts, model, micro_batch_size(session)))
+        setattr(rollouts, name, scored_by(session, rollouts, model, size))
+    config = session.method_config
+    if config.kl_in_reward:
+        policy = rollouts.old_logps if rollouts.old_logps is not None else scored_by(session, rollouts,
+                                                                                        session.model, size)
+        penalise_kl(rollouts, policy, config.beta, rollout_spec(session), batch_std)
     session.model.train()
 
 

@@ -223,8 +223,9 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     logps = learner_logps(session, batch)
     mask = (batch["labels"] != -100).to(logps.dtype)
     level, masking = config.importance_sampling_level, config.mask_truncated_completions
+    beta = 0.0 if config.kl_in_reward else config.beta  # in the reward, the KL is already in the advantages
     result = policy_loss(logps, batch.get("old_logps"), batch["advantages"], mask, epsilon=config.epsilon,
-                         epsilon_high=config.epsilon_high, ref_logps=batch.get("ref_logps"), beta=config.beta,
+                         epsilon_high=config.epsilon_high, ref_logps=batch.get("ref_logps"), beta=beta,
                          is_weights=batch.get("is_weights"), level=level, objective=config.objective,
                          sapo_temperatures=(config.sapo_temperature_pos, config.sapo_temperature_neg))
     weights = training_weights(batch, masking)
@@ -252,5 +253,7 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
         metrics[f"reward/{name}"] = ((values * real).sum(), real.sum())
     if result.kl is not None:
         metrics["kl"] = ((result.kl * kept.unsqueeze(1)).sum(), tokens)
+    elif "kl" in batch:  # kl_in_reward: the completions' summed log-ratios, per token
+        metrics["kl"] = ((batch["kl"] * kept).sum(), tokens)
     unit = "completion_tokens" if config.loss_aggregation == "token" else "completions"
     return LossOutput(loss_sum, normaliser, tokens=batch["num_tokens"], metrics=metrics, unit=unit)

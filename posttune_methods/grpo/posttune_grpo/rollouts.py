@@ -29,7 +29,7 @@ IGNORE_INDEX = -100
 PLACEHOLDER_ROW = -1  # the dataset row of a placeholder prompt (a rank's short share of an epoch's last batch)
 #: the per-row tensors a Rollouts keeps (and a checkpoint saves); the rest is bookkeeping
 ROW_TENSORS = ("input_ids", "labels", "behaviour_logps", "old_logps", "ref_logps", "is_weights", "advantages",
-               "weights", "rewards", "lengths", "truncated", "rows", "versions", "equal")
+               "weights", "rewards", "lengths", "truncated", "rows", "versions", "equal", "kl")
 
 
 @dataclass
@@ -50,6 +50,7 @@ class Rollouts:
     versions: torch.Tensor | None = None  # [N] the policy version that generated each row (Ray actors)
     is_weights: torch.Tensor | None = None  # [N, S] truncated pi_old / pi_behaviour per token (Ray actors, TIS)
     equal: torch.Tensor | None = None  # [N] 1.0 where the row's group scored all alike (zero advantage)
+    kl: torch.Tensor | None = None  # [N] sum_t(logp - ref) per completion, taken from its reward (kl_in_reward)
     seconds: float = 0.0  # generation time
     reward_failures: dict[str, int] = field(default_factory=dict)
     reward_timeouts: dict[str, int] = field(default_factory=dict)  # of the failures, isolated rewards' timeouts
@@ -188,17 +189,38 @@ def score_completions(tokenizer: Any, rewards: list[Any], prompts: dict[str, Any
     total = torch.tensor(scores.total, dtype=torch.float32)
     per_reward = {name: torch.tensor(values, dtype=torch.float32) for name, values in scores.per_reward.items()}
     total = add_in_learner(tokenizer, rewards, prompts, completions, group, real, total, per_reward, in_learner)
-    std = batch_std(total, real) if spec["scale_rewards"] == "batch" and batch_std is not None else None
-    if spec["scale_rewards"] == "batch" and std is None:
-        std = total[real > 0].std() if int(real.sum()) > 1 else torch.tensor(0.0)
-    advantages, equal = group_advantages(total, group, spec["scale_rewards"], std, spec["baseline"])
-    weights = real * (~equal).float() if spec["filter_equal_rewards"] else real
+    advantages, weights, equal = advantages_of(total, real, spec, batch_std)
     return Rollouts(input_ids, labels, behaviour_logps, advantages, weights, total, lengths,
                     torch.tensor([len(ids) for ids in repeated]), truncated,
                     torch.tensor([row for row in rows for _ in range(group)], dtype=torch.long),
                     per_reward=per_reward,
                     reward_failures=dict(scores.failures), reward_timeouts=dict(scores.timeouts),
-                    equal=equal.float())
+                    equal=equal)
+
+
+def advantages_of(total: torch.Tensor, real: torch.Tensor, spec: dict[str, Any],
+                  batch_std: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(advantages, training weights, whether each row's group tied) of the rewards ``total`` ``[N]``, by the
+    spec's ``scale_rewards``, ``baseline`` and ``filter_equal_rewards``; ``real`` 0 for placeholders."""
+    std = batch_std(total, real) if spec["scale_rewards"] == "batch" and batch_std is not None else None
+    if spec["scale_rewards"] == "batch" and std is None:
+        std = total[real > 0].std() if int(real.sum()) > 1 else torch.tensor(0.0)
+    advantages, equal = group_advantages(total, spec["group_size"], spec["scale_rewards"], std, spec["baseline"])
+    weights = real * (~equal).float() if spec["filter_equal_rewards"] else real
+    return advantages, weights, equal.float()
+
+
+def penalise_kl(rollouts: Rollouts, policy_logps: torch.Tensor, beta: float, spec: dict[str, Any],
+                batch_std: Callable[..., Any] | None = None) -> None:
+    """The KL penalty in the reward (``kl_in_reward``: RLOO's, as TRL's ``RLOOTrainer`` and verl's
+    ``use_kl_in_reward``): each completion's reward less ``beta`` times its summed log-ratio to the reference,
+    ``sum_t(logp_it - ref_it)`` (the plain k1 estimate of the completion's KL, which can be negative), and the
+    advantages taken again from that. ``rewards`` keeps the scored reward, the one logged; ``kl`` the sums."""
+    mask = (rollouts.labels != IGNORE_INDEX).to(policy_logps.dtype)
+    real = (rollouts.rows >= 0).float()
+    rollouts.kl = ((policy_logps - rollouts.ref_logps) * mask).sum(dim=1).float() * real
+    penalised = rollouts.rewards - beta * rollouts.kl
+    rollouts.advantages, rollouts.weights, rollouts.equal = advantages_of(penalised, real, spec, batch_std)
 
 
 def add_in_learner(tokenizer: Any, rewards: list[Any], prompts: dict[str, Any], completions: list[list[int]],
