@@ -114,8 +114,8 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
      "config: data.train.format: 'chat' gives conversation rows; method 'dpo' needs preference rows"),
     ({"data": {"packing": True}}, "config: data.packing: moved: set method.packing"),
     ({"method": {"name": "dpo", "packing": True}}, "config: method.packing: unknown key (keys: loss_type, beta, "
-                                                   "label_smoothing, simpo_gamma, rpo_alpha, precompute_reference, "
-                                                   "padding_free, share_prompt)"),
+                                                   "label_smoothing, simpo_gamma, discopop_tau, rpo_alpha, "
+                                                   "precompute_reference, padding_free, share_prompt)"),
     ({"method": {"name": "dpo", "beta": 0}}, "config: method.beta: expected a positive number, got 0.0"),
     ({"method": {"name": "dpo", "loss_type": "ipo", "label_smoothing": 0.1}},
      "config: method.label_smoothing: ipo has no label smoothing (it is a squared loss); use loss_type sigmoid "
@@ -136,11 +136,21 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
     ({"reference": {"family": "llama", "size": "tiny"}, "models": {"reference": {"family": "llama", "size": "tiny"}}},
      "config: reference: given twice: `reference:` is the old spelling of `models.reference`; keep one"),
     ({"method": {"name": "dpo", "loss_type": "kto"}},
-     "config: method.loss_type: expected one of 'sigmoid', 'ipo', 'simpo', 'hinge', 'robust', 'orpo', got 'kto'"),
+     "config: method.loss_type: expected one of 'sigmoid', 'ipo', 'simpo', 'hinge', 'robust', 'orpo', 'sigmoid_norm', "
+     "'exo_pair', 'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop', got 'kto'"),
     ({"method": {"name": "dpo", "loss_type": "hinge", "label_smoothing": 0.1}},
-     "config: method.label_smoothing: hinge has no label smoothing; loss types sigmoid, simpo, robust use it"),
+     "config: method.label_smoothing: hinge has no label smoothing; loss types sigmoid, simpo, robust, exo_pair use "
+     "it"),
     ({"method": {"name": "dpo", "loss_type": "orpo", "label_smoothing": 0.1}},
-     "config: method.label_smoothing: orpo has no label smoothing; loss types sigmoid, simpo, robust use it"),
+     "config: method.label_smoothing: orpo has no label smoothing; loss types sigmoid, simpo, robust, exo_pair use "
+     "it"),
+    ({"method": {"name": "dpo", "loss_type": "exo_pair"}},
+     "config: method.label_smoothing: exo_pair needs it above 0: the labels' epsilon, whose log it takes (the EXO "
+     "paper uses 1e-3)"),
+    ({"method": {"name": "dpo", "discopop_tau": 0.1}},
+     "config: method.discopop_tau: only loss_type discopop uses it (this run: sigmoid)"),
+    ({"method": {"name": "dpo", "loss_type": "discopop", "discopop_tau": 0.0}},
+     "config: method.discopop_tau: expected a positive number, got 0.0"),
     ({"method": {"name": "dpo", "loss_type": "robust", "label_smoothing": 0.5}},
      "config: method.label_smoothing: expected a value in [0, 0.5), got 0.5"),
     ({"method": {"name": "dpo", "rpo_alpha": -0.5}},

@@ -27,6 +27,9 @@ What is compared, and why only that:
   posttune's NLL is each chosen response's per-token mean, averaged over pairs (so it does not
   depend on how a step is split, docs/dpo.md); with one pair per batch the two are the same, so
   posttune's mean over four pairs is compared with the mean of TRL's four one-pair steps.
+- ``sigmoid_norm``, ``exo_pair``, ``nca_pair``, ``bco_pair``, ``sppo_hard``, ``apo_zero``, ``apo_down`` and
+  ``discopop``: TRL's loss types of those names (``exo_pair`` with ``label_smoothing`` 1e-3, ``discopop`` with
+  ``discopop_tau`` 0.3), the loss and, but for ``sigmoid_norm`` (mean log-probs), the rewards and log-probs.
 """
 
 from __future__ import annotations
@@ -65,9 +68,16 @@ CASES = {
                PAIRS),
     "rpo": ({"loss_type": "sigmoid", "rpo_alpha": 0.5}, {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
             1),
+    **{name: ({"loss_type": name}, {"loss_type": [name]}, PAIRS)
+       for name in ("sigmoid_norm", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down")},
+    "exo_pair": ({"loss_type": "exo_pair", "label_smoothing": 1e-3}, {"loss_type": ["exo_pair"], "label_smoothing": 1e-3},
+                 PAIRS),
+    "discopop": ({"loss_type": "discopop", "discopop_tau": 0.3}, {"loss_type": ["discopop"], "discopop_tau": 0.3},
+                 PAIRS),
 }
 #: the loss types whose rewards and log-probs both libraries log alike (log-ratios of token sums)
-SUMMED = ("sigmoid", "hinge", "robust")
+SUMMED = ("sigmoid", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
+          "discopop")
 #: posttune metric -> TRL's logged name, where both log the same quantity (sigmoid losses)
 SAME_METRICS = {"rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejected",
                 "rewards/margin": "rewards/margins", "rewards/accuracy": "rewards/accuracies",

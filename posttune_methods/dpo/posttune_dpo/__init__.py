@@ -1,9 +1,10 @@
 """posttune-dpo: direct preference optimisation -- DPO, cDPO (label smoothing), IPO, SimPO, SLiC's hinge,
-robust DPO, RPO (an NLL term on the chosen responses) and ORPO -- and KTO, from unpaired feedback.
+robust DPO, RPO (an NLL term on the chosen responses), ORPO, EXO, NCA, BCO, SPPO, APO and DiscoPOP -- and KTO,
+from unpaired feedback.
 
     method:
       name: dpo
-      loss_type: sigmoid          # sigmoid (DPO) | ipo | simpo | hinge | robust | orpo (simpo, orpo: reference-free)
+      loss_type: sigmoid          # sigmoid (DPO) | ipo | simpo | hinge | robust | orpo | ... (docs/dpo.md)
       beta: 0.1
       label_smoothing: 0.0        # cDPO: the chance a preference label is wrong (sigmoid, simpo); robust: its flip rate
       simpo_gamma: 0.5            # SimPO's target reward margin (simpo only)
@@ -45,13 +46,17 @@ class DPOConfig:
         "precompute_ref_log_probs": "method.precompute_reference", "max_length": "data.max_seq_len",
         "max_prompt_length": "data.max_prompt_len", "ref_model": "models.reference",
     }
-    # DPO's logistic loss, IPO's squared loss, SimPO, SLiC's hinge loss, robust DPO, or ORPO (docs/dpo.md)
-    loss_type: Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "orpo"] = "sigmoid"
+    # DPO's logistic loss, IPO's squared loss, SimPO, SLiC's hinge loss, robust DPO, ORPO, or one of TRL's other
+    # pair losses: DPO on mean log-probs, EXO, NCA, BCO, SPPO (hard), APO (zero, down), DiscoPOP (docs/dpo.md)
+    loss_type: Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "orpo", "sigmoid_norm", "exo_pair", "nca_pair",
+                       "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop"] = "sigmoid"
     # strength of the implicit KL to the reference (SimPO: the reward scale, ~2; ORPO: the odds-ratio weight lambda)
     beta: float = 0.1
-    # cDPO (sigmoid, simpo): probability that a pair's preference label is flipped; robust: the flip rate it corrects
+    # cDPO (sigmoid, simpo): probability that a pair's preference label is flipped; robust: the flip rate it
+    # corrects; exo_pair: the labels' epsilon (needed, > 0; the paper uses 1e-3)
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5  # SimPO: target margin between the chosen and rejected rewards
+    discopop_tau: float = 0.05  # DiscoPOP: the temperature of the blend between its logistic and exponential losses
     # RPO: add alpha x the chosen response's per-token NLL (its mean over the response's tokens) to each pair's loss
     rpo_alpha: float | None = None
     precompute_reference: bool = False  # reference log-probs computed once before training; no reference model
@@ -66,7 +71,7 @@ class DPOConfig:
 #: the loss types that use no reference model
 REFERENCE_FREE: tuple[str, ...] = ("simpo", "orpo")
 #: the loss types that read ``label_smoothing``: cDPO's mixture of both labels, or robust DPO's correction
-SMOOTHED: tuple[str, ...] = ("sigmoid", "simpo", "robust")
+SMOOTHED: tuple[str, ...] = ("sigmoid", "simpo", "robust", "exo_pair")
 
 
 def roles(config: DPOConfig) -> tuple[ModelRole, ...]:
@@ -88,8 +93,15 @@ def validate(config: RunConfig, method: DPOConfig) -> None:
     if method.label_smoothing and method.loss_type not in SMOOTHED:
         raise ConfigError("method.label_smoothing", f"{method.loss_type} has no label smoothing; loss types "
                                                     f"{', '.join(SMOOTHED)} use it")
+    if method.loss_type == "exo_pair" and not method.label_smoothing:
+        raise ConfigError("method.label_smoothing", "exo_pair needs it above 0: the labels' epsilon, whose log it "
+                                                    "takes (the EXO paper uses 1e-3)")
     if method.simpo_gamma != DPOConfig.simpo_gamma and method.loss_type != "simpo":
         raise ConfigError("method.simpo_gamma", f"only loss_type simpo uses it (this run: {method.loss_type})")
+    if method.discopop_tau != DPOConfig.discopop_tau and method.loss_type != "discopop":
+        raise ConfigError("method.discopop_tau", f"only loss_type discopop uses it (this run: {method.loss_type})")
+    if not (math.isfinite(method.discopop_tau) and method.discopop_tau > 0):
+        raise ConfigError("method.discopop_tau", f"expected a positive number, got {method.discopop_tau}")
     if method.rpo_alpha is not None:
         if not (math.isfinite(method.rpo_alpha) and method.rpo_alpha > 0):
             raise ConfigError("method.rpo_alpha", f"expected a positive number (null: no NLL term), "

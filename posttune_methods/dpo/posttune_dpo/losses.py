@@ -21,6 +21,23 @@ chosen and rejected responses, ``beta`` the strength of the implicit KL constrai
   ``loss = -pi_c - beta * log sigmoid(r)``: the chosen response's per-token NLL plus the odds-ratio
   term weighted by ``beta`` (the paper's lambda, TRL's ``ORPOConfig.beta``).
 
+- ``sigmoid_norm``: DPO on per-token *mean* log-probabilities (no length bias either way).
+- ``exo_pair`` (EXO, Ji et al. 2024, eq. 16): the reverse KL from the policy's preference,
+  ``q = sigmoid(z)``, to the labels' ``(1 - eps, eps)``:
+  ``q (log q - log(1 - eps)) + (1 - q) (log(1 - q) - log eps)``; ``eps`` is ``label_smoothing`` (> 0).
+- ``nca_pair`` (NCA, Chen et al. 2024), on each response's own reward ``c = beta (pi_c - ref_c)``,
+  ``r = beta (pi_r - ref_r)``: ``-log sigmoid(c) - log sigmoid(-c) / 2 - log sigmoid(-r) / 2``: the chosen
+  response's likelihood is pushed up, not only its margin.
+- ``bco_pair`` (BCO, Jung et al. 2024, on pairs, without its running reward shift, as TRL's):
+  ``-log sigmoid(c) - log sigmoid(-r)``.
+- ``sppo_hard`` (SPPO, Wu et al. 2024, with hard win probabilities 1 and 0):
+  ``(pi_c - ref_c - 1 / (2 beta))^2 + (pi_r - ref_r + 1 / (2 beta))^2``.
+- ``apo_zero`` and ``apo_down`` (APO, D'Oosterlinck et al. 2024, eq. 7 and 8): ``1 - sigmoid(c) +
+  sigmoid(r)`` (the chosen responses are better than the model's own: raise them, lower the rejected);
+  ``sigmoid(c) + 1 - sigmoid(beta h)`` (they are worse: lower both, the rejected more).
+- ``discopop`` (DiscoPOP, Chan Lu et al. 2024, eq. 5): ``z = beta h``, ``m = sigmoid(z / tau)``,
+  ``(1 - m) (-log sigmoid(z)) + m exp(-z)``: a blend of the logistic and exponential losses.
+
 The implicit rewards are ``beta * (pi - ref)`` and, for the reference-free ``simpo`` and ``orpo``,
 ``beta * pi``; detached. RPO's NLL term (``rpo_alpha``) is added by the method (method.py).
 """
@@ -33,16 +50,18 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-LossType = Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "orpo"]
+LossType = Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "orpo", "sigmoid_norm", "exo_pair", "nca_pair",
+                   "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop"]
 #: the loss types computed on per-token mean log-probabilities (the others on sums)
-LENGTH_NORMALISED: tuple[str, ...] = ("ipo", "simpo", "orpo")
+LENGTH_NORMALISED: tuple[str, ...] = ("ipo", "simpo", "orpo", "sigmoid_norm")
 
 
 def preference_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
                       reference_chosen: torch.Tensor | None, reference_rejected: torch.Tensor | None, *,
                       loss_type: LossType, beta: float, label_smoothing: float = 0.0,
-                      gamma: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(losses, chosen rewards, rejected rewards), each ``[pairs]``; the rewards are detached."""
+                      gamma: float = 0.0, tau: float = 0.05) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(losses, chosen rewards, rejected rewards), each ``[pairs]``; the rewards are detached. ``gamma``:
+    SimPO's margin; ``tau``: DiscoPOP's temperature."""
     if loss_type == "simpo":
         logits = beta * (policy_chosen - policy_rejected) - gamma
         losses = _smoothed_sigmoid_loss(logits, label_smoothing)
@@ -52,17 +71,34 @@ def preference_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor
         return losses, (beta * policy_chosen).detach(), (beta * policy_rejected).detach()
     chosen_ratio = policy_chosen - reference_chosen
     rejected_ratio = policy_rejected - reference_rejected
-    if loss_type == "sigmoid":
-        losses = _smoothed_sigmoid_loss(beta * (chosen_ratio - rejected_ratio), label_smoothing)
+    z, chosen, rejected = beta * (chosen_ratio - rejected_ratio), beta * chosen_ratio, beta * rejected_ratio
+    if loss_type in ("sigmoid", "sigmoid_norm"):
+        losses = _smoothed_sigmoid_loss(z, label_smoothing)
     elif loss_type == "ipo":
         losses = (chosen_ratio - rejected_ratio - 1.0 / (2.0 * beta)) ** 2
     elif loss_type == "hinge":
-        losses = torch.relu(1.0 - beta * (chosen_ratio - rejected_ratio))
+        losses = torch.relu(1.0 - z)
     elif loss_type == "robust":
-        losses = _robust_loss(beta * (chosen_ratio - rejected_ratio), label_smoothing)
+        losses = _robust_loss(z, label_smoothing)
+    elif loss_type == "exo_pair":
+        losses = (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-label_smoothing))
+                  + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(label_smoothing)))
+    elif loss_type == "nca_pair":
+        losses = -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
+    elif loss_type == "bco_pair":
+        losses = -F.logsigmoid(chosen) - F.logsigmoid(-rejected)
+    elif loss_type == "sppo_hard":
+        losses = (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+    elif loss_type == "apo_zero":
+        losses = 1.0 - torch.sigmoid(chosen) + torch.sigmoid(rejected)
+    elif loss_type == "apo_down":
+        losses = torch.sigmoid(chosen) + 1.0 - torch.sigmoid(z)
+    elif loss_type == "discopop":
+        blend = torch.sigmoid(z / tau)
+        losses = (1.0 - blend) * -F.logsigmoid(z) + blend * torch.exp(-z)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
-    return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
+    return losses, chosen.detach(), rejected.detach()
 
 
 def orpo_log_odds(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor) -> torch.Tensor:

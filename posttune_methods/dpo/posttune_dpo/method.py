@@ -62,7 +62,7 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
         reference_chosen, reference_rejected = reference_logps(session, batch, average)
     losses, chosen_rewards, rejected_rewards = preference_losses(
         policy_chosen, policy_rejected, reference_chosen, reference_rejected, loss_type=config.loss_type,
-        beta=config.beta, label_smoothing=config.label_smoothing, gamma=config.simpo_gamma)
+        beta=config.beta, label_smoothing=config.label_smoothing, gamma=config.simpo_gamma, tau=config.discopop_tau)
     extra: dict[str, torch.Tensor] = {}
     if config.loss_type == "orpo" or config.rpo_alpha is not None:
         # the chosen response's NLL per token, one value per pair (its tokens' mean): summed over pairs and
