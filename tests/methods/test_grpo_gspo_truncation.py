@@ -12,6 +12,8 @@ filtering) and ``objective`` ``cispo`` (MiniMax-M1) and ``sapo`` (Qwen's SAPO).
 - CISPO and SAPO against TRL's ``_compute_loss`` with its ``cispo`` and ``sapo`` loss types the same way (in this
   file: importing TRL's trainer costs a test process tens of seconds, once); at ratio 1 both give the clip's
   gradient; a tiny run with each.
+- ``delta`` (two-sided clipping), ``off_policy_mask_threshold`` and ``bias_correction_kl`` against TRL's
+  ``_compute_loss`` with its options of those names, each shown to act on the case.
 - RLOO (``baseline: leave_one_out``, ``importance_sampling_level: sequence_sum``, ``loss_aggregation:
   sequence``) against TRL's ``RLOOTrainer._compute_loss`` the same way; ``kl_in_reward`` on a real model
   against the rewards less beta times the summed log-ratio written out; a tiny run with both.
@@ -62,20 +64,24 @@ class OneProcess:
 
 def trl_loss(logps: torch.Tensor, inputs: dict[str, torch.Tensor], *, loss_type: str, level: str, epsilon: float,
              epsilon_high: float, beta: float, old: torch.Tensor | None, is_weights: torch.Tensor | None,
-             mask: torch.Tensor) -> torch.Tensor:
+             mask: torch.Tensor, delta: float | None = None, off_policy_threshold: float | None = None,
+             sampling: torch.Tensor | None = None, bias_correction_kl: bool = False) -> torch.Tensor:
     """TRL's ``GRPOTrainer._compute_loss`` itself on these tensors: a stand-in trainer whose forward returns
     ``logps`` (the completion positions are the columns; ``mask`` is TRL's completion mask). One process, one
-    micro-batch, no accumulation; ``use_bias_correction_kl`` off (posttune's KL term is not weighted by the
-    ratio); per-token importance weights are TRL's ``vllm_importance_sampling_mode: token_truncate``."""
+    micro-batch, no accumulation; ``use_bias_correction_kl`` off unless asked (posttune's default KL term is not
+    weighted by the ratio); per-token importance weights are TRL's ``vllm_importance_sampling_mode:
+    token_truncate``; ``sampling``: the sampler's log-probs its off-policy mask reads."""
     grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer", reason="the reference is TRL's GRPO trainer")
     rows, width = logps.shape
     trainer = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
-        loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon_high, max_completion_length=MAX_NEW_TOKENS,
-        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=off_policy_threshold, importance_sampling_level=level,
+        beta=beta, loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon_high,
+        max_completion_length=MAX_NEW_TOKENS,
+        args=SimpleNamespace(delta=delta, use_bias_correction_kl=bias_correction_kl, steps_per_generation=1,
                              sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
         use_vllm=is_weights is not None, vllm_importance_sampling_correction=is_weights is not None,
+        get_off_policy_mask=grpo_trainer.GRPOTrainer.get_off_policy_mask,  # a static method
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
         aux_loss_enabled=False, accelerator=OneProcess(), _metrics=defaultdict(lambda: defaultdict(list)))
     batch: dict[str, Any] = {
@@ -89,6 +95,8 @@ def trl_loss(logps: torch.Tensor, inputs: dict[str, torch.Tensor], *, loss_type:
         batch["ref_per_token_logps"] = inputs["ref"]
     if is_weights is not None:
         batch["importance_sampling_ratio"] = is_weights
+    if sampling is not None:
+        batch["sampling_per_token_logps"] = sampling
     return grpo_trainer.GRPOTrainer._compute_loss(trainer, None, batch)
 
 
@@ -391,8 +399,12 @@ RLOO = {"baseline": "leave_one_out", "scale_rewards": "none", "importance_sampli
 RLOO_KL = {**RLOO, "beta": 0.05, "kl_in_reward": True}
 
 
-@pytest.mark.parametrize("method", [{"objective": "cispo"}, {"objective": "sapo"}, RLOO_KL],
-                         ids=["cispo", "sapo", "rloo"])
+#: TRL's further options on the clip objective, all at once
+CLIP_OPTIONS = {"delta": 1.5, "off_policy_mask_threshold": 0.05, "beta": 0.04, "bias_correction_kl": True}
+
+
+@pytest.mark.parametrize("method", [{"objective": "cispo"}, {"objective": "sapo"}, RLOO_KL, CLIP_OPTIONS],
+                         ids=["cispo", "sapo", "rloo", "clip_options"])
 def test_a_run_with_each_objective_trains_and_logs_finite_losses(llama_grpo, posttune_cli, tmp_path,  # noqa: F811
                                                                   method):
     # RLOO's ratio is the whole completion's: at the tiny model's default rate the second pass clips every
@@ -409,6 +421,8 @@ def test_a_run_with_each_objective_trains_and_logs_finite_losses(llama_grpo, pos
     if method is RLOO_KL:  # one ratio per completion: a share of the 8 completions; the KL logged
         assert all(r["clip_fraction"] in {i / 8 for i in range(9)} for r in logged)
         assert all(math.isfinite(r["kl"]) for r in logged) and logged[0]["kl"] == 0.0  # step 1: the reference
+    if method is CLIP_OPTIONS:  # the off-policy mask's share is logged
+        assert all(0.0 <= r["off_policy_masked"] <= 1.0 for r in logged)
 
 
 def trl_rloo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, old: torch.Tensor | None, *,
@@ -461,6 +475,12 @@ def test_rloo_loss_and_gradient_equal_trls_rloo_trainer(case):
     ({"objective": "ppo"}, "method.objective"),
     ({"kl_in_reward": True}, "method.kl_in_reward: puts beta times the KL in the reward, and beta is 0: set "
                              "method.beta (TRL's RLOO uses 0.05)"),
+    ({"objective": "sapo", "delta": 2.0}, "method.delta: caps the clip objective's ratio; objective sapo has no such "
+                                          "term: remove it"),
+    ({"delta": 1.1}, "method.delta: must be above 1 + epsilon_high (the clip's upper bound, 1.2), got 1.1"),
+    ({"bias_correction_kl": True}, "method.bias_correction_kl: weights the loss's KL term, and this run has none "
+                                   "(beta 0, or kl_in_reward): remove it"),
+    ({"off_policy_mask_threshold": -1.0}, "method.off_policy_mask_threshold: expected a number >= 0, got -1.0"),
 ])
 def test_bad_objective_settings_are_refused(llama_grpo, posttune_cli, tmp_path, method, message):  # noqa: F811
     result = posttune_cli("validate", str(write(tmp_path, vowel_config(tmp_path, method=method))))
@@ -506,3 +526,38 @@ def test_kl_in_reward_takes_the_summed_log_ratio_from_the_reward_before_the_base
                                                          abs=1e-6)
     kl_sum, tokens = out.metrics["kl"]
     assert float(kl_sum) == pytest.approx(float(kl.sum()), abs=1e-3) and float(tokens) == float(mask.sum())
+
+
+#: the options, by ratio level, and what each does on case "clipped_kl": a delta above the clip's upper bound
+#: (GSPO's is 1.0004), a threshold some completions' drift passes
+TRL_OPTIONS = {"delta": {"token": 1.5, "sequence": 1.002}, "off_policy_threshold": {"token": 0.1, "sequence": 0.1},
+               "bias_correction_kl": {"token": True, "sequence": True}}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("option", list(TRL_OPTIONS))
+def test_two_sided_clipping_off_policy_masking_and_kl_correction_equal_trls(option, level):
+    inputs, old, beta, _ = case_tensors("clipped_kl")
+    mask, epsilon, epsilon_high = inputs["mask"], *EPSILONS[level]
+    sampler = inputs["logps"] + torch.randn(mask.shape, generator=torch.Generator().manual_seed(5)) * 0.3
+    value = TRL_OPTIONS[option][level]
+    results = []
+    for options in ({}, {option: value}):
+        ours_logps = inputs["logps"].clone().requires_grad_()
+        result = policy_loss(ours_logps, old, inputs["advantages"], mask, epsilon=epsilon, epsilon_high=epsilon_high,
+                             ref_logps=inputs["ref"], beta=beta, level=level, behaviour_logps=sampler, **options)
+        loss_sum, normaliser = aggregate(result.per_token, mask, "token", MAX_NEW_TOKENS, torch.ones(len(LENGTHS)))
+        (loss_sum / normaliser).backward()
+        results.append((loss_sum / normaliser, ours_logps.grad, result))
+    (plain, _, _), (ours, ours_grad, result) = results
+    assert abs(float(ours.detach()) - float(plain.detach())) > 1e-4  # the option acts on this case
+
+    theirs_logps = inputs["logps"].clone().requires_grad_()
+    theirs = trl_loss(theirs_logps, inputs, loss_type="dapo", level=level, epsilon=epsilon, epsilon_high=epsilon_high,
+                      beta=beta, old=old, is_weights=None, mask=mask, sampling=sampler, **{option: value})
+    theirs.backward()
+    torch.testing.assert_close(ours.detach(), theirs.detach(), atol=TOL, rtol=0)
+    torch.testing.assert_close(ours_grad, theirs_logps.grad, atol=TOL, rtol=0)
+    if option == "off_policy_threshold":  # some completions dropped, all of them with a negative advantage
+        assert 0 < float(result.dropped.sum()) < len(LENGTHS)
+        assert bool((inputs["advantages"][result.dropped > 0] < 0).all())

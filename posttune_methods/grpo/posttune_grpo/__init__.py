@@ -71,6 +71,7 @@ class GRPOConfig:
                      "(cispo, sapo)",
         "reward_weights": "the weight of each method.rewards entry", "use_vllm": "method.engine: vllm (posttune-vllm)",
         "max_prompt_length": "data.max_prompt_len", "rloo_k": "method.group_size",
+        "use_bias_correction_kl": "method.bias_correction_kl",
     }
     group_size: int = 8  # completions sampled per prompt, compared within their group (at least 2)
     max_new_tokens: int = 256  # the longest completion
@@ -92,6 +93,11 @@ class GRPOConfig:
     objective: Literal["clip", "cispo", "sapo"] = "clip"
     sapo_temperature_pos: float = 1.0  # sapo: the gate's temperature for positive advantages
     sapo_temperature_neg: float = 1.05  # sapo: and for the others (a steeper gate: negative updates fade sooner)
+    # clip: INTELLECT-2's two-sided clipping, the unclipped ratio capped at delta too (above 1 + epsilon_high)
+    delta: float | None = None
+    # DeepSeek-V3.2: leave out a completion with a negative advantage whose mean log-ratio of the sampler's
+    # policy to the learner's, over its tokens, is above this
+    off_policy_mask_threshold: float | None = None
     # token: one ratio per token; sequence: GSPO's one ratio per completion, exp(mean over its tokens of
     # logp - logp_old), clipped as a whole (GSPO's clip ranges are tiny: epsilon 3e-4, epsilon_high 4e-4);
     # sequence_sum: RLOO's, the completion's likelihood ratio exp(sum over its tokens of logp - logp_old)
@@ -101,6 +107,7 @@ class GRPOConfig:
     # where the KL to the reference acts: false, beta times its k3 estimate in each token's loss (GRPO); true,
     # beta times the completion's summed log-ratio taken from its reward before the baseline (RLOO, TRL's RLOO)
     kl_in_reward: bool = False
+    bias_correction_kl: bool = False  # the KL term times the importance ratio (DeepSeek-V3.2; TRL's default)
     filter_equal_rewards: bool = False  # leave out groups whose rewards are all equal (they teach nothing)
     micro_batch_size: int | None = None  # completions per forward/backward; default: the rank's whole batch
     mode: Literal["sync", "async", "off_policy"] = "sync"  # alternate, overlap (staleness <= 1), or bounded lag
@@ -158,6 +165,20 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
         raise ConfigError("method.epsilon_high", f"expected a number >= 0, got {high}")
     if not (math.isfinite(method.beta) and method.beta >= 0):
         raise ConfigError("method.beta", f"expected a number >= 0, got {method.beta}")
+    if method.delta is not None:
+        if method.objective != "clip":
+            raise ConfigError("method.delta", f"caps the clip objective's ratio; objective {method.objective} has "
+                                              "no such term: remove it")
+        upper = 1 + (method.epsilon if method.epsilon_high is None else method.epsilon_high)
+        if not (math.isfinite(method.delta) and method.delta > upper):
+            raise ConfigError("method.delta", f"must be above 1 + epsilon_high (the clip's upper bound, {upper}), "
+                                              f"got {method.delta}")
+    threshold = method.off_policy_mask_threshold
+    if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
+        raise ConfigError("method.off_policy_mask_threshold", f"expected a number >= 0, got {threshold}")
+    if method.bias_correction_kl and (method.beta == 0 or method.kl_in_reward):
+        raise ConfigError("method.bias_correction_kl", "weights the loss's KL term, and this run has none "
+                                                       "(beta 0, or kl_in_reward): remove it")
     if method.kl_in_reward and method.beta == 0:
         raise ConfigError("method.kl_in_reward", "puts beta times the KL in the reward, and beta is 0: set "
                                                  "method.beta (TRL's RLOO uses 0.05)")
