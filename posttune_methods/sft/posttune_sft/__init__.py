@@ -5,15 +5,15 @@ The method builds its loaders with the core's data toolkit (chat template, promp
 the labelled tokens. Labels arrive pre-shifted (``labels[:, t]`` is the target of position t,
 -100 where nothing is learned), so packed documents never predict across a boundary; the
 trainer divides the summed loss by the labelled-token count across micro-batches and ranks.
-``neftune_alpha`` adds NEFTune's noise to the input embeddings while training (docs/training.md).
-Importing this package does not import torch.
+``neftune_alpha`` adds NEFTune's noise to the input embeddings while training; ``loss_type: dft``
+weighs each token's loss by its probability (docs/training.md). Importing this package does not import torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from posttune.plugin import ConfigError, DatasetConfig, LossOutput, Method, RunConfig, Session, hookimpl
 
@@ -36,6 +36,9 @@ class SFTConfig:
     # NEFTune (Jain et al. 2023; TRL's neftune_noise_alpha): uniform noise in +-alpha/sqrt(L*d) on the input
     # embeddings of each training forward (L: the batch's row length, d: hidden); null: none
     neftune_alpha: float | None = None
+    # nll: the token cross-entropy; dft: Dynamic Fine-Tuning (Wu et al. 2025), each token's -log p weighted by
+    # its probability p (detached), TRL's loss_type="dft"
+    loss_type: Literal["nll", "dft"] = "nll"
 
 
 def validate(config: RunConfig, method: SFTConfig) -> None:
@@ -107,8 +110,16 @@ def noisy_embeddings(module: Any, inputs: Any, output: Any, *, alpha: float) -> 
 
 
 def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
-    from posttune.plugin import token_cross_entropy
+    """The labelled tokens' summed loss and their count (the trainer divides the step's sums once). DFT's
+    weight, the token's probability, is detached: its gradient is ``-p * grad(log p)``, the cross-entropy's
+    rescaled per token (the paper's reading: SFT's gradient as a policy gradient with reward 1 / p, corrected)."""
+    from posttune.plugin import token_cross_entropy, token_logps
 
+    if session.method_config.loss_type == "dft":
+        logps = token_logps(session, batch)  # 0 where nothing is learned
+        labelled = batch["labels"] != -100
+        return LossOutput(-(logps.detach().exp() * logps)[labelled].sum(), labelled.sum(),
+                          tokens=batch.get("num_tokens", 0))
     loss_sum, labelled = token_cross_entropy(session, batch)
     return LossOutput(loss_sum, labelled, tokens=batch.get("num_tokens", 0))
 
