@@ -1,7 +1,10 @@
 """A sharded (DCP) checkpoint written by 2 FSDP2 ranks resumes on 2 ranks and on 1 process,
-continuing the loss curve of the uninterrupted run within 1e-5."""
+continuing the loss curve of the uninterrupted run within 1e-5; ``checkpoint.best_metric`` keeps and names the
+best sharded checkpoint, which resumes."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -30,3 +33,30 @@ def test_sharded_checkpoint_resumes_on_two_ranks_and_on_one(runs, tmp_path):
         assert [r["step"] for r in resumed] == [3, 4], name
         for record in resumed:
             assert abs(record["loss"] - expected[record["step"]]) <= TOL, (name, record["step"])
+
+
+def test_the_best_sharded_checkpoint_is_kept_named_and_resumes(tmp_path):
+    """2 FSDP2 ranks, ``keep_last: 1``, the best by ``val_loss`` judged higher-is-better (so an early step, which
+    pruning alone would delete): it is kept beside the last, the summary names it (a ``sharded/`` checkpoint),
+    and a run resumes from it at the step after it."""
+    directory = tmp_path / "best"
+    config = write_config(directory, batch_size=4, parallel={"plans": ["fsdp2"]}, steps=6,
+                          checkpoint={"save_every": 2, "keep_last": 1, "best_metric": "val_loss",
+                                      "greater_is_better": True})
+    validation = (f"data.validation.path={directory / 'train.jsonl'}", "data.validation.format=chat",
+                  "train.eval_every=2")
+    train(config, *validation, nproc=2)
+    out = directory / "out"
+    scores = {r["step"]: r["val_loss"] for r in metrics(out) if "val_loss" in r}
+    assert sorted(scores) == [2, 4, 6] and len(set(scores.values())) > 1
+    best = max(sorted(scores), key=lambda step: scores[step])
+    assert best != 6  # else keeping the best would not be told from keeping the last
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best_step"] == best and summary["best_val_loss"] == scores[best]
+    kept = out / "checkpoints" / f"step-{best:08d}"
+    assert summary["best_checkpoint"] == str(kept) and (kept / "sharded").is_dir()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [kept.name, "step-00000006"]
+
+    train(config, *validation, f"checkpoint.output_dir={tmp_path / 'resumed'}", f"checkpoint.resume={kept}",
+          nproc=2)
+    assert [r["step"] for r in metrics(tmp_path / "resumed") if "loss" in r][0] == best + 1
