@@ -72,11 +72,15 @@ def test_implicit_prompt_is_the_shared_start_of_both_conversations(fmt, tokenize
 def test_max_prompt_len_keeps_the_prompts_tail_and_max_seq_len_cuts_the_responses(fmt, tokenizer):
     row = {"prompt": "word " * 40, "chosen": "A long answer " * 10, "rejected": "Short."}
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "word " * 40}], add_generation_prompt=True)
-    (chosen, chosen_labels), (rejected, _) = maker(fmt, tokenizer, max_seq_len=60, max_prompt_len=20)(row, 0)
+    make = maker(fmt, tokenizer, max_seq_len=60, max_prompt_len=20)
+    (chosen, chosen_labels), (rejected, _) = make(row, 0)
     assert chosen[:20] == prompt[-20:] and rejected[:20] == prompt[-20:]  # the tail, next to the response
     assert len(chosen) == 60 and len(rejected) < 60
     assert chosen_labels[19:59] == chosen[20:60]  # every kept response token is scored
     assert chosen_labels[-1] == IGNORE_INDEX
+    assert make.skipped.truncated == 1  # a response cut to max_seq_len is counted (the prompt's cut is asked for)
+    make({"prompt": "word " * 40, "chosen": "Yes.", "rejected": "No."}, 1)
+    assert make.skipped.truncated == 1 and make.skipped.total == 0
 
 
 def test_a_pair_left_with_nothing_to_score_is_skipped_and_counted(fmt, tokenizer):

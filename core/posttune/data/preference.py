@@ -59,6 +59,7 @@ class PairMaker(SampleMaker):
                 raise ValueError("the chat template renders the prompt differently once a response follows it, "
                                  "so the prompt cannot be masked")
             trained = [False] * len(prompt) + list(trained[len(prompt):])
+            self.cut = self.cut or len(ids) - cut > self.max_seq_len  # a response's end past max_seq_len
             ids, trained = list(ids[cut:])[: self.max_seq_len], trained[cut:][: self.max_seq_len]
             if not any(trained[1:]):  # truncation left nothing of this response to score
                 return None

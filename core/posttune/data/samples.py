@@ -101,6 +101,7 @@ class SampleMaker:
         self.system_prompt = system_prompt
         self.tools: list[dict[str, Any]] | None = None  # the current row's tool definitions (`row_tools`)
         self.first_row = 0  # the number of this dataset's first row among all the run reads (a mixture's)
+        self.cut = False  # whether the current row ran past max_seq_len (set by `make`, counted by `__call__`)
 
     def for_source(self, dataset: Any, fmt: DatasetFormat, where: str, first_row: int) -> SampleMaker:
         """This maker reading another dataset of a mixture (``data.train[i]``): its format, ``column_map``
