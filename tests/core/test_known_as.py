@@ -38,15 +38,18 @@ def test_a_transformers_key_in_the_run_config_names_its_place_here(config, messa
                                                         "is method.precompute_reference here"),
     ({"name": "sft", "max_seq_length": 512}, "method.max_seq_length: unknown key; max_seq_length, as transformers or "
                                              "TRL names it, is data.max_seq_len here"),
+    ({"name": "kd", "lmbda": 0.5}, "method.lmbda: unknown key; lmbda, as transformers or TRL names it, is "
+                                   "method.on_policy_fraction here"),
 ])
 def test_a_trl_method_key_names_its_place_here(method, message):
     import posttune_dpo
     import posttune_grpo
+    import posttune_kd
     import posttune_llama
     import posttune_sft
 
     plugins = new_plugin_set()
-    for module in (posttune_llama, posttune_sft, posttune_dpo, posttune_grpo):
+    for module in (posttune_llama, posttune_sft, posttune_dpo, posttune_grpo, posttune_kd):
         plugins.register(module, distribution=module.__name__.replace("_", "-"), version="0")
     with pytest.raises(ConfigError) as info:
         resolve_plan(validate({**RUN, "method": method}), plugins.registry)

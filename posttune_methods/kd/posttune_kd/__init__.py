@@ -22,7 +22,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from posttune.plugin import ConfigError, Method, PosttuneError, RunConfig, configs_in, hookimpl, resolve_engine
 
@@ -34,6 +34,10 @@ CONFIGS = Path(__file__).parent / "configs"
 
 @dataclass(frozen=True)
 class KDConfig:
+    KNOWN_AS: ClassVar[dict[str, str]] = {  # TRL's GKDConfig -> here
+        "lmbda": "method.on_policy_fraction", "teacher_model_name_or_path": "models.teacher.path",
+        "teacher_model_init_kwargs": "models.teacher (path, dtype, ...)",
+    }
     divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"  # KL(teacher || student), its reverse, or JSD
     temperature: float = 1.0  # divides both models' logits before the divergence
     beta: float = 0.5  # jsd: the mixture's teacher weight (0: forward KL, 1: reverse KL)
