@@ -38,6 +38,8 @@ def test_a_transformers_key_in_the_run_config_names_its_place_here(config, messa
                                                         "is method.precompute_reference here"),
     ({"name": "sft", "max_seq_length": 512}, "method.max_seq_length: unknown key; max_seq_length, as transformers or "
                                              "TRL names it, is data.max_seq_len here"),
+    ({"name": "dpo", "loss_weights": [1.0, 0.5]}, "method.loss_weights: unknown key; loss_weights, as transformers or "
+                                                  "TRL names it, is method.rpo_alpha (TRL's loss_type [sigmoid, sft]"),
     ({"name": "kd", "lmbda": 0.5}, "method.lmbda: unknown key; lmbda, as transformers or TRL names it, is "
                                    "method.on_policy_fraction here"),
 ])

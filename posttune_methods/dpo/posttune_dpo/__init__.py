@@ -45,6 +45,8 @@ class DPOConfig:
     KNOWN_AS: ClassVar[dict[str, str]] = {  # TRL's DPOConfig -> here
         "precompute_ref_log_probs": "method.precompute_reference", "max_length": "data.max_seq_len",
         "max_prompt_length": "data.max_prompt_len", "ref_model": "models.reference",
+        "loss_weights": "method.rpo_alpha (TRL's loss_type [sigmoid, sft] with loss_weights [1, alpha], RPO, is "
+                        "loss_type sigmoid with rpo_alpha alpha; one loss_type otherwise)",
     }
     # DPO's logistic loss, IPO's squared loss, SimPO, SLiC's hinge loss, robust DPO, ORPO, or one of TRL's other
     # pair losses: DPO on mean log-probs, EXO, NCA, BCO, SPPO (hard), APO (zero, down), DiscoPOP (docs/dpo.md)
