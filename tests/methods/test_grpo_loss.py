@@ -188,3 +188,29 @@ def test_truncated_importance_weights_scale_each_surrogate_as_the_formula(how):
     torch.testing.assert_close(ours_logps.grad, theirs_logps.grad, atol=TOL, rtol=0)
     capped = (torch.exp(inputs["old"] - behaviour) > 2.0) & (inputs["mask"] > 0)
     assert capped.any() and (~capped & (inputs["mask"] > 0)).any()  # the cap was active on some tokens, not all
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_importance_weights_of_each_mode_equal_their_definition(mode):
+    """TRL's ``vllm_importance_sampling_mode``s, element by element: the ratio pi_old / pi_behaviour of each token
+    (``token_*``) or of the whole completion (``sequence_*``, the product of its tokens' ratios), above the cap
+    truncated to it or set to 0; 0 outside the completion."""
+    inputs = fixed_inputs()
+    mask = inputs["mask"]
+    behaviour = inputs["old"] + torch.randn(mask.shape, generator=torch.Generator().manual_seed(3)) * 0.4
+    cap = 1.5
+    weights = tis_weights(inputs["old"], behaviour, mask, cap, mode)
+    level, how = mode.split("_")
+    capped = 0
+    for i in range(mask.shape[0]):
+        tokens = [t for t in range(mask.shape[1]) if mask[i, t] > 0]
+        sequence = math.exp(sum(float(inputs["old"][i, t] - behaviour[i, t]) for t in tokens))
+        for t in range(mask.shape[1]):
+            if t not in tokens:
+                assert float(weights[i, t]) == 0.0
+                continue
+            ratio = sequence if level == "sequence" else math.exp(float(inputs["old"][i, t] - behaviour[i, t]))
+            capped += ratio > cap
+            expected = min(ratio, cap) if how == "truncate" else (ratio if ratio <= cap else 0.0)
+            assert float(weights[i, t]) == pytest.approx(expected, rel=1e-5), (i, t)
+    assert 0 < capped < int(mask.sum())  # the cap acted on some tokens, not all

@@ -58,6 +58,9 @@ class RayOptions:
     max_staleness: int | None = None  # versions a rollout may lag the weights it trains; default by mode
     queue_size: int = 4  # generation batches handed out and not yet trained on, per learner rank
     tis_cap: float | None = 2.0  # truncated importance weight min(pi_old / pi_behaviour, cap); None: none
+    # per token or per completion; above tis_cap truncated to it, or masked to 0 (TRL's
+    # vllm_importance_sampling_mode)
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
     ray_address: str | None = None  # an existing Ray cluster; default: a local one (ray.init())
     threads_per_actor: int = 1  # torch threads in each actor
     gpus_per_actor: float = 0.0  # Ray GPUs each engine actor holds (vllm on GPU nodes)
@@ -72,6 +75,9 @@ class GRPOConfig:
         "reward_weights": "the weight of each method.rewards entry", "use_vllm": "method.engine: vllm (posttune-vllm)",
         "max_prompt_length": "data.max_prompt_len", "rloo_k": "method.group_size",
         "use_bias_correction_kl": "method.bias_correction_kl",
+        "vllm_importance_sampling_mode": "method.ray_options.tis_mode",
+        "vllm_importance_sampling_clip_max": "method.ray_options.tis_cap",
+        "vllm_importance_sampling_cap": "method.ray_options.tis_cap",
     }
     group_size: int = 8  # completions sampled per prompt, compared within their group (at least 2)
     max_new_tokens: int = 256  # the longest completion

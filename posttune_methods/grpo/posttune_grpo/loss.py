@@ -56,6 +56,7 @@ Aggregation = Literal["token", "sequence", "constant"]
 Level = Literal["token", "sequence", "sequence_sum"]
 Baseline = Literal["mean", "leave_one_out"]
 Objective = Literal["clip", "cispo", "sapo"]
+TISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 #: CISPO's default weight cap, 1 + epsilon_high: the ratio cap of 5 TRL recommends for it
 CISPO_EPSILON_HIGH = 4.0
 #: added to a standard deviation before dividing by it (a group of equal rewards has std 0)
@@ -93,10 +94,20 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: ScaleRewards
 
 
 def tis_weights(old_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor,
-                cap: float) -> torch.Tensor:
-    """Truncated importance weights ``min(pi_old / pi_behaviour, cap)`` per token (0 outside ``mask``): how
-    much more likely the learner's policy finds each sampled token than the engine that sampled it did."""
-    return torch.exp(old_logps - behaviour_logps).clamp(max=cap) * mask
+                cap: float, mode: TISMode = "token_truncate") -> torch.Tensor:
+    """Importance weights ``pi_old / pi_behaviour`` per token (0 outside ``mask``): how much more likely the
+    learner's policy finds each sampled token than the engine that sampled it did. ``mode`` (TRL's
+    ``vllm_importance_sampling_mode``): per token or per completion (the ratio of the whole completion, the
+    same for each of its tokens); above ``cap`` truncated to it, or (``*_mask``) set to 0, leaving the token or
+    completion out (masked importance sampling: a sample the learner finds far likelier than the sampler did
+    is the sampler's rounding, not a signal to scale up)."""
+    level, how = mode.split("_")
+    log_ratio = (old_logps - behaviour_logps) * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=1, keepdim=True)
+    ratio = torch.exp(log_ratio)
+    ratio = ratio.clamp(max=cap) if how == "truncate" else ratio.masked_fill(ratio > cap, 0.0)
+    return ratio * mask
 
 
 @dataclass(frozen=True)

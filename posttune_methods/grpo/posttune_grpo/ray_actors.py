@@ -177,7 +177,8 @@ class RaySource:
         add_learner_logps(session, rollouts, old=True)
         if self.options.tis_cap is not None:
             mask = (rollouts.labels != -100).float()
-            rollouts.is_weights = tis_weights(rollouts.old_logps, rollouts.behaviour_logps, mask, self.options.tis_cap)
+            rollouts.is_weights = tis_weights(rollouts.old_logps, rollouts.behaviour_logps, mask, self.options.tis_cap,
+                                              self.options.tis_mode)
         count_rollouts(session.method_state, rollouts)
         return rollouts
 
