@@ -144,6 +144,30 @@ def assert_same_step(got: tuple[Any, dict], expected: tuple[Any, dict], *, loss_
         torch.testing.assert_close(grads[key], grad, rtol=0, atol=1e-6, msg=f"{msg} {key}")
 
 
+def assert_loss_kernel_keeps_the_step(config_for: Any, tmp_path: Path, technique: str, *,
+                                      prepare: Any = None) -> None:
+    """``config_for(directory, memory)`` -> a run config: the first batch's loss and gradients with the loss-kernel
+    technique ``technique`` in ``memory`` equal those of the plain path within 1e-5; ``prepare(model)`` runs on
+    each composed model first."""
+    import torch
+
+    results = []
+    for memory in ([], [technique]):
+        session = compose_run(config_for(tmp_path / str(len(memory)), memory))
+        assert (session.loss_kernel is not None) == bool(memory)
+        if prepare is not None:
+            prepare(session.model)
+        out = session.plan.method.descriptor.loss(session, next(iter(session.train_data)))
+        (out.loss_sum / out.normaliser).backward()
+        results.append((out.loss_sum.detach(), {name: p.grad.clone() for name, p in session.model.named_parameters()
+                                                if p.grad is not None}))
+    (plain, plain_grads), (kernel, kernel_grads) = results
+    torch.testing.assert_close(kernel, plain, atol=1e-5, rtol=0)
+    assert kernel_grads.keys() == plain_grads.keys()
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(kernel_grads[name], grad, atol=1e-5, rtol=0, msg=name)
+
+
 def compose_run(config: dict) -> Any:
     """The session `posttune train` would run, composed from a config mapping (no training)."""
     from posttune.config import validate

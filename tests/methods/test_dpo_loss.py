@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from run_support import compose_run, pair_rows
+from run_support import assert_loss_kernel_keeps_the_step, compose_run, pair_rows
 
 from posttune.adapters import AdaptersOff, adapted_modules
 
@@ -90,7 +90,7 @@ def paper(settings: dict, pc, pr, rc, rr, chosen_means) -> tuple[torch.Tensor, t
     c, r = beta * (pc - rc), beta * (pr - rr)  # each response's implicit reward
     if kind == "ipo":
         loss = (h - 1 / (2 * beta)) ** 2
-    elif kind == "exo_pair":  # EXO eq. 16 for K = 2: KL(softmax(beta (pi - ref)) over {chosen, rejected} || (1-eps, eps))
+    elif kind == "exo_pair":  # EXO eq. 16, K = 2: KL(softmax(beta (pi - ref)) over {chosen, rejected} || (1-eps, eps))
         q_chosen = torch.exp(c) / (torch.exp(c) + torch.exp(r))
         loss = q_chosen * torch.log(q_chosen / (1 - eps)) + (1 - q_chosen) * torch.log((1 - q_chosen) / eps)
     elif kind == "nca_pair":  # NCA's pairwise loss
@@ -198,20 +198,11 @@ def test_with_a_loss_kernel_technique_the_loss_and_gradients_are_unchanged(llama
                                                                            technique):
     """Padding-free pairs with the shared prompt once (``positions`` continue it): the kernel's logits
     at labelled positions give the plain path's loss and gradients."""
-    results = []
-    for memory in ([], [technique]):
-        session = compose_run(make_dpo_config(tmp_path / str(len(memory)), rows=8, memory=memory,
-                                              memory_options={technique: KERNEL_OPTIONS[technique]}
-                                              if memory else {}))
-        assert (session.loss_kernel is not None) == bool(memory)
-        perturb(session.model)
-        out = session.plan.method.descriptor.loss(session, next(iter(session.train_data)))
-        (out.loss_sum / out.normaliser).backward()
-        results.append((out.loss_sum.detach(), gradients(session.model)))
-    (plain, plain_grads), (chunked, chunked_grads) = results
-    torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=0)
-    for name, grad in plain_grads.items():
-        torch.testing.assert_close(chunked_grads[name], grad, atol=1e-5, rtol=0, msg=name)
+    assert_loss_kernel_keeps_the_step(
+        lambda directory, memory: make_dpo_config(directory, rows=8, memory=memory,
+                                                  memory_options={technique: KERNEL_OPTIONS[technique]}
+                                                  if memory else {}),
+        tmp_path, technique, prepare=perturb)
 
 
 @torch.no_grad()

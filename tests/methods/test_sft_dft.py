@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from run_support import compose_run, sft_config, write
+from run_support import assert_loss_kernel_keeps_the_step, compose_run, sft_config, write
 
 from posttune.errors import ConfigError
 
@@ -63,19 +63,12 @@ def test_the_loss_and_gradients_equal_the_papers_formula(llama_sft, tmp_path, me
 
 
 def test_under_the_chunked_cross_entropy_kernel_the_loss_and_gradients_are_unchanged(llama_sft, tmp_path):
-    results = []
-    for memory in ([], ["chunked_cross_entropy"]):
-        session = compose_run(sft_config(tmp_path / str(len(memory)), rows=8, memory=memory,
-                                         memory_options={"chunked_cross_entropy": {"chunk_size": 7}} if memory
-                                         else {}, method={"name": "sft", "loss_type": "dft"}))
-        assert (session.loss_kernel is not None) == bool(memory)
-        out = session.plan.method.descriptor.loss(session, next(iter(session.train_data)))
-        (out.loss_sum / out.normaliser).backward()
-        results.append((out.loss_sum.detach(), gradients(session.model)))
-    (plain, plain_grads), (chunked, chunked_grads) = results
-    torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=0)
-    for name, grad in plain_grads.items():
-        torch.testing.assert_close(chunked_grads[name], grad, atol=1e-5, rtol=0, msg=name)
+    assert_loss_kernel_keeps_the_step(
+        lambda directory, memory: sft_config(directory, rows=8, memory=memory,
+                                             method={"name": "sft", "loss_type": "dft"},
+                                             memory_options={"chunked_cross_entropy": {"chunk_size": 7}} if memory
+                                             else {}),
+        tmp_path, "chunked_cross_entropy")
 
 
 def test_a_dft_run_trains_and_an_unknown_loss_type_is_refused(llama_sft, posttune_cli, tmp_path):
