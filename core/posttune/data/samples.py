@@ -166,9 +166,7 @@ class SampleMaker:
         """The whole row tokenized and, unless ``train_on_input``, its first tokens untrained: those of the prompt
         alone (text: encoded; messages: rendered with the generation prompt), as TRL counts them."""
         if isinstance(content.prompt, str):
-            eos = self.tokenizer.eos_id
-            ids = list(self.tokenizer.encode(content.prompt + content.completion)) + ([] if eos is None else [eos])
-            trained = [True] * len(ids)
+            ids, trained = self._tokenize(content.prompt + content.completion)  # text: every token, then EOS
             prompt = len(self.tokenizer.encode(content.prompt))
         else:
             ids, trained = self._tokenize([*content.prompt, *content.completion])

@@ -93,6 +93,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: ScaleRewards
     return centred.reshape(-1), equal
 
 
+def completion_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[n, 1]``: each completion's sum of ``values`` over its tokens. Outside ``mask`` the values are padding:
+    zeroed, not multiplied, so no stray value can leak in."""
+    return torch.where(mask > 0, values, torch.zeros_like(values)).sum(dim=1, keepdim=True)
+
+
 def tis_weights(old_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor,
                 cap: float, mode: TISMode = "token_truncate") -> torch.Tensor:
     """Importance weights ``pi_old / pi_behaviour`` per token (0 outside ``mask``): how much more likely the
@@ -154,11 +160,11 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages:
     high = (CISPO_EPSILON_HIGH if objective == "cispo" else epsilon) if epsilon_high is None else epsilon_high
     old = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
     if level in ("sequence", "sequence_sum"):
-        # outside the mask the log-probs are padding: zeroed, not multiplied, so no stray value can leak in
-        log_ratio = torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio)).sum(dim=1, keepdim=True)
+        log_ratio = completion_sums(log_ratio, mask)
         if level == "sequence":
-            log_ratio = log_ratio / mask.sum(dim=1, keepdim=True).clamp(min=1)
+            log_ratio = log_ratio / lengths
     elif level != "token":
         raise ValueError(f"unknown importance sampling level {level!r}")
     ratio = torch.exp(log_ratio)
@@ -180,8 +186,7 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages:
         raise ValueError(f"unknown objective {objective!r}")
     dropped = None
     if off_policy_threshold is not None:
-        drift = torch.where(mask > 0, behaviour_logps - logps.detach(), torch.zeros_like(logps)).sum(dim=1)
-        drift = drift / mask.sum(dim=1).clamp(min=1)
+        drift = (completion_sums(behaviour_logps - logps.detach(), mask) / lengths).squeeze(1)
         dropped = ((advantages < 0) & (drift > off_policy_threshold)).to(logps.dtype)
         per_token = per_token * (1.0 - dropped).unsqueeze(1)
     if is_weights is not None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from posttune_grpo.loss import group_advantages
+from posttune_grpo.loss import completion_sums, group_advantages
 from posttune_grpo.scoring import score_batch
 from posttune.plugin import Session
 
@@ -218,7 +218,7 @@ def penalise_kl(rollouts: Rollouts, policy_logps: torch.Tensor, beta: float, spe
     advantages taken again from that. ``rewards`` keeps the scored reward, the one logged; ``kl`` the sums."""
     mask = (rollouts.labels != IGNORE_INDEX).to(policy_logps.dtype)
     real = (rollouts.rows >= 0).float()
-    rollouts.kl = ((policy_logps - rollouts.ref_logps) * mask).sum(dim=1).float() * real
+    rollouts.kl = completion_sums(policy_logps - rollouts.ref_logps, mask).squeeze(1).float() * real
     penalised = rollouts.rewards - beta * rollouts.kl
     rollouts.advantages, rollouts.weights, rollouts.equal = advantages_of(penalised, real, spec, batch_std)
 
