@@ -3,6 +3,7 @@ ends it too, within a bound; nothing hangs, and `resume: latest` continues the s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -61,6 +62,29 @@ def test_posttune_train_reports_the_failing_rank_in_one_line(tmp_path):
     assert result.stderr.startswith("posttune: error: rank ") and " failed (exit code 2): data.train: row 3: " \
         in result.stderr, result.stderr
 
+
+
+def test_the_reported_failure_is_a_rank_that_ended_on_its_own(tmp_path):
+    """Both ranks hit the same bad row; under load torchrun can SIGTERM rank 0 after it recorded the error but
+    before it exited, making rank 0's the earliest record with exit code -15. The rank that exited with its own
+    code is the one reported; a signal is reported only when every rank died by one."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from posttune.cli.launch import first_failure
+
+    def failure(rank, exitcode, timestamp=None):
+        error_file = tmp_path / f"error-{rank}.json"
+        if timestamp is not None:
+            error_file.write_text(json.dumps({"message": {"message": "ConfigError: data.train: row 3",
+                                                          "extraInfo": {"timestamp": timestamp}}}))
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(error_file))
+
+    signalled_first = {0: failure(0, -15, timestamp=10), 1: failure(1, 2, timestamp=11)}
+    assert first_failure(signalled_first)[0] == 1
+    assert first_failure({0: failure(0, 2, timestamp=10), 1: failure(1, 2, timestamp=11)})[0] == 0
+    killed = {0: failure(0, -15), 1: failure(1, -9)}
+    rank, chosen = first_failure(killed)
+    assert chosen.exitcode < 0 and rank in killed
 
 #: Rank 1 dies by SIGKILL right after optimizer step 3 (a lost node, the OOM killer): no Python
 #: error handler runs, so only torchrun's agent and the other rank's collectives notice.

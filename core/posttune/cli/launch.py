@@ -84,7 +84,7 @@ def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) 
               "they finished it within TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds", file=sys.stderr)
         return PREEMPTED
     except ChildFailedError as exc:
-        rank, failure = min(exc.failures.items(), key=lambda item: item[1].timestamp)
+        rank, failure = first_failure(exc.failures)
         if failure.exitcode == PREEMPTED:  # the workers printed where they saved
             return PREEMPTED
         raise PosttuneError(f"rank {rank} failed (exit code {failure.exitcode}): {reported(failure.message)}") from None
@@ -93,6 +93,13 @@ def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) 
         for logger, level in quiet.items():
             logger.setLevel(level)
     return 0
+
+
+def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failure to report: the earliest of the ranks that ended on their own. A rank killed by a signal
+    (negative exit code) is usually one torchrun stopped after another rank failed, even when it had recorded the
+    same error first; it is reported only when every rank died that way (a lost node, the OOM killer)."""
+    return min(failures.items(), key=lambda item: (item[1].exitcode < 0, item[1].timestamp))
 
 
 def reported(message: Any) -> str:
