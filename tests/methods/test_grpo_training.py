@@ -221,8 +221,10 @@ def test_a_reward_that_cannot_score_stops_the_run_in_one_line_unless_told_to_cou
      "max_staleness 1; use at most 2"),
     ({"method": {"mode": "async", "ray_options": {"actors": 0}}},
      "config: method.ray_options.actors: expected a positive integer, got 0"),
-    ({"method": {"mode": "off_policy", "ray_options": {"tis_cap": 0.5}}},
-     "config: method.ray_options.tis_cap: expected a number >= 1 (or null), got 0.5"),
+    ({"method": {"mode": "off_policy", "tis_cap": 0.5}},
+     "config: method.tis_cap: expected a number >= 1 (or null), got 0.5"),
+    ({"method": {"mode": "off_policy", "ray_options": {"tis_cap": 3.0}}},
+     "config: method.ray_options.tis_cap: unknown key; moved: set method.tis_cap"),
 ])
 def test_impossible_grpo_runs_are_refused_by_validate(llama_grpo, posttune_cli, tmp_path, sections, message):
     config = vowel_config(tmp_path)

@@ -19,7 +19,11 @@ _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str:
 
 def _known_as(cls: type, key: str) -> str:
     """Where a key of transformers' or TRL's configs is here, from the dataclass's ``KNOWN_AS`` mapping (a
-    ``ClassVar``: their name -> ours), for users bringing a recipe from there; "" for other keys."""
+    ``ClassVar``: their name -> ours), for users bringing a recipe from there, or where a key of this dataclass
+    went (``MOVED``); "" for other keys."""
+    moved = getattr(cls, "MOVED", {}).get(key)
+    if moved:  # a key that was here once (``MOVED``: old name -> where it is now)
+        return f"; moved: set {moved}"
     here = getattr(cls, "KNOWN_AS", {}).get(key)
     return f"; {key}, as transformers or TRL names it, is {here} here" if here else ""
 

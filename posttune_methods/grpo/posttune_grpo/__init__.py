@@ -52,15 +52,13 @@ DEFAULT_STALENESS = {"sync": 0, "async": 1, "off_policy": 2}
 class RayOptions:
     """`method.ray_options`: rollouts made by Ray actors (``generation: ray``; pip install 'posttune-grpo[ray]')."""
 
+    MOVED: ClassVar[dict[str, str]] = {"tis_cap": "method.tis_cap", "tis_mode": "method.tis_mode"}
+
     actors: int = 1  # engine actors in all, split evenly over the learner ranks
     scorers: int = 1  # reward actors per learner rank (scoring runs beside generation, not in it)
     sync_every: int = 1  # optimizer steps between weight pushes to the actors
     max_staleness: int | None = None  # versions a rollout may lag the weights it trains; default by mode
     queue_size: int = 4  # generation batches handed out and not yet trained on, per learner rank
-    tis_cap: float | None = 2.0  # truncated importance weight min(pi_old / pi_behaviour, cap); None: none
-    # per token or per completion; above tis_cap truncated to it, or masked to 0 (TRL's
-    # vllm_importance_sampling_mode)
-    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
     ray_address: str | None = None  # an existing Ray cluster; default: a local one (ray.init())
     threads_per_actor: int = 1  # torch threads in each actor
     gpus_per_actor: float = 0.0  # Ray GPUs each engine actor holds (vllm on GPU nodes)
@@ -75,9 +73,8 @@ class GRPOConfig:
         "reward_weights": "the weight of each method.rewards entry", "use_vllm": "method.engine: vllm (posttune-vllm)",
         "max_prompt_length": "data.max_prompt_len", "rloo_k": "method.group_size",
         "use_bias_correction_kl": "method.bias_correction_kl",
-        "vllm_importance_sampling_mode": "method.ray_options.tis_mode",
-        "vllm_importance_sampling_clip_max": "method.ray_options.tis_cap",
-        "vllm_importance_sampling_cap": "method.ray_options.tis_cap",
+        "vllm_importance_sampling_mode": "method.tis_mode", "vllm_importance_sampling_clip_max": "method.tis_cap",
+        "vllm_importance_sampling_cap": "method.tis_cap",
     }
     group_size: int = 8  # completions sampled per prompt, compared within their group (at least 2)
     max_new_tokens: int = 256  # the longest completion
@@ -114,6 +111,13 @@ class GRPOConfig:
     # beta times the completion's summed log-ratio taken from its reward before the baseline (RLOO, TRL's RLOO)
     kl_in_reward: bool = False
     bias_correction_kl: bool = False  # the KL term times the importance ratio (DeepSeek-V3.2; TRL's default)
+    # the correction for rollouts sampled by another copy of the policy (the Ray modes' actors; in sync mode
+    # any engine but builtin, e.g. vllm): each token's loss weighted by min(pi_old / pi_behaviour, tis_cap);
+    # None: no correction
+    tis_cap: float | None = 2.0
+    # per token or per completion; above tis_cap truncated to it, or masked to 0 (TRL's
+    # vllm_importance_sampling_mode)
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
     filter_equal_rewards: bool = False  # leave out groups whose rewards are all equal (they teach nothing)
     micro_batch_size: int | None = None  # completions per forward/backward; default: the rank's whole batch
     mode: Literal["sync", "async", "off_policy"] = "sync"  # alternate, overlap (staleness <= 1), or bounded lag
@@ -188,6 +192,8 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
     if method.kl_in_reward and method.beta == 0:
         raise ConfigError("method.kl_in_reward", "puts beta times the KL in the reward, and beta is 0: set "
                                                  "method.beta (TRL's RLOO uses 0.05)")
+    if method.tis_cap is not None and not method.tis_cap >= 1:
+        raise ConfigError("method.tis_cap", f"expected a number >= 1 (or null), got {method.tis_cap}")
     if method.top_k is not None and method.top_k < 1:
         raise ConfigError("method.top_k", f"expected a positive integer, got {method.top_k}")
     if method.top_p is not None and not 0 < method.top_p <= 1:

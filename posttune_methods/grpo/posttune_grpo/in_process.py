@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from posttune.plugin import ConfigError, RunConfig, Session, step_context, to_device
 
-from posttune_grpo.loss import learner_logps
+from posttune_grpo.loss import learner_logps, tis_weights
 from posttune_grpo.rollouts import (
     Rollouts,
     generate_rollouts,
@@ -29,6 +29,7 @@ from posttune_grpo.rollouts import (
 from posttune_grpo.state import count_rollouts, learner_engine
 
 REFERENCE = "reference"
+BUILTIN_ENGINE = "builtin"  # the core's engine: generate_batch on the training model itself
 
 
 def validate(config: RunConfig, method: Any) -> None:
@@ -80,18 +81,31 @@ def make_rollouts(session: Session, prompts: dict[str, Any]) -> Rollouts:
     # more than one optimizer step per generation batch: every step after the first trains a policy that
     # has moved, so the ratio needs the generating policy's log-probs (TRL records them the same way)
     several_steps = micro_batches_per_generation(session) > session.config.train.grad_accum_steps
-    add_learner_logps(session, rollouts, old=several_steps,
+    tis = sampled_elsewhere(session)
+    add_learner_logps(session, rollouts, old=several_steps or tis, tis=tis,
                       batch_std=lambda total, real: batch_std(session, total, real))
     rollouts.seconds = time.perf_counter() - started
     count_rollouts(state, rollouts)
     return rollouts
 
 
-def add_learner_logps(session: Session, rollouts: Rollouts, *, old: bool,
+def sampled_elsewhere(session: Session) -> bool:
+    """Whether sync mode's completions come from another copy of the policy than the learner's forward (any
+    engine but ``builtin``: vLLM's own weights, in its own dtype and kernels), so that the truncated importance
+    weight ``pi_old / pi_behaviour`` (``method.tis_cap``) corrects the mismatch, as it does for the Ray modes.
+    The builtin engine samples with the learner's own model: its log-probs differ from training's by rounding
+    alone, and the correction would cost a forward for nothing."""
+    config = session.method_config
+    return config.tis_cap is not None and config.engine != BUILTIN_ENGINE
+
+
+def add_learner_logps(session: Session, rollouts: Rollouts, *, old: bool, tis: bool = False,
                       batch_std: Callable[..., Any] | None = None) -> None:
     """Score ``rollouts`` in the learner: the policy's own log-probs before any update (``old``) and the
-    reference's (when the run has one), as training computes them. With ``kl_in_reward`` the rewards then
-    pay the KL to the reference and the advantages are taken again (``batch_std`` as for scoring)."""
+    reference's (when the run has one), as training computes them. With ``tis`` (and ``old``), the truncated
+    importance weights of ``method.tis_cap`` and ``tis_mode`` against the sampler's log-probs. With
+    ``kl_in_reward`` the rewards then pay the KL to the reference and the advantages are taken again
+    (``batch_std`` as for scoring)."""
     wanted = [("old_logps", session.model)] if old else []
     if REFERENCE in session.models:
         wanted.append(("ref_logps", session.models[REFERENCE]))
@@ -102,6 +116,10 @@ def add_learner_logps(session: Session, rollouts: Rollouts, *, old: bool,
     for name, model in wanted:
         setattr(rollouts, name, scored_by(session, rollouts, model, size))
     config = session.method_config
+    if tis and config.tis_cap is not None:
+        mask = (rollouts.labels != -100).float()
+        rollouts.is_weights = tis_weights(rollouts.old_logps, rollouts.behaviour_logps, mask, config.tis_cap,
+                                          config.tis_mode)
     if config.kl_in_reward:
         policy = rollouts.old_logps if rollouts.old_logps is not None else scored_by(session, rollouts,
                                                                                         session.model, size)

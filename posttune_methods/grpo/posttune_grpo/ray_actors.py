@@ -45,7 +45,6 @@ from typing import Any
 import torch
 from posttune.plugin import ConfigError, PosttuneError, RunConfig, Session, plain_state_dict
 
-from posttune_grpo.loss import tis_weights
 from posttune_grpo.rollouts import Rollouts, micro_batches_per_generation
 from posttune_grpo.state import count_rollouts
 
@@ -83,8 +82,6 @@ def validate(config: RunConfig, method: Any) -> None:
         raise ConfigError("method.ray_options.sync_every", f"weights pushed every {options.sync_every} steps lag "
                                                            f"up to {options.sync_every - 1} versions, more than "
                                                            f"max_staleness {bound}; use at most {bound + 1}")
-    if options.tis_cap is not None and not options.tis_cap >= 1:
-        raise ConfigError("method.ray_options.tis_cap", f"expected a number >= 1 (or null), got {options.tis_cap}")
     if options.gpus_per_actor < 0:
         raise ConfigError("method.ray_options.gpus_per_actor", f"expected a number >= 0, got "
                                                                f"{options.gpus_per_actor}")
@@ -174,11 +171,7 @@ class RaySource:
         self.staleness.append(staleness)
         self.rows.extend(int(row) for row in rollouts.rows.unique().tolist() if row >= 0)
         self.engine_idle_s += float(result.get("engine_idle_s", 0.0))
-        add_learner_logps(session, rollouts, old=True)
-        if self.options.tis_cap is not None:
-            mask = (rollouts.labels != -100).float()
-            rollouts.is_weights = tis_weights(rollouts.old_logps, rollouts.behaviour_logps, mask, self.options.tis_cap,
-                                              self.options.tis_mode)
+        add_learner_logps(session, rollouts, old=True, tis=True)
         count_rollouts(session.method_state, rollouts)
         return rollouts
 
