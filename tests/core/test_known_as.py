@@ -38,8 +38,10 @@ def test_a_transformers_key_in_the_run_config_names_its_place_here(config, messa
                                                         "is method.precompute_reference here"),
     ({"name": "sft", "max_seq_length": 512}, "method.max_seq_length: unknown key; max_seq_length, as transformers or "
                                              "TRL names it, is data.max_seq_len here"),
-    ({"name": "dpo", "loss_weights": [1.0, 0.5]}, "method.loss_weights: unknown key; loss_weights, as transformers or "
-                                                  "TRL names it, is method.rpo_alpha (TRL's loss_type [sigmoid, sft]"),
+    ({"name": "dpo", "ref_model": "x"}, "method.ref_model: unknown key; ref_model, as transformers or TRL names it, "
+                                        "is models.reference here"),
+    ({"name": "grpo", "ray_options": {"tis_cap": 3.0}}, "method.ray_options.tis_cap: unknown key; moved: set "
+                                                        "method.tis_cap"),
     ({"name": "kd", "lmbda": 0.5}, "method.lmbda: unknown key; lmbda, as transformers or TRL names it, is "
                                    "method.on_policy_fraction here"),
 ])

@@ -81,12 +81,14 @@ def test_with_rpo_accumulation_gives_the_update_of_the_larger_batch(llama_dpo, m
         torch.testing.assert_close(updates[1][name], delta, atol=1e-6, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("loss_type", ["sigmoid", ["sigmoid", "ipo"]])  # a list: sums and means, both tabled
 def test_precomputed_reference_gives_the_same_per_step_losses_as_a_live_one(llama_dpo, posttune_cli,
-                                                                           make_dpo_config, tmp_path):
+                                                                           make_dpo_config, tmp_path, loss_type):
     runs = {}
     for precompute in (False, True):
         config = make_dpo_config(tmp_path / str(precompute), rows=14,
-                                 method={"name": "dpo", "beta": 0.5, "precompute_reference": precompute},
+                                 method={"name": "dpo", "beta": 0.5, "precompute_reference": precompute,
+                                         "loss_type": loss_type},
                                  train={"epochs": 2, "eval_every": 2})
         config["data"]["validation"] = dict(config["data"]["train"])
         result = posttune_cli("train", str(write(tmp_path, config, f"{precompute}.yaml")))
@@ -104,7 +106,8 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
 
     session = compose_run(make_dpo_config(tmp_path, rows=6, method={"name": "dpo", "precompute_reference": True}))
     assert "reference" not in session.models and "reference" not in session.targets
-    keys, table = session.method_state["train"]
+    keys, table = session.method_state["train"][False]  # sigmoid's token sums only
+    assert list(session.method_state["train"]) == [False]
     assert keys.tolist() == list(range(6)) and table.shape == (6, 2)
 
 
@@ -113,7 +116,7 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
     ({"data": {"train": {"path": "x.jsonl", "format": "chat"}}},
      "config: data.train.format: 'chat' gives conversation rows; method 'dpo' needs preference rows"),
     ({"data": {"packing": True}}, "config: data.packing: moved: set method.packing"),
-    ({"method": {"name": "dpo", "packing": True}}, "config: method.packing: unknown key (keys: loss_type, beta, "
+    ({"method": {"name": "dpo", "packing": True}}, "config: method.packing: unknown key (keys: loss_type, loss_weights, beta, "
                                                    "label_smoothing, simpo_gamma, discopop_tau, rpo_alpha, "
                                                    "precompute_reference, padding_free, share_prompt)"),
     ({"method": {"name": "dpo", "beta": 0}}, "config: method.beta: expected a positive number, got 0.0"),
@@ -137,7 +140,11 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
      "config: reference: given twice: `reference:` is the old spelling of `models.reference`; keep one"),
     ({"method": {"name": "dpo", "loss_type": "kto"}},
      "config: method.loss_type: expected one of 'sigmoid', 'ipo', 'simpo', 'hinge', 'robust', 'orpo', 'sigmoid_norm', "
-     "'exo_pair', 'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop', got 'kto'"),
+     "'exo_pair', 'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop' or a list, got 'kto'"),
+    ({"method": {"name": "dpo", "loss_type": ["sigmoid", "kto"]}},
+     "config: method.loss_type[1]: expected one of 'sigmoid', 'ipo', 'simpo', 'hinge', 'robust', 'orpo', "
+     "'sigmoid_norm', 'exo_pair', 'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop', 'sft', "
+     "got 'kto'"),
     ({"method": {"name": "dpo", "loss_type": "hinge", "label_smoothing": 0.1}},
      "config: method.label_smoothing: hinge has no label smoothing; loss types sigmoid, simpo, robust, exo_pair use "
      "it"),
@@ -165,6 +172,26 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
      "config: method.simpo_gamma: only loss_type simpo uses it (this run: orpo)"),
     ({"method": {"name": "dpo", "loss_type": "orpo"}, "models": {"reference": {"family": "llama", "size": "tiny"}}},
      "config: models.reference: method 'dpo' uses no reference model with these settings; remove it"),
+    # loss lists (TRL's loss_type list with loss_weights)
+    ({"method": {"name": "dpo", "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}},
+     "config: method.loss_weights: expected one weight per loss_type (2), got 1"),
+    ({"method": {"name": "dpo", "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.0]}},
+     "config: method.loss_weights[1]: expected a positive number, got 0.0"),
+    ({"method": {"name": "dpo", "loss_weights": [1.0]}},
+     "config: method.loss_weights: weights the losses of a loss_type list; this run has one loss (sigmoid): remove "
+     "it"),
+    ({"method": {"name": "dpo", "loss_type": ["sft"]}},
+     "config: method.loss_type: expected at least one pair loss (sigmoid, ipo, ...), got [sft]; sft alone is method "
+     "sft"),
+    ({"method": {"name": "dpo", "loss_type": ["sigmoid", "ipo", "sigmoid"]}},
+     "config: method.loss_type: sigmoid is listed twice; give it one weight in loss_weights"),
+    ({"method": {"name": "dpo", "loss_type": ["sigmoid", "sft"], "rpo_alpha": 1.0}},
+     "config: method.rpo_alpha: loss_type's sft is the same NLL term; keep one of them"),
+    ({"method": {"name": "dpo", "loss_type": ["simpo", "orpo"], "precompute_reference": True}},
+     "config: method.precompute_reference: [simpo, orpo] uses no reference model; remove it"),
+    ({"method": {"name": "dpo", "loss_type": ["hinge", "ipo"], "label_smoothing": 0.1}},
+     "config: method.label_smoothing: [hinge, ipo] has no label smoothing; loss types sigmoid, simpo, robust, "
+     "exo_pair use it"),
 ])
 def test_impossible_preference_runs_are_refused_by_validate_in_one_line(llama_dpo, posttune_cli, make_dpo_config,
                                                                        tmp_path, sections, message):

@@ -27,6 +27,9 @@ What is compared, and why only that:
   posttune's NLL is each chosen response's per-token mean, averaged over pairs (so it does not
   depend on how a step is split, docs/dpo.md); with one pair per batch the two are the same, so
   posttune's mean over four pairs is compared with the mean of TRL's four one-pair steps.
+- loss lists (``loss_type: [...]`` with ``loss_weights``, as TRL's): MPO's ``[sigmoid, bco_pair, sft]``
+  (one-pair steps, for its ``sft`` term as for RPO's), and ``[sigmoid, ipo]``, a loss on token sums and one on
+  per-token means in one sum. The loss, and the rewards and log-probs (the first listed loss's, as TRL's).
 - ``sigmoid_norm``, ``exo_pair``, ``nca_pair``, ``bco_pair``, ``sppo_hard``, ``apo_zero``, ``apo_down`` and
   ``discopop``: TRL's loss types of those names (``exo_pair`` with ``label_smoothing`` 1e-3, ``discopop`` with
   ``discopop_tau`` 0.3), the loss and, but for ``sigmoid_norm`` (mean log-probs), the rewards and log-probs.
@@ -74,6 +77,11 @@ CASES = {
                  PAIRS),
     "discopop": ({"loss_type": "discopop", "discopop_tau": 0.3}, {"loss_type": ["discopop"], "discopop_tau": 0.3},
                  PAIRS),
+    # loss lists: MPO's recipe (its sft term as RPO's: one-pair steps), and losses on sums and on means summed
+    "mpo": ({"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+            {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]}, 1),
+    "sigmoid_ipo": ({"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.3]},
+                    {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.3]}, PAIRS),
 }
 #: the loss types whose rewards and log-probs both libraries log alike (log-ratios of token sums)
 SUMMED = ("sigmoid", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
@@ -196,9 +204,10 @@ def test_dpo_loss_equals_trl_dpo_trainer_loss(llama_dpo, checkpoints, tmp_path, 
     assert math.isfinite(ours) and abs(ours - theirs) <= TOL, (ours, theirs)
     if case == "hinge":  # not every pair past the margin, where both losses would be 0
         assert ours > 0.1
-    if case == "rpo":  # the NLL term is a real part of the loss
+    if case in ("rpo", "mpo"):  # the NLL term is a real part of the loss
         assert metrics["nll_loss"] > 1.0
-    if ours_settings["loss_type"] in SUMMED:
+    first = ours_settings["loss_type"] if isinstance(ours_settings["loss_type"], str) else ours_settings["loss_type"][0]
+    if first in SUMMED:  # a list logs its first loss's rewards
         # the policy is well off its reference, so a wrong reference or ratio would show
         assert min(abs(metrics["rewards/chosen"]), abs(metrics["rewards/rejected"])) > 0.1
         for key, name in SAME_METRICS.items():

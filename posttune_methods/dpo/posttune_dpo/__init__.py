@@ -4,7 +4,8 @@ from unpaired feedback.
 
     method:
       name: dpo
-      loss_type: sigmoid          # sigmoid (DPO) | ipo | simpo | hinge | robust | orpo | ... (docs/dpo.md)
+      loss_type: sigmoid          # sigmoid (DPO) | ipo | simpo | hinge | robust | orpo | ... (docs/dpo.md),
+                                  # or a list with loss_weights (MPO: [sigmoid, bco_pair, sft], [0.8, 0.2, 1.0])
       beta: 0.1
       label_smoothing: 0.0        # cDPO: the chance a preference label is wrong (sigmoid, simpo); robust: its flip rate
       simpo_gamma: 0.5            # SimPO's target reward margin (simpo only)
@@ -29,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from posttune.plugin import (ConfigError, DatasetConfig, DatasetFormat, Method, ModelRole, RunConfig, Session,
                              configs_in, hookimpl)
@@ -40,18 +41,25 @@ __version__ = "0.1.0"
 CONFIGS = Path(__file__).parent / "configs"
 
 
+PairLoss = Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "orpo", "sigmoid_norm", "exo_pair", "nca_pair",
+                   "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop"]
+#: the term a loss_type list may add to its pair losses: the chosen responses' NLL (rpo_alpha's)
+SFT = "sft"
+ListedLoss = Literal[(*get_args(PairLoss), SFT)]  # a loss_type list's entries (one Literal: one clear error)
+
+
 @dataclass(frozen=True)
 class DPOConfig:
     KNOWN_AS: ClassVar[dict[str, str]] = {  # TRL's DPOConfig -> here
         "precompute_ref_log_probs": "method.precompute_reference", "max_length": "data.max_seq_len",
         "max_prompt_length": "data.max_prompt_len", "ref_model": "models.reference",
-        "loss_weights": "method.rpo_alpha (TRL's loss_type [sigmoid, sft] with loss_weights [1, alpha], RPO, is "
-                        "loss_type sigmoid with rpo_alpha alpha; one loss_type otherwise)",
     }
     # DPO's logistic loss, IPO's squared loss, SimPO, SLiC's hinge loss, robust DPO, ORPO, or one of TRL's other
-    # pair losses: DPO on mean log-probs, EXO, NCA, BCO, SPPO (hard), APO (zero, down), DiscoPOP (docs/dpo.md)
-    loss_type: Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "orpo", "sigmoid_norm", "exo_pair", "nca_pair",
-                       "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop"] = "sigmoid"
+    # pair losses: DPO on mean log-probs, EXO, NCA, BCO, SPPO (hard), APO (zero, down), DiscoPOP (docs/dpo.md);
+    # or a list of them, summed with loss_weights, where sft adds the chosen responses' NLL (MPO: [sigmoid,
+    # bco_pair, sft])
+    loss_type: PairLoss | list[ListedLoss] = "sigmoid"
+    loss_weights: list[float] | None = None  # with a loss_type list: each loss's weight (default: 1 each)
     # strength of the implicit KL to the reference (SimPO: the reward scale, ~2; ORPO: the odds-ratio weight lambda)
     beta: float = 0.1
     # cDPO (sigmoid, simpo): probability that a pair's preference label is flipped; robust: the flip rate it
@@ -76,47 +84,94 @@ REFERENCE_FREE: tuple[str, ...] = ("simpo", "orpo")
 SMOOTHED: tuple[str, ...] = ("sigmoid", "simpo", "robust", "exo_pair")
 
 
+def weighted_losses(config: DPOConfig) -> tuple[tuple[str, float], ...]:
+    """``(loss type, weight)`` of each loss the run sums: one of weight 1, or the ``loss_type`` list's."""
+    if isinstance(config.loss_type, str):
+        return ((config.loss_type, 1.0),)
+    weights = config.loss_weights or [1.0] * len(config.loss_type)
+    return tuple(zip(config.loss_type, weights, strict=False))
+
+
+def pair_losses(config: DPOConfig) -> tuple[str, ...]:
+    """The run's pair losses (``sft`` is a term on the chosen responses alone), in their order."""
+    return tuple(name for name, _ in weighted_losses(config) if name != SFT)
+
+
+def uses_reference(config: DPOConfig) -> bool:
+    return any(name not in REFERENCE_FREE for name in pair_losses(config))
+
+
 def roles(config: DPOConfig) -> tuple[ModelRole, ...]:
     """A reference model, except for reference-free SimPO and ORPO: by default from the policy's source, and
     with LoRA the policy without its adapters; `models.reference` (or `reference:`) gives another."""
-    if config.loss_type in REFERENCE_FREE:
+    if not uses_reference(config):
         return ()
     return (ModelRole("reference", from_policy=True, adapters_off=True),)
 
 
 def validate(config: RunConfig, method: DPOConfig) -> None:
+    losses = pair_losses(method)
+    shown = method.loss_type if isinstance(method.loss_type, str) else f"[{', '.join(method.loss_type)}]"
+    _check_loss_list(method, losses)
     if not (math.isfinite(method.beta) and method.beta > 0):
         raise ConfigError("method.beta", f"expected a positive number, got {method.beta}")
     if not 0.0 <= method.label_smoothing < 0.5:
         raise ConfigError("method.label_smoothing", f"expected a value in [0, 0.5), got {method.label_smoothing}")
-    if method.label_smoothing and method.loss_type == "ipo":
+    if method.label_smoothing and losses == ("ipo",):
         raise ConfigError("method.label_smoothing", "ipo has no label smoothing (it is a squared loss); "
                                                     "use loss_type sigmoid for cDPO")
-    if method.label_smoothing and method.loss_type not in SMOOTHED:
-        raise ConfigError("method.label_smoothing", f"{method.loss_type} has no label smoothing; loss types "
+    if method.label_smoothing and not set(losses) & set(SMOOTHED):
+        raise ConfigError("method.label_smoothing", f"{shown} has no label smoothing; loss types "
                                                     f"{', '.join(SMOOTHED)} use it")
-    if method.loss_type == "exo_pair" and not method.label_smoothing:
+    if "exo_pair" in losses and not method.label_smoothing:
         raise ConfigError("method.label_smoothing", "exo_pair needs it above 0: the labels' epsilon, whose log it "
                                                     "takes (the EXO paper uses 1e-3)")
-    if method.simpo_gamma != DPOConfig.simpo_gamma and method.loss_type != "simpo":
-        raise ConfigError("method.simpo_gamma", f"only loss_type simpo uses it (this run: {method.loss_type})")
-    if method.discopop_tau != DPOConfig.discopop_tau and method.loss_type != "discopop":
-        raise ConfigError("method.discopop_tau", f"only loss_type discopop uses it (this run: {method.loss_type})")
+    if method.simpo_gamma != DPOConfig.simpo_gamma and "simpo" not in losses:
+        raise ConfigError("method.simpo_gamma", f"only loss_type simpo uses it (this run: {shown})")
+    if method.discopop_tau != DPOConfig.discopop_tau and "discopop" not in losses:
+        raise ConfigError("method.discopop_tau", f"only loss_type discopop uses it (this run: {shown})")
     if not (math.isfinite(method.discopop_tau) and method.discopop_tau > 0):
         raise ConfigError("method.discopop_tau", f"expected a positive number, got {method.discopop_tau}")
     if method.rpo_alpha is not None:
         if not (math.isfinite(method.rpo_alpha) and method.rpo_alpha > 0):
             raise ConfigError("method.rpo_alpha", f"expected a positive number (null: no NLL term), "
                                                   f"got {method.rpo_alpha}")
-        if method.loss_type == "orpo":
+        if "orpo" in losses:
             raise ConfigError("method.rpo_alpha", "orpo already adds the chosen responses' NLL; remove it")
-    if method.precompute_reference and method.loss_type in REFERENCE_FREE:
-        raise ConfigError("method.precompute_reference", f"{method.loss_type} uses no reference model; remove it")
+        if len(losses) < len(weighted_losses(method)):
+            raise ConfigError("method.rpo_alpha", "loss_type's sft is the same NLL term; keep one of them")
+    if method.precompute_reference and not uses_reference(method):
+        raise ConfigError("method.precompute_reference", f"{shown} uses no reference model; remove it")
     streaming = [split for split in ("train", "validation")
                  if getattr(config.data, split) is not None and getattr(config.data, split).streaming]
     if method.precompute_reference and streaming:
         raise ConfigError(f"data.{streaming[0]}.streaming", "precompute_reference scores the whole dataset "
                                                             "before training; it needs a map-style dataset")
+
+
+def _check_loss_list(method: DPOConfig, losses: tuple[str, ...]) -> None:
+    """A ``loss_type`` list: distinct losses, at least one of them a pair loss, and a weight for each."""
+    if isinstance(method.loss_type, str):
+        if method.loss_weights is not None:
+            raise ConfigError("method.loss_weights", "weights the losses of a loss_type list; this run has one "
+                                                     f"loss ({method.loss_type}): remove it")
+        return
+    names = method.loss_type
+    if not losses:
+        raise ConfigError("method.loss_type", f"expected at least one pair loss (sigmoid, ipo, ...), got "
+                                              f"[{', '.join(names)}]; sft alone is method sft")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError("method.loss_type", f"{repeated[0]} is listed twice; give it one weight in loss_weights")
+    weights = method.loss_weights
+    if weights is None:
+        return
+    if len(weights) != len(names):
+        raise ConfigError("method.loss_weights", f"expected one weight per loss_type ({len(names)}), got "
+                                                 f"{len(weights)}")
+    for index, weight in enumerate(weights):
+        if not (math.isfinite(weight) and weight > 0):
+            raise ConfigError(f"method.loss_weights[{index}]", f"expected a positive number, got {weight}")
 
 
 def micro_batch_tokens(config: Any, method: DPOConfig) -> tuple[int, str]:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from posttune.plugin import DatasetConfig, LossOutput, Session, sequence_logps, token_logps
-from posttune_dpo import REFERENCE_FREE
+from posttune_dpo import REFERENCE_FREE, SFT, pair_losses, weighted_losses
 from posttune_dpo.losses import LENGTH_NORMALISED, orpo_log_odds, preference_losses
 
 REFERENCE = "reference"
@@ -47,33 +47,53 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
 
 
 def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
+    """Each pair's loss: the ``loss_type``'s, or the weighted sum of a list's. Sequence log-probs are token
+    sums or (``LENGTH_NORMALISED`` losses) per-token means, each kind taken once per batch for both models;
+    the rewards and log-probs logged are the first listed loss's."""
     config = session.method_config
-    average = config.loss_type in LENGTH_NORMALISED
+    terms = weighted_losses(config)
     policy_tokens = token_logps(session, batch)
-    policy_chosen, policy_rejected = pair_logps(policy_tokens, batch, average)
-    if config.loss_type == "orpo":
-        # a placeholder pair (no targets) has mean log-prob 0, probability 1: its odds would be infinite and
-        # its loss NaN, which its weight 0 would not cancel; any finite value gives it a finite loss
-        placeholder = batch["rows"] < 0
-        policy_chosen, policy_rejected = policy_chosen.masked_fill(placeholder, -1.0), \
-            policy_rejected.masked_fill(placeholder, -1.0)
-    reference_chosen = reference_rejected = None
-    if config.loss_type not in REFERENCE_FREE:
-        reference_chosen, reference_rejected = reference_logps(session, batch, average)
-    losses, chosen_rewards, rejected_rewards = preference_losses(
-        policy_chosen, policy_rejected, reference_chosen, reference_rejected, loss_type=config.loss_type,
-        beta=config.beta, label_smoothing=config.label_smoothing, gamma=config.simpo_gamma, tau=config.discopop_tau)
+    policy: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+    reference: dict[bool, Any] = {}
+    losses: torch.Tensor | None = None
     extra: dict[str, torch.Tensor] = {}
-    if config.loss_type == "orpo" or config.rpo_alpha is not None:
+    logged = None
+    for loss_type, weight in terms:
+        if loss_type == SFT:
+            continue
+        average = loss_type in LENGTH_NORMALISED
+        if average not in policy:
+            policy[average] = pair_logps(policy_tokens, batch, average)
+            if average and "orpo" in (name for name, _ in terms):
+                # a placeholder pair (no targets) has mean log-prob 0, probability 1: its odds would be infinite
+                # and its loss NaN, which its weight 0 would not cancel; any finite value gives it a finite loss
+                placeholder = batch["rows"] < 0
+                policy[average] = tuple(logps.masked_fill(placeholder, -1.0) for logps in policy[average])
+        policy_chosen, policy_rejected = policy[average]
+        reference_chosen = reference_rejected = None
+        if loss_type not in REFERENCE_FREE:
+            if average not in reference:
+                reference[average] = reference_logps(session, batch, average)
+            reference_chosen, reference_rejected = reference[average]
+        term, chosen_rewards, rejected_rewards = preference_losses(
+            policy_chosen, policy_rejected, reference_chosen, reference_rejected, loss_type=loss_type,
+            beta=config.beta, label_smoothing=config.label_smoothing, gamma=config.simpo_gamma, tau=config.discopop_tau)
+        term = term if weight == 1.0 else weight * term
+        losses = term if losses is None else losses + term
+        if logged is None:
+            logged = (policy_chosen, policy_rejected, chosen_rewards, rejected_rewards)
+        if loss_type == "orpo":
+            log_odds = orpo_log_odds(policy_chosen, policy_rejected)
+            extra["log_odds_ratio"], extra["log_odds_chosen"] = F.logsigmoid(log_odds), log_odds
+    nll_weight = dict(terms).get(SFT, config.rpo_alpha)
+    if "orpo" in dict(terms) or nll_weight is not None:
         # the chosen response's NLL per token, one value per pair (its tokens' mean): summed over pairs and
         # divided by the step's pairs, as every pair's loss, so no split of the step changes it (docs/dpo.md)
-        chosen_means = policy_chosen if average else pair_logps(policy_tokens, batch, True)[0]
+        chosen_means = policy[True][0] if True in policy else pair_logps(policy_tokens, batch, True)[0]
         extra["nll_loss"] = -chosen_means
-        if config.rpo_alpha is not None:
-            losses = losses + config.rpo_alpha * extra["nll_loss"]
-    if config.loss_type == "orpo":
-        log_odds = orpo_log_odds(policy_chosen, policy_rejected)
-        extra["log_odds_ratio"], extra["log_odds_chosen"] = F.logsigmoid(log_odds), log_odds
+        if nll_weight is not None:
+            losses = losses + nll_weight * extra["nll_loss"]
+    policy_chosen, policy_rejected, chosen_rewards, rejected_rewards = logged
     real = (batch["rows"] >= 0).to(losses.dtype)  # a placeholder pair (an empty share) weighs nothing
     pairs = real.sum()
 
@@ -96,7 +116,7 @@ def reference_logps(session: Session, batch: dict[str, Any], average: bool) -> t
     """The reference's (chosen, rejected) sequence log-probs: precomputed, or a forward pass now."""
     tables = session.method_state
     if tables is not None:
-        return lookup(tables[batch["split"]], batch["rows"])
+        return lookup(tables[batch["split"]][average], batch["rows"])
     return pair_logps(token_logps(session, batch, model=session.models[REFERENCE]), batch, average)
 
 
@@ -117,9 +137,10 @@ def setup(session: Session) -> None:
     """With ``precompute_reference``: score every pair with the reference once, then release it."""
     if not session.method_config.precompute_reference:
         return
-    average = session.method_config.loss_type in LENGTH_NORMALISED
+    averages = sorted({name in LENGTH_NORMALISED for name in pair_losses(session.method_config)
+                       if name not in REFERENCE_FREE})
     splits = {"train": session.train_data, "validation": session.validation_data}
-    session.method_state = {split: precompute(session, loader, average)
+    session.method_state = {split: precompute(session, loader, averages)
                             for split, loader in splits.items() if loader is not None}
     session.models.pop(REFERENCE)  # nothing holds the frozen copy any more (an adapters-off view costs nothing)
     session.targets.pop(REFERENCE, None)
@@ -127,8 +148,10 @@ def setup(session: Session) -> None:
 
 
 @torch.no_grad()
-def precompute(session: Session, loader: Any, average: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted dataset rows, ``[rows, 2]`` reference log-probs) for every pair of a map-style loader.
+def precompute(session: Session, loader: Any,
+               averages: list[bool]) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+    """For each kind of sequence log-prob the losses use (token sums, per-token means: ``averages``), (sorted
+    dataset rows, ``[rows, 2]`` reference log-probs) for every pair of a map-style loader, in one pass.
 
     Each data-parallel rank scores its own share of the dataset in order (every rank runs the
     same number of forward passes, as FSDP2 needs), then the shares are gathered, so each rank
@@ -146,10 +169,10 @@ def precompute(session: Session, loader: Any, average: bool) -> tuple[torch.Tens
         batch = to_device(batch, session.device)
         with step_context(session, batch):  # loss parallel, TP's sequence padding: as in training
             logps = token_logps(session, batch, model=model)
-        chosen, rejected = pair_logps(logps, batch, average)
         keep = batch["rows"] >= 0
         rows.append(batch["rows"][keep].cpu())
-        values.append(torch.stack([chosen, rejected], dim=1)[keep].float().cpu())
+        values.append(torch.cat([torch.stack(pair_logps(logps, batch, average), dim=1)[keep].float().cpu()
+                                 for average in averages], dim=1))
     mine = (torch.cat(rows), torch.cat(values))
     if world_size() > 1:
         import torch.distributed as dist
@@ -161,7 +184,8 @@ def precompute(session: Session, loader: Any, average: bool) -> tuple[torch.Tens
     keys, table = mine[0][order], mine[1][order]
     unique = torch.ones_like(keys, dtype=torch.bool)  # TP ranks of one data-parallel group score the same rows
     unique[1:] = keys[1:] != keys[:-1]
-    return keys[unique], table[unique]
+    return {average: (keys[unique], table[unique][:, 2 * index: 2 * index + 2])
+            for index, average in enumerate(averages)}
 
 
 def lookup(table: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
