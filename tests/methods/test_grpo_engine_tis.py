@@ -95,3 +95,24 @@ def test_a_non_builtin_engine_s_samples_are_weighted_by_the_truncated_ratio(plug
     off = shifted("off", math.log(3.0), tis_cap=None)  # no correction: the builtin run, number for number
     assert {k: v for k, v in off.items() if not k.endswith(("_s", "_per_s", "peak_memory_mib"))} == \
         {k: v for k, v in builtin.items() if not k.endswith(("_s", "_per_s", "peak_memory_mib"))}
+
+
+def test_ppo_weights_its_policy_loss_the_same_way(plugins, register_plugin, posttune_cli, tmp_path):
+    """PPO's policy loss (advantages not whitened, so that its first micro-batch's loss is not ~0) carries the
+    same weight; its value loss does not."""
+    import posttune_ppo
+
+    register_plugin(posttune_ppo, distribution="posttune-ppo", version="0.1.0")
+
+    def first(name: str, **method) -> dict:
+        settings = {"name": "ppo", "max_new_tokens": 6, "rewards": [VOWELS], "whiten_advantages": False, **method}
+        return first_step(posttune_cli, tmp_path / name, **settings)
+
+    builtin = first("builtin")
+    assert abs(builtin["policy_loss"]) > 1e-3
+    for record, weight in ((first("below_cap", engine="shifted", engine_options={"shift": math.log(1.5)}), 1.5),
+                           (first("capped", engine="shifted", engine_options={"shift": math.log(3.0)}), 2.0)):
+        assert record["policy_loss"] == pytest.approx(weight * builtin["policy_loss"], rel=1e-4)
+        assert record["value_loss"] == pytest.approx(builtin["value_loss"], rel=1e-5)
+    off = first("off", engine="shifted", engine_options={"shift": math.log(3.0)}, tis_cap=None)
+    assert off["policy_loss"] == builtin["policy_loss"]

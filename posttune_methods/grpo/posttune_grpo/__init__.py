@@ -154,6 +154,12 @@ def roles(config: GRPOConfig) -> tuple[ModelRole, ...]:
     return reference + ((ModelRole(REWARD_ROLE, score=True),) if scored else ())
 
 
+def check_tis_cap(method: Any) -> None:
+    """``tis_cap`` (GRPO's and PPO's): a weight capped below 1 would shrink every sample's term."""
+    if method.tis_cap is not None and not method.tis_cap >= 1:
+        raise ConfigError("method.tis_cap", f"expected a number >= 1 (or null), got {method.tis_cap}")
+
+
 def validate(config: RunConfig, method: GRPOConfig) -> None:
     from posttune_grpo.scoring import check_row_fields, resolve_rewards
 
@@ -192,8 +198,7 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
     if method.kl_in_reward and method.beta == 0:
         raise ConfigError("method.kl_in_reward", "puts beta times the KL in the reward, and beta is 0: set "
                                                  "method.beta (TRL's RLOO uses 0.05)")
-    if method.tis_cap is not None and not method.tis_cap >= 1:
-        raise ConfigError("method.tis_cap", f"expected a number >= 1 (or null), got {method.tis_cap}")
+    check_tis_cap(method)
     if method.top_k is not None and method.top_k < 1:
         raise ConfigError("method.top_k", f"expected a positive integer, got {method.top_k}")
     if method.top_p is not None and not 0 < method.top_p <= 1:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from posttune.plugin import ConfigError, Method, ModelRole, RunConfig, configs_in, hookimpl, resolve_engine
+from posttune_grpo import check_tis_cap
 from posttune_grpo.model_reward import NAME as MODEL_REWARD
 from posttune_grpo.model_reward import ROLE as REWARD_ROLE
 from posttune_grpo.scoring import RewardSpec
@@ -71,6 +72,11 @@ class PPOConfig:
     share_prompt: bool = True  # with padding_free: each group's prompt computed once in the learner's forward
     engine: str = "builtin"  # the generation engine (`posttune ls engines`)
     engine_options: dict = field(default_factory=dict)  # the engine's settings, checked against its options
+    # any engine but builtin samples with another copy of the policy (vllm): each token's policy loss weighted by
+    # min(pi_old / pi_behaviour, tis_cap), as GRPO's (docs/grpo.md, "The ratio"); None: no correction
+    tis_cap: float | None = 2.0
+    # per token or per completion; above tis_cap truncated to it, or masked to 0
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
 
     # what posttune-grpo's rollout, engine and evaluation helpers read: PPO's fixed choices for them
     @property
@@ -127,6 +133,7 @@ def validate(config: RunConfig, method: PPOConfig) -> None:
         value = getattr(method, name)
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"method.{name}", f"expected a number >= 0, got {value}")
+    check_tis_cap(method)
     if method.cliprange_value is not None and not method.cliprange_value > 0:
         raise ConfigError("method.cliprange_value", f"expected a positive number or null, got {method.cliprange_value}")
     rows, split = rows_per_rank(config, method), method.num_mini_batches * config.train.grad_accum_steps

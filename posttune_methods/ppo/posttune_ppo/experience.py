@@ -2,6 +2,7 @@
 
     generate and score (posttune-grpo: engine, rewards, the reward model)   -> rows, scores
     policy, reference and value model on the rows (no gradient)            -> old log-probs, ref log-probs, values
+    a non-builtin engine's samples (vLLM)                                  -> truncated importance weights
     token rewards = -kl_coef * KL per token, + the score at the last token  (whitened if asked)
     GAE(gamma, lam) -> advantages, returns = advantages + values           (advantages whitened by default)
 
@@ -24,14 +25,15 @@ from posttune_ppo import micro_batch_size
 from posttune_ppo.advantages import gae, token_rewards
 
 #: the per-row tensors of an experience batch (``[N]`` or ``[N, S]``), sliced into micro-batches
-ROW_TENSORS = ("input_ids", "labels", "old_logps", "ref_logps", "values", "returns", "advantages", "kl", "scores",
-               "rewards", "weights", "lengths", "prompt_lengths", "truncated", "rows")
+ROW_TENSORS = ("input_ids", "labels", "old_logps", "is_weights", "ref_logps", "values", "returns", "advantages", "kl",
+               "scores", "rewards", "weights", "lengths", "prompt_lengths", "truncated", "rows")
 
 
 @torch.no_grad()
 def make_experience(session: Session, prompts: dict[str, Any]) -> dict[str, Any]:
     """Generate, score and evaluate one rank's prompt batch: the rows PPO trains ``ppo_epochs`` times on."""
-    from posttune_grpo.in_process import learner_scorer, scored_by
+    from posttune_grpo.in_process import learner_scorer, sampled_elsewhere, scored_by
+    from posttune_grpo.loss import tis_weights
     from posttune_grpo.rollouts import generate_rollouts, rollout_spec
     from posttune_grpo.state import count_rollouts, learner_engine
 
@@ -50,6 +52,9 @@ def make_experience(session: Session, prompts: dict[str, Any]) -> dict[str, Any]
     }
     both = forward_rows(session, batch, lambda part: torch.stack(logps_and_values(session, part)))
     batch["old_logps"], batch["values"] = both[0], both[1]
+    if sampled_elsewhere(session):  # the engine's samples corrected towards the learner's policy (as GRPO's)
+        batch["is_weights"] = tis_weights(batch["old_logps"], rollouts.behaviour_logps,
+                                          (batch["labels"] != -100).float(), config.tis_cap, config.tis_mode)
     if "reference" in session.models:  # GRPO's learner-side scoring, a training micro-batch at a time
         batch["ref_logps"] = scored_by(session, rollouts, session.models["reference"],
                                        micro_batch_size(session.config, config))

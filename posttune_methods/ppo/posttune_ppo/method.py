@@ -94,6 +94,8 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     logps, values = logps_and_values(session, batch)
     mask = completion_mask(batch)
     policy, policy_clipped = policy_loss(logps, batch["old_logps"], batch["advantages"], mask, config.cliprange)
+    if "is_weights" in batch:  # an engine other than builtin sampled (experience.py)
+        policy = policy * batch["is_weights"].to(policy.dtype)
     value, value_clipped = value_loss(values, batch["values"], batch["returns"], mask, config.cliprange_value)
     tokens = mask.sum()
     real = (batch["rows"] >= 0).float()
