@@ -49,6 +49,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.source = source
         self.template_files = dict(template_files or {})
+        self.template_kwargs: dict[str, Any] = {}  # what every render gets (a run's tokenizer.chat_template_kwargs)
         self.render_limits = read_limits()
         self._generation_eos_ids = list(generation_eos_ids)
         self._cleanup = bool(config.get("clean_up_tokenization_spaces")) and type(backend.model).__name__ != "BPE"
@@ -119,7 +120,7 @@ class Tokenizer:
         prepared = ct.prepare_messages(messages)
         source = self._template(tools)
         ct.check_tool_use(source, prepared, tools, self._where(source))  # training text must hold them
-        variables = {**self.special_tokens, **template_kwargs}
+        variables = {**self.special_tokens, **self.template_kwargs, **template_kwargs}
         if ct.has_generation_blocks(source):
             text, spans = ct.render_generation_spans(source, prepared, where=self._where(source), tools=tools,
                                                      variables=variables, limits=self.render_limits)
@@ -159,7 +160,8 @@ class Tokenizer:
         source = self._template(tools)
         return ct.render(source, messages, where=self._where(source), tools=tools,
                          add_generation_prompt=add_generation_prompt,
-                         variables={**self.special_tokens, **template_kwargs}, limits=self.render_limits)
+                         variables={**self.special_tokens, **self.template_kwargs, **template_kwargs},
+                         limits=self.render_limits)
 
     def _try_render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any,
                     template_kwargs: Mapping[str, Any]) -> str | None:

@@ -174,6 +174,8 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "python -m posttune_grpo.example prepare --steps 150 --out outputs/ppo-tiny-start/model":
         ("tests/methods/test_rlhf_example.py", '"--steps", "150"'),
     "posttune validate rank.yaml method.scale=-1": ("plugins/template/tests/test_template.py", "method.scale=-1"),
+    "posttune generate --chat-template-kwargs '{\"enable_thinking\": false}'":
+        ("tests/e2e/test_chat_template_kwargs.py", '"--chat-template-kwargs", \'{"enable_thinking": false}\''),
 }
 
 #: quoted error line (its start) -> the command that prints it, run in a scratch directory

@@ -37,6 +37,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
     parser.add_argument("--tools", metavar="FILE", help="with --chat: a JSON file holding a list of tool definitions "
                                                         "(JSON schemas), given to the chat template as `tools`")
+    parser.add_argument("--chat-template-kwargs", metavar="JSON",
+                        help="with --chat: variables for the chat template, e.g. '{\"enable_thinking\": false}' (a "
+                             "run's tokenizer.chat_template_kwargs)")
     parser.add_argument("--adapter", help="a PEFT adapter directory to apply on top of the model")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="tokens to generate at most, >= 1 (default 128; capped to the model's context)")
@@ -63,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_options(args)
     tools = read_tools(args.tools)
+    template_kwargs = read_template_kwargs(args.chat_template_kwargs)
     base = args.model or adapter_base(args.adapter)
     check_causal(base)
     model = load_model(base, dtype=args.dtype, device=device_of(args.device))
@@ -71,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
         load_peft_adapter(model, args.adapter)
     tokenizer = load_tokenizer(tokenizer_source(base, args.adapter))
+    tokenizer.template_kwargs = template_kwargs
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     if args.chat and tools is not None:
         tokenizer.check_tool_use([{"role": "user", "content": args.prompt[0]}], tools)
@@ -100,6 +105,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise PosttuneError("generate: --system needs --chat (a system message is a turn of the chat template)")
     if args.tools is not None and not args.chat:
         raise PosttuneError("generate: --tools needs --chat (the chat template renders the tool definitions)")
+    if args.chat_template_kwargs is not None and not args.chat:
+        raise PosttuneError("generate: --chat-template-kwargs needs --chat (they are the chat template's variables)")
     if args.max_new_tokens < 1:
         raise PosttuneError(f"generate: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
@@ -128,6 +135,27 @@ def read_tools(path: str | None) -> list[dict] | None:
         return row_tools({"tools": json.loads(Path(path).read_text(encoding="utf-8"))})
     except (OSError, UnicodeDecodeError, ValueError) as exc:  # json's errors are ValueErrors too
         raise PosttuneError(f"generate: --tools {path}: {exc}") from None
+
+
+def read_template_kwargs(text: str | None) -> dict:
+    """``--chat-template-kwargs``: a JSON object of template variables, none of those a render sets itself."""
+    if text is None:
+        return {}
+    import json
+
+    from posttune.config.data_checks import RENDER_VARIABLES
+    from posttune.errors import PosttuneError
+
+    try:
+        variables = json.loads(text)
+    except ValueError as exc:
+        raise PosttuneError(f"generate: --chat-template-kwargs: not JSON ({exc})") from None
+    if not isinstance(variables, dict):
+        raise PosttuneError(f"generate: --chat-template-kwargs: expected a JSON object, got {text}")
+    for name in variables:
+        if name in RENDER_VARIABLES:
+            raise PosttuneError(f"generate: --chat-template-kwargs: {name} is set by the render itself")
+    return variables
 
 
 def fit_prompts(model: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> int:

@@ -39,6 +39,10 @@ def check_data(plan: Any, *, runs: bool = True) -> None:
     check_tokenizer(plan.config, required=runs)
 
 
+#: what every render of a chat template is given from the row and the call, not the config
+RENDER_VARIABLES = ("messages", "tools", "add_generation_prompt", "documents")
+
+
 def check_tokenizer(config: Any, *, required: bool = True) -> None:
     """The tokenizer the run loads: ``tokenizer.path`` (a local folder is read now, a hub id when the
     run starts), else the one in ``model.path``'s folder once it exists (a bundled example's model
@@ -50,6 +54,10 @@ def check_tokenizer(config: Any, *, required: bool = True) -> None:
         from posttune.tokenizer_files import chat_template_override
 
         chat_template_override(config.tokenizer.chat_template)
+    for name in config.tokenizer.chat_template_kwargs:
+        if name in RENDER_VARIABLES:
+            raise ConfigError(f"tokenizer.chat_template_kwargs.{name}", "set by posttune for each render (the row's "
+                                                                       "messages and tools, the generation prompt)")
     field = "tokenizer.path" if config.tokenizer.path is not None else "model.path"
     path = config.tokenizer.path or config.model.path
     if path is None:  # a model built from a size has no folder to read one from

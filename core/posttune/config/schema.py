@@ -50,6 +50,9 @@ class TokenizerConfig:
     # a chat template to use instead of the checkpoint's (a base model often has none): a .jinja file, or the
     # template itself (text holding {% or {{); the run's saved tokenizer carries it
     chat_template: str | None = None
+    # variables every render of the chat template gets, e.g. {enable_thinking: false} for Qwen3's template
+    # (transformers' apply_chat_template(**kwargs), TRL's chat_template_kwargs)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

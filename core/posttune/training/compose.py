@@ -133,6 +133,7 @@ def load_tokenizer(session: Session) -> Any:
 
         tokenizer.chat_template, where = chat_template_override(session.config.tokenizer.chat_template)
         tokenizer.template_files[tokenizer.chat_template] = where
+    tokenizer.template_kwargs = dict(session.config.tokenizer.chat_template_kwargs)
     return tokenizer
 
 
