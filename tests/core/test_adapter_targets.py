@@ -140,3 +140,22 @@ def test_all_linear_on_a_mixture_of_experts_is_refused_where_peft_would_adapt_mo
         adapt(posttune.build_model("mixtral", "tiny"), "all-linear")
     assert str(info.value).startswith("adapters: targets 'all-linear' on a mixture of experts "
                                       "(layers.*.mlp.experts.gate_proj): PEFT's all-linear also adapts the routers")
+
+
+def test_validate_refuses_a_listed_target_the_model_lacks_before_launch(tmp_path, posttune_cli, register_plugin):
+    """A mistyped target is one line from `posttune validate` (and plan, train), checked on the model built on the
+    meta device: not a run that stops when it builds the model. A model from the hub is checked by the run."""
+    import posttune_llama
+    import posttune_sft
+    from run_support import write
+
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    config = sft_config(tmp_path, adapter={"rank": 2, "alpha": 4, "targets": ["q_proj", "vproj"]})
+    result = posttune_cli("validate", str(write(tmp_path, config)))
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("posttune: error: config: adapter.targets: target 'vproj' matches no linear "
+                                    "layer (linear layers: layers.*.attn.q_proj (self_attn.q_proj), "), result.stderr
+    assert "output (lm_head))" in result.stderr
+    config["adapter"]["targets"] = ["q_proj", "self_attn.v_proj"]
+    assert posttune_cli("validate", str(write(tmp_path, config))).exit_code == 0

@@ -164,6 +164,10 @@ def resolve(args: argparse.Namespace, world_size: int | None = 1):
     runs = getattr(args, "command", None) in ("validate", "train")
     check_data(plan, runs=runs)  # a missing data file, or a format that cannot read it: refused before any weight loads
     check_init_from(config.adapter)  # an adapter to start from that cannot be loaded: likewise
+    if config.adapter is not None and config.adapter.targets:  # a listed target that matches no linear layer
+        from posttune.training.compose import check_adapter_targets  # (torch: the model is built on meta)
+
+        check_adapter_targets(plan)
     # validate sees what train would refuse about the output directory (torchrun: rank 0 checks)
     if runs and os.environ.get("RANK", "0") == "0":
         from posttune.training import resume_identity
