@@ -312,3 +312,26 @@ def test_training_leaves_no_tensor_to_the_cyclic_collector(llama_grpo, tmp_path)
         if enabled:
             gc.enable()
     assert cyclic == [] and session.step == 3
+
+
+def test_log_completions_writes_each_step_s_first_completions_with_their_rewards(llama_grpo, posttune_cli,
+                                                                                 tmp_path):
+    """``log_completions: 4`` (one group of 4): each optimizer step appends its first 4 completions to
+    completions.jsonl, as the rewards read them, with the reward they scored and the advantage the loss used."""
+    config = vowel_config(tmp_path, method={"log_completions": 4}, train={"max_steps": 2})
+    result = posttune_cli("train", str(write(tmp_path, config)))
+    assert result.exit_code == 0, result.stderr
+    out = Path(config["checkpoint"]["output_dir"])
+    lines = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1] * 4 + [2] * 4
+    for step in (lines[:4], lines[4:]):
+        assert len({line["prompt"] for line in step}) == 1 and "Reverse" in step[0]["prompt"]  # one group
+        for line in step:
+            assert set(line) == {"step", "prompt", "completion", "reward", "reward/vowel_share", "advantage"}
+            assert line["reward"] == pytest.approx(vowel_share([], [line["completion"]])[0])
+            assert line["reward/vowel_share"] == line["reward"]
+        assert abs(sum(line["advantage"] for line in step)) < 1e-5  # the group's advantages
+        for a in step:
+            for b in step:
+                if a["reward"] > b["reward"]:
+                    assert a["advantage"] > b["advantage"]

@@ -72,6 +72,7 @@ class GRPOConfig:
                      "(cispo, sapo)",
         "reward_weights": "the weight of each method.rewards entry", "use_vllm": "method.engine: vllm (posttune-vllm)",
         "max_prompt_length": "data.max_prompt_len", "rloo_k": "method.group_size",
+        "num_completions_to_print": "method.log_completions (written to <output_dir>/completions.jsonl)",
         "use_bias_correction_kl": "method.bias_correction_kl",
         "vllm_importance_sampling_mode": "method.tis_mode", "vllm_importance_sampling_clip_max": "method.tis_cap",
         "vllm_importance_sampling_cap": "method.tis_cap",
@@ -119,6 +120,9 @@ class GRPOConfig:
     # vllm_importance_sampling_mode)
     tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
     filter_equal_rewards: bool = False  # leave out groups whose rewards are all equal (they teach nothing)
+    # completions per optimizer step written to <output_dir>/completions.jsonl with their prompt, rewards and
+    # advantage (the first process's first ones; TRL's log_completions); 0: none
+    log_completions: int = 0
     micro_batch_size: int | None = None  # completions per forward/backward; default: the rank's whole batch
     mode: Literal["sync", "async", "off_policy"] = "sync"  # alternate, overlap (staleness <= 1), or bounded lag
     generation: Literal["local", "ray"] | None = None  # where rollouts are made; default local for sync, else ray
@@ -199,6 +203,8 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
         raise ConfigError("method.kl_in_reward", "puts beta times the KL in the reward, and beta is 0: set "
                                                  "method.beta (TRL's RLOO uses 0.05)")
     check_tis_cap(method)
+    if method.log_completions < 0:
+        raise ConfigError("method.log_completions", f"expected an integer >= 0, got {method.log_completions}")
     if method.top_k is not None and method.top_k < 1:
         raise ConfigError("method.top_k", f"expected a positive integer, got {method.top_k}")
     if method.top_p is not None and not 0 < method.top_p <= 1:

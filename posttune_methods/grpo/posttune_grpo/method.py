@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from posttune_grpo.rollouts import Rollouts, micro_batch_size, micro_batches_per_generation
-from posttune_grpo.state import GRPOState
+from posttune_grpo.state import GRPOState, log_samples
 from posttune.plugin import DatasetConfig, Session
 
 
@@ -68,7 +68,8 @@ def setup(session: Session) -> None:
     from posttune_grpo.scoring import resolve_rewards
 
     config = session.method_config
-    session.method_state = GRPOState(rewards=resolve_rewards(config.rewards))
+    session.method_state = GRPOState(rewards=resolve_rewards(config.rewards),
+                                     completions_to_log=config.log_completions)
     if any(reward.in_learner for reward in session.method_state.rewards):
         from posttune_grpo.model_reward import load_reward_tokenizer
 
@@ -117,6 +118,7 @@ def on_step_end(session: Session, record: dict[str, Any]) -> None:
         record["generation_tokens_per_s"] = state.generated_tokens / state.generation_seconds
     state.generation_seconds, state.generated_tokens, state.longest = 0.0, 0, 0
     state.step_started = time.perf_counter()
+    log_samples(session, state)
     state.source.after_step(session, record)
 
 

@@ -6,12 +6,19 @@ What one mode alone needs (Ray actors, staleness counts) lives in its rollout so
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from posttune_grpo.rollouts import Rollouts
 from posttune.plugin import Session
+
+#: where ``method.log_completions`` writes, in the run's output directory
+COMPLETIONS_LOG = "completions.jsonl"
 
 
 @dataclass
@@ -28,6 +35,9 @@ class GRPOState:
     reward_failures: dict[str, int] = field(default_factory=dict)  # scored 0 (reward_errors: zero), this step
     reward_timeouts: dict[str, int] = field(default_factory=dict)  # of those, isolated rewards' timeouts
     reward_tokenizer: Any = None  # the reward model's tokenizer, when a reward model scores (model_reward.py)
+    completions_to_log: int = 0  # method.log_completions
+    # the step's first completions (prompt ids, completion ids, reward, per reward, advantage), for the log
+    samples: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 def learner_engine(session: Session) -> Any:
@@ -57,3 +67,35 @@ def count_rollouts(state: GRPOState, rollouts: Rollouts) -> None:
         state.reward_failures[name] = state.reward_failures.get(name, 0) + count
     for name, count in rollouts.reward_timeouts.items():
         state.reward_timeouts[name] = state.reward_timeouts.get(name, 0) + count
+    keep_samples(state, rollouts)
+
+
+def keep_samples(state: GRPOState, rollouts: Rollouts) -> None:
+    """The first real completions of the step, up to ``completions_to_log``, for ``log_samples``."""
+    for row in range(len(rollouts)):
+        if len(state.samples) >= state.completions_to_log:
+            return
+        if rollouts.rows[row] < 0:
+            continue
+        start, length = int(rollouts.prompt_lengths[row]), int(rollouts.lengths[row])
+        ids = rollouts.input_ids[row]
+        state.samples.append((ids[:start].tolist(), ids[start:start + length].tolist(), float(rollouts.rewards[row]),
+                              {name: float(values[row]) for name, values in rollouts.per_reward.items()},
+                              float(rollouts.advantages[row])))
+
+
+def log_samples(session: Session, state: GRPOState) -> None:
+    """Append the step's kept completions to ``<output_dir>/completions.jsonl`` (the first process's rows),
+    one JSON line each: the step, the prompt as rendered, the completion as the rewards read it, the reward
+    and each reward function's value, and the advantage (TRL's ``log_completions``)."""
+    samples, state.samples = state.samples, []
+    if not samples or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        return
+    tokenizer = session.tokenizer
+    path = Path(session.config.checkpoint.output_dir) / COMPLETIONS_LOG
+    with path.open("a", encoding="utf-8") as out:
+        for prompt, completion, reward, per_reward, advantage in samples:
+            line = {"step": session.step, "prompt": tokenizer.decode(prompt),
+                    "completion": tokenizer.decode(completion, skip_special_tokens=True), "reward": reward,
+                    **{f"reward/{name}": value for name, value in per_reward.items()}, "advantage": advantage}
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
