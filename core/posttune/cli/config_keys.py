@@ -80,6 +80,7 @@ class Group:
     distribution: str  # the provider's distribution, "posttune" for the core
     note: str
     keys: tuple[Key, ...]
+    known_as: tuple[tuple[str, str], ...] = ()  # (a transformers or TRL key, where it is here): ``KNOWN_AS``
 
 
 # ---- meanings: field metadata or source comments ---------------------------------------------
@@ -249,7 +250,11 @@ def core_groups() -> list[Group]:
     groups: dict[str, list[Key]] = {}
     for key in dataclass_keys(RunConfig, "", ranges=True):
         groups.setdefault(key.key.split(".")[0], []).append(key)
-    return [Group(section, "", "", "posttune", "", tuple(keys)) for section, keys in groups.items()]
+    hints = get_type_hints(RunConfig)
+    known = {section: tuple(getattr(_section_type(hints[section])[0], "KNOWN_AS", {}).items()) for section in groups
+             if section in hints}
+    return [Group(section, "", "", "posttune", "", tuple(keys), known.get(section, ())) for section, keys in
+            groups.items()]
 
 
 def plugin_groups(registry: Any) -> list[Group]:
@@ -263,7 +268,8 @@ def plugin_groups(registry: Any) -> list[Group]:
             name = item.descriptor.name
             groups.append(Group(section, title.format(name=name), str(item.provenance),
                                 item.provenance.distribution, PLUGIN_NOTES[kind].format(name=name),
-                                tuple(dataclass_keys(config, title.format(name=name)))))
+                                tuple(dataclass_keys(config, title.format(name=name))),
+                                tuple(getattr(config, "KNOWN_AS", {}).items())))
     return groups
 
 
@@ -326,7 +332,20 @@ def markdown(groups: list[Group]) -> str:
     for group in (g for g in groups if g.title):
         out += ["", f"### `{group.title}` ({group.distribution})", "", _cell(group.note) + ".", "",
                 *_table(list(group.keys))]
-    return "\n".join([*out, "", END])
+    return "\n".join([*out, "", *_known_as_table(groups), "", END])
+
+
+def _known_as_table(groups: list[Group]) -> list[str]:
+    """Keys of transformers' and TRL's configs and where each is here (what `validate` says when one is
+    written in the section its row names): a recipe brought from there, translated at a glance."""
+    rows: dict[tuple[str, str], list[str]] = {}
+    for group in groups:
+        for theirs, here in group.known_as:
+            rows.setdefault((theirs, here), []).append(f"`{group.title or group.section}`")
+    return ["### Keys as transformers and TRL name them", "",
+            "Written in a section the last column names, each is refused with its place here.", "",
+            "| transformers / TRL | here | written in |", "|---|---|---|",
+            *(f"| `{theirs}` | {_cell(here)} | {', '.join(where)} |" for (theirs, here), where in rows.items())]
 
 
 def _table(keys: list[Key]) -> list[str]:

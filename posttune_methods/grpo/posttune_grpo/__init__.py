@@ -72,7 +72,8 @@ class GRPOConfig:
                      "(cispo, sapo)",
         "reward_weights": "the weight of each method.rewards entry", "use_vllm": "method.engine: vllm (posttune-vllm)",
         "max_prompt_length": "data.max_prompt_len", "rloo_k": "method.group_size",
-        "num_completions_to_print": "method.log_completions (written to <output_dir>/completions.jsonl)",
+        "num_completions_to_print": "method.log_completions (written to completions.jsonl in the output "
+                                    "directory)",
         "use_bias_correction_kl": "method.bias_correction_kl",
         "vllm_importance_sampling_mode": "method.tis_mode", "vllm_importance_sampling_clip_max": "method.tis_cap",
         "vllm_importance_sampling_cap": "method.tis_cap",
