@@ -341,6 +341,8 @@ def _datasets(plan: Plan, registry: Registry) -> None:
                                                      f"data.{split}[0]'s '{first.descriptor.name}' gives "
                                                      f"{first.descriptor.kind} rows; a mixture holds one kind")
             plan.sources[where] = (source, fmt)
+    if data.validation_split is not None:  # rows of data.train, read as it is
+        plan.datasets["validation"] = plan.datasets["train"]
 
 
 def _check_pairs(plan: Plan, registry: Registry) -> None:

@@ -68,6 +68,20 @@ class DatasetConfig:
     # a mixture's datasets (``data.train`` written as a list), each read with its own settings; the fields above
     # are the first one's, so code that reads one dataset sees it. Set by `mixture`, never written in YAML.
     sources: tuple[DatasetConfig, ...] = field(default=(), init=False, repr=False)
+    # ``data.validation_split``'s rows of this dataset: (share, seed, the held-out share or the rest); set by
+    # `held_out`, never written in YAML
+    holdout: tuple[float, int, bool] | None = field(default=None, init=False, repr=False)
+
+
+def held_out(data: DataConfig, seed: int) -> tuple[DatasetConfig, DatasetConfig | None]:
+    """(train, validation) datasets of ``data``: as written, or with ``validation_split`` the same dataset twice,
+    once for the rows held out and once for the rest (`posttune.data.build.holdout_rows` draws them)."""
+    if data.validation_split is None:
+        return data.train, data.validation
+    train, validation = replace(data.train), replace(data.train)
+    object.__setattr__(train, "holdout", (data.validation_split, seed, False))
+    object.__setattr__(validation, "holdout", (data.validation_split, seed, True))
+    return train, validation
 
 
 def mixture(sources: list[DatasetConfig], where: str) -> DatasetConfig:
@@ -101,6 +115,9 @@ class DataConfig:
     KNOWN_AS: ClassVar[dict[str, str]] = TRAINING_ARGUMENTS
     train: DatasetConfig  # the training dataset, or a list of them read as one (a mixture, docs/training.md)
     validation: DatasetConfig | None = None  # a dataset (or a list) for the validation loss (see train.eval_every)
+    # or: this share of data.train's rows, in (0, 1), drawn at random (train.seed) and held out of training as
+    # the validation set (axolotl's val_set_size); not with data.validation
+    validation_split: float | None = None
     max_seq_len: int = 2048  # tokens per sample (prompt and response together)
     max_prompt_len: int | None = None  # preference/prompt data: keep the prompt's last N tokens
     skip_bad_rows: bool = False  # skip and count rows that cannot be read or rendered, instead of stopping
@@ -226,8 +243,10 @@ def _check_best(config: RunConfig) -> None:
     if not checkpoint.best_metric.startswith("val_"):
         raise ConfigError("checkpoint.best_metric", f"'{checkpoint.best_metric}' is not an evaluation's metric; "
                                                     "name one it logs, e.g. val_loss (GRPO: val_reward)")
-    if not train.eval_every or (config.data is not None and config.data.validation is None):
-        raise ConfigError("checkpoint.best_metric", "needs evaluations: set train.eval_every and data.validation")
+    if not train.eval_every or (config.data is not None and config.data.validation is None
+                                and config.data.validation_split is None):
+        raise ConfigError("checkpoint.best_metric", "needs evaluations: set train.eval_every and data.validation "
+                                                    "(or data.validation_split)")
     if checkpoint.save_every and checkpoint.save_every % train.eval_every:
         raise ConfigError("checkpoint.save_every", f"with checkpoint.best_metric it must be a multiple of "
                                                    f"train.eval_every ({train.eval_every}), so that every checkpoint "
@@ -268,6 +287,7 @@ def validate(raw: dict[str, Any]) -> RunConfig:
                                                  "to leave room for a response")
     if data is not None:
         _check_grouping(data)
+        _check_validation_split(data)
         for split, dataset in (("train", data.train), ("validation", data.validation)):
             if dataset is not None and not dataset.sources and dataset.weight is not None:
                 raise ConfigError(f"data.{split}.weight", "a weight shares the rows drawn between the datasets of a "
@@ -309,6 +329,21 @@ def _mixtures(raw: dict[str, Any]) -> dict[str, Any]:
         sources = [from_dict(DatasetConfig, entry, f"data.{split}[{i}]") for i, entry in enumerate(data[split])]
         data[split] = mixture(sources, f"data.{split}")
     return {**raw, "data": data}
+
+
+def _check_validation_split(data: DataConfig) -> None:
+    """A share of one map-style training dataset, and the only validation set."""
+    share = data.validation_split
+    if share is None:
+        return
+    if not 0 < share < 1:
+        raise ConfigError("data.validation_split", f"expected a share of the training rows in (0, 1), got {share}")
+    if data.validation is not None:
+        raise ConfigError("data.validation_split", "data.validation is given too; keep one")
+    if data.train.streaming or data.train.sources:
+        what = "is streamed (its rows are not all read first)" if data.train.streaming else "is a list of datasets"
+        raise ConfigError("data.validation_split", f"data.train {what}; give data.validation (a split may be "
+                                                   "sliced: split: train[95%:])")
 
 
 def _check_grouping(data: DataConfig) -> None:

@@ -133,11 +133,26 @@ def sources(dataset: DatasetConfig, make: Any, where: str) -> list[tuple[Any, An
             fmt = get_registry().get("dataset_format", source.format)
             maker = make.for_source(source, fmt, at, first_row)
         rows = load_rows(source, where=at, skip_bad_rows=getattr(make, "skip_bad_rows", False), skipped=make.skipped)
+        if source.holdout is not None:
+            rows = holdout_rows(rows, *source.holdout, where=at)
         check_columns(rows, source.column_map, at)
         parts.append((rows, maker))
         if dataset.sources and not dataset.streaming:  # a stream's rows are numbered as they are drawn
             first_row += len(rows)
     return parts
+
+
+def holdout_rows(rows: Any, share: float, seed: int, held: bool, *, where: str) -> Any:
+    """``data.validation_split``: the ``share`` of ``rows`` drawn at random with ``seed`` (``held``), or the rest,
+    each in the file's order. The draw depends only on the row count and the seed, so the training and the
+    validation loaders, every rank and a resumed run all agree on it."""
+    count = len(rows)
+    size = round(share * count)
+    if not 0 < size < count:
+        raise PosttuneError(f"{where}: data.validation_split {share} of {count} rows leaves "
+                            f"{'no row to validate on' if size == 0 else 'no row to train on'}")
+    chosen = set(random.Random(seed).sample(range(count), size))
+    return rows.select([i for i in range(count) if (i in chosen) == held])
 
 
 def streamed_groups(dataset: DatasetConfig, parts: list[tuple[Any, Any]], start_row: int, seed: int,

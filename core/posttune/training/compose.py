@@ -400,11 +400,15 @@ def draw_normal(weight: torch.Tensor, generator: torch.Generator) -> None:
 # ---- data and steps ----------------------------------------------------------------------------
 
 def build_data(session: Session) -> None:
-    """The method builds its own loaders, for ``train`` and (when configured) ``validation``."""
-    method, data = session.plan.method.descriptor, session.config.data
-    session.train_data = method.data(session, data.train, "train")
-    if data.validation is not None:
-        session.validation_data = method.data(session, data.validation, "validation")
+    """The method builds its own loaders, for ``train`` and (when configured, or held out of the training rows
+    by ``data.validation_split``) ``validation``."""
+    from posttune.config.schema import held_out
+
+    method = session.plan.method.descriptor
+    train, validation = held_out(session.config.data, session.config.train.seed)
+    session.train_data = method.data(session, train, "train")
+    if validation is not None:
+        session.validation_data = method.data(session, validation, "validation")
 
 
 def total_steps(session: Session) -> int:
