@@ -393,7 +393,9 @@ def test_adversarial_latex_is_bounded_in_a_ray_actor_too():
     assert result.returncode == 0, result.stderr[-3000:]
     values, timeouts, seconds = json.loads(result.stdout.strip().splitlines()[-1])
     assert values == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0] and timeouts == 4
-    assert seconds < 4 * (1 + KILL_GRACE_S) + 15
+    # each timeout and its kill's grace, in sequence, plus a margin for an actor on a loaded machine (a CI run
+    # beside others took 23.1 s); an unbounded parse takes minutes
+    assert seconds < 4 * (1 + KILL_GRACE_S) + 30
 
 
 def _ctrl_c_on() -> None:
