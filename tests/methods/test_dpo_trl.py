@@ -115,7 +115,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {"policy": root / "policy", "reference": root / "reference", "data": data}
 
 
-def run_trl(checkpoints: dict[str, Path], out: Path, settings: dict, batch_size: int) -> tuple[list[dict], list]:
+def run_trl(checkpoints: dict[str, Path], out: Path, settings: dict, batch_size: int,
+            rows: list[dict] | None = None) -> tuple[list[dict], list]:
     """A real DPOTrainer run over the rows with learning rate 0: (each step's logs, each step's batch)."""
     batches, steps = [], []
 
@@ -140,7 +141,7 @@ def run_trl(checkpoints: dict[str, Path], out: Path, settings: dict, batch_size:
                          use_cpu=True, max_length=None, gradient_checkpointing=False, report_to="none",
                          save_strategy="no", dataloader_num_workers=0, seed=0, **settings)
     trainer = Recorder(model=policy, ref_model=reference, args=args,
-                       train_dataset=datasets.Dataset.from_list(conversational_rows()),
+                       train_dataset=datasets.Dataset.from_list(rows or conversational_rows()),
                        processing_class=transformers.AutoTokenizer.from_pretrained(TOKENIZER), callbacks=[Logs()])
     trainer.train()
     for name, param in policy.named_parameters():  # lr 0: every step scored the initial weights
@@ -177,18 +178,22 @@ def posttune_pairs(batch: dict) -> list[tuple]:
     return sorted((*rows[i], *rows[half + i]) for i in range(half))
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_dpo_loss_equals_trl_dpo_trainer_loss(llama_dpo, checkpoints, tmp_path, case):
-    ours_settings, trl_settings, trl_batch = CASES[case]
-    session = compose_run({
+def dpo_session(checkpoints: dict[str, Path], out: Path, settings: dict, data: Path | None = None) -> Any:
+    return compose_run({
         "model": {"path": str(checkpoints["policy"])},
         "reference": {"path": str(checkpoints["reference"])},
         "tokenizer": {"path": TOKENIZER},
-        "method": {"name": "dpo", "beta": BETA, **ours_settings},
-        "data": {"train": {"path": str(checkpoints["data"]), "format": "preference"}, "max_seq_len": 64},
+        "method": {"name": "dpo", "beta": BETA, **settings},
+        "data": {"train": {"path": str(data or checkpoints["data"]), "format": "preference"}, "max_seq_len": 64},
         "train": {"epochs": 1, "batch_size": PAIRS, "lr": 1e-3, "seed": 0, "device": "cpu"},
-        "checkpoint": {"output_dir": str(tmp_path / "out")},
+        "checkpoint": {"output_dir": str(out)},
     })
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dpo_loss_equals_trl_dpo_trainer_loss(llama_dpo, checkpoints, tmp_path, case):
+    ours_settings, trl_settings, trl_batch = CASES[case]
+    session = dpo_session(checkpoints, tmp_path / "out", ours_settings)
     assert {p.dtype for p in session.model.parameters()} == {torch.float32}
     batch = next(iter(session.train_data))
     with torch.no_grad():
@@ -218,6 +223,33 @@ def test_dpo_loss_equals_trl_dpo_trainer_loss(llama_dpo, checkpoints, tmp_path, 
             scale = abs(value) if key.startswith("logps/") else BETA * abs(metrics["logps/chosen"])
             tolerance = TOL * max(1.0, scale) if key != "rewards/accuracy" else TOL
             assert abs(metrics[key] - value) <= tolerance, (key, metrics[key], value)
+
+
+def test_ld_dpo_equals_trl_with_responses_of_other_lengths_in_every_layout(llama_dpo, checkpoints, tmp_path):
+    """LD-DPO (``ld_alpha``) on pairs whose responses differ in length (the rejected one longer by 0 to 3 tokens'
+    worth of text, or shorter): the loss equals a real ``trl.DPOTrainer``'s with ``ld_alpha``, differs from plain
+    DPO's, and is the same from padded rows and from padding-free rows with or without the shared prompt."""
+    rows = conversational_rows()
+    for index, row in enumerate(rows):
+        word = row["rejected"][0]["content"]
+        row["rejected"] = [{"role": "assistant", "content": word + "Q" * index if index % 2 else word[:-1]}]
+    data = tmp_path / "unequal.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def ours(out: str, **settings) -> float:
+        session = dpo_session(checkpoints, tmp_path / out, {"loss_type": "sigmoid", **settings}, data)
+        batch = next(iter(session.train_data))
+        with torch.no_grad():
+            result = session.plan.method.descriptor.loss(session, batch)
+        return float(result.loss_sum / result.normaliser)
+
+    ld = ours("ld", ld_alpha=0.5)
+    logs, _ = run_trl(checkpoints, tmp_path / "trl", {"loss_type": ["sigmoid"], "ld_alpha": 0.5}, PAIRS, rows)
+    assert abs(ld - logs[0]["loss"]) <= TOL, (ld, logs[0]["loss"])
+    assert abs(ld - ours("plain")) > 1e-3  # the weights change the loss here
+    for layout in ({"padding_free": False}, {"share_prompt": False}):
+        assert abs(ours(str(layout), ld_alpha=0.5, **layout) - ld) <= TOL, layout
+    assert abs(ours("one", ld_alpha=1.0) - ours("plain")) <= TOL  # alpha 1: DPO itself
 
 
 def trl_orpo() -> tuple[type, Any]:

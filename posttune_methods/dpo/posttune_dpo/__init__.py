@@ -69,6 +69,9 @@ class DPOConfig:
     discopop_tau: float = 0.05  # DiscoPOP: the temperature of the blend between its logistic and exponential losses
     # RPO: add alpha x the chosen response's per-token NLL (its mean over the response's tokens) to each pair's loss
     rpo_alpha: float | None = None
+    # LD-DPO: a response's tokens past the other response's length weighted by this, in [0, 1], in the policy's
+    # and the reference's log-probs (the paper's alpha, TRL's ld_alpha; the NLL term is unweighted)
+    ld_alpha: float | None = None
     precompute_reference: bool = False  # reference log-probs computed once before training; no reference model
     # the batch's responses end to end in one row, each its own document: no padding computed (the
     # padded batch's losses); false: padded rows, 2 x batch_size of them
@@ -140,6 +143,8 @@ def validate(config: RunConfig, method: DPOConfig) -> None:
             raise ConfigError("method.rpo_alpha", "orpo already adds the chosen responses' NLL; remove it")
         if len(losses) < len(weighted_losses(method)):
             raise ConfigError("method.rpo_alpha", "loss_type's sft is the same NLL term; keep one of them")
+    if method.ld_alpha is not None and not 0 <= method.ld_alpha <= 1:
+        raise ConfigError("method.ld_alpha", f"expected a weight in [0, 1], got {method.ld_alpha}")
     if method.precompute_reference and not uses_reference(method):
         raise ConfigError("method.precompute_reference", f"{shown} uses no reference model; remove it")
     streaming = [split for split in ("train", "validation")

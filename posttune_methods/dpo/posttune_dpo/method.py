@@ -63,7 +63,7 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
             continue
         average = loss_type in LENGTH_NORMALISED
         if average not in policy:
-            policy[average] = pair_logps(policy_tokens, batch, average)
+            policy[average] = pair_logps(policy_tokens, batch, average, config.ld_alpha)
             if average and "orpo" in (name for name, _ in terms):
                 # a placeholder pair (no targets) has mean log-prob 0, probability 1: its odds would be infinite
                 # and its loss NaN, which its weight 0 would not cancel; any finite value gives it a finite loss
@@ -89,7 +89,8 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     if "orpo" in dict(terms) or nll_weight is not None:
         # the chosen response's NLL per token, one value per pair (its tokens' mean): summed over pairs and
         # divided by the step's pairs, as every pair's loss, so no split of the step changes it (docs/dpo.md)
-        chosen_means = policy[True][0] if True in policy else pair_logps(policy_tokens, batch, True)[0]
+        chosen_means = policy[True][0] if True in policy and config.ld_alpha is None else \
+            pair_logps(policy_tokens, batch, True)[0]  # unweighted by ld_alpha, as TRL's sft term
         extra["nll_loss"] = -chosen_means
         if nll_weight is not None:
             losses = losses + nll_weight * extra["nll_loss"]
@@ -117,11 +118,16 @@ def reference_logps(session: Session, batch: dict[str, Any], average: bool) -> t
     tables = session.method_state
     if tables is not None:
         return lookup(tables[batch["split"]][average], batch["rows"])
-    return pair_logps(token_logps(session, batch, model=session.models[REFERENCE]), batch, average)
+    return pair_logps(token_logps(session, batch, model=session.models[REFERENCE]), batch, average,
+                      session.method_config.ld_alpha)
 
 
-def pair_logps(token_values: torch.Tensor, batch: dict[str, Any], average: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) sequence log-probs of a ``pair_batch``, padded rows or padding-free documents."""
+def pair_logps(token_values: torch.Tensor, batch: dict[str, Any], average: bool,
+               ld_alpha: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) sequence log-probs of a ``pair_batch``, padded rows or padding-free documents; with
+    ``ld_alpha``, LD-DPO's: each response's tokens past its partner's length weighted by ``ld_alpha``."""
+    if ld_alpha is not None:
+        token_values = token_values * ld_weights(batch, ld_alpha).to(token_values.dtype)
     documents = batch.get("document_ids")
     if documents is None:
         return sequence_logps(token_values, batch["labels"], average=average).chunk(2)
@@ -131,6 +137,32 @@ def pair_logps(token_values: torch.Tensor, batch: dict[str, Any], average: bool)
     if "positions" in batch:  # share_prompt: pair i is documents 2i and 2i + 1
         return per_document[0::2], per_document[1::2]
     return per_document.chunk(2)
+
+
+def ld_weights(batch: dict[str, Any], alpha: float) -> torch.Tensor:
+    """LD-DPO's token weights (Liu et al. 2024, "Length Desensitization in Direct Preference Optimization"), the
+    labels' shape: 1 for a response's first ``min(len_chosen, len_rejected)`` tokens, ``alpha`` for the rest of
+    the longer one, so the length a pair does not share counts less in either log-prob (TRL's ``ld_alpha``).
+    Each response is a row (padded: pair i is rows i and pairs + i) or a document (padding-free: pair i is
+    documents 2i and 2i + 1 with a shared prompt, else i and pairs + i); a later document is tail padding."""
+    labels = batch["labels"]
+    scored = (labels != -100).flatten().long()
+    pairs = batch["rows"].numel()
+    documents = batch.get("document_ids")
+    if documents is None:
+        documents = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(labels)
+    documents = documents.flatten()
+    count = max(int(documents.max()) + 1, 2 * pairs)
+    lengths = torch.zeros(count, dtype=torch.long, device=labels.device).index_add_(0, documents, scored)
+    running = scored.cumsum(0)  # each document (or row) is contiguous in the flattened order
+    start = torch.zeros_like(lengths).scatter_reduce(0, documents, running - scored, "amin", include_self=False)
+    position = running - start[documents]  # 1 for a response's first token
+    index = torch.arange(count, device=labels.device)
+    partner = index ^ 1 if "positions" in batch else (index + pairs) % (2 * pairs)
+    partner = torch.where(index < 2 * pairs, partner, index)
+    shared = torch.minimum(lengths, lengths[partner])
+    weights = torch.where(position <= shared[documents], 1.0, alpha)
+    return weights.view(labels.shape)
 
 
 def setup(session: Session) -> None:
@@ -171,7 +203,8 @@ def precompute(session: Session, loader: Any,
             logps = token_logps(session, batch, model=model)
         keep = batch["rows"] >= 0
         rows.append(batch["rows"][keep].cpu())
-        values.append(torch.cat([torch.stack(pair_logps(logps, batch, average), dim=1)[keep].float().cpu()
+        ld = session.method_config.ld_alpha
+        values.append(torch.cat([torch.stack(pair_logps(logps, batch, average, ld), dim=1)[keep].float().cpu()
                                  for average in averages], dim=1))
     mine = (torch.cat(rows), torch.cat(values))
     if world_size() > 1:
