@@ -118,7 +118,8 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
     ({"data": {"packing": True}}, "config: data.packing: moved: set method.packing"),
     ({"method": {"name": "dpo", "packing": True}}, "config: method.packing: unknown key (keys: loss_type, loss_weights, beta, "
                                                    "label_smoothing, simpo_gamma, discopop_tau, rpo_alpha, "
-                                                   "ld_alpha, precompute_reference, padding_free, share_prompt)"),
+                                                   "f_divergence_type, f_alpha_divergence_coef, ld_alpha, "
+                                                   "precompute_reference, padding_free, share_prompt)"),
     ({"method": {"name": "dpo", "beta": 0}}, "config: method.beta: expected a positive number, got 0.0"),
     ({"method": {"name": "dpo", "loss_type": "ipo", "label_smoothing": 0.1}},
      "config: method.label_smoothing: ipo has no label smoothing (it is a squared loss); use loss_type sigmoid "
@@ -186,6 +187,11 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
     ({"method": {"name": "dpo", "loss_type": ["sigmoid", "ipo", "sigmoid"]}},
      "config: method.loss_type: sigmoid is listed twice; give it one weight in loss_weights"),
     ({"method": {"name": "dpo", "ld_alpha": 1.5}}, "config: method.ld_alpha: expected a weight in [0, 1], got 1.5"),
+    ({"method": {"name": "dpo", "loss_type": "ipo", "f_divergence_type": "forward_kl"}},
+     "config: method.f_divergence_type: forward_kl replaces the log-ratio difference of sigmoid, hinge, robust, "
+     "exo_pair, discopop (this run: ipo)"),
+    ({"method": {"name": "dpo", "f_alpha_divergence_coef": 0.3}},
+     "config: method.f_alpha_divergence_coef: only f_divergence_type alpha_divergence uses it"),
     ({"method": {"name": "dpo", "loss_type": ["sigmoid", "sft"], "rpo_alpha": 1.0}},
      "config: method.rpo_alpha: loss_type's sft is the same NLL term; keep one of them"),
     ({"method": {"name": "dpo", "loss_type": ["simpo", "orpo"], "precompute_reference": True}},

@@ -27,6 +27,8 @@ What is compared, and why only that:
   posttune's NLL is each chosen response's per-token mean, averaged over pairs (so it does not
   depend on how a step is split, docs/dpo.md); with one pair per batch the two are the same, so
   posttune's mean over four pairs is compared with the mean of TRL's four one-pair steps.
+- f-DPO (``f_divergence_type``: forward KL, Jensen-Shannon, alpha-divergence), on ``sigmoid`` and ``hinge``: TRL's
+  same settings; the loss, the rewards and log-probs (the rewards stay ``beta`` x the log-ratios in both).
 - loss lists (``loss_type: [...]`` with ``loss_weights``, as TRL's): MPO's ``[sigmoid, bco_pair, sft]``
   (one-pair steps, for its ``sft`` term as for RPO's), and ``[sigmoid, ipo]``, a loss on token sums and one on
   per-token means in one sum. The loss, and the rewards and log-probs (the first listed loss's, as TRL's).
@@ -82,6 +84,15 @@ CASES = {
             {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]}, 1),
     "sigmoid_ipo": ({"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.3]},
                     {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.3]}, PAIRS),
+    # f-DPO: the regulariser's f'(pi / ref) in place of the log-ratios. On padded rows, TRL's layout: forward_kl's
+    # exp(-log-ratio) scales the log-ratios' rounding up, and padding-free rows round their matmuls otherwise
+    # (5.2e-6 off with forward_kl, 2.4e-6 with alpha_divergence, within 1e-6 padded)
+    **{f"f_{kind}": ({"loss_type": "sigmoid", "f_divergence_type": kind, "padding_free": False, **extra},
+                     {"loss_type": ["sigmoid"], "f_divergence_type": kind, **extra}, PAIRS)
+       for kind, extra in (("forward_kl", {}), ("js_divergence", {}),
+                           ("alpha_divergence", {"f_alpha_divergence_coef": 0.3}))},
+    "f_hinge": ({"loss_type": "hinge", "f_divergence_type": "js_divergence", "padding_free": False},
+                {"loss_type": ["hinge"], "f_divergence_type": "js_divergence"}, PAIRS),
 }
 #: the loss types whose rewards and log-probs both libraries log alike (log-ratios of token sums)
 SUMMED = ("sigmoid", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down",

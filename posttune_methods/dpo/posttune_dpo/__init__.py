@@ -69,6 +69,10 @@ class DPOConfig:
     discopop_tau: float = 0.05  # DiscoPOP: the temperature of the blend between its logistic and exponential losses
     # RPO: add alpha x the chosen response's per-token NLL (its mean over the response's tokens) to each pair's loss
     rpo_alpha: float | None = None
+    # f-DPO: the divergence to the reference the loss regularises with, its f'(pi / ref) in place of the
+    # log-ratios (reverse_kl is DPO's); with the losses on token sums: sigmoid, hinge, robust, exo_pair, discopop
+    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5  # alpha_divergence's alpha
     # LD-DPO: a response's tokens past the other response's length weighted by this, in [0, 1], in the policy's
     # and the reference's log-probs (the paper's alpha, TRL's ld_alpha; the NLL term is unweighted)
     ld_alpha: float | None = None
@@ -83,6 +87,9 @@ class DPOConfig:
 
 #: the loss types that use no reference model
 REFERENCE_FREE: tuple[str, ...] = ("simpo", "orpo")
+#: the loss types f-DPO's scores apply to: those on DPO's log-ratio difference of token sums (as TRL's, but for
+#: ipo and sigmoid_norm, computed on per-token means here)
+F_DIVERGENCE_LOSSES: tuple[str, ...] = ("sigmoid", "hinge", "robust", "exo_pair", "discopop")
 #: the loss types that read ``label_smoothing``: cDPO's mixture of both labels, or robust DPO's correction
 SMOOTHED: tuple[str, ...] = ("sigmoid", "simpo", "robust", "exo_pair")
 
@@ -143,6 +150,13 @@ def validate(config: RunConfig, method: DPOConfig) -> None:
             raise ConfigError("method.rpo_alpha", "orpo already adds the chosen responses' NLL; remove it")
         if len(losses) < len(weighted_losses(method)):
             raise ConfigError("method.rpo_alpha", "loss_type's sft is the same NLL term; keep one of them")
+    if method.f_divergence_type != "reverse_kl" and not set(losses) <= set(F_DIVERGENCE_LOSSES):
+        raise ConfigError("method.f_divergence_type", f"{method.f_divergence_type} replaces the log-ratio "
+                                                      f"difference of {', '.join(F_DIVERGENCE_LOSSES)} (this run: "
+                                                      f"{shown})")
+    if method.f_alpha_divergence_coef != DPOConfig.f_alpha_divergence_coef and \
+            method.f_divergence_type != "alpha_divergence":
+        raise ConfigError("method.f_alpha_divergence_coef", "only f_divergence_type alpha_divergence uses it")
     if method.ld_alpha is not None and not 0 <= method.ld_alpha <= 1:
         raise ConfigError("method.ld_alpha", f"expected a weight in [0, 1], got {method.ld_alpha}")
     if method.precompute_reference and not uses_reference(method):

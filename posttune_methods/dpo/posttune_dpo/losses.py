@@ -59,9 +59,11 @@ LENGTH_NORMALISED: tuple[str, ...] = ("ipo", "simpo", "orpo", "sigmoid_norm")
 def preference_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
                       reference_chosen: torch.Tensor | None, reference_rejected: torch.Tensor | None, *,
                       loss_type: LossType, beta: float, label_smoothing: float = 0.0,
-                      gamma: float = 0.0, tau: float = 0.05) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      gamma: float = 0.0, tau: float = 0.05, f_divergence: str = "reverse_kl",
+                      f_alpha: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(losses, chosen rewards, rejected rewards), each ``[pairs]``; the rewards are detached. ``gamma``:
-    SimPO's margin; ``tau``: DiscoPOP's temperature."""
+    SimPO's margin; ``tau``: DiscoPOP's temperature; ``f_divergence`` (and ``f_alpha``): f-DPO's scores in
+    place of the log-ratios in ``h`` (`f_scores`)."""
     if loss_type == "simpo":
         logits = beta * (policy_chosen - policy_rejected) - gamma
         losses = _smoothed_sigmoid_loss(logits, label_smoothing)
@@ -71,7 +73,10 @@ def preference_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor
         return losses, (beta * policy_chosen).detach(), (beta * policy_rejected).detach()
     chosen_ratio = policy_chosen - reference_chosen
     rejected_ratio = policy_rejected - reference_rejected
-    z, chosen, rejected = beta * (chosen_ratio - rejected_ratio), beta * chosen_ratio, beta * rejected_ratio
+    difference = chosen_ratio - rejected_ratio
+    if f_divergence != "reverse_kl":
+        difference = f_scores(chosen_ratio, f_divergence, f_alpha) - f_scores(rejected_ratio, f_divergence, f_alpha)
+    z, chosen, rejected = beta * difference, beta * chosen_ratio, beta * rejected_ratio
     if loss_type in ("sigmoid", "sigmoid_norm"):
         losses = _smoothed_sigmoid_loss(z, label_smoothing)
     elif loss_type == "ipo":
@@ -99,6 +104,20 @@ def preference_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     return losses, chosen.detach(), rejected.detach()
+
+
+def f_scores(log_ratio: torch.Tensor, divergence: str, alpha: float = 0.5) -> torch.Tensor:
+    """f-DPO (Wang et al. 2023, "Beyond Reverse KL"): the regulariser's ``f'(pi / ref)`` in place of the
+    log-ratio: ``forward_kl`` ``1 - ref / pi``; ``js_divergence`` ``log 2 + log sigmoid(log-ratio)``;
+    ``alpha_divergence`` ``((pi / ref)^(alpha - 1) - 1) / (alpha - 1)`` (the log-ratio at alpha 1), its exponent
+    capped at 80 so that it stays finite in fp32. ``reverse_kl`` is DPO's own: the log-ratio."""
+    if divergence == "forward_kl":
+        return 1.0 - torch.exp(-log_ratio)
+    if divergence == "js_divergence":
+        return math.log(2.0) + F.logsigmoid(log_ratio)
+    if divergence == "alpha_divergence" and abs(alpha - 1.0) > 1e-6:
+        return (torch.exp(torch.clamp((alpha - 1.0) * log_ratio, max=80.0)) - 1.0) / (alpha - 1.0)
+    return log_ratio
 
 
 def orpo_log_odds(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,8 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
             reference_chosen, reference_rejected = reference[average]
         term, chosen_rewards, rejected_rewards = preference_losses(
             policy_chosen, policy_rejected, reference_chosen, reference_rejected, loss_type=loss_type,
-            beta=config.beta, label_smoothing=config.label_smoothing, gamma=config.simpo_gamma, tau=config.discopop_tau)
+            beta=config.beta, label_smoothing=config.label_smoothing, gamma=config.simpo_gamma, tau=config.discopop_tau,
+            f_divergence=config.f_divergence_type, f_alpha=config.f_alpha_divergence_coef)
         term = term if weight == 1.0 else weight * term
         losses = term if losses is None else losses + term
         if logged is None:
