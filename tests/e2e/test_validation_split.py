@@ -45,7 +45,8 @@ def test_a_run_trains_on_the_rest_and_evaluates_on_the_held_out_rows(llama_sft, 
 
 
 @pytest.mark.parametrize(("data", "message"), [
-    ({"validation_split": 1.5}, "data.validation_split: expected a share of the training rows in (0, 1), got 1.5"),
+    ({"validation_split": 1.5}, "data.validation_split: expected a number > 0 and < 1, or null (data.validation, if "
+                                "any, is the validation set), got 1.5"),
     ({"validation_split": 0.1, "validation": {"path": "x.jsonl"}},
      "data.validation_split: data.validation is given too; keep one"),
 ])

@@ -53,6 +53,7 @@ RANGES: dict[str, Range] = {
     "data.max_seq_len": Range(1),
     "data.max_prompt_len": Range(1, off="keep the whole prompt"),
     "data.pad_to_multiple_of": Range(1, off="pad to the longest row only"),
+    "data.validation_split": Range(0, low_open=True, high=1, off="data.validation, if any, is the validation set"),
     "train.epochs": Range(1),
     "train.max_steps": Range(1, off="train.epochs decides"),
     "train.batch_size": Range(1),

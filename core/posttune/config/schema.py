@@ -336,8 +336,6 @@ def _check_validation_split(data: DataConfig) -> None:
     share = data.validation_split
     if share is None:
         return
-    if not 0 < share < 1:
-        raise ConfigError("data.validation_split", f"expected a share of the training rows in (0, 1), got {share}")
     if data.validation is not None:
         raise ConfigError("data.validation_split", "data.validation is given too; keep one")
     if data.train.streaming or data.train.sources:
