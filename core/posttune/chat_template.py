@@ -177,6 +177,10 @@ def check_tool_use(source: str, messages: Sequence[Mapping[str, Any]], tools: An
                                 "of the text; use a template that renders them (tokenizer.chat_template)")
 
 
+#: what `render` gives every template from the row and the call: not a caller's extra variable
+RENDER_VARIABLES = ("messages", "tools", "add_generation_prompt", "documents")
+
+
 def render(source: str, messages: list[dict[str, Any]], *, where: str, add_generation_prompt: bool = False,
            tools: Any = None, variables: Mapping[str, Any] | None = None, limits: RenderLimits | None = None) -> str:
     """The rendered chat text. ``variables`` are the special tokens and the caller's extra template kwargs.

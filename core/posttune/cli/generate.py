@@ -143,7 +143,7 @@ def read_template_kwargs(text: str | None) -> dict:
         return {}
     import json
 
-    from posttune.config.data_checks import RENDER_VARIABLES
+    from posttune.chat_template import RENDER_VARIABLES
     from posttune.errors import PosttuneError
 
     try:

@@ -39,10 +39,6 @@ def check_data(plan: Any, *, runs: bool = True) -> None:
     check_tokenizer(plan.config, required=runs)
 
 
-#: what every render of a chat template is given from the row and the call, not the config
-RENDER_VARIABLES = ("messages", "tools", "add_generation_prompt", "documents")
-
-
 def check_tokenizer(config: Any, *, required: bool = True) -> None:
     """The tokenizer the run loads: ``tokenizer.path`` (a local folder is read now, a hub id when the
     run starts), else the one in ``model.path``'s folder once it exists (a bundled example's model
@@ -54,6 +50,8 @@ def check_tokenizer(config: Any, *, required: bool = True) -> None:
         from posttune.tokenizer_files import chat_template_override
 
         chat_template_override(config.tokenizer.chat_template)
+    from posttune.chat_template import RENDER_VARIABLES
+
     for name in config.tokenizer.chat_template_kwargs:
         if name in RENDER_VARIABLES:
             raise ConfigError(f"tokenizer.chat_template_kwargs.{name}", "set by posttune for each render (the row's "

@@ -260,11 +260,10 @@ def inject_adapters(adapter: Any, target: ModelTarget) -> None:
 
 def check_adapter_targets(plan: Any) -> None:
     """Listed ``adapter.targets`` each match a linear layer of the policy: checked before launch on the model
-    built on the meta device (no weights), as the run will build it. The family's default targets need no
-    check; a model from the hub is checked when the run builds it (its config is not fetched to validate)."""
+    built on the meta device (no weights), as the run will build it. Called when targets are listed (the
+    family's default targets need no check); a model from the hub is checked when the run builds it (its
+    config is not fetched to validate)."""
     config = plan.config
-    if config.adapter is None or not config.adapter.targets:
-        return
     if config.model.path is not None and not Path(str(config.model.path)).expanduser().is_dir():
         return
     target = ModelTarget("policy", plan.family.descriptor, config.model, score=plan.method.descriptor.score_head)

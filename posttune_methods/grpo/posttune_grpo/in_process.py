@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from posttune.plugin import ConfigError, RunConfig, Session, step_context, to_device
 
-from posttune_grpo.loss import learner_logps, tis_weights
+from posttune_grpo.loss import learner_logps, sampler_weights
 from posttune_grpo.rollouts import (
     Rollouts,
     generate_rollouts,
@@ -117,9 +117,7 @@ def add_learner_logps(session: Session, rollouts: Rollouts, *, old: bool, tis: b
         setattr(rollouts, name, scored_by(session, rollouts, model, size))
     config = session.method_config
     if tis and config.tis_cap is not None:
-        mask = (rollouts.labels != -100).float()
-        rollouts.is_weights = tis_weights(rollouts.old_logps, rollouts.behaviour_logps, mask, config.tis_cap,
-                                          config.tis_mode)
+        rollouts.is_weights = sampler_weights(rollouts.old_logps, rollouts.behaviour_logps, rollouts.labels, config)
     if config.kl_in_reward:
         policy = rollouts.old_logps if rollouts.old_logps is not None else scored_by(session, rollouts,
                                                                                         session.model, size)

@@ -116,6 +116,13 @@ def tis_weights(old_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: to
     return ratio * mask
 
 
+def sampler_weights(old_logps: torch.Tensor, behaviour_logps: torch.Tensor, labels: torch.Tensor,
+                    config: Any) -> torch.Tensor:
+    """``tis_weights`` over the completion tokens of ``labels``, by the method's ``tis_cap`` and ``tis_mode``
+    (GRPO's and PPO's)."""
+    return tis_weights(old_logps, behaviour_logps, (labels != -100).float(), config.tis_cap, config.tis_mode)
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     """Per-token losses and what to log about them (all ``[n, s]``, 0 outside the mask)."""

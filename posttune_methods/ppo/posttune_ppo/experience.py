@@ -33,7 +33,7 @@ ROW_TENSORS = ("input_ids", "labels", "old_logps", "is_weights", "ref_logps", "v
 def make_experience(session: Session, prompts: dict[str, Any]) -> dict[str, Any]:
     """Generate, score and evaluate one rank's prompt batch: the rows PPO trains ``ppo_epochs`` times on."""
     from posttune_grpo.in_process import learner_scorer, sampled_elsewhere, scored_by
-    from posttune_grpo.loss import tis_weights
+    from posttune_grpo.loss import sampler_weights
     from posttune_grpo.rollouts import generate_rollouts, rollout_spec
     from posttune_grpo.state import count_rollouts, learner_engine
 
@@ -53,8 +53,7 @@ def make_experience(session: Session, prompts: dict[str, Any]) -> dict[str, Any]
     both = forward_rows(session, batch, lambda part: torch.stack(logps_and_values(session, part)))
     batch["old_logps"], batch["values"] = both[0], both[1]
     if sampled_elsewhere(session):  # the engine's samples corrected towards the learner's policy (as GRPO's)
-        batch["is_weights"] = tis_weights(batch["old_logps"], rollouts.behaviour_logps,
-                                          (batch["labels"] != -100).float(), config.tis_cap, config.tis_mode)
+        batch["is_weights"] = sampler_weights(batch["old_logps"], rollouts.behaviour_logps, batch["labels"], config)
     if "reference" in session.models:  # GRPO's learner-side scoring, a training micro-batch at a time
         batch["ref_logps"] = scored_by(session, rollouts, session.models["reference"],
                                        micro_batch_size(session.config, config))
