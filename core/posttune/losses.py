@@ -34,7 +34,7 @@ def token_cross_entropy(session: Any, batch: dict[str, torch.Tensor]) -> tuple[t
 
 
 def token_logps(session: Any, batch: dict[str, torch.Tensor], model: Any = None, *,
-                temperature: float = 1.0) -> torch.Tensor:
+                temperature: float = 1.0, entropies: bool = False) -> Any:
     """``[batch, seq]`` log-probabilities of each label under ``model``; 0 where the label is ignored.
 
     ``model`` defaults to the policy; a model role (``session.models[name]``, also the
@@ -42,23 +42,50 @@ def token_logps(session: Any, batch: dict[str, torch.Tensor], model: Any = None,
     first (after any soft-cap), as sampling at that temperature did: what a policy-gradient loss
     needs for completions it sampled. Differentiable when grad is enabled. Under loss parallel
     the logits stay vocabulary-sharded: ``cross_entropy`` is what that context parallelises.
+    ``entropies``: ``(logps, entropies)``, the second the entropy in nats of ``softmax(logits /
+    temperature)`` at each labelled position (0 elsewhere), without gradient (GRPO's high-entropy
+    token selection), from the same forward.
     """
     from posttune.adapters.inject import active_model
 
     with active_model(session.model if model is None else model) as module:
         kernel = getattr(session, "loss_kernel", None)
-        if kernel is not None:
+        if kernel is not None and not entropies:
             return kernel.logps(module, batch, temperature)
+        if kernel is not None and kernel.logps_entropies is not None:
+            return kernel.logps_entropies(module, batch, temperature)
         logits, labels, keep = labelled_logits(module, batch)
         if temperature != 1.0:
             logits = logits / temperature
         nll = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                               reduction="none")
-        if hasattr(nll, "full_tensor"):  # vocabulary-sharded logits under loss parallel: a DTensor result
-            nll = nll.full_tensor()
-        if keep is None:
-            return -nll.view(labels.shape)
-        return torch.zeros(keep.shape, dtype=nll.dtype, device=nll.device).masked_scatter(keep, -nll)
+        values = (-nll, logits_entropy(logits)) if entropies else (-nll,)
+        placed = tuple(_in_label_shape(value, labels, keep) for value in values)
+        return placed if entropies else placed[0]
+
+
+def _in_label_shape(values: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Per-position ``values`` of ``labelled_logits``' rows in the batch's ``[batch, seq]`` shape, 0 where the
+    label is ignored."""
+    if hasattr(values, "full_tensor"):  # vocabulary-sharded logits under loss parallel: a DTensor result
+        values = values.full_tensor()
+    if keep is None:
+        return values.view(labels.shape) * (labels != IGNORE_INDEX)
+    return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter(keep, values)
+
+
+@torch.no_grad()
+def logits_entropy(logits: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """The entropy (nats) of ``softmax(logits)`` over the last dimension, float32, ``rows`` rows at a time so
+    only one chunk's probabilities exist at once; vocabulary-sharded logits (a DTensor) in one piece."""
+    flat = logits.flatten(0, -2)
+    parts = []
+    for chunk in [flat] if hasattr(flat, "full_tensor") else flat.split(rows):
+        logps = F.log_softmax(chunk.float(), dim=-1)
+        parts.append(-(logps.exp() * logps).sum(-1))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
 
 
 def labelled_logits(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:

@@ -34,11 +34,15 @@ class LossKernel:
     ``logps(model, batch, temperature) -> [batch, seq]`` per-token log-probabilities of the
     labels under ``softmax(logits / temperature)`` (0 where ignored).
     ``posttune.losses.token_cross_entropy`` and ``token_logps`` call these when set.
+    ``logps_entropies(model, batch, temperature) -> (logps, entropies)``, optional: the same log-probs and,
+    without gradient, the entropy of ``softmax(logits / temperature)`` at each labelled position (0 elsewhere),
+    for ``token_logps(..., entropies=True)``; a kernel without it leaves those calls to the plain path.
     """
 
     cross_entropy: Callable[[Any, dict[str, Any]], tuple[Any, Any]]
     logps: Callable[[Any, dict[str, Any], float], Any]
     name: str = ""
+    logps_entropies: Callable[[Any, dict[str, Any], float], tuple[Any, Any]] | None = None
 
 
 @dataclass(eq=False)

@@ -108,3 +108,28 @@ def test_a_model_without_logits_at_gets_the_full_logits():
 def logits_shape(model: nn.Module, data: dict[str, torch.Tensor]) -> tuple[int, ...]:
     with torch.no_grad():
         return tuple(model(data["input_ids"]).shape)
+
+
+def full_entropies(model: nn.Module, data: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """Every position's entropy by torch.distributions (not posttune's formula), 0 where the label is ignored."""
+    logits = model(data["input_ids"], document_ids=data.get("document_ids")).float() / temperature
+    entropy = torch.distributions.Categorical(logits=logits).entropy()
+    return entropy * (data["labels"] != IGNORE_INDEX)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["labelled_rows", "full_logits"])
+@pytest.mark.parametrize("cap", [None, 5.0], ids=["plain", "softcap"])
+def test_entropies_come_with_the_same_logps_from_one_forward(wrapped, cap):
+    inner, reference = decoder(logit_cap=cap), decoder(logit_cap=cap)
+    model = Wrapped(inner) if wrapped else inner
+    data = batch(documents=True)
+    seen = head_rows(inner)
+    logps, entropies = token_logps(SimpleNamespace(model=model), data, temperature=0.7, entropies=True)
+    assert len(seen) == 1  # one forward for both
+    torch.testing.assert_close(logps, full_logps(reference, data, temperature=0.7), rtol=0, atol=1e-5)
+    with torch.no_grad():
+        expected = full_entropies(reference, data, temperature=0.7)
+    torch.testing.assert_close(entropies, expected, rtol=0, atol=1e-5)
+    labelled = data["labels"] != IGNORE_INDEX
+    assert entropies[~labelled].eq(0).all() and entropies[labelled].gt(0).all()
+    assert logps.requires_grad and not entropies.requires_grad  # a mask is chosen with them, not trained

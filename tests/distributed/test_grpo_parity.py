@@ -27,15 +27,23 @@ PARALLEL = {
 }
 
 
-@pytest.mark.parametrize("name", list(PARALLEL))
+#: only the highest-entropy 30% of a micro-batch's completion tokens take the policy term: the share is taken over
+#: both ranks' tokens, as one process takes it over all of them
+HIGH_ENTROPY = {**GRPO, "top_entropy_quantile": 0.3}
+
+
+@pytest.mark.parametrize("name", [*PARALLEL, "fsdp2_high_entropy"])
 def test_sync_grpo_on_two_ranks_matches_one_process(runs, name):
-    single = runs("grpo_single", batch_size=4, method=GRPO, overrides=("train.lr=5e-3",))
-    split = runs(f"grpo_{name}", nproc=2, method=GRPO, overrides=("train.lr=5e-3",), **PARALLEL[name])
+    method, keys = (HIGH_ENTROPY, (*KEYS, "entropy", "entropy_selected")) if name.endswith("entropy") else (GRPO, KEYS)
+    single = runs(f"grpo_single{'_high_entropy' if method is HIGH_ENTROPY else ''}", batch_size=4, method=method,
+                  overrides=("train.lr=5e-3",))
+    split = runs(f"grpo_{name}", nproc=2, method=method, overrides=("train.lr=5e-3",),
+                 **PARALLEL[name.removesuffix("_high_entropy")])
     got, want = metrics(split), metrics(single)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
     for a, b in zip(got, want):
         assert a["completion_tokens"] == b["completion_tokens"] and a["tokens"] == b["tokens"]
-        for key in KEYS:
+        for key in keys:
             assert abs(a[key] - b[key]) <= TOL * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
     assert any(r["loss"] != 0 for r in want) and len({r["reward"] for r in want}) > 1  # a real run
 

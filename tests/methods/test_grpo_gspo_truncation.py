@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
@@ -61,21 +62,28 @@ class OneProcess:
     def reduce(self, value: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         return value
 
+    def pad_across_processes(self, value: torch.Tensor, dim: int = 0, pad_index: float = 0) -> torch.Tensor:
+        return value
+
 
 def trl_loss(logps: torch.Tensor, inputs: dict[str, torch.Tensor], *, loss_type: str, level: str, epsilon: float,
              epsilon_high: float, beta: float, old: torch.Tensor | None, is_weights: torch.Tensor | None,
              mask: torch.Tensor, delta: float | None = None, off_policy_threshold: float | None = None,
-             sampling: torch.Tensor | None = None, bias_correction_kl: bool = False) -> torch.Tensor:
+             sampling: torch.Tensor | None = None, bias_correction_kl: bool = False,
+             entropies: torch.Tensor | None = None, top_entropy_quantile: float = 1.0) -> torch.Tensor:
     """TRL's ``GRPOTrainer._compute_loss`` itself on these tensors: a stand-in trainer whose forward returns
     ``logps`` (the completion positions are the columns; ``mask`` is TRL's completion mask). One process, one
     micro-batch, no accumulation; ``use_bias_correction_kl`` off unless asked (posttune's default KL term is not
     weighted by the ratio); per-token importance weights are TRL's ``vllm_importance_sampling_mode:
-    token_truncate``; ``sampling``: the sampler's log-probs its off-policy mask reads."""
+    token_truncate``; ``sampling``: the sampler's log-probs its off-policy mask reads; ``entropies``: what its
+    forward returns as each position's entropy, which its ``top_entropy_quantile`` reads."""
     grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer", reason="the reference is TRL's GRPO trainer")
     rows, width = logps.shape
     trainer = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=off_policy_threshold, importance_sampling_level=level,
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (
+            logps, torch.zeros_like(logps) if entropies is None else entropies, None),
+        top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=off_policy_threshold,
+        importance_sampling_level=level,
         beta=beta, loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon_high,
         max_completion_length=MAX_NEW_TOKENS,
         args=SimpleNamespace(delta=delta, use_bias_correction_kl=bias_correction_kl, steps_per_generation=1,
@@ -84,6 +92,7 @@ def trl_loss(logps: torch.Tensor, inputs: dict[str, torch.Tensor], *, loss_type:
         get_off_policy_mask=grpo_trainer.GRPOTrainer.get_off_policy_mask,  # a static method
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
         aux_loss_enabled=False, accelerator=OneProcess(), _metrics=defaultdict(lambda: defaultdict(list)))
+    trainer.get_high_entropy_mask = types.MethodType(grpo_trainer.GRPOTrainer.get_high_entropy_mask, trainer)
     batch: dict[str, Any] = {
         "prompt_ids": torch.zeros(rows, 1, dtype=torch.long), "prompt_mask": torch.ones(rows, 1, dtype=torch.long),
         "completion_ids": torch.zeros(rows, width, dtype=torch.long), "completion_mask": mask,

@@ -38,7 +38,8 @@ def test_rows_become_documents_with_each_prompt_once_and_map_back():
     assert whole["input_ids"].shape[1] == int(lengths.sum()) and int(whole["positions"].max()) == 5
 
 
-@pytest.mark.parametrize("method", [{}, {"beta": 0.1, "num_iterations": 2}], ids=["reinforce", "kl_and_passes"])
+@pytest.mark.parametrize("method", [{}, {"beta": 0.1, "num_iterations": 2}, {"top_entropy_quantile": 0.5}],
+                         ids=["reinforce", "kl_and_passes", "high_entropy_tokens"])
 def test_the_padding_free_learner_gives_the_padded_rows_loss_and_gradients(llama_grpo, tmp_path, method):  # noqa: F811
     """The same rollouts scored and trained on with padded rows and padding-free ones (prompt shared or not):
     the reference's and old log-probs (``scored_by``), the loss, its metrics and its gradients, fp32."""

@@ -67,6 +67,7 @@ def error_line(result) -> str:
 @pytest.mark.parametrize("rewards, index, name", [
     ([{"name": "exact_answer"}], 0, "exact_answer"),
     ([{"name": "format", "weight": 0.2}, {"name": "math_answer"}], 1, "math_answer"),
+    (["format", "math_answer"], 1, "math_answer"),  # lone names, as TRL's reward_funcs lists them: weight 1
 ])
 def test_validate_refuses_a_first_row_without_the_answer_field(llama_grpo, posttune_cli, tmp_path, rewards, index,
                                                                 name):

@@ -123,6 +123,9 @@ def test_the_compiled_loss_kernel_gives_the_plain_losses_and_logps():
                                    token_logps(plain, data, temperature=temperature), atol=1e-5, rtol=0)
     with torch.no_grad():
         torch.testing.assert_close(token_logps(session, data), token_logps(plain, data), atol=1e-5, rtol=0)
+        # the kernel computes no entropies: GRPO's high-entropy selection takes the plain path's, logps included
+        torch.testing.assert_close(token_logps(session, data, temperature=0.7, entropies=True),
+                                   token_logps(plain, data, temperature=0.7, entropies=True), atol=1e-5, rtol=0)
     (loss, count), (expected, expected_count) = token_cross_entropy(session, data), token_cross_entropy(plain, data)
     torch.testing.assert_close(loss, expected, atol=1e-4, rtol=0)
     assert count == expected_count

@@ -9,7 +9,7 @@ from memory_support import batch, fake_session, grads, tiny_llama, twin
 
 from posttune.adapters import apply_adapters
 from posttune.errors import PosttuneError
-from posttune.losses import token_cross_entropy
+from posttune.losses import token_cross_entropy, token_logps
 from posttune_memory import ChunkedCrossEntropyConfig
 from posttune_memory import linear_cross_entropy as lce
 
@@ -88,6 +88,24 @@ def test_chunked_loss_matches_with_an_adapted_output_head(kind):
             if "lora_B" in name:
                 param.copy_(torch.randn_like(param) * 0.05)
     assert_same_step(plain, twin(plain))
+
+
+@pytest.mark.parametrize("cap", [None, 0.05], ids=["plain", "softcap"])
+def test_chunked_logps_and_entropies_match_the_plain_path_and_train_the_same(cap):
+    plain = tiny_llama()
+    plain.logit_softcap = cap
+    ours = twin(plain)
+    want = token_logps(fake_session(plain), batch(), temperature=0.7, entropies=True)
+    got = token_logps(chunked(ours), batch(), temperature=0.7, entropies=True)
+    for mine, theirs in zip(got, want):
+        torch.testing.assert_close(mine, theirs.detach(), atol=1e-5, rtol=1e-6)
+    assert got[1].gt(0).sum() == 2 * 24 - 4 - 7 and not got[1].requires_grad
+    weights = want[1] / want[1].max()  # rows weighed by entropy, as a mask chosen from them does
+    (want[0] * weights).sum().backward()
+    (got[0] * weights).sum().backward()
+    expected, mine = grads(plain), grads(ours)
+    for name, grad in expected.items():
+        torch.testing.assert_close(mine[name], grad, atol=1e-5, rtol=0, msg=name)
 
 
 def test_adapter_dropout_on_the_head_is_refused():

@@ -43,6 +43,8 @@ def apply(session: Any, target: Any) -> None:
         logps=lambda model, batch, temperature=1.0: token_logps(model, batch, chunk_size=chunk_size,
                                                                 temperature=temperature),
         name="chunked_cross_entropy",
+        logps_entropies=lambda model, batch, temperature=1.0: token_logps(
+            model, batch, chunk_size=chunk_size, temperature=temperature, entropies=True),
     )
 
 
@@ -65,11 +67,15 @@ def token_loss(model: Any, batch: dict[str, torch.Tensor], *, chunk_size: int) -
 
 
 def token_logps(model: Any, batch: dict[str, torch.Tensor], *, chunk_size: int,
-                temperature: float = 1.0) -> torch.Tensor:
-    """``posttune.losses.token_logps``'s contract: ``[batch, seq]`` label log-probs, 0 where ignored."""
+                temperature: float = 1.0, entropies: bool = False) -> Any:
+    """``posttune.losses.token_logps``'s contract: ``[batch, seq]`` label log-probs, 0 where ignored (with
+    ``entropies``, and the entropy at each labelled position, from the same chunks' logits)."""
     keep, rows = labelled_rows(model, batch)
-    logps = linear_logps(*rows, chunk_size=chunk_size, temperature=temperature)
-    return torch.zeros(keep.shape, dtype=logps.dtype, device=logps.device).masked_scatter(keep, logps)
+    entropy = torch.empty(keep.sum(), dtype=torch.float32, device=keep.device) if entropies else None
+    logps = linear_logps(*rows, chunk_size=chunk_size, temperature=temperature, entropy_out=entropy)
+    placed = [torch.zeros(keep.shape, dtype=v.dtype, device=v.device).masked_scatter(keep, v)
+              for v in (logps, entropy) if v is not None]
+    return tuple(placed) if entropies else placed[0]
 
 
 def labelled_rows(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[Any, ...]]:
@@ -96,14 +102,17 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 def linear_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                  bias: torch.Tensor | None = None, softcap: float | None = None, *,
-                 chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
+                 chunk_size: int = 1024, temperature: float = 1.0,
+                 entropy_out: torch.Tensor | None = None) -> torch.Tensor:
     """``log_softmax(softcap(hidden @ weight.T + bias) / temperature)[i, targets[i]]``: ``[n]`` float32.
 
     Unlike the summed loss, the gradient of each row is known only in backward (a DPO or GRPO
     loss weighs rows differently), so backward recomputes each chunk's logits: one extra
     matmul per chunk instead of keeping ``[n, vocab]`` logits alive between the passes.
+    ``entropy_out`` (``[n]`` float32), when given, receives each row's entropy of the same softmax
+    (no gradient flows through it).
     """
-    return _LinearLogps.apply(hidden, weight, bias, targets, softcap, chunk_size, temperature)
+    return _LinearLogps.apply(hidden, weight, bias, targets, softcap, chunk_size, temperature, entropy_out)
 
 
 def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -119,13 +128,17 @@ def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 class _LinearLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, softcap: float | None, chunk_size: int, temperature: float) -> torch.Tensor:
+                targets: torch.Tensor, softcap: float | None, chunk_size: int, temperature: float,
+                entropy_out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             logits, _ = _chunk_logits(hidden[start:start + chunk_size], weight, bias, softcap)
             logits = logits / temperature
             target = targets[start:start + chunk_size]
-            out[start:start + chunk_size] = logits.gather(1, target.unsqueeze(1)).squeeze(1) - logits.logsumexp(-1)
+            norm = logits.logsumexp(-1)
+            out[start:start + chunk_size] = logits.gather(1, target.unsqueeze(1)).squeeze(1) - norm
+            if entropy_out is not None:  # H = logsumexp - sum(p * logits)
+                entropy_out[start:start + chunk_size] = norm - ((logits - norm[:, None]).exp() * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.softcap, ctx.chunk_size, ctx.temperature = softcap, chunk_size, temperature
         return out
@@ -156,7 +169,7 @@ class _LinearLogps(torch.autograd.Function):
             if need_weight:
                 grad_weight += (grad.T @ rows).float()  # low precision as the plain backward, summed in fp32
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

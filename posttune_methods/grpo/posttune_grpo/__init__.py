@@ -86,7 +86,8 @@ class GRPOConfig:
     min_p: float | None = None  # drop tokens less likely than min_p times the most likely one, in [0, 1)
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math_answer")])  # summed, weighted
     reward_errors: Literal["raise", "zero"] = "raise"  # a reward returning None or raising: stop, or score 0
-    scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage / the group's or batch's std, or not
+    # advantage / the group's or batch's std, or not (TRL's true and false are group and none)
+    scale_rewards: Literal["group", "batch", "none"] | bool = "group"
     # what a reward is compared with: its group's mean, or (RLOO) the mean of the group's other rewards
     baseline: Literal["mean", "leave_one_out"] = "mean"
     loss_aggregation: Literal["token", "sequence", "constant"] = "token"  # mean per token, per completion, or constant
@@ -108,6 +109,9 @@ class GRPOConfig:
     # sequence_sum: RLOO's, the completion's likelihood ratio exp(sum over its tokens of logp - logp_old)
     importance_sampling_level: Literal["token", "sequence", "sequence_sum"] = "token"
     mask_truncated_completions: bool = False  # completions cut off at max_new_tokens left out of the loss (DAPO)
+    # "Beyond the 80/20 Rule": only this share of the trained completion tokens, those where the policy's
+    # distribution (at the sampling temperature) has the highest entropy, take the policy term; 1: every token
+    top_entropy_quantile: float = 1.0
     beta: float = 0.0  # weight of the per-token KL to the reference model; 0 builds no reference
     # where the KL to the reference acts: false, beta times its k3 estimate in each token's loss (GRPO); true,
     # beta times the completion's summed log-ratio taken from its reward before the baseline (RLOO, TRL's RLOO)
@@ -135,6 +139,10 @@ class GRPOConfig:
     # context reshapes the padded batch)
     padding_free: bool = True
     share_prompt: bool = True  # padding-free: a group's prompt computed once for all its completions
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale_rewards, bool):  # TRL's older spelling: true scales by the group's std
+            object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
 
 
 #: where rollouts come from, by ``method.generation``: the module whose ``validate(config, method)`` checks
@@ -204,6 +212,9 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
         raise ConfigError("method.kl_in_reward", "puts beta times the KL in the reward, and beta is 0: set "
                                                  "method.beta (TRL's RLOO uses 0.05)")
     check_tis_cap(method)
+    if not 0 <= method.top_entropy_quantile <= 1:
+        raise ConfigError("method.top_entropy_quantile", f"expected a share in [0, 1], got "
+                                                         f"{method.top_entropy_quantile}")
     if method.log_completions < 0:
         raise ConfigError("method.log_completions", f"expected an integer >= 0, got {method.log_completions}")
     if method.top_k is not None and method.top_k < 1:

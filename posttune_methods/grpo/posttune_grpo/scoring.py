@@ -31,7 +31,7 @@ import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from posttune.plugin import (ConfigError, PosttuneError, RewardFunction, dataset_sources, first_jsonl_row, first_line,
                              from_dict, lookup, provenance)
@@ -47,7 +47,10 @@ BUDGET_PER_TIMEOUT = 6  # default budget_s: six completions' worth of timeout_s 
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """One entry of ``method.rewards``: a registered reward's name, its weight and its options."""
+    """One entry of ``method.rewards``: a registered reward's name, its weight and its options; a lone name
+    (``rewards: [exact_answer]``, as TRL's ``reward_funcs`` lists them) is the reward at weight 1."""
+
+    FROM_STRING: ClassVar[str] = "name"
 
     name: str  # a registered reward function (`posttune ls rewards`)
     weight: float = 1.0  # its weight in the summed reward
@@ -118,7 +121,7 @@ def _resolve(spec: RewardSpec, at: str) -> ResolvedReward:
             raise ConfigError(f"{at}.options", f"reward '{spec.name}' ({provider}) takes no options")
         options = None
     else:
-        options = _options(reward.config, spec.options, f"{at}.options")
+        options = from_dict(reward.config, spec.options, f"{at}.options")
     if not reward.isolated:
         for name in ("timeout_s", "budget_s"):
             if getattr(spec, name) is not None:
@@ -154,17 +157,6 @@ def _check_portable(fn: Callable[..., Any], options: Any, label: str, at: str) -
             raise ConfigError(f"{at}.name", f"{label} is isolated, but its {what} cannot be sent to a worker "
                                             f"process ({type(exc).__name__}: {first_line(str(exc))}); its plugin "
                                             "must define it at module level") from None
-
-
-def _options(config: type, data: Any, path: str) -> Any:
-    """``config`` built from ``data`` by the core's checker (unknown keys, types); a bad value its
-    own ``__post_init__`` refuses is reported under ``path`` too."""
-    try:
-        return from_dict(config, data, path)
-    except ConfigError as exc:
-        if exc.path == path or exc.path.startswith(f"{path}.") or exc.path.startswith(f"{path}["):
-            raise
-        raise ConfigError(f"{path}.{exc.path}" if exc.path else path, exc.problem) from None
 
 
 def check_row_fields(data: Any, rewards: Sequence[ResolvedReward], *, where: str = "method.rewards") -> None:
