@@ -149,7 +149,7 @@ def _family(model: ModelConfig, registry: Registry, section: str) -> Registered:
     if model.family is not None:
         family = _get(registry, "model_family", model.family, f"{section}.family")
         if model.path is not None and Path(model.path).expanduser().is_dir():
-            _hf_config(model, section)
+            _check_named_family(_hf_config(model, section), family, registry, section)
     else:
         family = family_for(_hf_config(model, section), registry, str(model.path))
     if model.path is None and model.size not in family.descriptor.sizes:
@@ -158,6 +158,24 @@ def _family(model: ModelConfig, registry: Registry, section: str) -> Registered:
                                              f"(sizes: {sizes})")
     _check_overrides(model, family, section)
     return family
+
+
+def _check_named_family(hf_config: dict[str, Any], family: Registered, registry: Registry, section: str) -> None:
+    """A named family that does not read the checkpoint's architecture, where another installed family does, is
+    a wrong name (a checkpoint named by its family's older sibling fails at load on a tensor the sibling lacks).
+    A family may read an architecture it does not list (nothing else claims it), so only that case is refused."""
+    from posttune.checkpoint.score_head import causal_architectures
+
+    architectures = set(causal_architectures(hf_config.get("architectures")))
+    if not architectures or architectures & set(family.descriptor.architectures):
+        return
+    readers = [item.descriptor.name for item in registry.items("model_family")
+               if architectures & set(item.descriptor.architectures)]
+    if readers:
+        raise ConfigError(f"{section}.family", f"'{family.descriptor.name}' does not read this checkpoint's "
+                                               f"architecture ({', '.join(sorted(architectures))}); "
+                                               f"'{readers[0]}' does: set {section}.family: {readers[0]}, or "
+                                               "leave it out to take the family from config.json")
 
 
 def _hf_config(model: ModelConfig, section: str) -> dict[str, Any]:
@@ -236,6 +254,7 @@ def _roles(plan: Plan, registry: Registry) -> None:
         if role.score and not role.trained and section != "model":
             _check_score_source(model, name, section)
     _check_vocabularies(plan)
+    _check_policy_tokenizer(plan)
     _check_tokenizers(plan)
 
 
@@ -260,23 +279,40 @@ def _check_vocabularies(plan: Plan) -> None:
     mid-run. A larger one may be padding rows, which only the method can judge (KD's ``teacher_extra_vocab``).
     Sizes come from a local config.json or the named size; a hub id is left to the run (as ``_family`` leaves
     it when the family is named), so that `posttune validate` reaches no network for this check."""
-    def vocab(model: ModelConfig, family: Registered) -> int | None:
-        if model.path is not None and not Path(str(model.path)).expanduser().is_dir():
-            return None
-        try:
-            hf_config = read_hf_config(model.path) if model.path is not None else None
-            return build_kwargs(model, family.descriptor, hf_config).get("vocab_size")
-        except PosttuneError:
-            return None
-
     own = [(name, role) for name, role in plan.roles.items() if role.section != "model"]
-    policy = vocab(plan.config.model, plan.family) if own else None
+    policy = _vocab_size(plan.config.model, plan.family) if own else None
     for name, role in own:
-        size = vocab(role.config, role.family) if policy is not None else None
+        size = _vocab_size(role.config, role.family) if policy is not None else None
         if size is not None and size < policy:
             raise ConfigError(role.section, f"the {name}'s vocabulary has {size} tokens and the policy's {policy}: it "
                                             f"reads the policy's token ids (up to {policy - 1}); give it a model "
                                             "with the policy's tokenizer")
+
+
+def _vocab_size(model: ModelConfig, family: Registered) -> int | None:
+    """The model's embedding rows from a local config.json or the named size (None for a hub id, or unknown)."""
+    if model.path is not None and not Path(str(model.path)).expanduser().is_dir():
+        return None
+    try:
+        hf_config = read_hf_config(model.path) if model.path is not None else None
+        return build_kwargs(model, family.descriptor, hf_config).get("vocab_size")
+    except PosttuneError:
+        return None
+
+
+def _check_policy_tokenizer(plan: Plan) -> None:
+    """The run's tokenizer (a local tokenizer.json) defines no id past the policy's embedding: tokens added
+    without resizing it would stop the run at its first forward (``posttune.tokenizer.check_fits`` at build
+    time covers hub ids)."""
+    from posttune.tokenizer import too_many_ids
+    from posttune.tokenizer_files import id_count
+
+    source = plan.config.tokenizer.path or plan.config.model.path
+    ids = id_count(source)
+    rows = _vocab_size(plan.config.model, plan.family) if ids is not None else None
+    if rows is not None and ids > rows:
+        raise ConfigError("tokenizer.path" if plan.config.tokenizer.path else "model.path",
+                          too_many_ids(str(source), ids, rows))
 
 
 def _check_tokenizers(plan: Plan) -> None:

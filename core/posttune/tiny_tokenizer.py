@@ -132,12 +132,19 @@ def build_tiny_tokenizer(template: Template | None = "llama3", *, vocab_size: in
     byte-level like Llama 3's and Qwen's: both kinds of pipeline real checkpoints ship.
     """
     style = STYLES[template]
+    if vocab_size <= 256 + len(style["tokens"]):
+        raise ValueError(f"vocab_size {vocab_size}: a tiny tokenizer holds its 256 bytes and "
+                         f"{len(style['tokens'])} special tokens, and learns merges on top: ask for more")
     sentencepiece = template == "start_of_turn"
     tokenizer = _sentencepiece_bpe(style, vocab_size) if sentencepiece else _byte_level_bpe(style, vocab_size)
     bos = style["named"].get("bos_token")
     if template in ("llama3", "start_of_turn"):  # like their tokenizer.json: the post-processor adds BOS
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    if tokenizer.get_vocab_size() != vocab_size:  # a model sized to vocab_size would not match it
+        raise ValueError(f"vocab_size {vocab_size}: this tiny tokenizer comes out with {tokenizer.get_vocab_size()} "
+                         "ids (it holds at least its 256 bytes and special tokens, and at most the merges its small "
+                         "corpus gives); ask for that size")
     return tokenizer
 
 

@@ -129,6 +129,7 @@ class Tokenizer:
             spans = ct.assistant_spans(
                 lambda prefix, prompt: self._try_render(prefix, prompt, tools, template_kwargs),
                 prepared, text, self._added_token_texts())
+        spans = _weighted(spans, [message.get("weight", 1) for message in prepared if message["role"] == "assistant"])
         encoding = self.backend.encode(text, add_special_tokens=False)
         ids = encoding.ids
         mask = [True] * len(ids) if train_on_input else ct.tokens_in_spans(encoding.offsets, spans)
@@ -187,6 +188,30 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size})"
+
+
+def _weighted(spans: list[Any], weights: list[int]) -> list[Any]:
+    """The spans of the assistant turns whose weight is not 0 (one span per assistant turn, in order)."""
+    if all(weights):
+        return spans
+    if len(spans) != len(weights):  # a template's {% generation %} blocks need not be one per turn
+        raise ValueError(f"a turn's weight needs one trained span per assistant turn; this template marks "
+                         f"{len(spans)} for {len(weights)} assistant turns")
+    return [span for span, weight in zip(spans, weights, strict=True) if weight]
+
+
+def check_fits(tokenizer: Tokenizer, model: Any, where: str) -> None:
+    """A tokenizer with ids past the model's embedding rows (tokens added without resizing it) would index past
+    the embedding at the first forward, a raw IndexError on CPU and a device-side assert on a GPU: one line
+    instead. Models without a native ``embed`` (another family's contract) are not checked here."""
+    rows = getattr(getattr(model, "embed", None), "num_embeddings", None)
+    if isinstance(rows, int) and tokenizer.vocab_size > rows:
+        raise PosttuneError(too_many_ids(where, tokenizer.vocab_size, rows))
+
+
+def too_many_ids(where: str, ids: int, rows: int) -> str:
+    return (f"{where}: the tokenizer has {ids} token ids and the model's embedding {rows} rows: ids {rows} and up "
+            "(tokens added without resizing the embeddings?) would index past it; use the model's own tokenizer")
 
 
 def load_tokenizer(path_or_id: str | Path) -> Tokenizer:

@@ -103,13 +103,32 @@ def chat_template_override(value: str, field: str = "tokenizer.chat_template") -
     return text, where
 
 
+def id_count(folder: str | Path | None) -> int | None:
+    """1 + the largest token id ``folder``'s tokenizer.json defines, added tokens included (the least embedding a
+    model reading it needs); None without a local tokenizer.json or with an unknown layout."""
+    data = _tokenizer_json(folder)
+    ids = None if data is None else _model_vocabulary(data)
+    if ids is None:
+        return None
+    added = data.get("added_tokens") or []
+    added_ids = [entry["id"] for entry in added if isinstance(entry, dict) and isinstance(entry.get("id"), int)]
+    return max([*ids, *added_ids], default=-1) + 1
+
+
 def vocabulary(folder: str | Path | None) -> dict[int, str] | None:
     """Id -> token of the tokenizer model's own vocabulary in ``folder``'s tokenizer.json (added and special
     tokens left out: fine-tunes rename reserved ones); None for no local tokenizer.json or an unknown layout."""
+    data = _tokenizer_json(folder)
+    return None if data is None else _model_vocabulary(data)
+
+
+def _tokenizer_json(folder: str | Path | None) -> dict[str, Any] | None:
     path = None if folder is None else Path(str(folder)).expanduser() / "tokenizer.json"
-    if path is None or not path.is_file():
-        return None
-    vocab = (read_json(path) or {}).get("model", {}).get("vocab")
+    return (read_json(path) or {}) if path is not None and path.is_file() else None
+
+
+def _model_vocabulary(data: dict[str, Any]) -> dict[int, str] | None:
+    vocab = data.get("model", {}).get("vocab")
     if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
         return {int(i): token for token, i in vocab.items() if isinstance(i, int)}
     if isinstance(vocab, list):  # Unigram: [token, score] at its id

@@ -159,3 +159,27 @@ def test_validate_refuses_a_listed_target_the_model_lacks_before_launch(tmp_path
     assert "output (lm_head))" in result.stderr
     config["adapter"]["targets"] = ["q_proj", "self_attn.v_proj"]
     assert posttune_cli("validate", str(write(tmp_path, config))).exit_code == 0
+
+
+def test_save_merged_with_an_adapted_tied_head_is_refused_before_launch(tmp_path, posttune_cli, register_plugin):
+    """Merging an adapter into a head the embedding shares would change the embedding too: with save_merged the
+    run would have failed at its final save, after training. The adapter alone is fine (PEFT loads it)."""
+    import posttune_llama
+    import posttune_sft
+    from run_support import write
+
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    config = sft_config(tmp_path, adapter={"rank": 2, "alpha": 4, "targets": ["q_proj", "lm_head"]},
+                        model={"build_overrides": {"vocab_size": 384, "tie_word_embeddings": True}},
+                        checkpoint={"save_merged": True})
+    result = posttune_cli("validate", str(write(tmp_path, config)))
+    assert (result.exit_code, result.stderr) == (2, (
+        "posttune: error: config: checkpoint.save_merged: adapter.targets adapts 'output', whose weight the embedding "
+        "shares (tied embeddings): merging would change the embedding too; leave it out of adapter.targets, or save "
+        "the adapter alone\n"))
+    config["checkpoint"]["save_merged"] = False
+    assert posttune_cli("validate", str(write(tmp_path, config))).exit_code == 0
+    config["checkpoint"]["save_merged"] = True
+    config["model"]["build_overrides"]["tie_word_embeddings"] = False  # an untied head merges
+    assert posttune_cli("validate", str(write(tmp_path, config))).exit_code == 0

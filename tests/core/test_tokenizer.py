@@ -381,3 +381,12 @@ def test_unknown_role(folders):
     ours = load_tokenizer(folders["chatml"])
     message = one_line_error(ours.tokenize_messages, [{"role": "bot", "content": "hi"}])
     assert message.startswith("chat message 0: unknown role 'bot'")
+
+
+@pytest.mark.parametrize("size, problem", [(100, "a tiny tokenizer holds its 256 bytes"),
+                                           (1000, "this tiny tokenizer comes out with")])
+def test_a_tiny_tokenizer_of_a_size_it_cannot_have_is_refused(tmp_path, size, problem):
+    """A model sized to the asked vocabulary would silently not match the tokenizer written."""
+    with pytest.raises(ValueError, match=f"vocab_size {size}: {problem}"):
+        save_tiny_tokenizer(tmp_path / "tok", vocab_size=size)
+    assert load_tokenizer(save_tiny_tokenizer(tmp_path / "ok", vocab_size=512)).vocab_size == 512

@@ -39,8 +39,17 @@ def test_a_base_tokenizer_trains_chats_with_a_template_file_and_the_run_saves_it
         llama_sft, posttune_cli, write_config, base_tokenizer, tmp_path):
     folder, template = base_tokenizer
     without = write_config("without.yaml", tokenizer={"path": str(folder)}, train={"max_steps": 1})
-    result = posttune_cli("train", str(without))
-    assert result.exit_code == 2 and "has no chat template" in result.stderr
+    for command in ("validate", "train"):  # refused before launch, naming what to set (the rows are chats)
+        result = posttune_cli(command, str(without))
+        assert (result.exit_code, result.stderr) == (2, (
+            f"posttune: error: config: tokenizer.path: {folder} has no chat template, and data.train holds chat "
+            "messages (a string of a prompt or preference row is one turn): set tokenizer.chat_template (a .jinja "
+            "file or the template), or use plain text rows (format text or completion)\n"))
+    rows = [{"text": f"Reverse: {word} {word[::-1]}"} for word in ("ABC", "QWERT", "XY", "LMNOP")]
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    text = write_config("text.yaml", tokenizer={"path": str(folder)}, train={"max_steps": 1},
+                        data={"train": {"path": str(tmp_path / "text.jsonl"), "format": "text"}})
+    assert posttune_cli("validate", str(text)).exit_code == 0  # plain text needs no template
 
     (tmp_path / "chat.jinja").write_text(template)
     path = write_config(tokenizer={"path": str(folder), "chat_template": str(tmp_path / "chat.jinja")},

@@ -67,6 +67,22 @@ def test_model_overrides_the_base_the_adapter_names(base, posttune_cli, tmp_path
                           "-o", str(tmp_path / "merged"))
     assert result.exit_code == 0, result.stderr
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert "warning" not in result.stderr  # the base it names is not here: nothing to compare
+
+
+def test_merging_into_another_base_than_the_adapter_names_warns(base, posttune_cli, tmp_path):
+    """An adapter trained on one checkpoint merged into another of the same shapes: allowed, as PEFT allows it,
+    but said (a TRL user's adapter of an SFT'd model went silently into the untrained one)."""
+    adapter = saved_adapter(base, tmp_path / "adapter", use_dora=False)
+    other = tmp_path / "other"
+    save_tiny_tokenizer(other, template="llama3")
+    save_tiny_hf_checkpoint(other, tiny_llama_config(vocab_size=load_tokenizer(other).vocab_size), seed=4)
+    result = posttune_cli("merge", "--adapter", str(adapter), "--model", str(other), "-o", str(tmp_path / "merged"))
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == (f"merge: warning: {adapter} was trained on {base}, not on --model {other}; the merged "
+                             "model is that base plus this update\n")
+    same = posttune_cli("merge", "--adapter", str(adapter), "--model", str(base), "-o", str(tmp_path / "again"))
+    assert same.exit_code == 0 and same.stderr == ""
 
 
 @pytest.mark.parametrize(("case", "words"), [

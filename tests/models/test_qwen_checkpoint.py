@@ -50,3 +50,29 @@ def test_model_built_from_a_named_size_saves_as_a_transformers_checkpoint(family
     model = posttune.build_model(family, "tiny", **overrides).eval()
     posttune.save_model(model, tmp_path / "out")
     assert_close(transformers_logits(tmp_path / "out"), native_logits(model))
+
+
+def test_a_named_family_that_does_not_read_the_checkpoint_is_refused_before_loading(register_plugin, tmp_path):
+    """A Qwen3 checkpoint named qwen2 would fail mid-load on a tensor qwen2 lacks (q_norm): refused at plan time,
+    naming the family that reads it; the right name, or none, plans."""
+    import posttune_sft
+
+    from posttune.config import validate
+    from posttune.errors import ConfigError
+    from posttune.plan import resolve_plan
+    from posttune.plugins import get_registry
+
+    register_plugin(posttune_sft, distribution="posttune-sft")
+    save_tiny_hf_checkpoint(tmp_path / "hf", CONFIGS["qwen3_gqa"]())
+
+    def plan(**model):
+        raw = {"model": {"path": str(tmp_path / "hf"), **model}, "method": "sft",
+               "data": {"train": {"path": "d.jsonl", "format": "chat"}}}
+        return resolve_plan(validate(raw), get_registry())
+
+    with pytest.raises(ConfigError) as refused:
+        plan(family="qwen2")
+    assert str(refused.value) == ("config: model.family: 'qwen2' does not read this checkpoint's architecture "
+                                  "(Qwen3ForCausalLM); 'qwen3' does: set model.family: qwen3, or leave it out to take "
+                                  "the family from config.json")
+    assert plan(family="qwen3").family.descriptor.name == plan().family.descriptor.name == "qwen3"

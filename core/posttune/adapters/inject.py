@@ -303,15 +303,21 @@ def merge_adapters(model: nn.Module) -> list[str]:
     another module (a tied output head) cannot be merged: the embedding would change too.
     """
     layers = adapted_modules(model)
-    shared = _shared_parameters(model)
-    for name, layer in layers.items():
-        if id(layer.base.weight) in shared:
-            raise PosttuneError(f"adapters: cannot merge into '{name}': its weight is shared with another "
-                                f"module (tied embeddings); save the adapter instead")
+    tied = unmergeable(model)
+    if tied:
+        raise PosttuneError(f"adapters: cannot merge into '{tied[0]}': its weight is shared with another "
+                            f"module (tied embeddings); save the adapter instead")
     for name, layer in layers.items():
         layer.base.weight.copy_(layer.merged_weight())
         _replace(model, name, layer.base)
     return list(layers)
+
+
+def unmergeable(model: nn.Module) -> list[str]:
+    """The adapted layers whose base weight another module shares (a tied output head): merging one would change
+    the embedding too."""
+    shared = _shared_parameters(model)
+    return [name for name, layer in adapted_modules(model).items() if id(layer.base.weight) in shared]
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:

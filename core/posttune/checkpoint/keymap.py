@@ -53,9 +53,10 @@ class LayeredKeyMap:
             return None
         native = rename(key, self.top, self.per_layer, self.hf_layers, self.native_layers)
         if native is None:
-            kind = hf_config.get("model_type", self.family)
-            raise PosttuneError(f"checkpoint tensor '{key}' is not part of a {kind} model "
-                                f"(is this the right family?{self.hint})")
+            kind = hf_config.get("model_type")
+            written = f"; the checkpoint's config.json says model_type {kind}" if kind and kind != self.family else ""
+            raise PosttuneError(f"checkpoint tensor '{key}' is not part of a {self.family} model "
+                                f"(is this the right family?{written}{self.hint})")
         return native, tensor
 
     def from_native(self, key: str, tensor: Any, hf_config: Mapping[str, Any]) -> tuple[str, Any]:

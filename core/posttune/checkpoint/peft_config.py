@@ -97,6 +97,32 @@ def adapter_base(adapter_dir: str | Path, command: str) -> str:
     return str(base)
 
 
+def other_base(adapter_dir: str | Path, model: str) -> str | None:
+    """The local base folder ``adapter_dir``'s adapter_config.json names when it is another than ``model``; None
+    when they agree, or when it names a hub id or a folder not here (moved, or another machine's: nothing to
+    compare). An adapter merged into or run on another base computes something else, silently: PEFT allows it,
+    a command warns."""
+    try:
+        config = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    named = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not isinstance(named, str) or not Path(named).expanduser().is_dir():
+        return None
+    same = Path(named).expanduser().resolve() == Path(model).expanduser().resolve()
+    return None if same else named
+
+
+def warn_of_other_base(command: str, adapter_dir: str | Path, model: str, consequence: str = "") -> None:
+    """One warning line on stderr when ``--model`` is another local base than the one the adapter names."""
+    import sys
+
+    trained_on = other_base(adapter_dir, model)
+    if trained_on is not None:
+        print(f"{command}: warning: {adapter_dir} was trained on {trained_on}, not on --model {model}{consequence}",
+              file=sys.stderr)
+
+
 def tokenizer_source(base: str, adapter_dir: str | Path | None = None) -> str:
     """Where a command given ``--adapter`` reads the tokenizer: the adapter's folder when a run saved one
     there (with the run's chat template, which may not be the base's), else the base model's."""

@@ -14,6 +14,7 @@ with one warning line on stderr.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING
 
 from posttune.descriptors import Command
@@ -62,12 +63,17 @@ def run(args: argparse.Namespace) -> int:
     from posttune.adapters import tokenizer_source
     from posttune.api import load_model, load_tokenizer
     from posttune.errors import first_line
+    from posttune.tokenizer import check_fits
     from posttune.generation import generate_batch
 
     check_options(args)
     tools = read_tools(args.tools)
     template_kwargs = read_template_kwargs(args.chat_template_kwargs)
     base = args.model or adapter_base(args.adapter)
+    if args.adapter and args.model:
+        from posttune.checkpoint.peft_config import warn_of_other_base
+
+        warn_of_other_base("generate", args.adapter, args.model)
     check_causal(base)
     model = load_model(base, dtype=args.dtype, device=device_of(args.device))
     if args.adapter:
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
         load_peft_adapter(model, args.adapter)
     tokenizer = load_tokenizer(tokenizer_source(base, args.adapter))
+    check_fits(tokenizer, model, "--model")
     tokenizer.template_kwargs = template_kwargs
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     if args.chat and tools is not None:
@@ -161,8 +168,6 @@ def read_template_kwargs(text: str | None) -> dict:
 def fit_prompts(model: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> int:
     """``max_new_tokens``, capped (with one warning line) so every prompt and its completion fit the
     model's context. A prompt of no tokens, or one that leaves no room for a new token, is refused."""
-    import sys
-
     from posttune.errors import PosttuneError
     from posttune.generation import context_length
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posttune.checkpoint.peft_config import ADAPTER_CONFIG
+from posttune.checkpoint.peft_config import ADAPTER_CONFIG, warn_of_other_base
 from posttune.descriptors import Command
 from posttune.errors import PosttuneError, one_line
 
@@ -38,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(args.adapter) / ADAPTER_CONFIG).is_file():
         raise PosttuneError(f"merge: --adapter {args.adapter}: no {ADAPTER_CONFIG} there")
     base = args.model or adapter_base(args.adapter, "merge")
+    if args.model:
+        warn_of_other_base("merge", args.adapter, args.model, "; the merged model is that base plus this update")
     model = load_model(base, dtype=args.dtype, device="cpu")
     merged = load_peft_adapter(model, args.adapter)
     merge_adapters(model)

@@ -151,6 +151,10 @@ def build_trained(session: Session, target: ModelTarget) -> nn.Module:
     """A model the optimizer steps (the policy, or a trained role): every stage, adapters included."""
     session.targets[target.role] = target
     target.model = build_model(target)
+    if target.role == "policy":  # on the meta device still: refused before any weight loads
+        from posttune.tokenizer import check_fits
+
+        check_fits(session.tokenizer, target.model, "tokenizer.path" if session.config.tokenizer.path else "model")
     run_stage(session, "build", target)
     if session.config.adapter is not None:
         inject_adapters(session.config.adapter, target)
@@ -274,6 +278,13 @@ def check_adapter_targets(plan: Any) -> None:
         raise
     except PosttuneError as exc:
         raise ConfigError("adapter.targets", str(exc).removeprefix("adapters: ")) from None
+    from posttune.adapters.inject import unmergeable
+
+    tied = unmergeable(target.model)
+    if tied and config.checkpoint.save_merged:  # else the merge fails after training, at the final save
+        raise ConfigError("checkpoint.save_merged", f"adapter.targets adapts '{tied[0]}', whose weight the embedding "
+                                                    "shares (tied embeddings): merging would change the embedding "
+                                                    "too; leave it out of adapter.targets, or save the adapter alone")
 
 
 def run_stage(session: Session, stage: str, target: ModelTarget) -> None:
