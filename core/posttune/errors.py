@@ -29,8 +29,10 @@ class UnknownNameError(PosttuneError):
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    """`` (did you mean 'x'?)`` for the closest choice, or an empty string; case is ignored (``GRPO``, ``DPO``)."""
+    choices = list(choices)
+    same = [choice for choice in choices if choice.lower() == word.lower()]
+    close = same or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

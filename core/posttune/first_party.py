@@ -100,3 +100,19 @@ ARCHITECTURES: dict[str, str] = {
 
 def install_hint(distribution: str | None) -> str:
     return f" — pip install {distribution}" if distribution else ""
+
+
+#: keys of transformers', TRL's and axolotl's configs whose place here is a first-party plugin's setting: the run
+#: config's unknown-key errors name it (``posttune.config.schema.TRAINING_ARGUMENTS`` holds the core's places)
+KNOWN_AS: dict[str, str] = {
+    "gradient_checkpointing": "memory: [activation_checkpointing] (posttune-memory)",
+    "activation_offloading": "memory: [activation_checkpointing, activation_offloading] (posttune-memory)",
+    "torch_compile": "memory: [compile] (posttune-memory)",
+    "use_liger_kernel": "memory: [chunked_cross_entropy] (posttune-memory)",
+    "packing": "method.packing (sft)", "sample_packing": "method.packing (sft)",
+    "train_on_inputs": "method.train_on_input (sft)", "neftune_noise_alpha": "method.neftune_alpha (sft)",
+    "load_in_4bit": "memory: [qlora_nf4] with an adapter section (posttune-torchao)",
+    "report_to": "logging: [wandb, tensorboard, mlflow or trackio] (posttune-wandb, ...)",
+    "fsdp": "parallel: {plans: [fsdp2]} (posttune-fsdp2)", "fsdp_config": "parallel.options.fsdp2 (posttune-fsdp2)",
+    "deepspeed": "parallel: {plans: [fsdp2]} (posttune-fsdp2; ZeRO-3's sharding)",
+}

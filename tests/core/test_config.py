@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import ClassVar  # module level: dataclasses reads a ClassVar annotation from here
 
 import pytest
 import torch
@@ -299,3 +301,55 @@ def test_package_paths_resolve_inside_installed_packages():
     assert raw["model"]["path"] == "plain/dir"
     with pytest.raises(ConfigError, match="config: tokenizer.path: package:nope_pkg/x: package 'nope_pkg' is not installed"):
         resolve_package_paths({"tokenizer": {"path": "package:nope_pkg/x"}})
+
+
+def test_a_value_a_plugin_config_refuses_itself_is_named_under_its_section():
+    """A plugin's config dataclass refuses a value in ``__post_init__`` naming only its field; the error names
+    it under the section it was read from, and a path that is already the section's stays as it is."""
+    from dataclasses import dataclass
+
+    from posttune.config.typed import from_dict
+
+    @dataclass(frozen=True)
+    class Weighted:
+        default_weight: float = 1.0
+
+        def __post_init__(self) -> None:
+            if self.default_weight < 0:
+                raise ConfigError("default_weight", f"expected >= 0, got {self.default_weight}")
+            if self.default_weight > 10:
+                raise ConfigError("method.default_weight", "at most 10")
+
+    assert from_dict(Weighted, {"default_weight": 2}, "method") == Weighted(2.0)
+    with pytest.raises(ConfigError) as low:
+        from_dict(Weighted, {"default_weight": -1}, "method")
+    assert str(low.value) == "config: method.default_weight: expected >= 0, got -1.0"
+    with pytest.raises(ConfigError) as high:
+        from_dict(Weighted, {"default_weight": 11}, "method")
+    assert str(high.value) == "config: method.default_weight: at most 10"
+    with pytest.raises(ConfigError) as top:
+        from_dict(Weighted, {"default_weight": -1})
+    assert str(top.value) == "config: default_weight: expected >= 0, got -1.0"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    FROM_STRING: ClassVar[str] = "name"
+    name: str
+    weight: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Holder:
+    specs: list[_Spec] = dataclasses.field(default_factory=list)
+
+
+def test_a_dataclass_with_from_string_reads_a_lone_string_as_that_field():
+    """``FROM_STRING`` (a ClassVar) names the field a lone string fills: ``rewards: [exact_answer]`` as TRL lists
+    its reward functions; the mapping form, and errors inside it, are unchanged."""
+    from posttune.config.typed import from_dict
+
+    assert from_dict(_Holder, {"specs": ["a", {"name": "b", "weight": 2}]}, "method") == _Holder(
+        [_Spec("a"), _Spec("b", 2.0)])
+    with pytest.raises(ConfigError, match=r"^config: method.specs\[0\]: expected a mapping of keys, got 7$"):
+        from_dict(_Holder, {"specs": [7]}, "method")

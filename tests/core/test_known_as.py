@@ -1,5 +1,6 @@
-"""A key of transformers' TrainingArguments or TRL's configs, written where a user bringing a recipe puts it, is
-refused with the key it is here (``KNOWN_AS``), in the run config's sections and in a method's."""
+"""A key of transformers' TrainingArguments, TRL's, PEFT's or axolotl's configs, written where a user bringing a
+recipe puts it, is refused with the key it is here (``KNOWN_AS``), in the run config's sections and in a method's;
+so is a run-config key written in the wrong section (``ELSEWHERE``)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,29 @@ RUN = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"train": {"learning_rate": 1e-4}}, "train.learning_rate: unknown key; learning_rate, as transformers or TRL "
-                                         "names it, is train.lr here"),
-    ({"per_device_train_batch_size": 4}, "per_device_train_batch_size: unknown key; per_device_train_batch_size, as "
-                                         "transformers or TRL names it, is train.batch_size here"),
-    ({"checkpoint": {"save_steps": 100}}, "checkpoint.save_steps: unknown key; save_steps, as transformers or TRL "
-                                          "names it, is checkpoint.save_every here"),
-    ({"train": {"lr_scheduler_type": "cosine"}}, "train.lr_scheduler_type: unknown key; lr_scheduler_type, as "
-                                                 "transformers or TRL names it, is train.scheduler (cosine_with_min_lr"),
+    ({"train": {"learning_rate": 1e-4}}, "train.learning_rate: unknown key; learning_rate is train.lr here"),
+    ({"per_device_train_batch_size": 4}, "per_device_train_batch_size: unknown key; per_device_train_batch_size is "
+                                         "train.batch_size here"),
+    ({"checkpoint": {"save_steps": 100}}, "checkpoint.save_steps: unknown key; save_steps is checkpoint.save_every here"),
+    ({"train": {"lr_scheduler_type": "cosine"}}, "train.lr_scheduler_type: unknown key; lr_scheduler_type is "
+                                                 "train.scheduler (cosine_with_min_lr"),
     ({"train": {"max_step": 4}}, "train.max_step: unknown key (did you mean"),  # other keys: as before
+    # a run-config key in the wrong section, or at the top, is named where it belongs
+    ({"max_steps": 3}, "max_steps: unknown key; max_steps is train.max_steps here"),
+    ({"train": {"max_seq_len": 512}}, "train.max_seq_len: unknown key; max_seq_len is data.max_seq_len here"),
+    ({"train": {"save_every": 50}}, "train.save_every: unknown key; save_every is checkpoint.save_every here"),
+    # PEFT's and axolotl's keys (before: "did you mean 'rslora'?" for lora_r)
+    ({"adapter": {"lora_r": 16}}, "adapter.lora_r: unknown key; lora_r is adapter.rank here"),
+    ({"adapter": {"r": 16}}, "adapter.r: unknown key; r is adapter.rank here"),
+    ({"adapter": {"use_dora": True}}, "adapter.use_dora: unknown key; use_dora is adapter.kind: dora here"),
+    ({"sequence_len": 2048}, "sequence_len: unknown key; sequence_len is data.max_seq_len here"),
+    ({"val_set_size": 0.05}, "val_set_size: unknown key; val_set_size is data.validation_split here"),
+    # what a first-party plugin provides, with its distribution
+    ({"gradient_checkpointing": True}, "gradient_checkpointing: unknown key; gradient_checkpointing is memory: "
+                                       "[activation_checkpointing] (posttune-memory) here"),
+    # a value as transformers spells it: resume_from_checkpoint=True
+    ({"checkpoint": {"resume": True}}, "checkpoint.resume: true means the newest checkpoint here: write latest (or a "
+                                       "checkpoint's path)"),
 ])
 def test_a_transformers_key_in_the_run_config_names_its_place_here(config, message):
     with pytest.raises(ConfigError) as info:
@@ -31,19 +46,19 @@ def test_a_transformers_key_in_the_run_config_names_its_place_here(config, messa
 
 
 @pytest.mark.parametrize(("method", "message"), [
-    ({"name": "grpo", "num_generations": 8}, "method.num_generations: unknown key; num_generations, as transformers or "
-                                             "TRL names it, is method.group_size here"),
+    ({"name": "grpo", "num_generations": 8}, "method.num_generations: unknown key; num_generations is "
+                                             "method.group_size here"),
     ({"name": "dpo", "precompute_ref_log_probs": True}, "method.precompute_ref_log_probs: unknown key; "
-                                                        "precompute_ref_log_probs, as transformers or TRL names it, "
-                                                        "is method.precompute_reference here"),
-    ({"name": "sft", "max_seq_length": 512}, "method.max_seq_length: unknown key; max_seq_length, as transformers or "
-                                             "TRL names it, is data.max_seq_len here"),
-    ({"name": "dpo", "ref_model": "x"}, "method.ref_model: unknown key; ref_model, as transformers or TRL names it, "
-                                        "is models.reference here"),
+                                                        "precompute_ref_log_probs is method.precompute_reference here"),
+    ({"name": "sft", "max_seq_length": 512}, "method.max_seq_length: unknown key; max_seq_length is data.max_seq_len "
+                                             "here"),
+    ({"name": "dpo", "ref_model": "x"}, "method.ref_model: unknown key; ref_model is models.reference here"),
+    # TRL's configs hold the training arguments too: written in the method's section, named where they are here
+    ({"name": "dpo", "learning_rate": 5e-7}, "method.learning_rate: unknown key; learning_rate is train.lr here"),
+    ({"name": "grpo", "max_steps": 10}, "method.max_steps: unknown key; max_steps is train.max_steps here"),
     ({"name": "grpo", "ray_options": {"tis_cap": 3.0}}, "method.ray_options.tis_cap: unknown key; moved: set "
                                                         "method.tis_cap"),
-    ({"name": "kd", "lmbda": 0.5}, "method.lmbda: unknown key; lmbda, as transformers or TRL names it, is "
-                                   "method.on_policy_fraction here"),
+    ({"name": "kd", "lmbda": 0.5}, "method.lmbda: unknown key; lmbda is method.on_policy_fraction here"),
 ])
 def test_a_trl_method_key_names_its_place_here(method, message):
     import posttune_dpo
@@ -58,3 +73,12 @@ def test_a_trl_method_key_names_its_place_here(method, message):
     with pytest.raises(ConfigError) as info:
         resolve_plan(validate({**RUN, "method": method}), plugins.registry)
     assert str(info.value).startswith(f"config: {message}"), str(info.value)
+
+
+@pytest.mark.parametrize(("value", "read"), [(True, "group"), (False, "none"), ("batch", "batch")])
+def test_grpo_reads_trls_boolean_scale_rewards(value, read):
+    """TRL's older scale_rewards was a bool: true scales by the group's standard deviation, false does not."""
+    from posttune.config.typed import from_dict
+    from posttune_grpo import GRPOConfig
+
+    assert from_dict(GRPOConfig, {"scale_rewards": value}, "method").scale_rewards == read

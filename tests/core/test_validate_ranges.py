@@ -116,6 +116,15 @@ def test_values_that_break_a_run_fail_validate(fake_plugin, posttune_cli, tmp_pa
      "config: train.optimizer: torch.optim.AdamW: got an unexpected keyword argument 'betass'"),
     (["train.optimizer._component_=torch.optim.SGD", "train.optimizer.lr=0.1"],
      "config: train.optimizer.lr: is set by posttune itself; remove it from the config"),
+    # the parameter groups' weight decay overrides the constructor's: a value here would be ignored
+    (["train.optimizer._component_=torch.optim.AdamW", "train.optimizer.weight_decay=0.1"],
+     "config: train.optimizer.weight_decay: posttune sets it for each parameter group from train.weight_decay "
+     "(none on biases and norms); set that instead"),
+    # posttune's warmup belongs to its named schedules: a component's schedule would run without it
+    (["train.scheduler._component_=torch.optim.lr_scheduler.StepLR", "train.scheduler.step_size=2",
+      "train.warmup_steps=2"],
+     "config: train.warmup_steps: a _component_ scheduler is the whole schedule, without posttune's warmup (the "
+     "named schedules have it); set it to 0, or warm up in the component (e.g. torch.optim.lr_scheduler.SequentialLR)"),
     (["train.scheduler._component_=torch.optim.lr_scheduler.StepLR"],
      "config: train.scheduler: torch.optim.lr_scheduler.StepLR: missing a required argument: 'step_size'"),
     (["train.optimizer._component_=torch.optim.Adamx"],

@@ -336,15 +336,15 @@ def markdown(groups: list[Group]) -> str:
 
 
 def _known_as_table(groups: list[Group]) -> list[str]:
-    """Keys of transformers' and TRL's configs and where each is here (what `validate` says when one is
-    written in the section its row names): a recipe brought from there, translated at a glance."""
+    """Keys of transformers', TRL's, PEFT's and axolotl's configs and where each is here (what `validate` says when
+    one is written in the section its row names): a recipe brought from there, translated at a glance."""
     rows: dict[tuple[str, str], list[str]] = {}
     for group in groups:
         for theirs, here in group.known_as:
             rows.setdefault((theirs, here), []).append(f"`{group.title or group.section}`")
-    return ["### Keys as transformers and TRL name them", "",
+    return ["### Keys as transformers, TRL, PEFT and axolotl name them", "",
             "Written in a section the last column names, each is refused with its place here.", "",
-            "| transformers / TRL | here | written in |", "|---|---|---|",
+            "| theirs | here | written in |", "|---|---|---|",
             *(f"| `{theirs}` | {_cell(here)} | {', '.join(where)} |" for (theirs, here), where in rows.items())]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +36,16 @@ def check_data(plan: Any, *, runs: bool = True) -> None:
         if (path := local_path(dataset, where)) is not None:
             local_files(path, where)
             local_split(dataset.split, where)
-    check_first_rows(plan)
-    check_tokenizer(plan.config, required=runs)
+    chats = check_first_rows(plan)
+    check_tokenizer(plan.config, required=runs, chats=chats)
 
 
-def check_tokenizer(config: Any, *, required: bool = True) -> None:
+def check_tokenizer(config: Any, *, required: bool = True, chats: str | None = None) -> None:
     """The tokenizer the run loads: ``tokenizer.path`` (a local folder is read now, a hub id when the
     run starts), else the one in ``model.path``'s folder once it exists (a bundled example's model
     is made by its ``prepare`` step; the run refuses a missing one in one line before any weight loads).
-    A model built from a size has no folder: a run needs ``tokenizer.path`` (``required``)."""
+    A model built from a size has no folder: a run needs ``tokenizer.path`` (``required``). ``chats``: the data
+    section whose rows are chat messages, which a tokenizer without a chat template cannot render."""
     from posttune.checkpoint.source import is_hub_id
 
     if config.tokenizer.chat_template is not None:
@@ -68,9 +70,13 @@ def check_tokenizer(config: Any, *, required: bool = True) -> None:
     from posttune.tokenizer import load_tokenizer
 
     try:
-        load_tokenizer(path)
+        tokenizer = load_tokenizer(path)
     except PosttuneError as exc:
         raise ConfigError(field, str(exc).removeprefix("tokenizer: ")) from None
+    if chats is not None and tokenizer.chat_template is None and config.tokenizer.chat_template is None:
+        raise ConfigError(field, f"{path} has no chat template, and {chats} holds chat messages (a string of a "
+                                 "prompt or preference row is one turn): set tokenizer.chat_template (a .jinja file "
+                                 "or the template), or use plain text rows (format text or completion)")
 
 
 def local_path(dataset: Any, where: str) -> Path | None:
@@ -118,10 +124,11 @@ def _extensions() -> list[str]:
     return [ext.lstrip(".") for ext in BUILDERS]
 
 
-def check_first_rows(plan: Any) -> None:
+def check_first_rows(plan: Any) -> str | None:
     """Each split's local ``.jsonl`` file has a row, its first line is one (unless bad rows are to be
-    skipped: the first may be one of them), and the format reads it."""
-    skip = plan.config.data.skip_bad_rows
+    skipped: the first may be one of them), and the format reads it; returns the first data section whose first
+    row became chat messages (a chat template renders them), or None."""
+    skip, chats = plan.config.data.skip_bad_rows, None
     for where, (dataset, fmt) in plan.sources.items():
         row = first_jsonl_row(Path(dataset.path).expanduser(), f"{where}.path", strict=not skip)
         if row is None or skip:
@@ -137,19 +144,37 @@ def check_first_rows(plan: Any) -> None:
         except ValueError as exc:
             raise ConfigError(where, f"the first row of {dataset.path}: {exc}") from None
         try:
-            fmt.descriptor.transform(renamed)
+            item = fmt.descriptor.transform(renamed)
         except (KeyError, ValueError, TypeError) as exc:
             shown = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
             raise ConfigError(f"{where}.format",
                               f"'{dataset.format}' cannot read the first row of {dataset.path} ({shown}; the row "
                               f"has {', '.join(map(repr, row)) or 'no fields'}); choose the format that matches "
                               "the data, or map its columns with column_map") from None
+        if chats is None and _messages_in(item):
+            chats = where
+    return chats
 
 
-def first_jsonl_row(path: Path, where: str, *, strict: bool = True) -> dict[str, Any] | None:
+def _messages_in(item: Any) -> bool:
+    """Whether a format's item holds chat messages (``{"role": ...}`` objects), at any depth of its lists and
+    dataclass fields: what a chat template renders. A plain string (text or completion rows) is none."""
+    from dataclasses import fields, is_dataclass
+
+    if isinstance(item, Mapping):
+        return "role" in item
+    if isinstance(item, (list, tuple)):
+        return any(_messages_in(value) for value in item)
+    if is_dataclass(item) and not isinstance(item, type):
+        return any(_messages_in(getattr(item, f.name)) for f in fields(item))
+    return False
+
+
+def first_jsonl_row(path: Path | str, where: str, *, strict: bool = True) -> dict[str, Any] | None:
     """The first non-empty line of a ``.jsonl`` file as a mapping; None for other file types and
     folders (the loader checks those). A file with no row is refused; so, when ``strict``, is a first
     line that is not UTF-8 or not a JSON object, with the messages the loader gives."""
+    path = Path(path)
     if path.suffix != ".jsonl" or not path.is_file():
         return None
     with path.open("rb") as lines:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from posttune import first_party
 from posttune.config.ranges import check_ranges
-from posttune.config.typed import from_dict
+from posttune.config.typed import ELSEWHERE, from_dict
 from posttune.errors import ConfigError, did_you_mean
 
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -20,7 +20,7 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 OPTIMIZER_NAMES = ("adamw", "adam", "sgd")
 SCHEDULE_NAMES = ("constant", "linear", "cosine", "wsd")
 #: keys of transformers' TrainingArguments (which TRL's configs extend) -> where they are here: an unknown key of
-#: the run config's sections names its place (`posttune.config.typed`, ``KNOWN_AS``)
+#: the run config's sections names its place (`posttune.config.typed`, ``KNOWN_AS``); PEFT's and axolotl's too
 TRAINING_ARGUMENTS = {
     "learning_rate": "train.lr", "per_device_train_batch_size": "train.batch_size",
     "gradient_accumulation_steps": "train.grad_accum_steps", "num_train_epochs": "train.epochs",
@@ -30,8 +30,32 @@ TRAINING_ARGUMENTS = {
     "metric_for_best_model": "checkpoint.best_metric", "resume_from_checkpoint": "checkpoint.resume",
     "output_dir": "checkpoint.output_dir", "seed": "train.seed", "max_length": "data.max_seq_len",
     "max_seq_length": "data.max_seq_len", "max_prompt_length": "data.max_prompt_len",
-    "bf16": "model.dtype: bf16",
+    "bf16": "model.dtype: bf16", "fp16": "model.dtype: fp16", "torch_dtype": "model.dtype",
+    "per_device_eval_batch_size": "train.batch_size (evaluation batches are training's size)",
+    "eval_strategy": "train.eval_every (in steps)", "evaluation_strategy": "train.eval_every (in steps)",
+    "save_strategy": "checkpoint.save_every (in steps)", "optim": "train.optimizer",
+    "load_best_model_at_end": "checkpoint.best_metric (its best checkpoint is kept)",
+    "adam_beta1": "train.optimizer: {_component_: torch.optim.AdamW, betas: [b1, b2]}",
+    "adam_beta2": "train.optimizer: {_component_: torch.optim.AdamW, betas: [b1, b2]}",
+    "adam_epsilon": "train.optimizer: {_component_: torch.optim.AdamW, eps: ...}",
+    "model_name_or_path": "model.path", "dataset_name": "data.train.path (a local file or a hub id)",
+    "use_peft": "the adapter section (adapter: {rank: 16, alpha: 32}; none: full fine-tuning)",
+    "beta": "method.beta",
+    # PEFT's LoraConfig
+    "r": "adapter.rank", "lora_alpha": "adapter.alpha", "lora_dropout": "adapter.dropout",
+    "target_modules": "adapter.targets", "use_dora": "adapter.kind: dora", "use_rslora": "adapter.rslora",
+    # axolotl
+    "base_model": "model.path", "sequence_len": "data.max_seq_len", "micro_batch_size": "train.batch_size",
+    "num_epochs": "train.epochs", "lr_scheduler": "train.scheduler", "val_set_size": "data.validation_split",
+    "datasets": "data.train (a list of them is a mixture)", "test_datasets": "data.validation",
+    "lora_r": "adapter.rank", "lora_target_modules": "adapter.targets",
+    "lora_target_linear": "adapter.targets: all-linear",
+    "peft_use_dora": "adapter.kind: dora", "peft_use_rslora": "adapter.rslora", "lora_model_dir": "adapter.init_from",
+    "chat_template": "tokenizer.chat_template",
 }
+#: what the run config's sections name: the keys above, and those whose place is a first-party plugin's setting
+#: (their names live in posttune.first_party); a plugin's own config is told only the core's places (ELSEWHERE)
+SECTION_KNOWN_AS = {**TRAINING_ARGUMENTS, **first_party.KNOWN_AS}
 DECAY_RATIO = 0.1  # wsd's decay, when train.decay_ratio is not set: the last tenth of the run
 
 
@@ -112,7 +136,7 @@ def mixture(sources: list[DatasetConfig], where: str) -> DatasetConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    KNOWN_AS: ClassVar[dict[str, str]] = TRAINING_ARGUMENTS
+    KNOWN_AS: ClassVar[dict[str, str]] = SECTION_KNOWN_AS
     train: DatasetConfig  # the training dataset, or a list of them read as one (a mixture, docs/training.md)
     validation: DatasetConfig | None = None  # a dataset (or a list) for the validation loss (see train.eval_every)
     # or: this share of data.train's rows, in (0, 1), drawn at random (train.seed) and held out of training as
@@ -127,7 +151,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    KNOWN_AS: ClassVar[dict[str, str]] = TRAINING_ARGUMENTS
+    KNOWN_AS: ClassVar[dict[str, str]] = SECTION_KNOWN_AS
     epochs: int = 1  # passes over the training data (when max_steps is null)
     max_steps: int | None = None  # optimizer steps to run, over epochs (required with streaming data)
     batch_size: int = 1  # rows (samples, pairs, prompts) per micro-batch on each data-parallel rank
@@ -175,7 +199,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    KNOWN_AS: ClassVar[dict[str, str]] = TRAINING_ARGUMENTS
+    KNOWN_AS: ClassVar[dict[str, str]] = SECTION_KNOWN_AS
     output_dir: str = "outputs/run"  # checkpoints, the final model or adapter, metrics.jsonl
     save_every: int | None = None  # a resumable checkpoint every N optimizer steps (and at the end)
     keep_last: int | None = 2  # checkpoints kept; older ones are deleted (the best one stays too)
@@ -188,7 +212,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    KNOWN_AS: ClassVar[dict[str, str]] = TRAINING_ARGUMENTS
+    KNOWN_AS: ClassVar[dict[str, str]] = SECTION_KNOWN_AS
     model: ModelConfig  # the policy: the model that trains
     method: str | dict[str, Any]  # a name, or a mapping with `name` and the method's settings
     description: str = ""  # one line, shown by `posttune ls configs` for a bundled config
@@ -216,12 +240,31 @@ class RunConfig:
         return {} if isinstance(self.method, str) else {k: v for k, v in self.method.items() if k != "name"}
 
 
+def _places() -> dict[str, str]:
+    """Each section's keys by name -> ``section.key`` (names two sections share left out, e.g. ``path``), and the
+    other libraries' keys: what ``posttune.config.typed`` names for a key written in the wrong place."""
+    from dataclasses import fields
+
+    sections = {"model": ModelConfig, "tokenizer": TokenizerConfig, "data": DataConfig, "train": TrainConfig,
+                "adapter": AdapterConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig}
+    seen: dict[str, list[str]] = {}
+    for section, cls in sections.items():
+        for f in fields(cls):
+            seen.setdefault(f.name, []).append(f"{section}.{f.name}")
+    for f in fields(RunConfig):
+        seen.setdefault(f.name, []).append(f.name)
+    return {**{name: places[0] for name, places in seen.items() if len(places) == 1}, **TRAINING_ARGUMENTS}
+
+
+ELSEWHERE.update(_places())
+
+
 #: `data:` keys that became settings of the methods that use them: refused where they were
 MOVED_TO_METHOD = ("packing", "padding_free")
 
 
 def _check_decay(train: TrainConfig) -> None:
-    """A decay setting the schedule would ignore is refused: the run would not do what the config says."""
+    """A decay or warmup setting the schedule would ignore is refused: the run would not do what the config says."""
     name = train.scheduler if isinstance(train.scheduler, str) else "a _component_ mapping"
     if train.min_lr_ratio and name not in ("linear", "cosine", "wsd"):
         raise ConfigError("train.min_lr_ratio", f"train.scheduler {name} has no decay to end at a floor "
@@ -229,6 +272,12 @@ def _check_decay(train: TrainConfig) -> None:
     if train.decay_ratio is not None and name != "wsd":
         raise ConfigError("train.decay_ratio", f"only the wsd schedule has a separate decay phase "
                                                f"(train.scheduler: {name})")
+    if isinstance(train.scheduler, dict):  # the component is the whole schedule: posttune adds no warmup to it
+        for key, value in (("train.warmup_steps", train.warmup_steps), ("train.warmup_ratio", train.warmup_ratio)):
+            if value:
+                raise ConfigError(key, "a _component_ scheduler is the whole schedule, without posttune's warmup "
+                                       "(the named schedules have it); set it to 0, or warm up in the component "
+                                       "(e.g. torch.optim.lr_scheduler.SequentialLR)")
 
 
 def _check_best(config: RunConfig) -> None:
@@ -264,6 +313,10 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     if isinstance(warmup, float) and 0 < warmup < 1:  # transformers 5's spelling of a ratio
         raise ConfigError("train.warmup_steps", f"{warmup} is a fraction (transformers reads a warmup_steps below 1 as "
                                                 f"a ratio of the run); set train.warmup_ratio: {warmup}")
+    checkpoint = raw.get("checkpoint") if isinstance(raw, dict) else None
+    if isinstance(checkpoint, dict) and checkpoint.get("resume") is True:  # HF's resume_from_checkpoint=True
+        raise ConfigError("checkpoint.resume", "true means the newest checkpoint here: write latest (or a "
+                                               "checkpoint's path)")
     config = from_dict(RunConfig, _mixtures(role_sections(raw)))
     if isinstance(config.method, dict) and not isinstance(config.method.get("name"), str):
         raise ConfigError("method.name", "required: the method to run (e.g. sft)")

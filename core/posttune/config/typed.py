@@ -17,19 +17,26 @@ T = TypeVar("T")
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
+#: run-config keys by name -> their place (``section.key``), filled by ``posttune.config.schema``: a key written in
+#: another section, at the top or in a plugin's config (``method.learning_rate``) is named where it belongs
+ELSEWHERE: dict[str, str] = {}
+
+
 def _known_as(cls: type, key: str) -> str:
-    """Where a key of transformers' or TRL's configs is here, from the dataclass's ``KNOWN_AS`` mapping (a
-    ``ClassVar``: their name -> ours), for users bringing a recipe from there, or where a key of this dataclass
-    went (``MOVED``); "" for other keys."""
+    """Where a key of transformers', TRL's, PEFT's or axolotl's configs is here, from the dataclass's ``KNOWN_AS``
+    mapping (a ``ClassVar``: their name -> ours), for users bringing a recipe from there, or where a key of this
+    dataclass went (``MOVED``), or where a run-config key written in the wrong place belongs (``ELSEWHERE``);
+    "" for other keys."""
     moved = getattr(cls, "MOVED", {}).get(key)
     if moved:  # a key that was here once (``MOVED``: old name -> where it is now)
         return f"; moved: set {moved}"
-    here = getattr(cls, "KNOWN_AS", {}).get(key)
-    return f"; {key}, as transformers or TRL names it, is {here} here" if here else ""
+    here = getattr(cls, "KNOWN_AS", {}).get(key) or ELSEWHERE.get(key)
+    return f"; {key} is {here} here" if here else ""
 
 
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:
-    """Build dataclass ``cls`` from ``data``; unknown keys, missing keys and bad types raise ConfigError."""
+    """Build dataclass ``cls`` from ``data``; unknown keys, missing keys and bad types raise ConfigError, and so
+    does a value the dataclass's own ``__post_init__`` refuses, its field named under ``path``."""
     if isinstance(data, cls):
         return data
     if not isinstance(data, Mapping):
@@ -47,7 +54,12 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
             values[name] = convert(hints[name], data[name], where)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(where, "required")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ConfigError as exc:  # raised by the dataclass itself, naming its field ("power"): under path
+        if not path or exc.path == path or exc.path.startswith((f"{path}.", f"{path}[")):
+            raise
+        raise ConfigError(_join(path, exc.path) if exc.path else path, exc.problem) from None
 
 
 def convert(annotation: Any, value: Any, path: str) -> Any:
@@ -66,12 +78,18 @@ def convert(annotation: Any, value: Any, path: str) -> Any:
         hint = did_you_mean(str(value), [str(a) for a in args])
         raise ConfigError(path, f"expected one of {choices}, got {_show(value)}{hint}")
     if dataclasses.is_dataclass(annotation):
+        shorthand = getattr(annotation, "FROM_STRING", None)  # a ClassVar: the field a lone string fills
+        if shorthand is not None and isinstance(value, str):
+            value = {shorthand: value}
         return from_dict(annotation, value, path)
     if origin in (list, tuple) or annotation in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(path, f"expected a list, got {_show(value)}")
-        item = args[0] if args else Any
-        items = [convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        fixed = origin is tuple and args and args[-1] is not Ellipsis  # tuple[int, int]: one type per place
+        if fixed and len(value) != len(args):
+            raise ConfigError(path, f"expected a list of {len(args)}, got {len(value)}")
+        kinds = args if fixed else [args[0] if args else Any] * len(value)
+        items = [convert(item, v, f"{path}[{i}]") for i, (item, v) in enumerate(zip(kinds, value))]
         return tuple(items) if (origin or annotation) is tuple else items
     if origin in (dict, Mapping, typing.Mapping) or annotation is dict:
         if not isinstance(value, Mapping):
@@ -97,6 +115,34 @@ def convert(annotation: Any, value: Any, path: str) -> Any:
             return None
         raise ConfigError(path, f"expected null, got {_show(value)}")
     raise TypeError(f"posttune.config: unsupported annotation {annotation!r} at {path}")
+
+
+def unreadable_field(cls: type) -> str | None:
+    """``field: annotation`` of the first field of dataclass ``cls`` (nested dataclasses too) whose type ``convert``
+    cannot read from YAML (a ``Path``, an ``Enum``, ``bytes``), or whose annotation does not resolve; None when
+    every one can. Checked when a plugin registers, so that the error names the plugin, not a user's key."""
+    try:
+        hints = get_type_hints(cls)
+    except Exception as exc:  # noqa: BLE001 - a forward reference that does not resolve, whatever it raises
+        return f"{cls.__name__}: its annotations do not resolve ({type(exc).__name__}: {exc})"
+    for f in dataclasses.fields(cls):
+        if f.init and (problem := _unreadable(hints[f.name])) is not None:
+            return f"{f.name}: {problem}"
+    return None
+
+
+def _unreadable(annotation: Any) -> str | None:
+    origin, args = get_origin(annotation), get_args(annotation)
+    if annotation is Any or annotation in _TYPE_NAMES or annotation in (type(None), list, tuple, dict):
+        return None
+    if origin is Literal:
+        return None
+    if dataclasses.is_dataclass(annotation):
+        return unreadable_field(annotation)
+    if origin in (Union, types.UnionType, list, tuple, dict, Mapping, typing.Mapping):
+        return next((problem for arg in args if arg is not Ellipsis and (problem := _unreadable(arg))), None)
+    return (f"{annotation!r} cannot be read from a config (use str, int, float, bool, Literal, list, dict or a "
+            "dataclass)")
 
 
 def _finite(value: float, path: str) -> float:
