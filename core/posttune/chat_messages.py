@@ -1,6 +1,7 @@
 """Chat messages and tool definitions from dataset rows, checked, in the shape chat templates expect.
 
-A turn keeps its role and text and what tool use and reasoning add to it: an assistant turn's
+A turn keeps its role and text and what tool use and reasoning add to it (and axolotl's ``weight``: 0 leaves an
+assistant turn untrained): an assistant turn's
 ``tool_calls`` (its text may then be absent or null), a tool result's ``tool_call_id`` and ``name``,
 and a reasoning trace (``reasoning_content``, ``thinking``, ``reasoning``). A row's ``tools`` (the
 functions the model may call, as JSON schemas) go to the template beside its messages, as
@@ -48,10 +49,18 @@ def chat_message(turn: Any, where: str, roles: Mapping[str, str] | None = None, 
             raise ValueError(f"field '{where}.tool_calls': only an assistant turn calls tools, this one is {role!r}")
         message["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{index}]")
                                  for index, call in enumerate(_non_empty_list(calls, f"{where}.tool_calls"))]
+    if isinstance(content, list):  # OpenAI's content parts: [{"type": "text", "text": ...}, ...]
+        content = _text_of_parts(content, f"{where}.{content_key}")
     if isinstance(content, str):
         message["content"] = content
     elif content is not None or calls is None:
-        raise ValueError(f"field '{where}.{content_key}' must be a string")
+        raise ValueError(f"field '{where}.{content_key}' must be a string (or a list of text parts)")
+    weight = turn.get("weight")
+    if weight is not None:  # axolotl's per-turn switch: 0 leaves an assistant turn untrained
+        if isinstance(weight, bool) or weight not in (0, 1):
+            raise ValueError(f"field '{where}.weight' must be 0 (not trained) or 1, got {weight!r}")
+        if weight == 0:  # 1, the default, is left out: the template sees the turn as it was
+            message["weight"] = 0
     for key in KEPT_FIELDS:
         text = turn.get(key)
         if text is None:
@@ -60,6 +69,20 @@ def chat_message(turn: Any, where: str, roles: Mapping[str, str] | None = None, 
             raise ValueError(f"field '{where}.{key}' must be a string")
         message[key] = text
     return message
+
+
+def _text_of_parts(parts: list[Any], where: str) -> str:
+    """OpenAI's content parts joined, as its API reads them: the text parts in order. Another kind (an image, a
+    file) is refused: the models here read text."""
+    texts = []
+    for index, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            shown = repr(kind) if kind is not None else type(part).__name__
+            raise ValueError(f"field '{where}[{index}]': only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                             f"read, got {shown}")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def row_tools(row: Mapping[str, Any]) -> list[dict[str, Any]] | None:

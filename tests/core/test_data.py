@@ -176,6 +176,19 @@ def test_a_hub_dataset_that_cannot_be_loaded_is_one_line_naming_the_field(monkey
         loader_for("someone/no-such-data", tokenizer, formats)
 
 
+def test_a_folder_whose_files_have_other_columns_names_them(tmp_path, tokenizer, formats):
+    """datasets reads a folder as one table and says only "An error occurred while generating the dataset"."""
+    folder = tmp_path / "parts"
+    write(folder / "a.jsonl", ALPACA[:2])
+    write(folder / "b.jsonl", [{**row, "id": i} for i, row in enumerate(ALPACA[2:4])])
+    with pytest.raises(ConfigError) as refused:
+        loader_for(folder, tokenizer, formats)
+    message = str(refused.value)
+    assert message.startswith(f"config: data.train.path: the files of '{folder}' do not share their columns (")
+    assert "id" in message and message.endswith("give them the same columns, or list each as its own dataset (a "
+                                                "mixture)")
+
+
 def test_a_missing_local_file_names_the_config_field(tmp_path, tokenizer, formats):
     with pytest.raises(PosttuneError, match=r"^config: data.train.path: no such file or directory .*nope.jsonl"):
         loader_for(tmp_path / "nope.jsonl", tokenizer, formats)
@@ -334,5 +347,18 @@ def test_streaming_yields_the_same_batches_as_map_style_in_order(tmp_path, token
 def test_resuming_with_another_global_batch_size_is_refused(tmp_path, tokenizer, formats):
     path = write(tmp_path / "alpaca.jsonl", ALPACA)
     state = loader_for(path, tokenizer, formats, batch_size=2).state_dict()
-    with pytest.raises(PosttuneError, match="global_batch_size=2, this run has 4"):
+    with pytest.raises(PosttuneError) as refused:
         loader_for(path, tokenizer, formats, batch_size=4).load_state_dict(state)
+    assert str(refused.value) == ("cannot resume the data position: the checkpoint's global batch is 2 rows "
+                                  "(train.batch_size x data-parallel ranks) and this run's 4; set train.batch_size=2 "
+                                  "to continue it on 1 data-parallel rank")
+
+
+def test_rows_with_no_assistant_turn_are_named_as_such_not_as_too_long(tmp_path, tokenizer, formats):
+    """A chat without an assistant turn has nothing to train on at any length: the message says so."""
+    path = write(tmp_path / "users.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                          {"role": "user", "content": "again"}]}] * 3)
+    with pytest.raises(PosttuneError) as refused:
+        loader_for(path, tokenizer, formats, fmt="chat")
+    assert str(refused.value).endswith("(0 bad rows skipped, 3 with no token to train on: no response or assistant "
+                                       "turn to learn, or all of it past max_seq_len=128)")

@@ -140,7 +140,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [call("add")]}]},
      "field 'messages[0].tool_calls': only an assistant turn calls tools, this one is 'user'"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": []}]},
-     "field 'messages[1].content' must be a string"),  # no calls ([] as from an export) and no text
+     "field 'messages[1].content' must be a string (or a list of text parts)"),  # no calls ([] from an export), no text
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": call("add")}]},
      "field 'messages[1].tool_calls' must be a non-empty list"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": {}}]}]},
@@ -149,7 +149,10 @@ BAD = [
                    {"role": "assistant", "tool_calls": [{"name": "add", "arguments": "[1, 2]"}]}]},
      "field 'messages[1].tool_calls[0].arguments' must be an object or a JSON string of one"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
-     "field 'messages[1].content' must be a string"),
+     "field 'messages[1].content' must be a string (or a list of text parts)"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]},
+     "field 'messages[0].content[0]': only text parts ({\"type\": \"text\", \"text\": ...}) are read, got "
+     "'image_url'"),
     ({"messages": [{"role": "tool", "content": "1", "tool_call_id": 7}]},
      "field 'messages[0].tool_call_id' must be a string"),
 ]
@@ -161,6 +164,19 @@ def test_a_bad_tool_field_names_the_row_and_the_field(folder, chat_format, row, 
     with pytest.raises(PosttuneError) as caught:
         make(row, 3)
     assert str(caught.value) == f"data.train: row 3: {problem} (set data.skip_bad_rows: true to skip such rows)"
+
+
+def test_openai_content_parts_read_as_their_joined_text(tmp_path, folder, chat_format):
+    """OpenAI's messages may hold a list of parts; text parts joined are what its API reads (also through Arrow,
+    which gives every part the union of the parts' keys)."""
+    make = SampleMaker(chat_format, load_tokenizer(folder), max_seq_len=512)
+    plain = {"messages": [{"role": "user", "content": "Reverse: ABC"}, {"role": "assistant", "content": "CBA"}]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Reverse: "},
+                                                       {"type": "text", "text": "ABC"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "CBA"}]}]}
+    want = make(plain, 0)
+    for row in (parts, *arrow_rows(tmp_path, [parts])):
+        assert repr(make(row, 0)) == repr(want)
 
 
 def test_a_template_that_ignores_tools_is_refused_rather_than_dropping_them(tmp_path, chat_format):
@@ -210,3 +226,24 @@ def test_validate_refuses_a_bad_tools_field_and_a_run_trains_on_tool_calls(llama
     assert result.exit_code == 0, result.stderr
     losses = [record["loss"] for record in metrics(tmp_path / "out") if "loss" in record]
     assert len(losses) == 4 and all(loss == loss for loss in losses)  # 8 chats, 2 per step; finite
+
+
+def test_a_turn_with_weight_0_is_not_trained(folder, chat_format):
+    """axolotl's per-turn ``weight``: 0 leaves that assistant turn's tokens (and its end-of-turn token) untrained,
+    the others as before; in OpenAI and ShareGPT rows alike. Other values are refused."""
+    make = SampleMaker(chat_format, load_tokenizer(folder), max_seq_len=512)
+
+    def trained(row):
+        return [label for label in make(row, 0)[1] if label != -100]
+
+    turns = [{"role": "user", "content": "Reverse: AB"}, {"role": "assistant", "content": "BA"},
+             {"role": "user", "content": "Reverse: XYZ"}, {"role": "assistant", "content": "ZYX"}]
+    everything, first = trained({"messages": turns}), trained({"messages": turns[:2]})
+    assert everything[:len(first)] == first and len(everything) > len(first)
+    muted = [turns[0], {**turns[1], "weight": 0}, turns[2], {**turns[3], "weight": 1}]
+    assert trained({"messages": muted}) == everything[len(first):]
+    shared = [{"from": "human", "value": "Reverse: AB"}, {"from": "gpt", "value": "BA", "weight": 0},
+              {"from": "human", "value": "Reverse: XYZ"}, {"from": "gpt", "value": "ZYX"}]
+    assert trained({"conversations": shared}) == everything[len(first):]
+    with pytest.raises(PosttuneError, match=r"field 'messages\[1\]\.weight' must be 0 \(not trained\) or 1, got 0\.5"):
+        make({"messages": [turns[0], {**turns[1], "weight": 0.5}]}, 0)

@@ -145,6 +145,8 @@ def test_bad_row_is_named_in_one_line(llama_sft, posttune_cli, write_config, tmp
     skipped = posttune_cli("train", str(path), "data.skip_bad_rows=true", "train.max_steps=1")
     assert skipped.exit_code == 0, skipped.stderr
     assert "skipped 1 bad row" in skipped.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["skipped_bad_rows"] == 1 and "truncated_samples" not in summary  # counts, where there are any
 
 
 def test_plot_writes_a_png_of_the_losses(llama_sft, posttune_cli, write_config, tmp_path):

@@ -35,7 +35,7 @@ def test_unpaired_rows_read_strings_and_messages():
     ({"prompt": "Reverse: AB", "completion": "BA", "label": 1},
      "data.train: row 1: field 'label' must be true (desirable) or false (undesirable), got 1"),
     ({"prompt": "Reverse: AB", "completion": [{"role": "assistant"}], "label": True},
-     "data.train: row 1: field 'completion[0].content' must be a string"),
+     "data.train: row 1: field 'completion[0].content' must be a string (or a list of text parts)"),
 ])
 def test_a_bad_row_is_named_in_one_line(llama_dpo, posttune_cli, tmp_path, row, message):
     rows = [{"prompt": "Reverse: ABC", "completion": "CBA", "label": True}, row]

@@ -73,8 +73,8 @@ def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[li
         store = SampleStore.build((row for rows, part in parts for row in guarded(rows, part.where)), _Mixed(parts))
     if len(store) == 0:
         raise PosttuneError(f"{where}: no usable samples in {_paths(dataset)} ({make.skipped.bad_rows} bad rows "
-                            f"skipped, {make.skipped.untrained} with nothing to train on within "
-                            f"max_seq_len={max_seq_len})")
+                            f"skipped, {make.skipped.untrained} with no token to train on: no response or "
+                            f"assistant turn to learn, or all of it past max_seq_len={max_seq_len})")
     if packing:
         packed = list(pack(range(len(store)), max_seq_len, length=store.length))
         loader = BatchLoader(num_items=len(packed), get_item=lambda i: [store[j] for j in packed[i]], **common)

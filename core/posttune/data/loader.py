@@ -139,6 +139,12 @@ class BatchLoader:
         """Continue where ``state`` was saved; refuses a state that would not mean the same batches."""
         for key, mine in self._identity().items():
             saved = state.get(key, _ABSENT.get(key))
+            if saved != mine and key == "global_batch_size" and isinstance(saved, int):
+                ranks = f"{self.world_size} data-parallel rank{'s' if self.world_size != 1 else ''}"
+                fits = (f"set train.batch_size={saved // self.world_size} to continue it on {ranks}"
+                        if saved % self.world_size == 0 else f"it does not divide over {ranks}")
+                raise PosttuneError(f"cannot resume the data position: the checkpoint's global batch is {saved} rows "
+                                    f"(train.batch_size x data-parallel ranks) and this run's {mine}; {fits}")
             if saved != mine:
                 raise PosttuneError(f"cannot resume the data position: the checkpoint has {key}={saved}, "
                                     f"this run has {mine} (the dataset, batch size x ranks, seed or "

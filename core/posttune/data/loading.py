@@ -54,8 +54,17 @@ def _load(where: str, shown: str, path: str, *, hint: str = "", explain: Any = N
         found = explain() if explain is not None else None
         if found is not None:
             raise ConfigError(f"{where}.path", found) from None
-        problem = first_line(str(exc)) or type(exc).__name__
-        problem = f"could not load {shown!r} ({type(exc).__name__}: {problem}){hint}"
+        cause = exc
+        while cause.__cause__ is not None:  # datasets wraps the reason ("An error occurred while generating ...")
+            cause = cause.__cause__
+        theirs, wanted = getattr(cause, "table_column_names", None), getattr(cause, "requested_column_names", None)
+        if theirs is not None and wanted is not None:  # files of one folder or list with other columns
+            raise ConfigError(f"{where}.path", f"the files of {shown!r} do not share their columns "
+                                               f"({', '.join(wanted)} in one, {', '.join(theirs)} in another): they "
+                                               "are read as one table; give them the same columns, or list each "
+                                               "as its own dataset (a mixture)") from None
+        problem = first_line(str(cause)) or type(cause).__name__
+        problem = f"could not load {shown!r} ({type(cause).__name__}: {problem}){hint}"
         raise ConfigError(f"{where}.path", problem) from None
     finally:
         if quiet:

@@ -139,8 +139,11 @@ def banner(session: Any) -> list[str]:
         f"parameters: {total:,} total, {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)",
         "data: " + describe_data(session.train_data)
         + (f"; validation {describe_data(session.validation_data)}" if session.validation_data is not None else ""),
-        f"steps: {describe_steps(session)}; effective batch {batch * accumulation * data_ranks} "
-        f"= {batch} x {accumulation} accumulation x {data_ranks} data-parallel rank(s)",
+        f"steps: {describe_steps(session)}; " + (
+            f"effective batch {batch * accumulation * data_ranks} = {batch} x {accumulation} accumulation x "
+            f"{data_ranks} data-parallel rank(s)" if plan.method.descriptor.batches is None else
+            f"{accumulation} micro-batch(es) per step on each of {data_ranks} data-parallel rank(s), made by method "
+            f"'{plan.method.descriptor.name}' (train.batch_size {batch} counts what its docs say)"),
         f"output: {config.checkpoint.output_dir} (config.yaml, metrics.jsonl); device {session.device}, "
         f"world size {distributed.world_size()}, allocator {allocator.in_use()}",
     ]
