@@ -24,7 +24,8 @@ import pluggy
 
 from posttune import hookspecs
 from posttune.errors import did_you_mean, first_line, one_line
-from posttune.registry import HOOK_ARG, KINDS, Provenance, Register, Registered, Registry, duplicate_messages
+from posttune.registry import (HOOK_ARG, KINDS, DescriptorError, Provenance, Register, Registered, Registry,
+                               duplicate_messages)
 
 T = TypeVar("T")
 
@@ -64,6 +65,8 @@ class PluginSet:
 
     pm: pluggy.PluginManager
     plugins: dict[str, PluginInfo] = field(default_factory=dict)
+    #: installed distributions POSTTUNE_LOAD_PLUGINS / POSTTUNE_DISABLE_PLUGINS left out (named when missed)
+    left_out: set[str] = field(default_factory=set)
     _registry: Registry | None = None
 
     @property
@@ -224,6 +227,7 @@ def load_entry_points(plugins: PluginSet, eps: list[metadata.EntryPoint] | None 
         dist = ep.dist.name if ep.dist else ep.name
         provenance = Provenance(ep.name, dist, ep.dist.version if ep.dist else "?")
         if not _selected(dist, ep.name):
+            plugins.left_out.add(dist)
             continue
         taken = plugins.plugins.get(ep.name)
         if taken is not None:  # two distributions, one entry-point name: only one can load
@@ -242,7 +246,7 @@ def load_entry_points(plugins: PluginSet, eps: list[metadata.EntryPoint] | None 
 
 def build_registry(plugins: PluginSet) -> Registry:
     """Call each plugin's registration hooks on its own, recording who registered what."""
-    registry = Registry()
+    registry = Registry(left_out=set(plugins.left_out))
     for info in plugins.plugins.values():
         if not info.error:
             staged, crash = isolated(_registrations, plugins.pm, plugins.pm.get_plugin(info.name), info.provenance)
@@ -250,7 +254,7 @@ def build_registry(plugins: PluginSet) -> Registry:
                 for kind_key, item in staged:
                     registry.add(kind_key, item)
                 continue
-            info.error = describe(crash, " in registration")  # and nothing of it registered
+            info.error = str(crash) if isinstance(crash, HookFailed) else describe(crash, " in registration")
         registry.failed[info.name] = (info.provenance.distribution, info.error)
     return registry
 
@@ -283,8 +287,23 @@ def _call_own_hook(pm: pluggy.PluginManager, plugin: Any, hook: str, kind_key: s
             continue
         sink: list[Registered] = []
         register = Register(KINDS[kind_key], provenance, sink)
-        impl.function(**{arg: register for arg in impl.argnames if arg == HOOK_ARG[hook]})
+        try:
+            impl.function(**{arg: register for arg in impl.argnames if arg == HOOK_ARG[hook]})
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a plugin's hook; named with the hook by build_registry
+            raise HookFailed(hook, exc) from exc
         staged.extend((kind_key, item) for item in sink)
+
+
+class HookFailed(Exception):
+    """A registration hook raised: which hook, and what (its message is the plugin's load error)."""
+
+    def __init__(self, hook: str, error: BaseException):
+        told, _ = isolated(lambda: first_line(str(error)))
+        own = isinstance(error, DescriptorError)  # our check of what it registered: no exception type to show
+        super().__init__(one_line(f"{hook}: {told}" if own else f"{type(error).__name__} in {hook}"
+                                  + (f": {told}" if told else "")))
 
 
 _current: PluginSet | None = None

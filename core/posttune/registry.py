@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -67,6 +68,48 @@ class Registered(Generic[T]):
     provenance: Provenance
 
 
+class DescriptorError(PluginError):
+    """A descriptor a registration hook was given is unusable; the plugin and hook are named by the caller."""
+
+
+#: a registered name: what a config, an override and `posttune ls` write (no spaces or shell characters)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+def descriptor_problem(descriptor: Any) -> str | None:
+    """What is wrong with a descriptor's fields, checked when it registers so that the plugin's author hears it
+    there, not a user mid-run: a name that is no name, a string where a tuple of them goes (``("x")``, a missing
+    comma), a callback that cannot be called, a config that is no dataclass or has a field no config can set."""
+    from dataclasses import fields, is_dataclass
+
+    from posttune.config.typed import unreadable_field
+
+    for f in fields(descriptor):
+        value, annotation = getattr(descriptor, f.name), str(f.type)
+        if value is None and annotation.endswith("| None"):
+            continue
+        if f.name == "name" and not (isinstance(value, str) and NAME.fullmatch(value)):
+            return f"name {value!r}: letters, digits, '_', '.' and '-' only"
+        if f.name == "roles":
+            if not callable(value) and (isinstance(value, str) or not isinstance(value, (tuple, list))):
+                return f"roles: expected a tuple of roles (or a function of the config), got {value!r}"
+            continue
+        if annotation == "tuple[str, ...]" and (isinstance(value, str) or not isinstance(value, (tuple, list))):
+            return f"{f.name}: expected a tuple of strings, got {value!r} (a 1-tuple needs its comma: ('x',))"
+        if f.name == "dataset_kind" and not (isinstance(value, str) or (
+                isinstance(value, tuple) and value and all(isinstance(v, str) for v in value))):
+            return f"dataset_kind: expected a kind's name or a tuple of them, got {value!r}"
+        if annotation.startswith("Callable") and not callable(value):
+            return f"{f.name}: expected a function, got {value!r}"
+        if f.name == "config" and annotation.startswith("type"):
+            if not (isinstance(value, type) and (is_dataclass(value) or issubclass(value, dict))):
+                return f"config: expected a dataclass (the class itself), got {value!r}"
+            problem = unreadable_field(value) if is_dataclass(value) else None
+            if problem is not None:
+                return f"config field {problem}"
+    return None
+
+
 class Register:
     """The typed object a registration hook receives: call it once per descriptor."""
 
@@ -77,10 +120,10 @@ class Register:
 
     def __call__(self, descriptor: Any) -> None:
         if not isinstance(descriptor, self.kind.type):
-            raise PluginError(
-                f"plugin {self.provenance.plugin} ({self.provenance}): {self.kind.hook} was given "
-                f"{type(descriptor).__name__}; expected {self.kind.type.__name__}"
-            )
+            raise DescriptorError(f"given a {type(descriptor).__name__}; expected a {self.kind.type.__name__}")
+        problem = descriptor_problem(descriptor)
+        if problem is not None:
+            raise DescriptorError(f"{type(descriptor).__name__} {getattr(descriptor, 'name', '?')!r}: {problem}")
         self._sink.append(Registered(descriptor, self.provenance))
 
     def __repr__(self) -> str:
@@ -96,6 +139,8 @@ class Registry:
     duplicates: dict[tuple[str, str], list[Registered]] = field(default_factory=dict)
     #: plugins that failed to load: plugin name -> (distribution, message)
     failed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: installed distributions the environment's plugin selection left out
+    left_out: set[str] = field(default_factory=set)
 
     def add(self, kind: str, item: Registered) -> None:
         name = item.descriptor.name
@@ -142,6 +187,9 @@ class Registry:
             message += suggestion
             if suggestion and suggestion.split("'")[1] not in known:
                 distribution = first_party.NAMES[kind][suggestion.split("'")[1]]
+        if distribution in self.left_out:
+            return UnknownNameError(f"{message}; {distribution} is installed but not loaded: POSTTUNE_LOAD_PLUGINS "
+                                    "or POSTTUNE_DISABLE_PLUGINS leaves it out")
         message += self._failed_hint(distribution) + first_party.install_hint(distribution)
         return UnknownNameError(message)
 

@@ -81,7 +81,7 @@ BROKEN = {
     "custom BaseException at import": failed(
         "PluginPanic: gave up", "class PluginPanic(BaseException):\n    pass\n\nraise PluginPanic('gave up')"),
     "GeneratorExit at import": failed("GeneratorExit: odd", "raise GeneratorExit('odd')"),
-    "SystemExit in a registration hook": failed("SystemExit in registration: 3",
+    "SystemExit in a registration hook": failed("SystemExit in posttune_register_methods: 3",
                                                 method_plugin("acme_rl", then="raise SystemExit(3)")),
     # pluggy reads every attribute dir() names while it checks the hooks: this one exits there
     "SystemExit while pluggy checks the hooks": failed(
@@ -272,3 +272,17 @@ def test_the_installed_console_script_survives_a_plugin_that_exits(tmp_path):
     loud, error = trained.stderr.splitlines()  # acme-loud's own print, then posttune's one line
     assert (loud, error.startswith("posttune: error: config: method.name: ")) == ("hello from acme at import", True)
     assert trained.stderr.endswith("failed to load, which may provide it: acme-exit (SystemExit: 7)\n")
+
+
+def test_a_name_whose_installed_distribution_the_selection_leaves_out_says_so(cli, monkeypatch, tmp_path):
+    """Not "pip install posttune-llama": it is installed, and POSTTUNE_LOAD_PLUGINS left it out."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("POSTTUNE_LOAD_PLUGINS", "posttune-sft")
+    monkeypatch.delenv("POSTTUNE_DISABLE_PLUGINS", raising=False)
+    (tmp_path / "run.yaml").write_text("model: {family: llama, size: tiny}\nmethod: sft\n"
+                                       "data: {train: {path: d.jsonl, format: chat}}\n")
+    refused = cli("validate", "run.yaml")
+    assert refused.exit_code == 2
+    assert refused.stderr == ("posttune: error: config: model.family: no model family 'llama' is installed (installed: "
+                              "none); posttune-llama is installed but not loaded: POSTTUNE_LOAD_PLUGINS or "
+                              "POSTTUNE_DISABLE_PLUGINS leaves it out\n")

@@ -41,6 +41,15 @@ def test_version(posttune_cli):
     assert (result.exit_code, result.stdout.strip()) == (0, f"posttune {__version__}")
 
 
+def test_python_dash_m_posttune_is_the_command():
+    """For an environment whose scripts are not on PATH: the same command, its exit status passed on."""
+    shown = subprocess.run([sys.executable, "-m", "posttune", "--version"], capture_output=True, text=True)
+    assert (shown.returncode, shown.stdout.strip()) == (0, f"posttune {__version__}")
+    wrong = subprocess.run([sys.executable, "-m", "posttune", "validate", "no-such.yaml"], capture_output=True,
+                           text=True)
+    assert wrong.returncode == 2 and wrong.stderr.startswith("posttune: error: ")
+
+
 def test_no_command_prints_help_and_exits_2(posttune_cli):
     result = posttune_cli()
     assert result.exit_code == 2 and "COMMAND" in result.stdout

@@ -33,6 +33,8 @@ def faulty(loss):
                 raise RuntimeError("a bug in a step")
             if kind == "interrupt":
                 raise KeyboardInterrupt
+            if kind == "float":  # not a LossOutput: the plugin's error, named
+                return 0.5
             os.kill(os.getpid(), signal.SIGTERM)  # the step completes, then the run saves and stops
         return loss(session, batch)
 
@@ -90,6 +92,18 @@ def test_a_run_that_stops_early_closes_the_method_once(run, kind, exit_code):
     result = run(kind=kind, step=2)
     assert result.exit_code == exit_code, result.stderr
     assert CLOSED == [2 if kind == "sigterm" else 1]  # preempted after step 2 completes; the others in step 2
+    if kind == "interrupt":  # what Ctrl-C kept, and how to stop with a checkpoint instead
+        assert ("posttune: Ctrl-C at step 1 saves nothing, and the run has no checkpoint yet (checkpoint.save_every "
+                "sets how often one is written); SIGTERM (kill PID) stops after the current step with a checkpoint\n"
+                "posttune: interrupted\n") in result.stderr
+
+
+def test_a_loss_that_is_not_a_loss_output_is_one_line_naming_the_method(run):
+    result = run(kind="float", step=2)
+    assert result.exit_code == 2
+    assert result.stderr.endswith("posttune: error: method 'closing_sft' (closing-sft 1): loss returned float, not a "
+                                  "LossOutput(loss_sum, normaliser, ...)\n")
+    assert CLOSED == [1]
 
 
 def test_a_bug_in_a_step_still_closes_the_method(run):

@@ -166,7 +166,7 @@ def test_the_shipped_tokenizer_is_the_tiny_chatml_tokenizer(tmp_path):
     ("9lives", "expected lowercase letters, digits, '-' or '_', starting with a letter"),
     ("MyPlugin", "expected lowercase letters, digits, '-' or '_', starting with a letter"),
     ("my.plugin", "expected lowercase letters, digits, '-' or '_', starting with a letter"),
-    ("class", "expected lowercase letters"),  # a keyword cannot name a package
+    ("class", "a Python keyword cannot name a package; choose another name"),
     ("posttune-foo", "give it without the 'posttune-' prefix (the distribution becomes posttune-foo)"),
 ])
 def test_a_name_that_cannot_name_a_package_is_refused_in_one_line(name, problem, tmp_path):
@@ -191,6 +191,15 @@ def test_a_name_another_plugin_registers_is_refused(posttune_cli, tmp_path):
     result = posttune_cli("new", "plugin", "chat", "--kind", "dataset", "-o", str(tmp_path))  # a built-in format
     assert result.exit_code == 2
     assert result.stderr.startswith("posttune: error: dataset format 'chat' is already registered by posttune ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_name_of_an_installed_distribution_is_refused(posttune_cli, tmp_path):
+    """posttune-sft registers no reward named 'sft', but a reward scaffold named so would be posttune-sft itself."""
+    result = posttune_cli("new", "plugin", "sft", "--kind", "reward", "-o", str(tmp_path))
+    assert (result.exit_code, result.stderr) == (2, "posttune: error: posttune-sft (package posttune_sft) is installed "
+                                                    "already; installing the new plugin would replace it (choose "
+                                                    "another name)\n")
     assert list(tmp_path.iterdir()) == []
 
 

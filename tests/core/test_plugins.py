@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import pathlib
 import re
 
 import pytest
 
-from posttune.descriptors import DatasetFormat, ModelFamily
+from posttune.descriptors import DatasetFormat, Method, ModelFamily, RewardFunction
 from posttune.errors import PluginError, PosttuneError, UnknownNameError
 from posttune.plugins import get_plugins, module_plugin
 from posttune.testing import run_cli
@@ -154,15 +156,58 @@ def test_registration_hook_that_raises_isolates_that_plugin(register_plugin, pos
     register_plugin(module_plugin("fine", posttune_register_model_families=lambda register: register(family("ok"))))
     registry = posttune_plugins.registry
     assert registry.names("model_family") == ["ok"]  # nothing half-registered
-    assert registry.failed["broken"] == ("broken-dist", "ValueError in registration: bad registration")
+    assert registry.failed["broken"] == ("broken-dist", "ValueError in posttune_register_model_families: bad "
+                                                        "registration")
 
 
 def test_register_object_checks_the_descriptor_type(register_plugin, posttune_plugins):
     wrong = module_plugin("wrong", posttune_register_methods=lambda register: register(family("oops")))
     register_plugin(wrong, distribution="wrong-dist", version="0.3")
     assert posttune_plugins.registry.failed["wrong"][1] == (
-        "PluginError in registration: plugin wrong (wrong-dist 0.3): posttune_register_methods was given "
-        "ModelFamily; expected Method")
+        "posttune_register_methods: given a ModelFamily; expected a Method")
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PathOptions:
+    where: pathlib.Path = pathlib.Path(".")  # no config can set a Path
+
+
+class NotADataclass:
+    power: float = 1.0
+
+
+@pytest.mark.parametrize(("hook", "descriptor", "problem"), [
+    ("posttune_register_model_families", lambda: ModelFamily("strarch", "StrArchForCausalLM", dict, dict),
+     "ModelFamily 'strarch': architectures: expected a tuple of strings, got 'StrArchForCausalLM' (a 1-tuple needs "
+     "its comma: ('x',))"),
+    ("posttune_register_methods", lambda: Method("m", dict, "sft", data=None, loss=_noop),
+     "Method 'm': data: expected a function, got None"),
+    ("posttune_register_methods", lambda: Method("m", dict, "sft", data=_noop, loss=_noop, roles=("reference")),
+     "Method 'm': roles: expected a tuple of roles (or a function of the config), got 'reference'"),
+    ("posttune_register_methods", lambda: Method("m", dict, 42, data=_noop, loss=_noop),
+     "Method 'm': dataset_kind: expected a kind's name or a tuple of them, got 42"),
+    ("posttune_register_methods", lambda: Method("m", {"beta": 1}, "sft", data=_noop, loss=_noop),
+     "Method 'm': config: expected a dataclass (the class itself), got {'beta': 1}"),
+    ("posttune_register_reward_functions", lambda: RewardFunction("mine", _noop, config=NotADataclass),
+     "RewardFunction 'mine': config: expected a dataclass (the class itself), got "),
+    ("posttune_register_reward_functions", lambda: RewardFunction("mine", _noop, config=PathOptions),
+     "RewardFunction 'mine': config field where: <class 'pathlib.Path'> cannot be read from a config (use str, int, "
+     "float, bool, Literal, list, dict or a dataclass)"),
+    ("posttune_register_reward_functions", lambda: RewardFunction("Bad Name!", _noop),
+     "RewardFunction 'Bad Name!': name 'Bad Name!': letters, digits, '_', '.' and '-' only"),
+    ("posttune_register_reward_functions", lambda: RewardFunction("mine", "not callable"),
+     "RewardFunction 'mine': fn: expected a function, got 'not callable'"),
+])
+def test_a_descriptor_with_an_unusable_field_fails_its_plugin_at_registration(register_plugin, posttune_plugins,
+                                                                               hook, descriptor, problem):
+    """Each of these registered before and failed later, mid-run or with a traceback naming no plugin."""
+    register_plugin(module_plugin("broken", **{hook: lambda register: register(descriptor())}), distribution="acme")
+    error = posttune_plugins.registry.failed["broken"][1]
+    assert error.startswith(f"{hook}: {problem}"), error
 
 
 def test_unknown_name_suggests_and_gives_the_install_line(register_plugin, posttune_plugins):
@@ -229,3 +274,12 @@ def test_reward_functions_are_registered_and_callable(register_plugin, posttune_
     reward = posttune_plugins.registry.get("reward_function", "exact_answer")
     assert reward.fn(["q", "q"], [" 4", "5"], answer=["4", "4"]) == [1.0, 0.0]
     assert "exact_answer  rw 1  1 when the completion is the answer" in posttune_cli("ls", "rewards").stdout
+
+
+def test_a_name_in_another_case_is_suggested_as_written():
+    """``method: GRPO`` (as papers and TRL class names spell it): the suggestion is the registered name."""
+    from posttune.errors import did_you_mean
+
+    assert did_you_mean("GRPO", ["dpo", "grpo", "sft"]) == " (did you mean 'grpo'?)"
+    assert did_you_mean("DPO", ["dpo", "kto"]) == " (did you mean 'dpo'?)"
+    assert did_you_mean("zzz", ["dpo", "kto"]) == ""

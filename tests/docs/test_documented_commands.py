@@ -73,6 +73,7 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("posttune ls memory", ""), ("posttune ls datasets", ""), ("posttune ls rewards", ""),
         ("posttune ls engines", ""), ("posttune ls --json methods", ""), ("posttune config keys", ""), ("posttune ls loggers", ""),
         ("posttune config keys logging_options", ""), ("posttune validate llama-demo-reverse", ""),
+        ("posttune preview llama-demo-reverse --rows 1", ""),
     ],
     "training quick start (docs/training.md)": [
         ("posttune cp llama3.2-1b-lora my.yaml", ""),

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from posttune.cli import config_keys, generate, launch, merge, new_plugin
+from posttune.cli import config_keys, generate, launch, merge, new_plugin, preview
 from posttune.cli.main import warn
 from posttune.descriptors import Command
 from posttune.errors import PosttuneError, did_you_mean, first_line
@@ -342,3 +342,5 @@ def posttune_register_commands(cli):
     cli(_command("download", "download a checkpoint's weights, config and tokenizer", _configure_download,
                 _run_download))
     cli(new_plugin.COMMAND)
+    cli(Command("preview", preview.HELP, preview.configure, lambda args: preview.run(args, resolve),
+                examples=preview.EXAMPLES))

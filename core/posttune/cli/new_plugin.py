@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     kind = KINDS[args.kind]
     names = plugin_names(args.name)
     _refuse_a_taken_name(kind.registry_kind, names.name)
+    _refuse_an_installed_distribution(names.distribution, names.package)
     root, files = scaffold(args.kind, args.name, Path(args.output))
     print(f"wrote {root}/ ({args.kind} '{names.name}', distribution {names.distribution}):")
     for file in files:
@@ -62,6 +63,22 @@ def _refuse_a_taken_name(registry_kind: str, name: str) -> None:
         label = registry_kind.replace("_", " ")
         raise PosttuneError(f"{label} '{name}' is already registered by {found.provenance}; two plugins "
                             f"registering one name are both refused at run time (choose another name)")
+
+
+def _refuse_an_installed_distribution(distribution: str, package: str) -> None:
+    """A scaffold named after an installed distribution (``posttune new plugin sft --kind reward`` writes
+    posttune-sft) would replace it when installed: refuse it now, whatever it registers."""
+    import importlib.util
+    from importlib import metadata
+
+    try:
+        metadata.distribution(distribution)
+        taken = True
+    except metadata.PackageNotFoundError:
+        taken = importlib.util.find_spec(package) is not None
+    if taken:
+        raise PosttuneError(f"{distribution} (package {package}) is installed already; installing the new plugin "
+                            "would replace it (choose another name)")
 
 
 COMMAND = Command("new", "start a plugin distribution from a working example (family, method, reward, ...)",

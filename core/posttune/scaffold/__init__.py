@@ -95,7 +95,9 @@ def plugin_names(raw: str) -> Names:
     if name.startswith("posttune_"):
         raise PosttuneError(f"plugin name {raw!r}: give it without the 'posttune-' prefix (the distribution "
                             f"becomes posttune-{raw[len('posttune-'):]})")
-    if not NAME_RULE.fullmatch(name) or keyword.iskeyword(name) or name.endswith("_"):
+    if keyword.iskeyword(name):
+        raise PosttuneError(f"plugin name {raw!r}: a Python keyword cannot name a package; choose another name")
+    if not NAME_RULE.fullmatch(name) or name.endswith("_"):
         raise PosttuneError(f"plugin name {raw!r}: expected lowercase letters, digits, '-' or '_', starting with a "
                             f"letter (it must be a Python identifier once '-' becomes '_'), e.g. 'my-method'")
     return Names(name=name, distribution=f"posttune-{name.replace('_', '-')}", package=f"posttune_{name}",

@@ -45,6 +45,10 @@ def run(plan: Any) -> int:
                     if show:
                         print(f"posttune: {stopped}", file=sys.stderr)
                     return preemption.PREEMPTED
+                except KeyboardInterrupt:
+                    if show:  # Ctrl-C saves nothing: say what is kept and how to stop with a checkpoint
+                        print(f"posttune: {interrupted(session)}", file=sys.stderr)
+                    raise
                 outputs = save_final(session)
                 after = sample(session)
                 if show:
@@ -54,6 +58,18 @@ def run(plan: Any) -> int:
             close_method(session)
         distributed.shutdown()
         return 0
+
+
+def interrupted(session: Any) -> str:
+    """What a Ctrl-C in training leaves: the newest checkpoint of the run to resume from, or none."""
+    from posttune.training.output_dir import checkpoints
+    from posttune.training.state import checkpoint_root
+
+    saved = checkpoints(checkpoint_root(session))
+    kept = (f"the newest checkpoint is {saved[-1]} (resume with checkpoint.resume=latest)" if saved
+            else "and the run has no checkpoint yet (checkpoint.save_every sets how often one is written)")
+    return (f"Ctrl-C at step {session.step} saves nothing{':' if saved else ','} {kept}; SIGTERM (kill PID) stops "
+            "after the current step with a checkpoint")
 
 
 def start(session: Any) -> None:
@@ -179,17 +195,21 @@ def _save_trained(session: Any, model: Any, out: Path, model_name: str, adapter_
 
 def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], before: list,
            after: list) -> dict[str, str]:
-    """The summary as aligned lines (the same values go to OUTPUT/summary.json), then the outputs;
-    returns the outputs with summary.json among them."""
+    """The summary as aligned lines (the same values go to OUTPUT/summary.json, with the data's skipped and
+    truncated counts where there are any), then the outputs; returns the outputs with summary.json among them."""
     from posttune.training.run_report import save_summary, summary_lines
 
+    skipped = getattr(session.train_data, "skipped", None)
+    counts = {"skipped_bad_rows": getattr(skipped, "bad_rows", 0),
+              "skipped_untrained": getattr(skipped, "untrained", 0),
+              "truncated_samples": getattr(skipped, "truncated", 0)}
+    summary.update({key: value for key, value in counts.items() if value})  # for summary.json and the trackers
     outputs = {**outputs, "summary": str(save_summary(Path(session.config.checkpoint.output_dir), summary))}
     print("\n== summary ==")
     print("\n".join(summary_lines(summary)))
-    skipped = getattr(session.train_data, "skipped", None)
     if skipped is not None and skipped.total:
-        print(f"data: skipped {skipped.bad_rows} bad row(s) and {skipped.untrained} sample(s) with no trained "
-              "token after truncation")
+        print(f"data: skipped {skipped.bad_rows} bad row(s) and {skipped.untrained} sample(s) with no token to "
+              "train on (no response to learn, or all of it past data.max_seq_len)")
     if skipped is not None and getattr(skipped, "truncated", 0):
         print(f"data: {skipped.truncated} sample(s) cut to data.max_seq_len ({session.config.data.max_seq_len}): "
               "their ends did not train")

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from posttune.descriptors import LossOutput
+from posttune.errors import PluginError
 from posttune.session import Session
 from posttune.training import distributed, nonfinite, output_dir, preemption, state
 from posttune.training.best import Best
@@ -91,7 +93,6 @@ def _detached(value: Any) -> torch.Tensor | float:
 
 def train(session: Session) -> dict[str, Any]:
     """Run until ``session.total_steps``; returns the summary also printed at the end."""
-    method = session.plan.method.descriptor
     config = session.config.train
     log = MetricsLog(Path(session.config.checkpoint.output_dir), total_steps=session.total_steps,
                      initial_step=session.step, enabled=distributed.is_main(), log_every=config.log_every)
@@ -110,7 +111,7 @@ def train(session: Session) -> dict[str, Any]:
                 with distributed.step_context(session, batch):
                     # drop what forwards outside the loss recorded (a layer recomputed in backward)
                     pop_aux_loss(session, summed=False)
-                    out = with_aux_loss(session, method.loss(session, batch))
+                    out = with_aux_loss(session, loss_of(session, batch))
                     for hook in session.before_backward:
                         hook(session, out)
                     out.loss_sum.backward()
@@ -144,6 +145,17 @@ def pop_aux_loss(session: Session, *, summed: bool = True) -> tuple[torch.Tensor
         return None
     group, size = distributed.token_group(session) if summed else (None, 1)
     return aux_loss(distributed.summing(group) if size > 1 else None)
+
+
+def loss_of(session: Session, batch: Any) -> LossOutput:
+    """The method's ``loss`` on ``batch``; anything but a ``LossOutput`` is the plugin's error, named in one line
+    (it would otherwise fail inside the trainer, naming nothing)."""
+    out = session.plan.method.descriptor.loss(session, batch)
+    if not isinstance(out, LossOutput):
+        method = session.plan.method
+        raise PluginError(f"method '{method.descriptor.name}' ({method.provenance}): loss returned "
+                          f"{type(out).__name__}, not a LossOutput(loss_sum, normaliser, ...)")
+    return out
 
 
 def with_aux_loss(session: Session, out: Any) -> Any:
@@ -314,12 +326,11 @@ def evaluate(session: Session) -> dict[str, float]:
 @torch.no_grad()
 def validation_loss(session: Session) -> dict[str, float]:
     """Loss per unit (and the method's metrics) over the whole validation set, across ranks."""
-    method = session.plan.method.descriptor
     window = Window()
     for batch in session.validation_data:
         batch = distributed.to_device(batch, session.device)
         with distributed.step_context(session, batch):
-            window.add(method.loss(session, batch))
+            window.add(loss_of(session, batch))
     reduced = window.reduce(session)
     reduced.pop("normaliser"), reduced.pop("tokens"), reduced.pop("extra")
     return reduced

@@ -1,0 +1,67 @@
+"""`posttune preview`: the first batch as the run reads it, trained tokens marked; no model built.
+
+On the demo's rows ("Reverse: ABC" -> "CBA") the marked text of every row is exactly the reversed word and the
+end-of-turn token: the response and its end train, the prompt and the header do not. DPO's rejected response is
+shown after the prompt it shares; GRPO's rows are the prompts the policy samples from."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+from run_support import dpo_config, grpo_config
+
+import posttune_dpo
+import posttune_grpo
+import posttune_llama
+import posttune_sft
+
+
+@pytest.fixture
+def plugins(register_plugin):
+    for module in (posttune_llama, posttune_sft, posttune_dpo, posttune_grpo):
+        register_plugin(module, distribution=module.__name__.replace("_", "-"), version="0.1.0")
+
+
+def write(tmp_path, config):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_the_demo_rows_train_on_the_reversed_word_and_its_end_token_only(plugins, posttune_cli):
+    result = posttune_cli("preview", "llama-demo-reverse", "--rows", "4", "--marks", "brackets")
+    assert result.exit_code == 0, result.stderr
+    rows = result.stdout.split("== row ")[1:]
+    assert len(rows) == 4
+    for row in rows:
+        word = re.search(r"Reverse: ([A-Z]+)<\|eot_id\|>", row).group(1)
+        assert re.findall(r"\[\[(.*?)\]\]", row, re.S) == [f"{word[::-1]}<|eot_id|>"]
+        assert re.match(r"\d+: \d+ tokens, \d+ trained \(marked by double brackets\) ==\n", row)
+
+
+def test_dpo_shows_the_rejected_response_after_the_shared_prompt(plugins, posttune_cli, tmp_path):
+    result = posttune_cli("preview", write(tmp_path, dpo_config(tmp_path)), "--rows", "2", "--marks", "brackets")
+    assert result.exit_code == 0, result.stderr
+    first, second = result.stdout.split("== row ")[1:3]
+    assert "Reverse: " in first and "Reverse: " not in second
+    assert "after the prompt shown above (computed once)" in second
+    assert len(re.findall(r"\[\[", first)) == len(re.findall(r"\[\[", second)) == 1  # one response each
+
+
+def test_grpo_shows_the_prompts(plugins, posttune_cli, tmp_path):
+    result = posttune_cli("preview", write(tmp_path, grpo_config(tmp_path)), "--rows", "2")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.count("(the completions are sampled as the run trains)") == 2
+    assert result.stdout.count("Reverse: ") == 2 and "[[" not in result.stdout
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (("--rows", "0"), "posttune: error: preview: --rows must be at least 1, got 0\n"),
+    (("~data.validation", "--split", "validation"),
+     "posttune: error: preview: --split validation: the config has no data.validation\n"),
+])
+def test_bad_arguments_are_one_line(plugins, posttune_cli, argv, error):
+    result = posttune_cli("preview", "llama-demo-reverse", *argv)
+    assert (result.exit_code, result.stderr) == (2, error)
