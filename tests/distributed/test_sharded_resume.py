@@ -35,6 +35,32 @@ def test_sharded_checkpoint_resumes_on_two_ranks_and_on_one(runs, tmp_path):
             assert abs(record["loss"] - expected[record["step"]]) <= TOL, (name, record["step"])
 
 
+def test_a_sharded_checkpoint_exports_as_a_model_on_one_process(runs, tmp_path):
+    """docs/parallel.md's recipe: resumed on one process with nothing left to train, a sharded checkpoint's
+    weights are written as the run's model (HF). Compared with torch's own DCP reader (dcp_to_torch_save)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import posttune
+
+    straight = runs("fsdp2_saving", nproc=2, batch_size=4, parallel={"plans": ["fsdp2"]},
+                    checkpoint={"save_every": 2})
+    checkpoint = straight / "checkpoints" / "step-00000002"
+    exported = tmp_path / "step2"
+    result = train(straight / "config.yaml", "~parallel", f"checkpoint.resume={checkpoint}",
+                   f"checkpoint.output_dir={exported}", "train.max_steps=2", "train.batch_size=8",
+                   "checkpoint.save_every=null")
+    assert json.loads((exported / "summary.json").read_text())["steps_run"] == 0, result.stdout
+    dcp_to_torch_save(checkpoint / "sharded", tmp_path / "state.pt")
+    saved = torch.load(tmp_path / "state.pt", weights_only=False)["model"]
+    model = posttune.load_model(exported / "model").state_dict()
+    assert set(model) <= set(saved)
+    for name, tensor in model.items():
+        assert torch.equal(tensor, saved[name].to(tensor.dtype)), name
+    assert not torch.equal(model["embed.weight"],
+                           posttune.load_model(straight / "model").state_dict()["embed.weight"])  # step 2, not 4
+
+
 def test_the_best_sharded_checkpoint_is_kept_named_and_resumes(tmp_path):
     """2 FSDP2 ranks, ``keep_last: 1``, the best by ``val_loss`` judged higher-is-better (so an early step, which
     pruning alone would delete): it is kept beside the last, the summary names it (a ``sharded/`` checkpoint),
