@@ -65,7 +65,7 @@ def maker(kind: str, fmt, tokenizer, skip: bool, system_prompt: str | None):
     return SampleMaker(fmt, tokenizer, max_seq_len=48, train_on_input=skip, **common)
 
 
-@pytest.mark.parametrize("name", ["alpaca", "chat", "text", "completion", "preference", "prompt"])
+@pytest.mark.parametrize("name", ["alpaca", "chat", "text", "completion", "preference", "preference_text", "prompt"])
 @pytest.mark.parametrize("template", ["chat", "plain"])
 @FUZZ
 @given(row=rows, skip=st.booleans(), system_prompt=st.none() | st.text(max_size=10))

@@ -31,7 +31,8 @@ def family(name: str, arch: str = "XForCausalLM") -> ModelFamily:
 
 def test_builtins_register_dataset_formats_and_commands(posttune_plugins):
     registry = posttune_plugins.registry
-    assert registry.names("dataset_format") == ["alpaca", "chat", "completion", "preference", "prompt", "text"]
+    assert registry.names("dataset_format") == ["alpaca", "chat", "completion", "preference", "preference_text",
+                                               "prompt", "text"]
     assert {"plugins", "ls", "cp", "validate", "plan", "train", "download"} <= set(registry.names("command"))
     provenance = registry.lookup("dataset_format", "chat").provenance
     assert provenance.distribution == "posttune"

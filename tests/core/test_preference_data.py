@@ -145,3 +145,46 @@ def test_a_template_that_renders_the_prompt_differently_before_a_response_is_a_r
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(PosttuneError, match="renders the prompt differently once a response follows"):
         maker(fmt, load_tokenizer(path))({"prompt": "Hi", "chosen": "A", "rejected": "B"}, 0)
+
+
+@pytest.fixture(scope="module")
+def text_fmt():
+    return new_plugin_set().registry.get("dataset_format", "preference_text")
+
+
+def test_text_rows_need_no_chat_template_and_keep_the_prompt_tail(text_fmt, tmp_path):
+    """``preference_text`` (TRL's standard rows): prompt + response encoded as text, EOS after each, the prompt
+    untrained; ``max_prompt_len`` keeps its tail. Compared with TRL's DPOTrainer in tests/methods/test_dpo_trl.py."""
+    plain = load_tokenizer(save_tiny_tokenizer(tmp_path / "base", template=None))
+    assert plain.chat_template is None
+    row = {"prompt": "Question: name a colour.\nAnswer:", "chosen": " Blue.", "rejected": " Seven."}
+    (chosen_ids, chosen), (rejected_ids, rejected) = maker(text_fmt, plain)(row, 0)
+    assert chosen_ids == plain.encode(row["prompt"] + row["chosen"]) + [plain.eos_id]
+    assert plain.decode(scored(chosen_ids, chosen)) == " Blue." + plain.decode([plain.eos_id])
+    assert plain.decode(scored(rejected_ids, rejected)) == " Seven." + plain.decode([plain.eos_id])
+    (tail_ids, tail), _ = maker(text_fmt, plain, max_prompt_len=4)(row, 0)
+    assert tail_ids == chosen_ids[len(chosen_ids) - len(tail_ids):] and scored(tail_ids, tail) == scored(
+        chosen_ids, chosen)
+    assert len(tail_ids) - len(scored(tail_ids, tail)) == 4  # the prompt's last 4 tokens
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"prompt": "p", "rejected": "r"}, "row 2: missing field 'chosen'"),
+    ({"prompt": [{"role": "user", "content": "p"}], "chosen": "c", "rejected": "r"},
+     "row 2: field 'prompt' must be text in format preference_text, got list (message lists: use format preference)"),
+    ({"chosen": "Human: hi\n\nAssistant: yes", "rejected": "Human: hi"},
+     "row 2: no 'prompt' field, and 'chosen' and 'rejected' are the same text up to the end of one of them"),
+    ({"chosen": "yes", "rejected": "no"},
+     "row 2: no 'prompt' field, and 'chosen' and 'rejected' share no opening text to use as the prompt"),
+])
+def test_bad_text_rows_are_named(text_fmt, tokenizer, row, problem):
+    with pytest.raises(PosttuneError) as error:
+        maker(text_fmt, tokenizer)(row, 2)
+    assert str(error.value).startswith(f"data.train: {problem}")
+
+
+def test_an_implicit_text_prompt_is_the_shared_opening_less_its_final_space():
+    from posttune.data.preference import text_pair
+
+    pair = text_pair({"chosen": "Human: hi\n\nAssistant: Hello there", "rejected": "Human: hi\n\nAssistant: Go"})
+    assert (pair.prompt, pair.chosen, pair.rejected) == ("Human: hi\n\nAssistant:", " Hello there", " Go")

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import posttune_dpo
 import posttune_llama
 import pytest
 import transformers
@@ -44,7 +45,7 @@ def test_a_base_tokenizer_trains_chats_with_a_template_file_and_the_run_saves_it
         assert (result.exit_code, result.stderr) == (2, (
             f"posttune: error: config: tokenizer.path: {folder} has no chat template, and data.train holds chat "
             "messages (a string of a prompt or preference row is one turn): set tokenizer.chat_template (a .jinja "
-            "file or the template), or use plain text rows (format text or completion)\n"))
+            "file or the template), or use plain text rows (format text, completion or preference_text)\n"))
     rows = [{"text": f"Reverse: {word} {word[::-1]}"} for word in ("ABC", "QWERT", "XY", "LMNOP")]
     (tmp_path / "text.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     text = write_config("text.yaml", tokenizer={"path": str(folder)}, train={"max_steps": 1},
@@ -112,3 +113,35 @@ def test_an_adapter_run_saves_the_tokenizer_beside_the_adapter_for_generate_and_
     merged = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
     assert merged.apply_chat_template(CHAT, tokenize=False) == transformers.AutoTokenizer.from_pretrained(
         DEMO_TOKENIZER).apply_chat_template(CHAT, tokenize=False)
+
+
+def test_a_base_tokenizer_trains_trls_standard_preference_rows_as_text(llama_sft, register_plugin, posttune_cli,
+                                                                       write_config, base_tokenizer, tmp_path):
+    """DPO on a base model: TRL's standard rows (implicit prompts, as ``Anthropic/hh-rlhf``) as format
+    ``preference_text`` need no chat template; format ``preference`` reads strings as chat turns, and refuses
+    these before launch, naming the format that reads them (explicit-prompt strings: the text formats)."""
+    register_plugin(posttune_dpo, distribution="posttune-dpo", version="0.1.0")
+    folder, _ = base_tokenizer
+    rows = [{"chosen": f"Human: reverse {word}\n\nAssistant: {word[::-1]}",
+             "rejected": f"Human: reverse {word}\n\nAssistant: {word}"} for word in ("ABC", "QWERT", "XY", "LMNOP")]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def config(fmt: str) -> Path:
+        return write_config(f"{fmt}.yaml", tokenizer={"path": str(folder)}, method={"name": "dpo"},
+                            train={"max_steps": 1, "batch_size": 2},
+                            data={"train": {"path": str(tmp_path / "pairs.jsonl"), "format": fmt}})
+
+    refused = posttune_cli("validate", str(config("preference")))
+    assert refused.exit_code == 2 and refused.stderr.endswith(
+        "(no 'prompt' field, and 'chosen' and 'rejected' are text, not conversations (TRL's standard rows, whose "
+        "prompt is their shared opening text: use format preference_text); the row has 'chosen', 'rejected'); "
+        "choose the format that matches the data, or map its columns with column_map\n")
+    (tmp_path / "explicit.jsonl").write_text(json.dumps({"prompt": "Reverse: AB", "chosen": "BA", "rejected": "AB"}))
+    explicit = write_config("explicit.yaml", tokenizer={"path": str(folder)}, method={"name": "dpo"},
+                            data={"train": {"path": str(tmp_path / "explicit.jsonl"), "format": "preference"}})
+    refused = posttune_cli("validate", str(explicit))
+    assert refused.exit_code == 2 and refused.stderr.endswith(
+        "or use plain text rows (format text, completion or preference_text)\n")
+    result = posttune_cli("train", str(config("preference_text")))
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "out" / "summary.json").exists()

@@ -189,13 +189,14 @@ def posttune_pairs(batch: dict) -> list[tuple]:
     return sorted((*rows[i], *rows[half + i]) for i in range(half))
 
 
-def dpo_session(checkpoints: dict[str, Path], out: Path, settings: dict, data: Path | None = None) -> Any:
+def dpo_session(checkpoints: dict[str, Path], out: Path, settings: dict, data: Path | None = None,
+                fmt: str = "preference") -> Any:
     return compose_run({
         "model": {"path": str(checkpoints["policy"])},
         "reference": {"path": str(checkpoints["reference"])},
         "tokenizer": {"path": TOKENIZER},
         "method": {"name": "dpo", "beta": BETA, **settings},
-        "data": {"train": {"path": str(data or checkpoints["data"]), "format": "preference"}, "max_seq_len": 64},
+        "data": {"train": {"path": str(data or checkpoints["data"]), "format": fmt}, "max_seq_len": 64},
         "train": {"epochs": 1, "batch_size": PAIRS, "lr": 1e-3, "seed": 0, "device": "cpu"},
         "checkpoint": {"output_dir": str(out)},
     })
@@ -261,6 +262,37 @@ def test_ld_dpo_equals_trl_with_responses_of_other_lengths_in_every_layout(llama
     for layout in ({"padding_free": False}, {"share_prompt": False}):
         assert abs(ours(str(layout), ld_alpha=0.5, **layout) - ld) <= TOL, layout
     assert abs(ours("one", ld_alpha=1.0) - ours("plain")) <= TOL  # alpha 1: DPO itself
+
+
+#: TRL's standard (plain-text) rows, one dataset with explicit prompts and one with implicit ones (chosen and
+#: rejected whole texts sharing their opening, whose final space TRL's prompt split gives to the responses). Half
+#: the explicit prompts end with a space that the demo tokenizer merges with the response's "t" (" t"): the encoded
+#: prompt is not a prefix of the encoded whole, and the response starts where the two part
+STANDARD_ROWS = {
+    "explicit": [{"prompt": f"Reverse: {word}\nAnswer:" + " " * (index % 2), "chosen": f"{lead}{word[::-1]}",
+                  "rejected": f"{lead}{word}"}
+                 for index, word in enumerate(WORDS) for lead in [("the ", " ")[index % 2 == 0]]],
+    "implicit": [{"chosen": f"Human: reverse {word}\n\nAssistant: {word[::-1]}",
+                  "rejected": f"Human: reverse {word}\n\nAssistant: {word}"} for word in WORDS],
+}
+
+
+@pytest.mark.parametrize("kind", list(STANDARD_ROWS))
+def test_standard_text_rows_score_what_trl_scores(llama_dpo, checkpoints, tmp_path, kind):
+    """Format ``preference_text`` reads TRL's standard rows as TRL's DPOTrainer does (no chat template; the prompt
+    of an implicit row is the shared opening text; EOS after each response; the response starts where the encoded
+    prompt and the encoded whole part): the same tokens scored, and the same DPO loss, as a real DPOTrainer."""
+    rows = STANDARD_ROWS[kind]
+    data = tmp_path / "standard.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    session = dpo_session(checkpoints, tmp_path / "out", {"loss_type": "sigmoid"}, data, fmt="preference_text")
+    batch = next(iter(session.train_data))
+    with torch.no_grad():
+        out = session.plan.method.descriptor.loss(session, batch)
+    logs, batches = run_trl(checkpoints, tmp_path / "trl", {"loss_type": ["sigmoid"]}, PAIRS, rows)
+    assert trl_pairs(batches) == posttune_pairs(batch)
+    ours, theirs = float(out.loss_sum / out.normaliser), logs[0]["loss"]
+    assert math.isfinite(ours) and abs(ours - theirs) <= TOL, (ours, theirs)
 
 
 def trl_orpo() -> tuple[type, Any]:

@@ -1,11 +1,11 @@
 """Built-in dataset formats: alpaca, chat (OpenAI ``messages`` or ShareGPT ``conversations``), text,
-completion (TRL's prompt-completion rows) (kind ``conversation``), preference (kind ``preference``) and
-prompt (kind ``prompt``).
+completion (TRL's prompt-completion rows) (kind ``conversation``), preference and preference_text (kind
+``preference``) and prompt (kind ``prompt``).
 
 A ``conversation`` transform returns chat messages (``[{"role", "content"}]``) to be rendered with the
 checkpoint's chat template, a plain string for completion-style training on every token, or a
 ``PromptCompletion`` (a prompt and the completion that trains, text or messages). A
-``preference`` transform returns a ``PreferencePair`` (prompt, chosen and rejected messages); a
+``preference`` transform returns a ``PreferencePair`` (prompt, chosen and rejected: messages, or text); a
 ``prompt`` transform a ``PromptRow`` (the prompt and the row's other fields, for online methods).
 """
 
@@ -90,6 +90,12 @@ def preference(row: Mapping[str, Any]) -> Any:
     return preference_pair(row)
 
 
+def preference_text(row: Mapping[str, Any]) -> Any:
+    from posttune.data.preference import text_pair
+
+    return text_pair(row)
+
+
 def prompt(row: Mapping[str, Any]) -> Any:
     from posttune.data.prompts import prompt_row
 
@@ -110,6 +116,9 @@ def posttune_register_datasets(register):
     register(DatasetFormat("preference", "preference", preference, ("prompt", "chosen", "rejected"),
                            "prompt + chosen/rejected (strings or messages), or chosen/rejected conversations "
                            "sharing a prompt"))
+    register(DatasetFormat("preference_text", "preference", preference_text, ("prompt", "chosen", "rejected"),
+                           "TRL's standard preference rows: prompt + chosen/rejected as plain text (no chat "
+                           "template), or chosen/rejected texts sharing their opening text"))
     register(DatasetFormat("prompt", "prompt", prompt, ("prompt",),
                            "a prompt (string or messages) to generate from; every other field (e.g. answer) is "
                            "kept for the reward functions"))

@@ -3,8 +3,11 @@
 A ``preference`` format's transform returns a :class:`PreferencePair` of chat messages. Each
 response is rendered after the prompt with the checkpoint's own chat template; the prompt's
 tokens are masked, so only the final response is scored (also when the prompt holds earlier
-assistant turns). Truncation keeps the prompt's *tail* (``max_prompt_len``: the turn closest to
-the response matters most) and cuts the responses on the right to ``max_seq_len``.
+assistant turns). A ``preference_text`` pair holds plain text instead (TRL's "standard" rows):
+``prompt + response`` is encoded and ends with EOS, no chat template, and the response starts
+where the encoded prompt and the encoded whole part (TRL's rule). Truncation keeps the prompt's
+*tail* (``max_prompt_len``: the turn closest to the response matters most) and cuts the
+responses on the right to ``max_seq_len``.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ Messages = list[dict[str, Any]]
 
 @dataclass(frozen=True)
 class PreferencePair:
-    """One row of preference data: a prompt and two responses to it, as chat messages."""
+    """One row of preference data: a prompt and two responses to it, as chat messages (all three) or text."""
 
-    prompt: Messages
-    chosen: Messages
-    rejected: Messages
+    prompt: Messages | str
+    chosen: Messages | str
+    rejected: Messages | str
 
 
 class PairMaker(SampleMaker):
@@ -44,27 +47,56 @@ class PairMaker(SampleMaker):
     def make(self, pair: PreferencePair) -> list[tuple[list[int], list[int]]] | None:
         return self.responses(pair.prompt, (pair.chosen, pair.rejected))
 
-    def responses(self, prompt_messages: Messages,
-                  responses: Sequence[Messages]) -> list[tuple[list[int], list[int]]] | None:
-        """``(ids, labels)`` of each response rendered after the prompt, the prompt masked (its tail kept under
+    def responses(self, prompt_messages: Messages | str,
+                  responses: Sequence[Messages | str]) -> list[tuple[list[int], list[int]]] | None:
+        """``(ids, labels)`` of each response after the prompt, the prompt masked (its tail kept under
         ``max_prompt_len``), cut to ``max_seq_len``; None when truncation leaves one with nothing to score.
-        A preference pair has two responses; a method that scores a single response passes one."""
-        messages = self.with_system(prompt_messages)
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=self.tools)
-        cut = max(0, len(prompt) - self.max_prompt_len) if self.max_prompt_len is not None else 0
+        A preference pair has two responses; a method that scores a single response passes one. Messages are
+        rendered with the chat template, text is encoded as is (`PreferencePair`)."""
+        whole, start = (self._text(prompt_messages, responses) if isinstance(prompt_messages, str)
+                        else self._rendered(prompt_messages, responses))
+        cut = max(0, start - self.max_prompt_len) if self.max_prompt_len is not None else 0
         samples = []
-        for response in responses:
-            ids, trained = self.tokenizer.tokenize_messages([*messages, *response], tools=self.tools)
-            if list(ids[: len(prompt)]) != list(prompt):
-                raise ValueError("the chat template renders the prompt differently once a response follows it, "
-                                 "so the prompt cannot be masked")
-            trained = [False] * len(prompt) + list(trained[len(prompt):])
+        for ids, trained in whole:
             self.cut = self.cut or len(ids) - cut > self.max_seq_len  # a response's end past max_seq_len
-            ids, trained = list(ids[cut:])[: self.max_seq_len], trained[cut:][: self.max_seq_len]
+            ids, trained = ids[cut:][: self.max_seq_len], trained[cut:][: self.max_seq_len]
             if not any(trained[1:]):  # truncation left nothing of this response to score
                 return None
             samples.append((ids, shift_labels(ids, trained)))
         return samples
+
+    def _rendered(self, prompt: Messages, responses: Sequence[Messages]) -> tuple[list[tuple[list, list]], int]:
+        """Each response's ``(ids, trained)`` rendered after the prompt (whose tokens are untrained), and the
+        prompt's length."""
+        messages = self.with_system(prompt)
+        start = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=self.tools)
+        whole = []
+        for response in responses:
+            ids, trained = self.tokenizer.tokenize_messages([*messages, *response], tools=self.tools)
+            if list(ids[: len(start)]) != list(start):
+                raise ValueError("the chat template renders the prompt differently once a response follows it, "
+                                 "so the prompt cannot be masked")
+            whole.append((list(ids), [False] * len(start) + list(trained[len(start):])))
+        return whole, len(start)
+
+    def _text(self, prompt: str, responses: Sequence[str]) -> tuple[list[tuple[list, list]], int]:
+        """Each ``prompt + response`` encoded, EOS after it (unless the text ends with it), trained from where the
+        encoded prompt and the encoded wholes first differ (a token can merge across the boundary); that start."""
+        eos, alone = self.tokenizer.eos_id, list(self.tokenizer.encode(prompt))
+        whole = []
+        for response in responses:
+            ids = list(self.tokenizer.encode(prompt + response))
+            whole.append(ids if eos is None or ids[-1:] == [eos] else [*ids, eos])
+        start = min(_shared_start(alone, ids) for ids in whole)
+        return [(ids, [index >= start for index in range(len(ids))]) for ids in whole], start
+
+
+def _shared_start(first: Sequence[Any], second: Sequence[Any]) -> int:
+    """How many leading items ``first`` and ``second`` share."""
+    shared = 0
+    while shared < min(len(first), len(second)) and first[shared] == second[shared]:
+        shared += 1
+    return shared
 
 
 def as_messages(value: Any, field: str, role: str) -> Messages:
@@ -88,17 +120,45 @@ def preference_pair(row: Mapping[str, Any]) -> PreferencePair:
         raise KeyError("chosen")
     if row.get("rejected") is None:
         raise KeyError("rejected")
+    if row.get("prompt") is None and isinstance(row["chosen"], str) and isinstance(row["rejected"], str):
+        raise ValueError("no 'prompt' field, and 'chosen' and 'rejected' are text, not conversations (TRL's standard "
+                         "rows, whose prompt is their shared opening text: use format preference_text)")
     chosen = as_messages(row["chosen"], "chosen", "assistant")
     rejected = as_messages(row["rejected"], "rejected", "assistant")
     if row.get("prompt") is not None:
         return PreferencePair(as_messages(row["prompt"], "prompt", "user"), chosen, rejected)
-    shared = 0
-    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-        shared += 1
+    shared = _shared_start(chosen, rejected)
     if shared == 0:
         raise ValueError("no 'prompt' field, and 'chosen' and 'rejected' share no first message to use as the "
                          "prompt")
     if shared == len(chosen) or shared == len(rejected):
         raise ValueError("'chosen' and 'rejected' are the same conversation up to the end of one of them: "
                          "nothing is left to compare")
+    return PreferencePair(chosen[:shared], chosen[shared:], rejected[shared:])
+
+
+def text_pair(row: Mapping[str, Any]) -> PreferencePair:
+    """TRL's standard preference rows: ``prompt``, ``chosen`` and ``rejected`` as plain text, or no prompt and
+    ``chosen``/``rejected`` sharing their opening text (``Anthropic/hh-rlhf``), which is the prompt: the shared
+    characters, less a final space, which goes with the responses (as TRL's ``extract_prompt`` splits them)."""
+    texts = {}
+    for name in ("chosen", "rejected", "prompt"):
+        value = row.get(name)
+        if value is None and name != "prompt":
+            raise KeyError(name)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"field '{name}' must be text in format preference_text, got {type(value).__name__} "
+                             "(message lists: use format preference)")
+        texts[name] = value
+    chosen, rejected = texts["chosen"], texts["rejected"]
+    if texts["prompt"] is not None:
+        return PreferencePair(texts["prompt"], chosen, rejected)
+    shared = _shared_start(chosen, rejected)
+    if shared == len(chosen) or shared == len(rejected):
+        raise ValueError("no 'prompt' field, and 'chosen' and 'rejected' are the same text up to the end of one of "
+                         "them: nothing is left to compare")
+    if shared and chosen[shared - 1] == " ":
+        shared -= 1
+    if shared == 0:
+        raise ValueError("no 'prompt' field, and 'chosen' and 'rejected' share no opening text to use as the prompt")
     return PreferencePair(chosen[:shared], chosen[shared:], rejected[shared:])
