@@ -296,3 +296,14 @@ def test_a_value_head_has_no_models_section(tmp_path):
         resolve_plan(validate(config), get_registry())
     assert str(error.value) == ("config: models.value: method 'ppo' reads its value from the policy's own hidden "
                                 "states (a head on the policy): remove this section")
+
+
+def test_max_new_tokens_past_the_context_is_refused_before_any_rollout(tmp_path):
+    """As GRPO's: generation stops at max_position_embeddings, so completions past it would be cut silently."""
+    model = {"family": "llama", "size": "tiny", "build_overrides": {"vocab_size": 384, "max_position_embeddings": 64}}
+    config = ppo_config(tmp_path, model=model, method={**PPO, "max_new_tokens": 64}, train={"max_steps": 1})
+    result = subprocess.run([sys.executable, "-m", "posttune.cli.main", "train", str(write(tmp_path, config))],
+                            capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, (
+        "posttune: error: config: method.max_new_tokens: 64 leaves no room for a prompt in the model's context of 64 "
+        "tokens (max_position_embeddings)"))
