@@ -163,3 +163,19 @@ def test_plot_writes_a_png_of_the_losses(llama_sft, posttune_cli, write_config, 
 def test_plot_of_a_folder_without_metrics_is_one_line(posttune_cli, tmp_path):
     result = posttune_cli("plot", str(tmp_path))
     assert result.exit_code == 2 and "no metrics.jsonl" in result.stderr
+
+
+def test_max_seq_len_past_the_model_context_is_warned_of_once(llama_sft, posttune_cli, write_config):
+    """A model with a context of 256 positions: a longer max_seq_len trains positions it never saw (allowed, as
+    RoPE allows it; a warning), 256 gets none."""
+    model = {"build_overrides": {"vocab_size": 384, "max_position_embeddings": 256}}
+    past = posttune_cli("train", str(write_config("past.yaml", model=model, data={"max_seq_len": 300},
+                                                  train={"max_steps": 1})))
+    assert past.exit_code == 0, past.stderr
+    warning = ("posttune: warning: data.max_seq_len: 300 is past the model's context of 256 tokens "
+               "(max_position_embeddings): longer samples train positions it was never trained on; lower it, or "
+               "extend the context on purpose (rope scaling in the checkpoint's config)\n")
+    assert past.stderr.count(warning) == 1
+    within = posttune_cli("train", str(write_config("within.yaml", model=model, data={"max_seq_len": 256},
+                                                    train={"max_steps": 1}, checkpoint={"overwrite": True})))
+    assert within.exit_code == 0 and "data.max_seq_len" not in within.stderr

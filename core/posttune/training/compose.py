@@ -155,6 +155,7 @@ def build_trained(session: Session, target: ModelTarget) -> nn.Module:
         from posttune.tokenizer import check_fits
 
         check_fits(session.tokenizer, target.model, "tokenizer.path" if session.config.tokenizer.path else "model")
+        warn_past_context(session, target.model)
     run_stage(session, "build", target)
     if session.config.adapter is not None:
         inject_adapters(session.config.adapter, target)
@@ -163,6 +164,20 @@ def build_trained(session: Session, target: ModelTarget) -> nn.Module:
     load_weights(session, target)
     run_stage(session, "load", target)
     return target.model
+
+
+def warn_past_context(session: Session, model: nn.Module) -> None:
+    """``data.max_seq_len`` past the model's context: longer samples would train positions it never saw, which
+    RoPE allows (a deliberate context extension sets the checkpoint's rope scaling), so a warning. Methods that
+    read prompts bound their own lengths (``max_new_tokens``), and are not warned."""
+    from posttune.generation import context_length
+
+    context, length = context_length(model), session.config.data.max_seq_len
+    kinds = session.plan.method.descriptor.dataset_kinds
+    if context is not None and length > context and "prompt" not in kinds and distributed.is_main():
+        print(f"posttune: warning: data.max_seq_len: {length} is past the model's context of {context} tokens "
+              "(max_position_embeddings): longer samples train positions it was never trained on; lower it, or "
+              "extend the context on purpose (rope scaling in the checkpoint's config)", file=sys.stderr)
 
 
 def build_roles(session: Session) -> None:
