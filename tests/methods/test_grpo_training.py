@@ -338,3 +338,15 @@ def test_log_completions_writes_each_step_s_first_completions_with_their_rewards
             for b in step:
                 if a["reward"] > b["reward"]:
                     assert a["advantage"] > b["advantage"]
+
+
+def test_log_completions_true_logs_every_completion_of_the_step(llama_grpo, posttune_cli, tmp_path):
+    """TRL's spelling, ``log_completions: true``: all of a step's completions (2 prompts x 4); false: none."""
+    config = vowel_config(tmp_path / "all", method={"log_completions": True}, train={"max_steps": 2})
+    assert posttune_cli("train", str(write(tmp_path / "all", config))).exit_code == 0
+    lines = [json.loads(line) for line in (Path(config["checkpoint"]["output_dir"]) / "completions.jsonl")
+             .read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1] * 8 + [2] * 8
+    config = vowel_config(tmp_path / "none", method={"log_completions": False}, train={"max_steps": 1})
+    assert posttune_cli("train", str(write(tmp_path / "none", config))).exit_code == 0
+    assert not (Path(config["checkpoint"]["output_dir"]) / "completions.jsonl").exists()

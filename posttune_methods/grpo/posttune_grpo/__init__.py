@@ -126,8 +126,8 @@ class GRPOConfig:
     tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
     filter_equal_rewards: bool = False  # leave out groups whose rewards are all equal (they teach nothing)
     # completions per optimizer step written to <output_dir>/completions.jsonl with their prompt, rewards and
-    # advantage (the first process's first ones; TRL's log_completions); 0: none
-    log_completions: int = 0
+    # advantage (the first process's first ones; TRL's log_completions); 0 or false: none; true: all of them
+    log_completions: int | bool = 0
     micro_batch_size: int | None = None  # completions per forward/backward; default: the rank's whole batch
     mode: Literal["sync", "async", "off_policy"] = "sync"  # alternate, overlap (staleness <= 1), or bounded lag
     generation: Literal["local", "ray"] | None = None  # where rollouts are made; default local for sync, else ray

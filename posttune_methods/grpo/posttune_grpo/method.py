@@ -71,12 +71,17 @@ def setup(session: Session) -> None:
     config = session.method_config
     check_context(session)
     session.method_state = GRPOState(rewards=resolve_rewards(config.rewards),
-                                     completions_to_log=config.log_completions)
+                                     completions_to_log=logged_completions(config.log_completions))
     if any(reward.in_learner for reward in session.method_state.rewards):
         from posttune_grpo.model_reward import load_reward_tokenizer
 
         session.method_state.reward_tokenizer = load_reward_tokenizer(session)
     session.method_state.source = rollout_source(config).start(session)
+
+
+def logged_completions(setting: int | bool) -> int:
+    """How many of a step's completions ``method.log_completions`` logs: TRL's ``true`` is every one of them."""
+    return sys.maxsize if setting is True else int(setting)
 
 
 def check_context(session: Session) -> None:
