@@ -53,6 +53,7 @@ class DPOConfig:
     KNOWN_AS: ClassVar[dict[str, str]] = {  # TRL's DPOConfig -> here
         "precompute_ref_log_probs": "method.precompute_reference", "max_length": "data.max_seq_len",
         "max_prompt_length": "data.max_prompt_len", "ref_model": "models.reference",
+        "truncation_mode": "data.max_prompt_len (the prompt's last tokens kept; responses cut on the right)",
     }
     # DPO's logistic loss, IPO's squared loss, SimPO, SLiC's hinge loss, robust DPO, ORPO, or one of TRL's other
     # pair losses: DPO on mean log-probs, EXO, NCA, BCO, SPPO (hard), APO (zero, down), DiscoPOP (docs/dpo.md);
