@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from posttune.config import load_config, validate
@@ -139,3 +140,21 @@ def test_eval_every_without_validation_data_is_named_in_the_banner(llama_sft, po
     assert ("evaluation: none (train.eval_every is 1, but there is no data.validation to evaluate on)"
             in result.stdout.splitlines())
 
+
+
+def test_a_logged_record_averages_the_steps_since_the_last_as_hf_trainer_does(llama_sft, posttune_cli,
+                                                                             write_config, tmp_path):
+    """log_every 2 writes step 2's record with loss, tokens/s and tokens the mean of steps 1 and 2, and lr and
+    grad_norm step 2's own (HF Trainer's logging_steps); the run itself is the one logged every step."""
+    every = write_config("every.yaml", train={"max_steps": 5})
+    assert posttune_cli("train", str(every)).exit_code == 0
+    steps = read_metrics(tmp_path / "out")
+    sparse = write_config("sparse.yaml", train={"max_steps": 5, "log_every": 2}, checkpoint={"overwrite": True})
+    assert posttune_cli("train", str(sparse)).exit_code == 0
+    records = read_metrics(tmp_path / "out")
+    assert [r["step"] for r in records] == [2, 4, 5]
+    for record, window in zip(records, (steps[0:2], steps[2:4], steps[4:5]), strict=True):
+        assert record["loss"] == pytest.approx(sum(r["loss"] for r in window) / len(window), rel=1e-6)
+        assert record["tokens"] == pytest.approx(sum(r["tokens"] for r in window) / len(window))
+        assert (record["lr"], record["grad_norm"]) == pytest.approx((window[-1]["lr"], window[-1]["grad_norm"]))
+    assert records[0]["loss"] != pytest.approx(steps[1]["loss"])  # a mean, not step 2's own

@@ -168,7 +168,7 @@ class TrainConfig:
     skip_nonfinite: int = 0  # optimizer steps with a NaN/Inf loss or gradient norm to skip before the run stops
     seed: int = 0  # seeds the data order, a random init and sampling
     device: str = "auto"  # auto (CUDA if available, else CPU), or a torch device: cpu, cuda, cuda:1
-    log_every: int = 1  # write a metrics record every N optimizer steps (and the last)
+    log_every: int = 1  # write a metrics record every N optimizer steps (and the last), averaging those steps
     eval_every: int | None = None  # validation loss every N optimizer steps (needs data.validation)
     early_stopping_patience: int | None = None  # stop after N evaluations without a better checkpoint.best_metric
     sample_prompts: list[str] = field(default_factory=list)  # greedy completions shown before and after

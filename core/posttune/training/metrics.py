@@ -27,6 +27,28 @@ def peak_memory_mib(device: torch.device) -> float:
 
 #: the bar's postfix, in this order
 POSTFIX = ("loss", "val_loss", "lr", "tok_s")
+#: a record's values that are the step's own, never averaged over ``log_every`` steps (as HF Trainer logs
+#: the learning rate and gradient norm of the logged step)
+OWN = ("step", "epoch", "lr", "grad_norm")
+
+
+def averaged(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The record of the last of ``records`` with each per-step number (loss, tokens/s, the method's metrics)
+    its mean over the steps that logged it, and peak memory their peak: what HF Trainer and TRL log every
+    ``logging_steps``. Evaluations (``val_*``) and the values in ``OWN`` are the last step's."""
+    last = dict(records[-1])
+    if len(records) == 1:  # log_every 1: the step's record as it is (integers stay integers)
+        return last
+    for key, value in last.items():
+        if key in OWN or key.startswith("val_") or not _number(value):
+            continue
+        values = [record[key] for record in records if _number(record.get(key))]
+        last[key] = max(values) if key == "peak_memory_mib" else sum(values) / len(values)
+    return last
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class MetricsLog:
@@ -34,7 +56,9 @@ class MetricsLog:
 
     The bar ticks every step; a record is written (and shown on the bar) only when ``due``:
     every ``log_every`` steps, on the last step, and on any step that evaluated or was skipped,
-    so a sparse log never hides an evaluation or a fault. ``last_eval`` keeps the latest
+    so a sparse log never hides an evaluation or a fault. A written record averages the steps
+    since the last one (``averaged``; a skipped step's record is its own, and the steps before it
+    wait for the next). ``last_eval`` keeps the latest
     evaluation (step, results) so the end of the run can reuse it instead of evaluating twice.
     Each written record also goes to the run's experiment trackers (``trackers``, default: those
     of the run in progress, ``posttune.tracking``), the same dict as the line.
@@ -48,6 +72,7 @@ class MetricsLog:
         self.start = time.perf_counter()
         self.total_steps, self.log_every = total_steps, max(1, log_every)
         self.last_eval: tuple[int, dict[str, float]] | None = None
+        self.pending: list[dict[str, Any]] = []  # the steps since the last written record
         self.postfix: dict[str, str] = {}
         self.bar = None
         if enabled:
@@ -68,6 +93,10 @@ class MetricsLog:
         if not self.enabled:
             return
         due = self.due(record)
+        if "skipped_nonfinite" not in record:
+            self.pending.append(record)
+            if due:
+                record, self.pending = averaged(self.pending), []
         if due:
             from posttune.training.write_errors import writing
 
