@@ -412,6 +412,7 @@ def actor_spec(session: Session) -> dict[str, Any]:
         "rewards": [dict(name=r.name, weight=r.weight, options=dict(r.options), timeout_s=r.timeout_s,
                          budget_s=r.budget_s) for r in config.rewards],
         "threads": config.ray_options.threads_per_actor,
+        "cwd": os.getcwd(),  # what the rewards' Python function references are read from (python_rewards.py)
     }
 
 

@@ -65,7 +65,7 @@ class RewardActor:
 
         self.spec = spec
         self.tokenizer = load_tokenizer(spec["tokenizer"])
-        self.rewards = resolve_rewards([RewardSpec(**r) for r in spec["rewards"]])
+        self.rewards = resolve_rewards([RewardSpec(**r) for r in spec["rewards"]], cwd=spec.get("cwd"))
 
     def score(self, prompts: dict[str, Any], generated: dict[str, Any]) -> dict[str, Any]:
         from posttune_grpo.rollouts import score_completions

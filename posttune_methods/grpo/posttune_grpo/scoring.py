@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Literal
 from posttune.plugin import (ConfigError, PosttuneError, RewardFunction, dataset_sources, first_jsonl_row, first_line,
                              from_dict, lookup, provenance)
 from posttune_grpo.model_reward import scored_in_learner
+from posttune_grpo.python_rewards import is_reference, python_reward
 from posttune_grpo.reward_workers import Call, RemoteError, shared_pool
 from posttune_grpo.rewards import ROW_FIELDS, WARM_UPS, needs_field
 
@@ -52,7 +53,7 @@ class RewardSpec:
 
     FROM_STRING: ClassVar[str] = "name"
 
-    name: str  # a registered reward function (`posttune ls rewards`)
+    name: str  # a registered reward function (`posttune ls rewards`), or a Python function: file.py:fn, module:fn
     weight: float = 1.0  # its weight in the summed reward
     options: dict = field(default_factory=dict)  # its settings, checked against its options dataclass
     timeout_s: float | None = None  # an isolated reward's limit per completion; default 5 s
@@ -92,8 +93,10 @@ class Scores:
     timeouts: dict[str, int] = field(default_factory=dict)  # isolated rewards only
 
 
-def resolve_rewards(specs: Sequence[RewardSpec], *, where: str = "method.rewards") -> list[ResolvedReward]:
-    """Each spec's reward looked up, its options validated and its weight checked, before launch."""
+def resolve_rewards(specs: Sequence[RewardSpec], *, where: str = "method.rewards",
+                    cwd: str | None = None) -> list[ResolvedReward]:
+    """Each spec's reward looked up, its options validated and its weight checked, before launch; ``cwd``: where
+    a Python function's relative reference is read from (default: the working directory)."""
     if not specs:
         raise ConfigError(where, "lists no reward; name at least one, e.g. [{name: math_answer}]")
     first: dict[str, int] = {}
@@ -104,17 +107,22 @@ def resolve_rewards(specs: Sequence[RewardSpec], *, where: str = "method.rewards
             raise ConfigError(f"{at}.name", f"'{spec.name}' is already listed as {where}[{first[spec.name]}]; "
                                             "list each reward once and set its weight")
         first[spec.name] = i
-        resolved.append(_resolve(spec, at))
+        resolved.append(_resolve(spec, at, cwd))
+        named = [j for j, other in enumerate(resolved[:-1]) if other.name == resolved[-1].name]
+        if named:  # two functions of one name from two files: their logs would mix
+            raise ConfigError(f"{at}.name", f"'{spec.name}' is logged as reward/{resolved[-1].name}, as "
+                                            f"{where}[{named[0]}] is; rename one of the functions")
     return resolved
 
 
-def _resolve(spec: RewardSpec, at: str) -> ResolvedReward:
+def _resolve(spec: RewardSpec, at: str, cwd: str | None = None) -> ResolvedReward:
+    if is_reference(spec.name):
+        return _resolve_python(spec, at, cwd)
     try:
         reward: RewardFunction = lookup("reward_function", spec.name)
     except PosttuneError as exc:
         raise ConfigError(f"{at}.name", str(exc)) from None
-    if isinstance(spec.weight, bool) or not isinstance(spec.weight, numbers.Real) or not math.isfinite(spec.weight):
-        raise ConfigError(f"{at}.weight", f"expected a finite number, got {spec.weight!r}")
+    _check_weight(spec, at)
     provider = provenance("reward_function", spec.name)
     if reward.config is None:
         if spec.options:
@@ -132,6 +140,29 @@ def _resolve(spec: RewardSpec, at: str) -> ResolvedReward:
     timeout_s, budget_s = _limits(spec, at)
     _check_portable(reward.fn, options, f"reward '{spec.name}' ({provider})", at)
     return ResolvedReward(spec.name, float(spec.weight), reward.fn, options, provider, True, timeout_s, budget_s)
+
+
+def _resolve_python(spec: RewardSpec, at: str, cwd: str | None) -> ResolvedReward:
+    """A Python function named by reference (python_rewards.py): in the training process, or isolated when a time
+    limit is set."""
+    try:
+        fn = python_reward(spec.name, cwd)
+    except ValueError as exc:
+        raise ConfigError(f"{at}.name", str(exc)) from None
+    _check_weight(spec, at)
+    if spec.options:
+        raise ConfigError(f"{at}.options", f"the Python function '{spec.name}' takes no options (keep its settings "
+                                           "in its own file)")
+    provider = f"Python function {spec.name}"
+    if spec.timeout_s is None and spec.budget_s is None:
+        return ResolvedReward(fn.name, float(spec.weight), fn, None, provider)
+    timeout_s, budget_s = _limits(spec, at)
+    return ResolvedReward(fn.name, float(spec.weight), fn, None, provider, True, timeout_s, budget_s)
+
+
+def _check_weight(spec: RewardSpec, at: str) -> None:
+    if isinstance(spec.weight, bool) or not isinstance(spec.weight, numbers.Real) or not math.isfinite(spec.weight):
+        raise ConfigError(f"{at}.weight", f"expected a finite number, got {spec.weight!r}")
 
 
 def _limits(spec: RewardSpec, at: str) -> tuple[float, float]:

@@ -1,0 +1,95 @@
+"""Reward functions named by reference in the config: TRL's ``reward_funcs`` written in the user's own file.
+
+``method.rewards: [math_answer, my_rewards.py:brevity, mypackage.rewards:correct]``: a name holding a ``:`` is a
+Python function, ``path/to/file.py:function`` (a file, read relative to the working directory) or
+``module:function`` (an importable module; the working directory is on the path), rather than a registered reward
+(whose names hold no ``:``). Each is called as TRL calls its reward functions, by keyword:
+``fn(prompts=..., completions=..., completion_ids=..., **row_fields)``, and returns one float (or None) per
+completion. It runs in the training process; ``timeout_s`` or ``budget_s`` runs it isolated instead, one
+completion at a time in worker processes under those limits, as the built-in ``math_answer``. Its name in the logs
+(``reward/<name>``) is the function's own.
+
+The function travels to worker processes and Ray actors as its reference (`PythonReward`), and is imported again
+there, so it needs no packaging; a plugin (``posttune new plugin --kind reward``) is what to ship to others.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def is_reference(name: str) -> bool:
+    """Whether a ``method.rewards`` name is a Python function's reference (registered names hold no ``:``)."""
+    return ":" in name
+
+
+@dataclass(frozen=True)
+class PythonReward:
+    """The function ``reference`` names, read from ``cwd`` (the process that resolved it): what a worker process
+    or a Ray actor receives by pickle, and imports on its first call."""
+
+    reference: str
+    cwd: str
+
+    @property
+    def name(self) -> str:
+        return self.reference.rpartition(":")[2]
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[str], **fields: Any) -> Any:
+        return load(self.reference, self.cwd)(prompts=prompts, completions=completions, **fields)
+
+
+def python_reward(reference: str, cwd: str | None = None) -> PythonReward:
+    """``reference`` read from ``cwd`` (default: the working directory) and its function imported now, so a bad
+    one is a one-line error before launch (``ValueError``, naming what is missing)."""
+    reward = PythonReward(reference, cwd or os.getcwd())
+    load(reward.reference, reward.cwd)
+    return reward
+
+
+@functools.cache
+def load(reference: str, cwd: str) -> Callable[..., Any]:
+    target, _, attribute = reference.rpartition(":")
+    if not target or not attribute.isidentifier():
+        raise ValueError(f"'{reference}' is not a Python function's reference: write path/to/file.py:function or "
+                         "module:function")
+    if target.endswith(".py"):
+        module = _from_file(Path(cwd, target).expanduser())
+    else:
+        if cwd not in sys.path:
+            sys.path.insert(0, cwd)
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ValueError(f"cannot import module '{target}' ({type(exc).__name__}: {exc})") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ValueError(f"{target} has no function '{attribute}'")
+    return function
+
+
+def _from_file(path: Path) -> Any:
+    if not path.is_file():
+        raise ValueError(f"no file {path}")
+    # one module per file, under a name no import can clash with
+    name = "posttune_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ValueError(f"{path} raised {type(exc).__name__} when imported: {exc}") from None
+    return module

@@ -1,0 +1,119 @@
+"""Reward functions named by reference (``method.rewards: [my_rewards.py:brevity]``): TRL-style functions in the
+user's own file, called by keyword, in the training process or isolated under a time limit, in a real run."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from posttune.plugin import ConfigError
+from run_support import grpo_config
+from test_grpo_training import llama_grpo  # noqa: F401  (a fixture)
+
+from posttune_grpo.scoring import RewardSpec, resolve_rewards, score
+
+#: TRL's reward-function shape: keyword arguments, ``completions`` first, the rest in ``**kwargs``
+REWARDS = '''
+def brevity(completions, **kwargs):
+    return [1.0 / (1 + len(text)) for text in completions]
+
+
+def matches_answer(prompts, completions, answer, completion_ids, **kwargs):
+    return [float(text.strip() == gold) + 0.0 * len(ids) for text, gold, ids in zip(completions, answer,
+                                                                                   completion_ids)]
+
+
+def slow(completions, **kwargs):
+    import time
+    time.sleep(30)
+
+
+NOT_A_FUNCTION = 3
+'''
+
+
+@pytest.fixture
+def rewards_file(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(REWARDS))
+    return tmp_path / "my_rewards.py"
+
+
+def test_functions_by_file_or_module_score_as_trl_calls_them(rewards_file):
+    rewards = resolve_rewards([RewardSpec("my_rewards.py:brevity", weight=2.0), RewardSpec("my_rewards:matches_answer")])
+    assert [reward.name for reward in rewards] == ["brevity", "matches_answer"]
+    scores = score(rewards, ["p", "p"], ["AB", " X "], {"answer": ["X", "X"]}, completion_ids=[[1, 2], [3]])
+    assert scores.per_reward == {"brevity": [1 / 3, 1 / 4], "matches_answer": [0.0, 1.0]}
+    assert scores.total == [pytest.approx(2 / 3), pytest.approx(2 / 4 + 1.0)]
+
+
+def test_a_time_limit_isolates_the_function_in_worker_processes(rewards_file):
+    rewards = resolve_rewards([RewardSpec("my_rewards.py:slow", timeout_s=0.5), RewardSpec("my_rewards.py:brevity",
+                                                                                           timeout_s=5)])
+    assert [reward.isolated for reward in rewards] == [True, True]
+    scores = score(rewards, ["p"], ["AB"], {}, on_error="zero")
+    assert scores.timeouts == {"slow": 1, "brevity": 0} and scores.per_reward["brevity"] == [1 / 3]
+
+
+@pytest.mark.parametrize(("name", "problem"), [
+    ("missing.py:brevity", "method.rewards[0].name: no file {cwd}/missing.py"),
+    ("no_such_module:brevity", "method.rewards[0].name: cannot import module 'no_such_module' "
+                               "(ModuleNotFoundError: No module named 'no_such_module')"),
+    ("my_rewards.py:nothing", "method.rewards[0].name: my_rewards.py has no function 'nothing'"),
+    ("my_rewards.py:NOT_A_FUNCTION", "method.rewards[0].name: my_rewards.py has no function 'NOT_A_FUNCTION'"),
+    ("my_rewards.py:", "method.rewards[0].name: 'my_rewards.py:' is not a Python function's reference: write "
+                       "path/to/file.py:function or module:function"),
+])
+def test_a_bad_reference_is_one_line_before_launch(rewards_file, name, problem):
+    with pytest.raises(ConfigError) as error:
+        resolve_rewards([RewardSpec(name)])
+    assert str(error.value) == "config: " + problem.format(cwd=rewards_file.parent)
+
+
+def test_options_and_two_functions_of_one_name_are_refused(rewards_file, tmp_path):
+    with pytest.raises(ConfigError, match=r"method.rewards\[0\].options: the Python function 'my_rewards.py:brevity' "
+                                          "takes no options"):
+        resolve_rewards([RewardSpec("my_rewards.py:brevity", options={"x": 1})])
+    (tmp_path / "other.py").write_text("def brevity(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    with pytest.raises(ConfigError) as error:
+        resolve_rewards([RewardSpec("my_rewards.py:brevity"), RewardSpec("other.py:brevity")])
+    assert str(error.value) == ("config: method.rewards[1].name: 'other.py:brevity' is logged as reward/brevity, as "
+                                "method.rewards[0] is; rename one of the functions")
+
+
+def test_a_run_trains_on_a_function_from_a_file(llama_grpo, posttune_cli, rewards_file, tmp_path):  # noqa: F811
+    """A lone reference in the rewards list, as TRL's reward_funcs: the run logs its reward under its name."""
+    config = grpo_config(tmp_path / "run", method={"rewards": ["my_rewards.py:brevity",
+                                                                {"name": "my_rewards.py:matches_answer",
+                                                                 "timeout_s": 5}]},
+                         train={"max_steps": 2})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in (Path(config["checkpoint"]["output_dir"]) / "metrics.jsonl")
+               .read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        assert 0 < record["reward/brevity"] <= 1 and record["reward/matches_answer"] >= 0
+
+
+def test_a_ray_reward_actor_reads_references_from_the_learner_s_directory(rewards_file, tmp_path, monkeypatch):
+    """A Ray worker may start in another directory: the actor's spec carries the learner's, and its rewards are
+    read from there (RewardActor built here, without Ray)."""
+    from run_support import TOKENIZER
+
+    from posttune_grpo.ray_workers import RewardActor
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    spec = {"tokenizer": TOKENIZER, "cwd": str(rewards_file.parent),
+            "rewards": [{"name": "my_rewards.py:brevity", "weight": 1.0, "options": {}, "timeout_s": None,
+                         "budget_s": None}]}
+    actor = RewardActor(spec)
+    assert [reward.name for reward in actor.rewards] == ["brevity"]
+    assert actor.rewards[0](["p"], ["AB"]) == [1 / 3]
