@@ -6,6 +6,9 @@ import dataclasses
 import json
 import pathlib
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -88,7 +91,7 @@ def test_misspelled_hook_is_refused_naming_the_hook(fake_distribution, installed
 
 def test_hook_with_wrong_argument_is_refused(register_plugin):
     plugin = module_plugin("wrongarg", posttune_register_methods=lambda registry: None)
-    info = register_plugin(plugin, distribution="wrongarg-dist")
+    info = register_plugin(plugin, distribution="wrongarg-dist", broken=True)
     assert info.error == ("hook 'posttune_register_methods': Argument(s) {'registry'} are declared in the "
                           "hookimpl but can not be found in the hookspec")
 
@@ -109,7 +112,7 @@ def test_incompatible_plugin_api_is_refused(fake_distribution, installed, api, e
 
 def test_hook_with_an_argument_the_spec_lacks_gets_pluggys_message(register_plugin):
     plugin = module_plugin("extra_arg", posttune_register_methods=lambda register, extra: None)
-    info = register_plugin(plugin, distribution="extra-dist")
+    info = register_plugin(plugin, distribution="extra-dist", broken=True)
     assert info.error == ("hook 'posttune_register_methods': Argument(s) {'extra'} are declared in the "
                           "hookimpl but can not be found in the hookspec")
 
@@ -153,7 +156,8 @@ def test_registration_hook_that_raises_isolates_that_plugin(register_plugin, pos
         register(family("half"))
         raise ValueError("bad registration")
 
-    register_plugin(module_plugin("broken", posttune_register_model_families=broken), distribution="broken-dist")
+    register_plugin(module_plugin("broken", posttune_register_model_families=broken), distribution="broken-dist",
+                    broken=True)
     register_plugin(module_plugin("fine", posttune_register_model_families=lambda register: register(family("ok"))))
     registry = posttune_plugins.registry
     assert registry.names("model_family") == ["ok"]  # nothing half-registered
@@ -163,7 +167,7 @@ def test_registration_hook_that_raises_isolates_that_plugin(register_plugin, pos
 
 def test_register_object_checks_the_descriptor_type(register_plugin, posttune_plugins):
     wrong = module_plugin("wrong", posttune_register_methods=lambda register: register(family("oops")))
-    register_plugin(wrong, distribution="wrong-dist", version="0.3")
+    register_plugin(wrong, distribution="wrong-dist", version="0.3", broken=True)
     assert posttune_plugins.registry.failed["wrong"][1] == (
         "posttune_register_methods: given a ModelFamily; expected a Method")
 
@@ -206,7 +210,8 @@ class NotADataclass:
 def test_a_descriptor_with_an_unusable_field_fails_its_plugin_at_registration(register_plugin, posttune_plugins,
                                                                                hook, descriptor, problem):
     """Each of these registered before and failed later, mid-run or with a traceback naming no plugin."""
-    register_plugin(module_plugin("broken", **{hook: lambda register: register(descriptor())}), distribution="acme")
+    register_plugin(module_plugin("broken", **{hook: lambda register: register(descriptor())}), distribution="acme",
+                    broken=True)
     error = posttune_plugins.registry.failed["broken"][1]
     assert error.startswith(f"{hook}: {problem}"), error
 
@@ -284,3 +289,30 @@ def test_a_name_in_another_case_is_suggested_as_written():
     assert did_you_mean("GRPO", ["dpo", "grpo", "sft"]) == " (did you mean 'grpo'?)"
     assert did_you_mean("DPO", ["dpo", "kto"]) == " (did you mean 'dpo'?)"
     assert did_you_mean("zzz", ["dpo", "kto"]) == ""
+
+
+def test_register_plugin_fails_the_test_on_a_plugin_that_does_not_load(tmp_path):
+    """For plugin authors: a hook that raises fails the test that registers it, with the reason, instead of a
+    later 'no family' or a silently missing registration; ``broken=True`` keeps it for a test of that failure."""
+    (tmp_path / "test_mine.py").write_text(textwrap.dedent('''
+        import types
+        from posttune.plugin import hookimpl
+
+        def plugin():
+            @hookimpl
+            def posttune_register_model_families(register):
+                raise RuntimeError("forgot an argument")
+            return types.SimpleNamespace(POSTTUNE_PLUGIN_API=2, __name__="mine",
+                                         posttune_register_model_families=posttune_register_model_families)
+
+        def test_registers(register_plugin):
+            register_plugin(plugin(), distribution="posttune-mine")
+
+        def test_broken_on_purpose(register_plugin):
+            assert "forgot an argument" in register_plugin(plugin(), broken=True).error
+    '''))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "1 failed, 1 passed" in result.stdout, result.stdout
+    assert ("plugin mine failed to load: RuntimeError in posttune_register_model_families: forgot an argument"
+            in result.stdout)

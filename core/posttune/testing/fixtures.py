@@ -34,11 +34,17 @@ def posttune_plugins() -> Iterator[PluginSet]:
 
 @pytest.fixture
 def register_plugin(posttune_plugins: PluginSet) -> Callable[..., PluginInfo]:
-    """``register_plugin(obj, name=None, distribution=None, version="0")`` into the isolated set."""
+    """``register_plugin(obj, name=None, distribution=None, version="0")`` into the isolated set, its registration
+    hooks run at once: a plugin that fails to load (a refused API, a hook that raises, a bad descriptor) fails the
+    test with the reason, as `posttune plugins` would report it, unless ``broken=True`` (a test of that failure)."""
 
     def register(plugin: Any, *, name: str | None = None, distribution: str | None = None,
-                 version: str = "0") -> PluginInfo:
-        return posttune_plugins.register(plugin, name=name, distribution=distribution, version=version)
+                 version: str = "0", broken: bool = False) -> PluginInfo:
+        info = posttune_plugins.register(plugin, name=name, distribution=distribution, version=version)
+        posttune_plugins.registry  # noqa: B018  (building it runs the hooks and records what they raise)
+        if info.error is not None and not broken:
+            pytest.fail(f"plugin {info.name} failed to load: {info.error}", pytrace=False)
+        return info
 
     return register
 
