@@ -18,7 +18,8 @@ RUN = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"
     ({"train": {"learning_rate": 1e-4}}, "train.learning_rate: unknown key; learning_rate is train.lr here"),
     ({"per_device_train_batch_size": 4}, "per_device_train_batch_size: unknown key; per_device_train_batch_size is "
                                          "train.batch_size here"),
-    ({"checkpoint": {"save_steps": 100}}, "checkpoint.save_steps: unknown key; save_steps is checkpoint.save_every here"),
+    ({"checkpoint": {"save_steps": 100}},
+     "checkpoint.save_steps: unknown key; save_steps is checkpoint.save_every here"),
     ({"train": {"lr_scheduler_type": "cosine"}}, "train.lr_scheduler_type: unknown key; lr_scheduler_type is "
                                                  "train.scheduler (cosine_with_min_lr"),
     ({"train": {"max_step": 4}}, "train.max_step: unknown key (did you mean"),  # other keys: as before

@@ -38,7 +38,8 @@ def test_validate_refuses_a_named_size_smaller_than_the_tokenizer(plugins, postt
     config = sft_config(tmp_path, model={"build_overrides": {"vocab_size": 256}})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     result = posttune_cli("validate", str(tmp_path / "run.yaml"))
-    assert (result.exit_code, result.stderr) == (2, f"posttune: error: config: tokenizer.path: {TOKENIZER}: {TOO_MANY}\n")
+    assert (result.exit_code, result.stderr) == (
+        2, f"posttune: error: config: tokenizer.path: {TOKENIZER}: {TOO_MANY}\n")
     config["model"]["build_overrides"]["vocab_size"] = 384  # as many rows as ids: fine (more would be too)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     assert posttune_cli("validate", str(tmp_path / "run.yaml")).exit_code == 0

@@ -43,7 +43,8 @@ def rewards_file(tmp_path, monkeypatch) -> Path:
 
 
 def test_functions_by_file_or_module_score_as_trl_calls_them(rewards_file):
-    rewards = resolve_rewards([RewardSpec("my_rewards.py:brevity", weight=2.0), RewardSpec("my_rewards:matches_answer")])
+    rewards = resolve_rewards([RewardSpec("my_rewards.py:brevity", weight=2.0),
+                               RewardSpec("my_rewards:matches_answer")])
     assert [reward.name for reward in rewards] == ["brevity", "matches_answer"]
     scores = score(rewards, ["p", "p"], ["AB", " X "], {"answer": ["X", "X"]}, completion_ids=[[1, 2], [3]])
     assert scores.per_reward == {"brevity": [1 / 3, 1 / 4], "matches_answer": [0.0, 1.0]}

@@ -36,7 +36,7 @@ def test_linear_cross_entropy_matches_the_full_logits_formula(softcap, with_bias
     (0.25 * loss).backward()
     (0.25 * expected).backward()
     torch.testing.assert_close(loss, expected.detach(), atol=1e-5, rtol=1e-6)
-    for mine, theirs in zip(ours, ref):
+    for mine, theirs in zip(ours, ref, strict=True):
         if mine is not None:
             torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=0)
 
@@ -97,7 +97,7 @@ def test_chunked_logps_and_entropies_match_the_plain_path_and_train_the_same(cap
     ours = twin(plain)
     want = token_logps(fake_session(plain), batch(), temperature=0.7, entropies=True)
     got = token_logps(chunked(ours), batch(), temperature=0.7, entropies=True)
-    for mine, theirs in zip(got, want):
+    for mine, theirs in zip(got, want, strict=True):
         torch.testing.assert_close(mine, theirs.detach(), atol=1e-5, rtol=1e-6)
     assert got[1].gt(0).sum() == 2 * 24 - 4 - 7 and not got[1].requires_grad
     weights = want[1] / want[1].max()  # rows weighed by entropy, as a mask chosen from them does

@@ -76,7 +76,8 @@ def check_tokenizer(config: Any, *, required: bool = True, chats: str | None = N
     if chats is not None and tokenizer.chat_template is None and config.tokenizer.chat_template is None:
         raise ConfigError(field, f"{path} has no chat template, and {chats} holds chat messages (a string of a "
                                  "prompt or preference row is one turn): set tokenizer.chat_template (a .jinja file "
-                                 "or the template), or use plain text rows (format text, completion or preference_text)")
+                                 "or the template), or use plain text rows (format text, completion or "
+                                 "preference_text)")
 
 
 def local_path(dataset: Any, where: str) -> Path | None:

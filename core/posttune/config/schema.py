@@ -82,7 +82,8 @@ class TokenizerConfig:
 @dataclass(frozen=True)
 class DatasetConfig:
     path: str  # a local json/jsonl/parquet/csv file or directory, or a hub dataset name
-    format: str = "chat"  # how a row reads: alpaca, chat, text, completion, preference, preference_text, prompt (`posttune ls datasets`)
+    # how a row reads: alpaca, chat, text, completion, preference, preference_text, prompt (`posttune ls datasets`)
+    format: str = "chat"
     split: str = "train"  # the dataset split to read
     subset: str | None = None  # hub dataset configuration name
     streaming: bool = False  # read rows as they are consumed, not loaded whole (needs train.max_steps)

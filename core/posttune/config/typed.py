@@ -89,7 +89,7 @@ def convert(annotation: Any, value: Any, path: str) -> Any:
         if fixed and len(value) != len(args):
             raise ConfigError(path, f"expected a list of {len(args)}, got {len(value)}")
         kinds = args if fixed else [args[0] if args else Any] * len(value)
-        items = [convert(item, v, f"{path}[{i}]") for i, (item, v) in enumerate(zip(kinds, value))]
+        items = [convert(item, v, f"{path}[{i}]") for i, (item, v) in enumerate(zip(kinds, value, strict=True))]
         return tuple(items) if (origin or annotation) is tuple else items
     if origin in (dict, Mapping, typing.Mapping) or annotation is dict:
         if not isinstance(value, Mapping):
