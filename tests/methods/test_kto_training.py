@@ -229,3 +229,37 @@ def test_the_bundled_kto_config_is_valid(llama_dpo, posttune_cli):
     plan = posttune_cli("plan", "kto-tiny-reverse")
     assert plan.exit_code == 0, plan.stderr
     assert "roles        reference:" in plan.stdout
+
+
+def test_text_rows_are_encoded_as_trls_kto_trainer_encodes_them(llama_dpo, tmp_path):
+    """``unpaired_text``: TRL's standard rows, ``prompt + completion`` plus EOS with no chat template, the completion
+    starting where the encoded prompt and the encoded whole part (TRL's KTOTrainer: its ``_tokenize`` and
+    ``common_prefix_length``, after its ``add_eos``); half the prompts end in a space the tokenizer merges with the
+    completion's "t". Message lists are refused, naming ``unpaired``."""
+    trl_data = pytest.importorskip("trl.data_utils")
+    from run_support import TOKENIZER
+    from transformers import AutoTokenizer
+
+    from posttune_dpo.kto import unpaired_text
+
+    theirs = AutoTokenizer.from_pretrained(TOKENIZER)
+    rows = [{"prompt": f"Reverse: {row['prompt'][9:]}\nAnswer:" + " " * (i % 2),
+             "completion": ("the " if i % 2 else " ") + row["completion"], "label": row["label"]}
+            for i, row in enumerate(feedback_rows(4))]
+    session = compose_run(kto_config(tmp_path, rows=rows, method={"name": "kto", "padding_free": False},
+                                     data={"train": {"path": str(tmp_path / "train.jsonl"), "format": "unpaired_text"}}))
+    batch = next(iter(session.train_data))
+    for position, row in enumerate(batch["rows"].tolist()):
+        prompt, completion = rows[row]["prompt"], rows[row]["completion"] + theirs.eos_token
+        prompt_ids = trl_data._tokenize(theirs, prompt)["input_ids"]
+        whole = trl_data._tokenize(theirs, prompt + completion)["input_ids"]
+        start = trl_data.common_prefix_length(prompt_ids, whole)
+        labels = batch["labels"][position]
+        assert batch["input_ids"][position][: len(whole)].tolist() == whole
+        assert [t + 1 for t in range(len(labels)) if labels[t] != -100] == list(range(start, len(whole))), row
+    assert any(len(trl_data._tokenize(theirs, r["prompt"])["input_ids"]) != trl_data.common_prefix_length(
+        trl_data._tokenize(theirs, r["prompt"])["input_ids"],
+        trl_data._tokenize(theirs, r["prompt"] + r["completion"])["input_ids"]) for r in rows)  # a merge is met
+    with pytest.raises(ValueError, match="field 'prompt' must be text in format unpaired_text, got list "
+                                         r"\(message lists: use format unpaired\)"):
+        unpaired_text({"prompt": [{"role": "user", "content": "Hi"}], "completion": "Hello", "label": True})

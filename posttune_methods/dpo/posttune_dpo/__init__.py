@@ -308,11 +308,20 @@ def _unpaired(row: Any) -> Any:
     return unpaired(row)
 
 
+def _unpaired_text(row: Any) -> Any:
+    from posttune_dpo.kto import unpaired_text
+
+    return unpaired_text(row)
+
+
 @hookimpl
 def posttune_register_datasets(register):
     register(DatasetFormat("unpaired", "feedback", _unpaired, ("prompt", "completion", "label"),
                            "unpaired binary feedback (TRL's unpaired preference rows): prompt, completion, label "
                            "(true: desirable)"))
+    register(DatasetFormat("unpaired_text", "feedback", _unpaired_text, ("prompt", "completion", "label"),
+                           "TRL's standard unpaired rows: prompt and completion as plain text (no chat template), "
+                           "label (true: desirable)"))
 
 
 @hookimpl

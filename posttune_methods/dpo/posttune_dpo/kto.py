@@ -37,10 +37,11 @@ KIND = "feedback"
 
 @dataclass(frozen=True)
 class FeedbackRow:
-    """One row of unpaired feedback: a prompt, one completion, and whether the completion is desirable."""
+    """One row of unpaired feedback: a prompt, one completion (chat messages, or both text), and whether the
+    completion is desirable."""
 
-    prompt: list[dict[str, Any]]
-    completion: list[dict[str, Any]]
+    prompt: list[dict[str, Any]] | str
+    completion: list[dict[str, Any]] | str
     desirable: bool
 
 
@@ -48,14 +49,30 @@ def unpaired(row: Mapping[str, Any]) -> FeedbackRow:
     """TRL's unpaired preference row: ``prompt`` and ``completion`` (strings, or message lists as in the
     ``preference`` format) and ``label``, a JSON boolean; anything else is refused rather than guessed
     (``"false"`` or ``0`` would be read as opposite answers by different readers)."""
+    label = _label(row)
+    return FeedbackRow(as_messages(row["prompt"], "prompt", "user"),
+                       as_messages(row["completion"], "completion", "assistant"), label)
+
+
+def unpaired_text(row: Mapping[str, Any]) -> FeedbackRow:
+    """TRL's standard unpaired rows: ``prompt`` and ``completion`` as plain text, encoded as ``prompt +
+    completion`` and EOS with no chat template (as TRL's KTOTrainer does), and ``label``."""
+    label = _label(row)
+    for field in ("prompt", "completion"):
+        if not isinstance(row[field], str):
+            raise ValueError(f"field '{field}' must be text in format unpaired_text, got {type(row[field]).__name__} "
+                             "(message lists: use format unpaired)")
+    return FeedbackRow(row["prompt"], row["completion"], label)
+
+
+def _label(row: Mapping[str, Any]) -> bool:
     for field in ("prompt", "completion", "label"):
         if row.get(field) is None:
             raise KeyError(field)
     label = row["label"]
     if not isinstance(label, bool):
         raise ValueError(f"field 'label' must be true (desirable) or false (undesirable), got {label!r}")
-    return FeedbackRow(as_messages(row["prompt"], "prompt", "user"),
-                       as_messages(row["completion"], "completion", "assistant"), label)
+    return label
 
 
 class FeedbackMaker(PairMaker):
