@@ -73,8 +73,7 @@ def test_one_process_runs_the_same_config_with_plans_inactive(registry):
     ({"data": None}, 1, "config: data: required: method 'fsft' trains on a dataset"),
     ({"data": {"train": {"path": "x", "format": "alpacca"}}}, 1,
      "config: data.train.format: no dataset format 'alpacca' is installed (installed: alpaca, chat, completion, "
-     "preference, prompt, text) "
-     "(did you mean 'alpaca'?)"),
+     "preference, preference_text, prompt, text) (did you mean 'alpaca'?)"),
     ({"model": {"family": "fam", "size": "huge"}}, 1,
      "config: model.size: family 'fam' has no size 'huge' (sizes: tiny)"),
     ({"model": {"family": "qwen3", "size": "0.6b"}}, 1,
