@@ -157,4 +157,18 @@ def test_a_logged_record_averages_the_steps_since_the_last_as_hf_trainer_does(ll
         assert record["loss"] == pytest.approx(sum(r["loss"] for r in window) / len(window), rel=1e-6)
         assert record["tokens"] == pytest.approx(sum(r["tokens"] for r in window) / len(window))
         assert (record["lr"], record["grad_norm"]) == pytest.approx((window[-1]["lr"], window[-1]["grad_norm"]))
+        assert record["peak_memory_mib"] >= min(r["peak_memory_mib"] for r in window)
     assert records[0]["loss"] != pytest.approx(steps[1]["loss"])  # a mean, not step 2's own
+
+
+def test_a_window_s_throughput_is_its_tokens_over_its_time():
+    """Two steps of 100 tokens, at 100 and 300 tokens/s (1 s and 1/3 s): 200 tokens in 4/3 s is 150 tokens/s, not
+    the rates' mean of 200; the loss is their mean, the peak memory their peak, lr the last step's."""
+    from posttune.training.metrics import averaged
+
+    steps = [{"step": 1, "lr": 1.0, "loss": 2.0, "tokens": 100, "tokens_per_s": 100.0, "peak_memory_mib": 10.0},
+             {"step": 2, "lr": 0.5, "loss": 1.0, "tokens": 100, "tokens_per_s": 300.0, "peak_memory_mib": 8.0}]
+    record = averaged(steps)
+    assert record == {"step": 2, "lr": 0.5, "loss": 1.5, "tokens": 100.0, "tokens_per_s": pytest.approx(150.0),
+                      "peak_memory_mib": 10.0}
+    assert averaged(steps[:1]) == steps[0] and isinstance(averaged(steps[:1])["tokens"], int)

@@ -33,9 +33,10 @@ OWN = ("step", "epoch", "lr", "grad_norm")
 
 
 def averaged(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The record of the last of ``records`` with each per-step number (loss, tokens/s, the method's metrics)
-    its mean over the steps that logged it, and peak memory their peak: what HF Trainer and TRL log every
-    ``logging_steps``. Evaluations (``val_*``) and the values in ``OWN`` are the last step's."""
+    """The record of the last of ``records`` with each per-step number (loss, token counts, the method's
+    metrics) its mean over the steps that logged it, peak memory their peak and tokens/s the steps' tokens over
+    their time: what HF Trainer and TRL log every ``logging_steps``. Evaluations (``val_*``) and the values in
+    ``OWN`` are the last step's."""
     last = dict(records[-1])
     if len(records) == 1:  # log_every 1: the step's record as it is (integers stay integers)
         return last
@@ -44,6 +45,9 @@ def averaged(records: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         values = [record[key] for record in records if _number(record.get(key))]
         last[key] = max(values) if key == "peak_memory_mib" else sum(values) / len(values)
+    timed = [record for record in records if _number(record.get("tokens")) and record.get("tokens_per_s")]
+    if "tokens_per_s" in last and timed:  # a step's seconds are its tokens over its rate
+        last["tokens_per_s"] = sum(r["tokens"] for r in timed) / sum(r["tokens"] / r["tokens_per_s"] for r in timed)
     return last
 
 
