@@ -111,6 +111,7 @@ KNOWN_AS: dict[str, str] = {
     "use_liger_kernel": "memory: [chunked_cross_entropy] (posttune-memory)",
     "packing": "method.packing (sft)", "sample_packing": "method.packing (sft)",
     "train_on_inputs": "method.train_on_input (sft)", "neftune_noise_alpha": "method.neftune_alpha (sft)",
+    "beta": "method.beta",
     "load_in_4bit": "memory: [qlora_nf4] with an adapter section (posttune-torchao)",
     "report_to": "logging: [wandb, tensorboard, mlflow or trackio] (posttune-wandb, ...)",
     "fsdp": "parallel: {plans: [fsdp2]} (posttune-fsdp2)", "fsdp_config": "parallel.options.fsdp2 (posttune-fsdp2)",

@@ -274,9 +274,9 @@ def _check_score_source(model: ModelConfig, name: str, section: str) -> None:
 
 
 def _check_vocabularies(plan: Plan) -> None:
-    """A role with its own weights reads the policy's token ids (a reference or teacher scores the policy's
-    tokens, a reward or value model reads them), so a smaller vocabulary would index past its embedding
-    mid-run. A larger one may be padding rows, which only the method can judge (KD's ``teacher_extra_vocab``).
+    """A role with its own weights reads the policy's token ids (it scores the policy's tokens, or reads them),
+    so a smaller vocabulary would index past its embedding mid-run. A larger one may be padding rows, which only
+    the method can judge (a setting of its own, as KD's).
     Sizes come from a local config.json or the named size; a hub id is left to the run (as ``_family`` leaves
     it when the family is named), so that `posttune validate` reaches no network for this check."""
     own = [(name, role) for name, role in plan.roles.items() if role.section != "model"]
@@ -318,7 +318,7 @@ def _check_policy_tokenizer(plan: Plan) -> None:
 def _check_tokenizers(plan: Plan) -> None:
     """A role with its own weights must read each token id as the policy's tokenizer writes it: another
     tokenizer's vocabulary of the same size or larger passes the size check and scores other tokens, silently
-    (a teacher's distribution over other words, a reference's log-probs of them). Checked where the policy's
+    (a role's distribution or log-probs over other words). Checked where the policy's
     tokenizer and the role's folder both hold a local tokenizer.json: every id both vocabularies define names
     the same token (added and special tokens aside)."""
     from posttune.tokenizer_files import vocabulary

@@ -40,7 +40,6 @@ TRAINING_ARGUMENTS = {
     "adam_epsilon": "train.optimizer: {_component_: torch.optim.AdamW, eps: ...}",
     "model_name_or_path": "model.path", "dataset_name": "data.train.path (a local file or a hub id)",
     "use_peft": "the adapter section (adapter: {rank: 16, alpha: 32}; none: full fine-tuning)",
-    "beta": "method.beta",
     # PEFT's LoraConfig
     "r": "adapter.rank", "lora_alpha": "adapter.alpha", "lora_dropout": "adapter.dropout",
     "target_modules": "adapter.targets", "use_dora": "adapter.kind: dora", "use_rslora": "adapter.rslora",
