@@ -40,14 +40,15 @@ def averaged(records: list[dict[str, Any]]) -> dict[str, Any]:
     last = dict(records[-1])
     if len(records) == 1:  # log_every 1: the step's record as it is (integers stay integers)
         return last
+    timed = [record for record in records if _number(record.get("tokens")) and record.get("tokens_per_s")]
     for key, value in last.items():
         if key in OWN or key.startswith("val_") or not _number(value):
             continue
+        if key == "tokens_per_s" and timed:  # a step's seconds are its tokens over its rate
+            last[key] = sum(r["tokens"] for r in timed) / sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+            continue
         values = [record[key] for record in records if _number(record.get(key))]
         last[key] = max(values) if key == "peak_memory_mib" else sum(values) / len(values)
-    timed = [record for record in records if _number(record.get("tokens")) and record.get("tokens_per_s")]
-    if "tokens_per_s" in last and timed:  # a step's seconds are its tokens over its rate
-        last["tokens_per_s"] = sum(r["tokens"] for r in timed) / sum(r["tokens"] / r["tokens_per_s"] for r in timed)
     return last
 
 
