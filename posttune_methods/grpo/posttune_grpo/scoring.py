@@ -100,6 +100,7 @@ def resolve_rewards(specs: Sequence[RewardSpec], *, where: str = "method.rewards
     if not specs:
         raise ConfigError(where, "lists no reward; name at least one, e.g. [{name: math_answer}]")
     first: dict[str, int] = {}
+    logged: dict[str, int] = {}  # by the name a reward is logged under: a Python function's own
     resolved = []
     for i, spec in enumerate(specs):
         at = f"{where}[{i}]"
@@ -107,11 +108,12 @@ def resolve_rewards(specs: Sequence[RewardSpec], *, where: str = "method.rewards
             raise ConfigError(f"{at}.name", f"'{spec.name}' is already listed as {where}[{first[spec.name]}]; "
                                             "list each reward once and set its weight")
         first[spec.name] = i
-        resolved.append(_resolve(spec, at, cwd))
-        named = [j for j, other in enumerate(resolved[:-1]) if other.name == resolved[-1].name]
-        if named:  # two functions of one name from two files: their logs would mix
-            raise ConfigError(f"{at}.name", f"'{spec.name}' is logged as reward/{resolved[-1].name}, as "
-                                            f"{where}[{named[0]}] is; rename one of the functions")
+        reward = _resolve(spec, at, cwd)
+        if reward.name in logged:  # two functions of one name from two files: their logs would mix
+            raise ConfigError(f"{at}.name", f"'{spec.name}' is logged as reward/{reward.name}, as "
+                                            f"{where}[{logged[reward.name]}] is; rename one of the functions")
+        logged[reward.name] = i
+        resolved.append(reward)
     return resolved
 
 
