@@ -38,6 +38,8 @@ MORE_CASES = {
     "apo_zero": {"loss_type": "apo_zero", "beta": 0.5},
     "apo_down": {"loss_type": "apo_down", "beta": 0.5},
     "discopop": {"loss_type": "discopop", "beta": 0.5, "discopop_tau": 0.3},
+    "aot": {"loss_type": "aot", "beta": 0.5, "label_smoothing": 0.1},
+    "aot_unpaired": {"loss_type": "aot_unpaired", "beta": 0.5},
 }
 LAYOUTS = ("shared_prompt", "padding_free", "padded")
 #: SPPO's gradient is proportional to the log-ratios themselves (a squared error of them, not a saturating
@@ -107,6 +109,11 @@ def paper(settings: dict, pc, pr, rc, rr, chosen_means) -> tuple[torch.Tensor, t
         z = beta * h
         blend = 1 / (1 + torch.exp(-z / settings["discopop_tau"]))
         loss = (1 - blend) * torch.log(1 + torch.exp(-z)) + blend * torch.exp(-z)
+    elif kind in ("aot", "aot_unpaired"):  # AOT eq. 9 and its unpaired form: values matched by rank in the batch
+        first, second = ((pc - pr, rc - rr) if kind == "aot" else (pc - rc, pr - rr))
+        ranked = [sorted(range(len(values)), key=lambda i, v=values: float(v[i].detach())) for values in (first, second)]
+        d = torch.stack([first[i] - second[j] for i, j in zip(*ranked, strict=True)])  # k-th smallest of each
+        loss = -(1 - eps) * torch.log(torch.sigmoid(beta * d)) - eps * torch.log(torch.sigmoid(-beta * d))
     elif kind == "hinge":
         loss = torch.clamp(1 - beta * h, min=0)
     elif kind == "robust":
@@ -263,3 +270,24 @@ def test_chunked_log_probs_equal_the_log_softmax_in_values_and_gradients():
         for got, t in zip(mine, (hidden, weight, bias)):
             torch.testing.assert_close(got, t.grad, atol=1e-5, rtol=0)
             t.grad = None
+
+
+
+def test_aot_sorts_the_real_pairs_alone_and_gives_placeholders_no_loss():
+    """A micro-batch's placeholder pairs (an empty share) take no rank in AOT's sort: the real pairs' losses are
+    those of the batch without them, each at a real pair's place, and the placeholders' losses and gradients 0."""
+    from posttune_dpo.losses import preference_losses
+
+    generator = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (torch.randn(5, generator=generator, dtype=torch.float64) for _ in range(4))
+    real = torch.tensor([True, False, True, True, False])
+    for kind, ranked in (("aot", pc - pr), ("aot_unpaired", pc - rc)):
+        assert not torch.equal(torch.sort(ranked[real]).values, ranked[real])  # the sort moves these values
+        policy = pc.clone().requires_grad_()
+        losses, _, _ = preference_losses(policy, pr, rc, rr, loss_type=kind, beta=0.5, label_smoothing=0.1, real=real)
+        alone, _, _ = preference_losses(pc[real], pr[real], rc[real], rr[real], loss_type=kind, beta=0.5,
+                                        label_smoothing=0.1)
+        torch.testing.assert_close(losses[real], alone, rtol=0, atol=1e-12)
+        assert losses[~real].eq(0).all()
+        losses.sum().backward()
+        assert policy.grad[~real].eq(0).all() and policy.grad[real].ne(0).all()

@@ -141,17 +141,18 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
      "config: reference: given twice: `reference:` is the old spelling of `models.reference`; keep one"),
     ({"method": {"name": "dpo", "loss_type": "kto"}},
      "config: method.loss_type: expected one of 'sigmoid', 'ipo', 'simpo', 'hinge', 'robust', 'orpo', 'sigmoid_norm', "
-     "'exo_pair', 'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop' or a list, got 'kto'"),
+     "'exo_pair', 'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop', 'aot', 'aot_unpaired' or a "
+     "list, got 'kto'"),
     ({"method": {"name": "dpo", "loss_type": ["sigmoid", "kto"]}},
      "config: method.loss_type[1]: expected one of 'sigmoid', 'ipo', 'simpo', 'hinge', 'robust', 'orpo', "
-     "'sigmoid_norm', 'exo_pair', 'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop', 'sft', "
-     "got 'kto'"),
+     "'sigmoid_norm', 'exo_pair', 'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop', 'aot', "
+     "'aot_unpaired', 'sft', got 'kto'"),
     ({"method": {"name": "dpo", "loss_type": "hinge", "label_smoothing": 0.1}},
-     "config: method.label_smoothing: hinge has no label smoothing; loss types sigmoid, simpo, robust, exo_pair use "
-     "it"),
+     "config: method.label_smoothing: hinge has no label smoothing; loss types sigmoid, simpo, robust, exo_pair, aot, "
+     "aot_unpaired use it"),
     ({"method": {"name": "dpo", "loss_type": "orpo", "label_smoothing": 0.1}},
-     "config: method.label_smoothing: orpo has no label smoothing; loss types sigmoid, simpo, robust, exo_pair use "
-     "it"),
+     "config: method.label_smoothing: orpo has no label smoothing; loss types sigmoid, simpo, robust, exo_pair, aot, "
+     "aot_unpaired use it"),
     ({"method": {"name": "dpo", "loss_type": "exo_pair"}},
      "config: method.label_smoothing: exo_pair needs it above 0: the labels' epsilon, whose log it takes (the EXO "
      "paper uses 1e-3)"),
@@ -198,7 +199,7 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
      "config: method.precompute_reference: [simpo, orpo] uses no reference model; remove it"),
     ({"method": {"name": "dpo", "loss_type": ["hinge", "ipo"], "label_smoothing": 0.1}},
      "config: method.label_smoothing: [hinge, ipo] has no label smoothing; loss types sigmoid, simpo, robust, "
-     "exo_pair use it"),
+     "exo_pair, aot, aot_unpaired use it"),
 ])
 def test_impossible_preference_runs_are_refused_by_validate_in_one_line(llama_dpo, posttune_cli, make_dpo_config,
                                                                        tmp_path, sections, message):

@@ -35,6 +35,8 @@ What is compared, and why only that:
 - ``sigmoid_norm``, ``exo_pair``, ``nca_pair``, ``bco_pair``, ``sppo_hard``, ``apo_zero``, ``apo_down`` and
   ``discopop``: TRL's loss types of those names (``exo_pair`` with ``label_smoothing`` 1e-3, ``discopop`` with
   ``discopop_tau`` 0.3), the loss and, but for ``sigmoid_norm`` (mean log-probs), the rewards and log-probs.
+- ``aot`` (with ``label_smoothing``) and ``aot_unpaired``: TRL's, on the same four pairs in one batch (both sort
+  within a batch), the loss, the rewards and log-probs.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ CASES = {
                  PAIRS),
     "discopop": ({"loss_type": "discopop", "discopop_tau": 0.3}, {"loss_type": ["discopop"], "discopop_tau": 0.3},
                  PAIRS),
+    # AOT: the batch's log-ratios matched by rank; TRL sorts each step's pairs, so its steps hold all four pairs
+    "aot": ({"loss_type": "aot", "label_smoothing": 0.2}, {"loss_type": ["aot"], "label_smoothing": 0.2}, PAIRS),
+    "aot_unpaired": ({"loss_type": "aot_unpaired"}, {"loss_type": ["aot_unpaired"]}, PAIRS),
     # loss lists: MPO's recipe (its sft term as RPO's: one-pair steps), and losses on sums and on means summed
     "mpo": ({"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
             {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]}, 1),
@@ -96,7 +101,7 @@ CASES = {
 }
 #: the loss types whose rewards and log-probs both libraries log alike (log-ratios of token sums)
 SUMMED = ("sigmoid", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
-          "discopop")
+          "discopop", "aot", "aot_unpaired")
 #: posttune metric -> TRL's logged name, where both log the same quantity (sigmoid losses)
 SAME_METRICS = {"rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejected",
                 "rewards/margin": "rewards/margins", "rewards/accuracy": "rewards/accuracies",

@@ -42,7 +42,7 @@ CONFIGS = Path(__file__).parent / "configs"
 
 
 PairLoss = Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "orpo", "sigmoid_norm", "exo_pair", "nca_pair",
-                   "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop"]
+                   "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop", "aot", "aot_unpaired"]
 #: the term a loss_type list may add to its pair losses: the chosen responses' NLL (rpo_alpha's)
 SFT = "sft"
 ListedLoss = Literal[(*get_args(PairLoss), SFT)]  # a loss_type list's entries (one Literal: one clear error)
@@ -56,14 +56,15 @@ class DPOConfig:
         "truncation_mode": "data.max_prompt_len (the prompt's last tokens kept; responses cut on the right)",
     }
     # DPO's logistic loss, IPO's squared loss, SimPO, SLiC's hinge loss, robust DPO, ORPO, or one of TRL's other
-    # pair losses: DPO on mean log-probs, EXO, NCA, BCO, SPPO (hard), APO (zero, down), DiscoPOP (docs/dpo.md);
+    # pair losses: DPO on mean log-probs, EXO, NCA, BCO, SPPO (hard), APO (zero, down), DiscoPOP, AOT (paired,
+    # unpaired: log-ratios matched by rank within each micro-batch) (docs/dpo.md);
     # or a list of them, summed with loss_weights, where sft adds the chosen responses' NLL (MPO: [sigmoid,
     # bco_pair, sft])
     loss_type: PairLoss | list[ListedLoss] = "sigmoid"
     loss_weights: list[float] | None = None  # with a loss_type list: each loss's weight (default: 1 each)
     # strength of the implicit KL to the reference (SimPO: the reward scale, ~2; ORPO: the odds-ratio weight lambda)
     beta: float = 0.1
-    # cDPO (sigmoid, simpo): probability that a pair's preference label is flipped; robust: the flip rate it
+    # cDPO (sigmoid, simpo, aot, aot_unpaired): probability that a pair's preference label is flipped; robust: the flip rate it
     # corrects; exo_pair: the labels' epsilon (needed, > 0; the paper uses 1e-3)
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5  # SimPO: target margin between the chosen and rejected rewards
@@ -92,7 +93,7 @@ REFERENCE_FREE: tuple[str, ...] = ("simpo", "orpo")
 #: ipo and sigmoid_norm, computed on per-token means here)
 F_DIVERGENCE_LOSSES: tuple[str, ...] = ("sigmoid", "hinge", "robust", "exo_pair", "discopop")
 #: the loss types that read ``label_smoothing``: cDPO's mixture of both labels, or robust DPO's correction
-SMOOTHED: tuple[str, ...] = ("sigmoid", "simpo", "robust", "exo_pair")
+SMOOTHED: tuple[str, ...] = ("sigmoid", "simpo", "robust", "exo_pair", "aot", "aot_unpaired")
 
 
 def weighted_losses(config: DPOConfig) -> tuple[tuple[str, float], ...]:

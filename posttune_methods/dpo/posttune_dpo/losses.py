@@ -37,6 +37,13 @@ chosen and rejected responses, ``beta`` the strength of the implicit KL constrai
   ``sigmoid(c) + 1 - sigmoid(beta h)`` (they are worse: lower both, the rejected more).
 - ``discopop`` (DiscoPOP, Chan Lu et al. 2024, eq. 5): ``z = beta h``, ``m = sigmoid(z / tau)``,
   ``(1 - m) (-log sigmoid(z)) + m exp(-z)``: a blend of the logistic and exponential losses.
+- ``aot`` and ``aot_unpaired`` (AOT, Melnyk et al. 2024, "Distributional Preference Alignment of LLMs via
+  Optimal Transport"): DPO's smoothed logistic loss on ``beta * d``, where ``d`` pairs the batch's values
+  *by rank*: ``aot`` the i-th smallest policy log-ratio ``pi_c - pi_r`` with the i-th smallest reference
+  one ``ref_c - ref_r``; ``aot_unpaired`` the i-th smallest chosen log-ratio ``pi_c - ref_c`` with the
+  i-th smallest rejected one (the chosen responses' distribution should dominate the rejected ones', not
+  each pair). A batch here is a micro-batch's real pairs (placeholders left out), as TRL sorts each
+  device's batch; the loss of one sorted position is reported at the pair in that position.
 
 The implicit rewards are ``beta * (pi - ref)`` and, for the reference-free ``simpo`` and ``orpo``,
 ``beta * pi``; detached. RPO's NLL term (``rpo_alpha``) is added by the method (method.py).
@@ -51,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 LossType = Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "orpo", "sigmoid_norm", "exo_pair", "nca_pair",
-                   "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop"]
+                   "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop", "aot", "aot_unpaired"]
 #: the loss types computed on per-token mean log-probabilities (the others on sums)
 LENGTH_NORMALISED: tuple[str, ...] = ("ipo", "simpo", "orpo", "sigmoid_norm")
 
@@ -60,10 +67,12 @@ def preference_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor
                       reference_chosen: torch.Tensor | None, reference_rejected: torch.Tensor | None, *,
                       loss_type: LossType, beta: float, label_smoothing: float = 0.0,
                       gamma: float = 0.0, tau: float = 0.05, f_divergence: str = "reverse_kl",
-                      f_alpha: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      f_alpha: float = 0.5,
+                      real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(losses, chosen rewards, rejected rewards), each ``[pairs]``; the rewards are detached. ``gamma``:
     SimPO's margin; ``tau``: DiscoPOP's temperature; ``f_divergence`` (and ``f_alpha``): f-DPO's scores in
-    place of the log-ratios in ``h`` (`f_scores`)."""
+    place of the log-ratios in ``h`` (`f_scores`); ``real``: which pairs are real (not placeholders), for the
+    losses that sort the batch (``aot``, ``aot_unpaired``; default: all)."""
     if loss_type == "simpo":
         logits = beta * (policy_chosen - policy_rejected) - gamma
         losses = _smoothed_sigmoid_loss(logits, label_smoothing)
@@ -101,6 +110,11 @@ def preference_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor
     elif loss_type == "discopop":
         blend = torch.sigmoid(z / tau)
         losses = (1.0 - blend) * -F.logsigmoid(z) + blend * torch.exp(-z)
+    elif loss_type == "aot":
+        losses = _ranked_loss(policy_chosen - policy_rejected, reference_chosen - reference_rejected, real, beta,
+                              label_smoothing)
+    elif loss_type == "aot_unpaired":
+        losses = _ranked_loss(chosen_ratio, rejected_ratio, real, beta, label_smoothing)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     return losses, chosen.detach(), rejected.detach()
@@ -138,6 +152,15 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 def _smoothed_sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+
+
+def _ranked_loss(higher: torch.Tensor, lower: torch.Tensor, real: torch.Tensor | None, beta: float,
+                 label_smoothing: float) -> torch.Tensor:
+    """AOT's loss: the smoothed logistic loss of ``beta`` x (the i-th smallest of ``higher`` - the i-th smallest of
+    ``lower``) over the real pairs, each sorted position's loss put at the i-th real pair (0 at placeholders)."""
+    keep = torch.ones_like(higher, dtype=torch.bool) if real is None else real
+    gap = torch.sort(higher[keep]).values - torch.sort(lower[keep]).values
+    return torch.zeros_like(higher).masked_scatter(keep, _smoothed_sigmoid_loss(beta * gap, label_smoothing))
 
 
 def _robust_loss(logits: torch.Tensor, flip_rate: float) -> torch.Tensor:

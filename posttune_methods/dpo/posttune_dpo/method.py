@@ -58,6 +58,7 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     losses: torch.Tensor | None = None
     extra: dict[str, torch.Tensor] = {}
     logged = None
+    placeholder = batch["rows"] < 0  # a placeholder pair (an empty share) weighs nothing
     for loss_type, weight in terms:
         if loss_type == SFT:
             continue
@@ -67,7 +68,6 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
             if average and "orpo" in (name for name, _ in terms):
                 # a placeholder pair (no targets) has mean log-prob 0, probability 1: its odds would be infinite
                 # and its loss NaN, which its weight 0 would not cancel; any finite value gives it a finite loss
-                placeholder = batch["rows"] < 0
                 policy[average] = tuple(logps.masked_fill(placeholder, -1.0) for logps in policy[average])
         policy_chosen, policy_rejected = policy[average]
         reference_chosen = reference_rejected = None
@@ -78,7 +78,7 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
         term, chosen_rewards, rejected_rewards = preference_losses(
             policy_chosen, policy_rejected, reference_chosen, reference_rejected, loss_type=loss_type,
             beta=config.beta, label_smoothing=config.label_smoothing, gamma=config.simpo_gamma, tau=config.discopop_tau,
-            f_divergence=config.f_divergence_type, f_alpha=config.f_alpha_divergence_coef)
+            f_divergence=config.f_divergence_type, f_alpha=config.f_alpha_divergence_coef, real=~placeholder)
         term = term if weight == 1.0 else weight * term
         losses = term if losses is None else losses + term
         if logged is None:
@@ -96,7 +96,7 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
         if nll_weight is not None:
             losses = losses + nll_weight * extra["nll_loss"]
     policy_chosen, policy_rejected, chosen_rewards, rejected_rewards = logged
-    real = (batch["rows"] >= 0).to(losses.dtype)  # a placeholder pair (an empty share) weighs nothing
+    real = (~placeholder).to(losses.dtype)
     pairs = real.sum()
 
     def mean(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
