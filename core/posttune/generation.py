@@ -22,7 +22,8 @@ anywhere is unfinished, and a rank whose rows are done keeps stepping with pad t
 
 The sampling settings have one set of ranges (``check_sampling``), enforced here for every
 caller (``posttune generate``, GRPO, on-policy KD), and a generation never runs past the
-model's context (``context_length``): the KV cache is sized by what fits, not by what was asked.
+model's context (``context_length``): the KV cache is sized by what fits, not by what was asked. A method
+that generates checks its ``max_new_tokens`` against that context once, in its setup (``check_new_tokens``).
 
 ``BuiltinEngine`` is this loop as the generation engine ``builtin`` (registered in
 ``posttune.engines``), and ``Sampling`` the settings any engine's ``generate`` takes.
@@ -31,6 +32,7 @@ model's context (``context_length``): the KV cache is sized by what fits, not by
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -40,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from posttune.errors import ConfigError
 from posttune.modules.decoder import forward_takes
 from posttune.modules.kv_cache import KVCache
 
@@ -283,6 +286,23 @@ def context_length(model: nn.Module) -> int | None:
     """
     sizes = [size for module in model.modules() if (size := _positions_of(module)) is not None]
     return min(sizes) if sizes else None
+
+
+def check_new_tokens(model: nn.Module, max_new_tokens: int, field: str, prompt_len: int | None,
+                     prompt_field: str = "data.max_prompt_len") -> None:
+    """A method's ``max_new_tokens`` (the config's ``field``) against ``model``'s context: generation stops there,
+    so completions past it would be cut, silently. None fits: refused; the longest prompt, ``prompt_len`` tokens
+    (what the config bounds it by, ``prompt_field``; None: unbounded), would not leave room for them all: a warning."""
+    context = context_length(model)
+    if context is None:
+        return
+    if max_new_tokens >= context:
+        raise ConfigError(field, f"{max_new_tokens} leaves no room for a prompt in the model's context of {context} "
+                                 "tokens (max_position_embeddings)")
+    if prompt_len is not None and prompt_len + max_new_tokens > context:
+        print(f"posttune: warning: {field}: a prompt of {prompt_len} tokens ({prompt_field}) leaves "
+              f"{max(context - prompt_len, 0)} of the {max_new_tokens} new tokens in the model's context of "
+              f"{context}: longer completions are cut there", file=sys.stderr)
 
 
 def _positions_of(module: nn.Module) -> int | None:

@@ -64,7 +64,7 @@ _LAZY: dict[str, str] = {
     # losses that honour the loss-stage technique (chunked) and final-logit soft-caps
     **dict.fromkeys(["token_cross_entropy", "token_logps", "sequence_logps", "labelled_logits"], "posttune.losses"),
     # generation with a KV cache: batched, seeded per row, the same forward count on every rank
-    **dict.fromkeys(["Completions", "Sampling", "context_length", "derive_seed", "generate", "generate_batch"],
+    **dict.fromkeys(["Completions", "Sampling", "check_new_tokens", "derive_seed", "generate", "generate_batch"],
                     "posttune.generation"),
     # models, checkpoints, tokenizers
     **dict.fromkeys(["load_model", "save_model", "build_model", "load_tokenizer"], "posttune.api"),

@@ -218,6 +218,30 @@ def test_the_on_policy_share_is_lambda_and_the_same_for_every_rank(llama_kd, tea
     assert [on_policy(session, position) for position in range(1, 2001)] != draws  # a new draw each epoch
 
 
+def test_on_policy_max_new_tokens_past_the_students_context_is_refused_and_a_long_prompt_warned(llama_kd, teacher,
+                                                                                                tmp_path, capsys):
+    """As GRPO's: generation stops at max_position_embeddings, so samples past it would be cut silently. A prompt
+    ends at its row's first target, so it is at most data.max_seq_len - 1 (47) tokens. Off-policy nothing is
+    generated, so nothing is checked."""
+    from posttune.errors import ConfigError
+
+    student = {"family": "llama", "size": "tiny", "build_overrides": {"vocab_size": 384, "max_position_embeddings": 64}}
+    with pytest.raises(ConfigError) as error:
+        compose_run(kd_config(tmp_path / "a", teacher, model=student,
+                              method={"on_policy_fraction": 0.5, "max_new_tokens": 64}))
+    assert str(error.value) == ("config: method.max_new_tokens: 64 leaves no room for a prompt in the model's "
+                                "context of 64 tokens (max_position_embeddings)")
+    compose_run(kd_config(tmp_path / "b", teacher, model=student, method={"max_new_tokens": 64}))
+    compose_run(kd_config(tmp_path / "c", teacher, model=student, method={"on_policy_fraction": 0.5,
+                                                                          "max_new_tokens": 17}))
+    assert "warning" not in capsys.readouterr().err  # 47 + 17 = 64 fits
+    compose_run(kd_config(tmp_path / "d", teacher, model=student, method={"on_policy_fraction": 0.5,
+                                                                          "max_new_tokens": 20}))
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "posttune: warning: method.max_new_tokens: a prompt of 47 tokens (data.max_seq_len - 1) leaves 17 of the 20 "
+        "new tokens in the model's context of 64: longer completions are cut there")
+
+
 # ---- refused before launch ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change,message", [

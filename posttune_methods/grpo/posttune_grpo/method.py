@@ -65,11 +65,12 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
 
 
 def setup(session: Session) -> None:
+    from posttune.plugin import check_new_tokens
     from posttune_grpo import rollout_source
     from posttune_grpo.scoring import resolve_rewards
 
     config = session.method_config
-    check_context(session)
+    check_new_tokens(session.model, config.max_new_tokens, "method.max_new_tokens", session.config.data.max_prompt_len)
     session.method_state = GRPOState(rewards=resolve_rewards(config.rewards),
                                      completions_to_log=logged_completions(config.log_completions))
     if any(reward.in_learner for reward in session.method_state.rewards):
@@ -82,25 +83,6 @@ def setup(session: Session) -> None:
 def logged_completions(setting: int | bool) -> int:
     """How many of a step's completions ``method.log_completions`` logs: TRL's ``true`` is every one of them."""
     return sys.maxsize if setting is True else int(setting)
-
-
-def check_context(session: Session) -> None:
-    """``max_new_tokens`` against the policy's context (``max_position_embeddings``): generation stops at the
-    context, so completions past it would be cut and counted as truncated, silently. None fits: refused; a prompt
-    of ``data.max_prompt_len`` tokens would not leave room for them: a warning."""
-    from posttune.plugin import ConfigError, context_length
-
-    context, new = context_length(session.model), session.method_config.max_new_tokens
-    if context is None:
-        return
-    if new >= context:
-        raise ConfigError("method.max_new_tokens", f"{new} leaves no room for a prompt in the model's context of "
-                                                   f"{context} tokens (max_position_embeddings)")
-    prompt = session.config.data.max_prompt_len
-    if prompt is not None and prompt + new > context:
-        print(f"posttune: warning: method.max_new_tokens: a prompt of data.max_prompt_len={prompt} tokens leaves "
-              f"{context - prompt} of the {new} new tokens in the model's context of {context}: longer completions "
-              "are cut there (and count as truncated)", file=sys.stderr)
 
 
 def batches(session: Session) -> Any:

@@ -194,18 +194,24 @@ def _full(logits: torch.Tensor) -> torch.Tensor:
 # ---- lifecycle ------------------------------------------------------------------------------------
 
 def setup(session: Session) -> None:
-    """Check the two vocabularies on the built models, and choose the chunked or the plain loss.
+    """Check the two vocabularies on the built models, on-policy ``max_new_tokens`` against the student's context
+    (a prompt is shorter than ``data.max_seq_len``), and choose the chunked or the plain loss.
 
     Chunked needs the native decoder contract (``forward(..., return_hidden=True)`` and an
     ``output`` head) in both models and heads that FSDP2 gathers whole (tensor parallelism
     splits them over the vocabulary: validate refuses a chunk size there).
     """
+    from posttune.plugin import check_new_tokens
     from posttune_kd import compare_vocabularies
 
     config = session.method_config
     student, teacher = session.model, session.models[TEACHER]
     student_vocab, teacher_vocab = _vocab(student), _vocab(teacher)
     compare_vocabularies(student_vocab, teacher_vocab, config.teacher_extra_vocab)
+    if config.on_policy_fraction > 0:
+        # a prompt ends at a row's first target, which has a token after it: at most data.max_seq_len - 1 tokens
+        check_new_tokens(student, config.max_new_tokens, "method.max_new_tokens", session.config.data.max_seq_len - 1,
+                         prompt_field="data.max_seq_len - 1")
     native = all(getattr(model, "output", None) is not None and callable(getattr(model, "hidden_states", None))
                  for model in (student, teacher))
     session.method_state = {"vocab": student_vocab, "chunked": config.chunk_size is not None and native,

@@ -49,11 +49,12 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
 
 
 def setup(session: Session) -> None:
+    from posttune.plugin import check_new_tokens
     from posttune_grpo.in_process import InProcessSource
-    from posttune_grpo.method import check_context
     from posttune_grpo.scoring import resolve_rewards
 
-    check_context(session)  # max_new_tokens against the policy's context, as GRPO's
+    check_new_tokens(session.model, session.method_config.max_new_tokens, "method.max_new_tokens",
+                     session.config.data.max_prompt_len)
 
     # GRPO's learner-side source: what its step record reads (the time spent generating), nothing to close
     state = PPOState(rewards=resolve_rewards(session.method_config.rewards), source=InProcessSource())
