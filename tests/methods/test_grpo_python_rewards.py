@@ -118,3 +118,25 @@ def test_a_ray_reward_actor_reads_references_from_the_learner_s_directory(reward
     actor = RewardActor(spec)
     assert [reward.name for reward in actor.rewards] == ["brevity"]
     assert actor.rewards[0](["p"], ["AB"]) == [1 / 3]
+
+
+def test_a_resume_warns_when_a_reward_file_changed_since_the_checkpoint(llama_grpo, posttune_cli,  # noqa: F811
+                                                                        rewards_file, tmp_path):
+    """The checkpoint records the file's sha256: the same file resumes quietly, an edited one (a reward fixed
+    mid-run) with one warning naming it; a module reference has no file to compare."""
+    config = grpo_config(tmp_path / "run", method={"rewards": ["my_rewards.py:brevity", "my_rewards:matches_answer"]},
+                         train={"max_steps": 1}, checkpoint={"save_every": 1})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert posttune_cli("train", str(path)).exit_code == 0
+    same = posttune_cli("train", str(path), "train.max_steps=2", "checkpoint.resume=latest")
+    assert same.exit_code == 0, same.stderr
+    assert "warning: method.rewards" not in same.stderr
+    rewards_file.write_text(rewards_file.read_text() + "\n# brevity: fixed\n")
+    edited = posttune_cli("train", str(path), "train.max_steps=3", "checkpoint.resume=latest")
+    assert edited.exit_code == 0, edited.stderr
+    warnings = [line for line in edited.stderr.splitlines() if line.startswith("posttune: warning: method.rewards")]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("posttune: warning: method.rewards: my_rewards.py has changed since the checkpoint "
+                                  "was written (sha256 ")
+    assert warnings[0].endswith("now): the resumed run scores with the file as it is now")

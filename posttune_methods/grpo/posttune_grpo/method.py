@@ -67,12 +67,14 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
 def setup(session: Session) -> None:
     from posttune.plugin import check_new_tokens
     from posttune_grpo import rollout_source
+    from posttune_grpo.python_rewards import file_digests
     from posttune_grpo.scoring import resolve_rewards
 
     config = session.method_config
     check_new_tokens(session.model, config.max_new_tokens, "method.max_new_tokens", session.config.data.max_prompt_len)
-    session.method_state = GRPOState(rewards=resolve_rewards(config.rewards),
-                                     completions_to_log=logged_completions(config.log_completions))
+    rewards = resolve_rewards(config.rewards)
+    session.method_state = GRPOState(rewards=rewards, completions_to_log=logged_completions(config.log_completions),
+                                     reward_files=file_digests(reward.fn for reward in rewards))
     if any(reward.in_learner for reward in session.method_state.rewards):
         from posttune_grpo.model_reward import load_reward_tokenizer
 
@@ -132,9 +134,10 @@ def on_step_end(session: Session, record: dict[str, Any]) -> None:
 
 def state_dict(session: Session) -> dict[str, Any]:
     """The rollouts being trained on and where in them; with Ray actors, the batches handed out and not yet
-    trained on too (ray_actors.RaySource.state_dict)."""
+    trained on too (ray_actors.RaySource.state_dict); the Python reward files' digests, for a resume to compare."""
     state: GRPOState = session.method_state
-    saved = {"pending": None if state.pending is None else state.pending.state_dict(), "cursor": state.cursor}
+    saved = {"pending": None if state.pending is None else state.pending.state_dict(), "cursor": state.cursor,
+             "reward_files": state.reward_files}
     if hasattr(state.source, "state_dict"):
         saved["handed_out"] = state.source.state_dict()
     return saved
@@ -146,6 +149,16 @@ def load_state_dict(session: Session, saved: dict[str, Any]) -> None:
     state.cursor = int(saved["cursor"])
     if saved.get("handed_out") and hasattr(state.source, "load_state_dict"):
         state.source.load_state_dict(saved["handed_out"])
+    warn_changed_reward_files(saved, state.reward_files)
+
+
+def warn_changed_reward_files(saved: dict[str, Any], now: dict[str, str]) -> None:
+    """A reward file edited since the checkpoint (GRPO's and PPO's): one warning per run, from the first rank
+    (checkpoints written before the digests were have none: nothing to compare)."""
+    from posttune_grpo.python_rewards import warn_changed_files
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        warn_changed_files(saved.get("reward_files") or {}, now)
 
 
 def close(session: Session) -> None:

@@ -11,6 +11,10 @@ completion at a time in worker processes under those limits, as the built-in ``m
 
 The function travels to worker processes and Ray actors as its reference (`PythonReward`), and is imported again
 there, so it needs no packaging; a plugin (``posttune new plugin --kind reward``) is what to ship to others.
+
+A checkpoint records each reward file's sha256 (``file_digests``, in the method's state), and a resume whose file
+has changed since says so on stderr (``warn_changed_files``): a warning, since fixing a reward and resuming is
+legitimate. A module reference is not fingerprinted: its code is a package's, possibly many files.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,3 +97,23 @@ def _from_file(path: Path) -> Any:
         del sys.modules[name]
         raise ValueError(f"{path} raised {type(exc).__name__} when imported: {exc}") from None
     return module
+
+
+def file_digests(functions: Iterable[Any]) -> dict[str, str]:
+    """The sha256 of each file that the ``PythonReward``s among ``functions`` read (``file.py:fn``), by the path as
+    the config wrote it."""
+    digests = {}
+    for function in functions:
+        if isinstance(function, PythonReward) and (target := function.reference.rpartition(":")[0]).endswith(".py"):
+            digests[target] = hashlib.sha256(Path(function.cwd, target).expanduser().read_bytes()).hexdigest()
+    return digests
+
+
+def warn_changed_files(recorded: Mapping[str, str], now: Mapping[str, str]) -> None:
+    """One ``posttune: warning:`` line per reward file whose content differs from the checkpoint's (``recorded``)."""
+    for path, digest in now.items():
+        before = recorded.get(path)
+        if before is not None and before != digest:
+            print(f"posttune: warning: method.rewards: {path} has changed since the checkpoint was written (sha256 "
+                  f"{before[:12]}... then, {digest[:12]}... now): the resumed run scores with the file as it is now",
+                  file=sys.stderr)

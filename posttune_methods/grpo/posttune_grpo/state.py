@@ -36,6 +36,7 @@ class GRPOState:
     reward_timeouts: dict[str, int] = field(default_factory=dict)  # of those, isolated rewards' timeouts
     reward_tokenizer: Any = None  # the reward model's tokenizer, when a reward model scores (model_reward.py)
     completions_to_log: int = 0  # method.log_completions
+    reward_files: dict[str, str] = field(default_factory=dict)  # each Python reward file's sha256, at setup
     # the step's first completions (prompt ids, completion ids, reward, per reward, advantage), for the log
     samples: list[tuple[Any, ...]] = field(default_factory=list)
 

@@ -51,13 +51,16 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
 def setup(session: Session) -> None:
     from posttune.plugin import check_new_tokens
     from posttune_grpo.in_process import InProcessSource
+    from posttune_grpo.python_rewards import file_digests
     from posttune_grpo.scoring import resolve_rewards
 
     check_new_tokens(session.model, session.method_config.max_new_tokens, "method.max_new_tokens",
                      session.config.data.max_prompt_len)
 
     # GRPO's learner-side source: what its step record reads (the time spent generating), nothing to close
-    state = PPOState(rewards=resolve_rewards(session.method_config.rewards), source=InProcessSource())
+    rewards = resolve_rewards(session.method_config.rewards)
+    state = PPOState(rewards=rewards, source=InProcessSource(),
+                     reward_files=file_digests(reward.fn for reward in rewards))
     session.method_state = state
     if any(reward.in_learner for reward in state.rewards):
         from posttune_grpo.model_reward import load_reward_tokenizer
@@ -129,9 +132,13 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
 
 def state_dict(session: Session) -> dict[str, Any]:
     state: PPOState = session.method_state
-    return {"pending": state.pending, "cursor": state.cursor, "made_at": state.made_at}
+    return {"pending": state.pending, "cursor": state.cursor, "made_at": state.made_at,
+            "reward_files": state.reward_files}
 
 
 def load_state_dict(session: Session, saved: dict[str, Any]) -> None:
+    from posttune_grpo.method import warn_changed_reward_files
+
     state: PPOState = session.method_state
     state.pending, state.cursor, state.made_at = saved["pending"], int(saved["cursor"]), int(saved["made_at"])
+    warn_changed_reward_files(saved, state.reward_files)
