@@ -211,7 +211,8 @@ class Method:
     - ``evaluate(session) -> dict``: default: loss and metrics over the validation loader.
     - ``on_step_end(session, record)``: after each optimizer step; may add to ``record``.
     - ``state_dict(session)`` / ``load_state_dict(session, state)``: kept in checkpoints
-      (tensors and plain containers: they are read back with ``weights_only=True``).
+      (tensors and plain containers: they are read back with ``weights_only=True``); a ``None`` state
+      keeps nothing (no file; a checkpoint without method files resumes without ``load_state_dict``).
     - ``validate(config, method_config)``: before launch; raise ConfigError to refuse.
     - ``micro_batch_tokens(config, method_config) -> (tokens, how)``: the most tokens one
       micro-batch's forward-with-gradient holds, and a phrase saying how that was worked out

@@ -1,6 +1,7 @@
 """DPO on 2 gloo ranks trains exactly like one process (fp32, per step, 1e-5): FSDP2 with full
 fine-tuning (the frozen reference sharded too) and with LoRA (the adapters-disabled reference), and
-tensor parallelism, with and without loss parallel. KTO's first step too (see its test)."""
+tensor parallelism, with and without loss parallel; TR-DPO's synced reference under FSDP2 and TP. KTO's first
+step too (see its test)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,19 @@ def test_dpo_under_tensor_parallelism_matches_one_process(runs, plans):
     single = runs("dpo_full_single", batch_size=8, method=DPO)
     split = runs(f"dpo_{'_'.join(plans)}", nproc=2, batch_size=8, parallel={"plans": plans}, method=DPO)
     assert_same_curve(metrics(split), metrics(single))
+
+
+@pytest.mark.parametrize("plans", [["fsdp2"], ["tp"]])
+def test_tr_dpo_syncs_each_ranks_shard_of_the_reference_as_one_process_syncs_it(runs, plans):
+    """TR-DPO (``sync_reference_every: 2``): the reference moves toward the policy after steps 2 and 4, each rank
+    its own shard, and steps 3 and 4 (scored against the moved reference) match one process's."""
+    tr_dpo = {**DPO, "sync_reference_every": 2, "sync_reference_alpha": 0.5}
+    single = runs("tr_dpo_single", batch_size=8, method=tr_dpo)
+    split = runs(f"tr_dpo_{plans[0]}", nproc=2, batch_size=4 if plans == ["fsdp2"] else 8,
+                 parallel={"plans": plans}, method=tr_dpo)
+    assert_same_curve(metrics(split), metrics(single))
+    fixed = metrics(runs("dpo_full_single", batch_size=8, method=DPO))
+    assert abs(metrics(single)[2]["loss"] - fixed[2]["loss"]) > 1e-4  # the synced reference changed step 3
 
 
 def test_the_frozen_reference_is_sharded_like_the_policy(tmp_path):

@@ -119,8 +119,24 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
     ({"method": {"name": "dpo", "packing": True}}, "config: method.packing: unknown key (keys: loss_type, loss_weights, beta, "
                                                    "label_smoothing, simpo_gamma, discopop_tau, rpo_alpha, "
                                                    "f_divergence_type, f_alpha_divergence_coef, ld_alpha, "
-                                                   "precompute_reference, padding_free, share_prompt)"),
+                                                   "precompute_reference, sync_reference_every, "
+                                                   "sync_reference_alpha, padding_free, share_prompt)"),
     ({"method": {"name": "dpo", "beta": 0}}, "config: method.beta: expected a positive number, got 0.0"),
+    # TR-DPO
+    ({"method": {"name": "dpo", "sync_reference_every": 0}},
+     "config: method.sync_reference_every: expected a number of steps >= 1 (null: a fixed reference), got 0"),
+    ({"method": {"name": "dpo", "sync_reference_alpha": 0.5}},
+     "config: method.sync_reference_alpha: only sync_reference_every uses it (TR-DPO)"),
+    ({"method": {"name": "dpo", "sync_reference_every": 4, "sync_reference_alpha": 0.0}},
+     "config: method.sync_reference_alpha: expected a weight in (0, 1], got 0.0"),
+    ({"method": {"name": "dpo", "loss_type": "simpo", "sync_reference_every": 4}},
+     "config: method.sync_reference_every: simpo uses no reference model; remove it"),
+    ({"method": {"name": "dpo", "sync_reference_every": 4, "precompute_reference": True}},
+     "config: method.precompute_reference: a reference synced with the policy (sync_reference_every) changes as it "
+     "trains; its log-probs cannot be computed once"),
+    ({"method": {"name": "dpo", "sync_reference_every": 4}, "adapter": {"rank": 4}},
+     "config: method.sync_reference_every: with an adapter the reference shares the policy's base weights; TR-DPO "
+     "needs a reference of its own (full fine-tuning, as TRL)"),
     ({"method": {"name": "dpo", "loss_type": "ipo", "label_smoothing": 0.1}},
      "config: method.label_smoothing: ipo has no label smoothing (it is a squared loss); use loss_type sigmoid "
      "for cDPO"),
@@ -242,3 +258,61 @@ def test_the_loss_plot_names_what_the_loss_is_averaged_over():
 
     assert loss_unit({"step": 1, "loss": 0.6, "pairs": 4}) == "per pair"
     assert loss_unit({"step": 1, "loss": 2.1, "labelled_tokens": 40}) == "per token"
+
+
+def test_tr_dpo_with_alpha_1_makes_every_step_start_from_the_policy_as_its_reference(llama_dpo, posttune_cli,
+                                                                                    make_dpo_config, tmp_path):
+    """``sync_reference_every: 1, sync_reference_alpha: 1``: after each step the reference becomes the policy, so
+    every step's log-ratios are 0 and its loss is log 2 (DPO's at a zero margin); without syncing they are not."""
+    def run(name: str, **sync: float) -> list[dict]:
+        config = make_dpo_config(tmp_path / name, rows=12, method={"name": "dpo", "beta": 0.5, **sync},
+                                 train={"lr": 3e-3})
+        result = posttune_cli("train", str(write(tmp_path / name, config)))
+        assert result.exit_code == 0, result.stderr
+        return metrics(config["checkpoint"]["output_dir"])
+
+    synced, fixed = run("synced", sync_reference_every=1, sync_reference_alpha=1.0), run("fixed")
+    assert [r["step"] for r in synced] == [1, 2, 3]
+    assert all(r["loss"] == pytest.approx(math.log(2), abs=1e-7) and r["rewards/margin"] == 0.0 for r in synced)
+    assert all(abs(r["loss"] - math.log(2)) > 1e-3 for r in fixed[1:])  # the fixed reference falls behind
+
+
+def test_tr_dpo_moves_the_reference_toward_the_policy_every_n_steps(llama_dpo, make_dpo_config, tmp_path):
+    """TR-DPO's soft update, ``ref <- alpha * policy + (1 - alpha) * ref``, at steps that are multiples of
+    ``sync_reference_every`` and not between them; a checkpoint keeps the synced reference only once it moved."""
+    import torch
+    from posttune_dpo import method
+    from run_support import compose_run
+
+    session = compose_run(make_dpo_config(tmp_path, rows=6, method={
+        "name": "dpo", "sync_reference_every": 2, "sync_reference_alpha": 0.25}))
+    reference, policy = session.models["reference"], session.model
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn_like(param))
+    before = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    session.step = 1
+    method.on_step_end(session, {})
+    assert all(torch.equal(p, before[name]) for name, p in reference.named_parameters())
+    assert method.state_dict(session) is None  # nothing moved: the reference is still its source
+    session.step = 2
+    method.on_step_end(session, {})
+    moved = dict(reference.named_parameters())
+    for name, weight in policy.named_parameters():
+        torch.testing.assert_close(moved[name], 0.25 * weight + 0.75 * before[name], rtol=0, atol=1e-6)
+    assert not torch.equal(moved["layers.0.mlp.down_proj.weight"], before["layers.0.mlp.down_proj.weight"])
+    saved = method.state_dict(session)["reference"]
+    assert saved.keys() == before.keys()
+    assert all(torch.equal(saved[name], p) for name, p in reference.named_parameters())
+
+
+def test_tr_dpo_refuses_a_reference_that_does_not_hold_the_policys_weights(llama_dpo, make_dpo_config, tmp_path):
+    from posttune.plugin import ConfigError
+    from run_support import compose_run
+
+    config = make_dpo_config(tmp_path, rows=6, method={"name": "dpo", "sync_reference_every": 2})
+    config["models"] = {"reference": {"family": "llama", "size": "tiny",
+                                      "build_overrides": {"vocab_size": 384, "intermediate_size": 96}}}
+    with pytest.raises(ConfigError, match=r"method.sync_reference_every: the reference's layers.0.mlp.gate_proj.weight: "
+                                          r"the policy holds it as \(\d+, 64\), whole, the reference as \(96, 64\)"):
+        compose_run(config)

@@ -78,9 +78,10 @@ def _write_checkpoint(session: Session, target: Path) -> None:
 
     method = session.plan.method.descriptor
 
-    def write_method_state(tmp: Path) -> None:  # every rank, its own file
-        if method.state_dict is not None:
-            save_torch(method.state_dict(session), tmp / METHOD_FILE.format(rank=distributed.rank()))
+    def write_method_state(tmp: Path) -> None:  # every rank, its own file; None: nothing to keep this time
+        state = None if method.state_dict is None else method.state_dict(session)
+        if state is not None:
+            save_torch(state, tmp / METHOD_FILE.format(rank=distributed.rank()))
 
     def write_trainer_state(tmp: Path) -> None:  # rank 0, last: every other file is in place
         save_torch(session.scheduler.state_dict(), tmp / "scheduler.pt")
@@ -231,13 +232,13 @@ def load_trainer_state(session: Session, path: Path) -> None:
     method = session.plan.method.descriptor
     if method.load_state_dict is not None:
         mine = path / METHOD_FILE.format(rank=distributed.rank())
-        if not mine.is_file():
-            saved = len(list(path.glob(METHOD_FILE.replace("{rank:05d}", "*"))))
-            why = (f"it was saved by {saved} process(es) and this run has {distributed.world_size()}: resume "
-                   "with the same number of processes" if saved else "it was written by another method or version")
+        saved = len(list(path.glob(METHOD_FILE.replace("{rank:05d}", "*"))))
+        if saved and not mine.is_file():
             raise PosttuneError(f"checkpoint.resume: {path} has no {mine.name}, where method '{method.name}' keeps "
-                                f"this rank's state; {why}")
-        method.load_state_dict(session, torch.load(mine, weights_only=True))
+                                f"this rank's state; it was saved by {saved} process(es) and this run has "
+                                f"{distributed.world_size()}: resume with the same number of processes")
+        if saved:  # none: the method kept nothing (its state_dict returned None)
+            method.load_state_dict(session, torch.load(mine, weights_only=True))
     session.step = meta["step"]
     session.epoch = meta["epoch"]
     session.skipped_nonfinite = int(meta.get("skipped_nonfinite", 0))

@@ -27,6 +27,7 @@ in ``method.py``; KTO's loss in ``kto_losses.py``, its data and wiring in ``kto.
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,8 @@ class DPOConfig:
         "precompute_ref_log_probs": "method.precompute_reference", "max_length": "data.max_seq_len",
         "max_prompt_length": "data.max_prompt_len", "ref_model": "models.reference",
         "truncation_mode": "data.max_prompt_len (the prompt's last tokens kept; responses cut on the right)",
+        "sync_ref_model": "method.sync_reference_every (the steps between syncs; null: a fixed reference)",
+        "ref_model_sync_steps": "method.sync_reference_every", "ref_model_mixup_alpha": "method.sync_reference_alpha",
     }
     # DPO's logistic loss, IPO's squared loss, SimPO, SLiC's hinge loss, robust DPO, ORPO, or one of TRL's other
     # pair losses: DPO on mean log-probs, EXO, NCA, BCO, SPPO (hard), APO (zero, down), DiscoPOP, AOT (paired,
@@ -79,6 +82,10 @@ class DPOConfig:
     # and the reference's log-probs (the paper's alpha, TRL's ld_alpha; the NLL term is unweighted)
     ld_alpha: float | None = None
     precompute_reference: bool = False  # reference log-probs computed once before training; no reference model
+    # TR-DPO: every this many optimizer steps the reference moves toward the policy, ref <- alpha x policy +
+    # (1 - alpha) x ref (TRL's sync_ref_model, ref_model_sync_steps); null: a fixed reference
+    sync_reference_every: int | None = None
+    sync_reference_alpha: float = 0.6  # TR-DPO's alpha (TRL's ref_model_mixup_alpha); 1: the policy replaces it
     # the batch's responses end to end in one row, each its own document: no padding computed (the
     # padded batch's losses); false: padded rows, 2 x batch_size of them
     padding_free: bool = True
@@ -163,11 +170,36 @@ def validate(config: RunConfig, method: DPOConfig) -> None:
         raise ConfigError("method.ld_alpha", f"expected a weight in [0, 1], got {method.ld_alpha}")
     if method.precompute_reference and not uses_reference(method):
         raise ConfigError("method.precompute_reference", f"{shown} uses no reference model; remove it")
+    _check_sync(config, method, shown)
     streaming = [split for split in ("train", "validation")
                  if getattr(config.data, split) is not None and getattr(config.data, split).streaming]
     if method.precompute_reference and streaming:
         raise ConfigError(f"data.{streaming[0]}.streaming", "precompute_reference scores the whole dataset "
                                                             "before training; it needs a map-style dataset")
+
+
+def _check_sync(config: RunConfig, method: DPOConfig, shown: str) -> None:
+    """TR-DPO's settings: a reference of its own (not the policy with its adapters off), scored live."""
+    every, alpha = method.sync_reference_every, method.sync_reference_alpha
+    if not (math.isfinite(alpha) and 0 < alpha <= 1):
+        raise ConfigError("method.sync_reference_alpha", f"expected a weight in (0, 1], got {alpha}")
+    if every is None:
+        if alpha != DPOConfig.sync_reference_alpha:
+            raise ConfigError("method.sync_reference_alpha", "only sync_reference_every uses it (TR-DPO)")
+        return
+    if every < 1:
+        raise ConfigError("method.sync_reference_every", f"expected a number of steps >= 1 (null: a fixed "
+                                                         f"reference), got {every}")
+    if not uses_reference(method):
+        raise ConfigError("method.sync_reference_every", f"{shown} uses no reference model; remove it")
+    if method.precompute_reference:
+        raise ConfigError("method.precompute_reference", "a reference synced with the policy "
+                                                         "(sync_reference_every) changes as it trains; its "
+                                                         "log-probs cannot be computed once")
+    if config.adapter is not None:
+        raise ConfigError("method.sync_reference_every", "with an adapter the reference shares the policy's base "
+                                                         "weights; TR-DPO needs a reference of its own (full "
+                                                         "fine-tuning, as TRL)")
 
 
 def _check_loss_list(method: DPOConfig, losses: tuple[str, ...]) -> None:
@@ -202,22 +234,13 @@ def micro_batch_tokens(config: Any, method: DPOConfig) -> tuple[int, str]:
     return pair_tokens(config, padding_free=method.padding_free)
 
 
-def _data(session: Session, dataset: DatasetConfig, split: str) -> Any:
-    from posttune_dpo.method import data
+def _method(name: str, module: str = "method") -> Any:
+    """``posttune_dpo.<module>.<name>``, imported on the first call (importing this package imports no torch)."""
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(f"posttune_dpo.{module}"), name)(*args)
 
-    return data(session, dataset, split)
-
-
-def _loss(session: Session, batch: Any) -> Any:
-    from posttune_dpo.method import loss
-
-    return loss(session, batch)
-
-
-def _setup(session: Session) -> None:
-    from posttune_dpo.method import setup
-
-    setup(session)
+    call.__name__ = name
+    return call
 
 
 @hookimpl
@@ -226,21 +249,24 @@ def posttune_register_methods(register):
         name="dpo",
         config=DPOConfig,
         dataset_kind="preference",
-        data=_data,
-        loss=_loss,
+        data=_method("data"),
+        loss=_method("loss"),
         roles=roles,
-        setup=_setup,
+        setup=_method("setup"),
+        on_step_end=_method("on_step_end"),
+        state_dict=_method("state_dict"),
+        load_state_dict=_method("load_state_dict"),
         validate=validate,
-        description="direct preference optimisation: DPO, cDPO, IPO, SimPO, hinge, robust DPO, RPO, ORPO; chosen "
-                    "and rejected in one forward",
+        description="direct preference optimisation: DPO, cDPO, IPO, SimPO, hinge, robust DPO, RPO, ORPO, AOT, "
+                    "TR-DPO; chosen and rejected in one forward",
         micro_batch_tokens=micro_batch_tokens,
     ))
     register(Method(
         name="kto",
         config=KTOConfig,
         dataset_kind="feedback",
-        data=_kto_data,
-        loss=_kto_loss,
+        data=_method("data", "kto"),
+        loss=_method("loss", "kto"),
         roles=kto_roles,
         validate=kto_validate,
         description="KTO: unpaired desirable/undesirable feedback against a KL reference point (format unpaired)",
@@ -289,18 +315,6 @@ def kto_micro_batch_tokens(config: Any, method: KTOConfig) -> tuple[int, str]:
     tokens, how = pair_tokens(config, padding_free=method.padding_free)
     return tokens, how.replace("chosen and rejected in one forward", "each completion and its mismatched pair in "
                                                                      "one forward")
-
-
-def _kto_data(session: Session, dataset: DatasetConfig, split: str) -> Any:
-    from posttune_dpo.kto import data
-
-    return data(session, dataset, split)
-
-
-def _kto_loss(session: Session, batch: Any) -> Any:
-    from posttune_dpo.kto import loss
-
-    return loss(session, batch)
 
 
 def _unpaired(row: Any) -> Any:

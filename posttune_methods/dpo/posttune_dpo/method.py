@@ -12,6 +12,9 @@
   once, in ``setup``, and then released.
 - ``loss``: the summed per-pair loss, normalised by the trainer over the pairs of the whole step;
   RPO's NLL term (``rpo_alpha``) and ORPO's are per pair too (each chosen response's per-token mean).
+- TR-DPO (``sync_reference_every``): after every that many optimizer steps the reference's weights move
+  toward the policy's (``on_step_end``), each rank its own shard; once moved they are kept in checkpoints
+  (``state_dict``), since nothing else could rebuild them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttune.plugin import DatasetConfig, LossOutput, Session, sequence_logps, token_logps
+from posttune.plugin import ConfigError, DatasetConfig, LossOutput, Session, sequence_logps, token_logps
 from posttune_dpo import REFERENCE_FREE, SFT, pair_losses, weighted_losses
 from posttune_dpo.losses import LENGTH_NORMALISED, orpo_log_odds, preference_losses
 
@@ -167,7 +170,10 @@ def ld_weights(batch: dict[str, Any], alpha: float) -> torch.Tensor:
 
 
 def setup(session: Session) -> None:
-    """With ``precompute_reference``: score every pair with the reference once, then release it."""
+    """With ``precompute_reference``: score every pair with the reference once, then release it. With
+    ``sync_reference_every``: check that the reference's weights pair with the policy's."""
+    if session.method_config.sync_reference_every is not None:
+        synced_pairs(session)
     if not session.method_config.precompute_reference:
         return
     averages = sorted({name in LENGTH_NORMALISED for name in pair_losses(session.method_config)
@@ -230,3 +236,66 @@ def lookup(table: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> tupl
     found = values[index] * (wanted >= 0).unsqueeze(1)
     found = found.to(rows.device)
     return found[:, 0], found[:, 1]
+
+
+def synced_pairs(session: Session) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, reference tensor, policy tensor) for every weight, the local shards where sharded; a reference that
+    does not hold the policy's weights in the same shapes and layout (``models.reference`` of another model, or
+    one the run's plans shard otherwise) is refused in one line."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in (session.model, session.models[REFERENCE]):  # FSDP2 keeps a root gathered after its forward
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    policy = dict(session.model.named_parameters())
+    pairs = []
+    for name, weight in session.models[REFERENCE].named_parameters():
+        mine = policy.pop(name, None)
+        if mine is None or mine.shape != weight.shape or getattr(mine, "placements", None) != \
+                getattr(weight, "placements", None):
+            why = "has no such weight" if mine is None else f"holds it as {tuple(mine.shape)}, " \
+                f"{getattr(mine, 'placements', 'whole')}, the reference as {tuple(weight.shape)}, " \
+                f"{getattr(weight, 'placements', 'whole')}"
+            raise ConfigError("method.sync_reference_every", f"the reference's {name}: the policy {why}; TR-DPO "
+                                                             "moves the reference toward the policy weight by weight")
+        pairs.append((name, _local(weight), _local(mine)))
+    if policy:
+        raise ConfigError("method.sync_reference_every", f"the policy's {next(iter(policy))}: the reference has no "
+                                                         "such weight")
+    return pairs
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@torch.no_grad()
+def on_step_end(session: Session, record: dict[str, Any]) -> None:
+    """TR-DPO's soft update (Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good Alignment"):
+    every ``sync_reference_every`` steps, ``ref <- alpha * policy + (1 - alpha) * ref``, in fp32."""
+    every, alpha = session.method_config.sync_reference_every, session.method_config.sync_reference_alpha
+    if every is None or session.step % every:
+        return
+    for _, reference, policy in synced_pairs(session):
+        reference.copy_(reference.float().lerp_(policy.float(), alpha))
+
+
+def state_dict(session: Session) -> dict[str, Any] | None:
+    """A synced reference's weights (this rank's shards); None before the first sync (nothing to keep)."""
+    every = session.method_config.sync_reference_every
+    if every is None or session.step < every:
+        return None
+    return {"reference": {name: reference.detach().cpu().clone() for name, reference, _ in synced_pairs(session)}}
+
+
+@torch.no_grad()
+def load_state_dict(session: Session, state: dict[str, Any]) -> None:
+    saved = state.get("reference")
+    if saved is None:
+        return
+    if session.method_config.sync_reference_every is None:
+        raise ConfigError("method.sync_reference_every", "the checkpoint holds a TR-DPO reference synced with the "
+                                                         "policy; resume with the run's sync_reference_every")
+    for name, reference, _ in synced_pairs(session):
+        reference.copy_(saved[name])
