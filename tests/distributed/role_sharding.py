@@ -2,12 +2,15 @@
 report how that frozen model role is held.
 
 Rank 0 prints ``RESULT {json}``: whether every parameter of the role is a DTensor sharded over the
-data-parallel ranks, frozen, and how many of its values this rank holds against the whole model.
+data-parallel ranks, frozen, and how many of its values this rank holds against the whole model; and whether
+every parameter is sharded again after a forward pass (no backward will reshard a frozen model).
 """
 
 import json
 import os
 import sys
+
+import torch
 
 from posttune.config import load_config, validate
 from posttune.plan import resolve_plan
@@ -27,5 +30,8 @@ report = {
     "full_values": sum(p.numel() for p in params),
     "policy_frozen_params": sum(not p.requires_grad for p in session.model.parameters()),
 }
+with torch.no_grad():  # a frozen role has no backward: its forward must leave every weight sharded again
+    reference(torch.zeros(1, 8, dtype=torch.long))
+report["sharded_after_forward"] = all(distributed.is_dtensor(p) for p in reference.parameters())
 if distributed.is_main():
     print("RESULT " + json.dumps(report), flush=True)

@@ -158,6 +158,7 @@ def kd_sums(session: Session, batch: dict[str, Any], how: Settings) -> tuple[KDS
         student_hidden = student(batch["input_ids"], return_hidden=True, **extra)
         with torch.no_grad():
             teacher_hidden = teacher(batch["input_ids"], return_hidden=True, **extra)
+        gather(teacher)
         sums = chunked_kd_loss(student_hidden[keep], head_of(student, trainable=True), teacher_hidden[keep],
                                head_of(teacher, trainable=False), labels[keep], how,
                                chunk_size=session.method_config.chunk_size)
@@ -178,6 +179,14 @@ def head_of(model: Any, *, trainable: bool) -> Head:
         raise PosttuneError("kd: the chunked loss found an output head still sharded after the forward pass; "
                             "set method.chunk_size to null for this parallel layout")
     return Head(weight, bias, getattr(model, "logit_softcap", None))
+
+
+def gather(model: Any) -> None:
+    """Gather an FSDP2 teacher's root (embedding, head) for the chunked loss: a frozen model's root is sharded
+    again after its forward (posttune-fsdp2), and the chunked loss reads the head after it."""
+    unshard = getattr(model, "unshard", None)
+    if callable(unshard):
+        unshard()
 
 
 def release(model: Any) -> None:
