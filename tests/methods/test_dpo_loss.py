@@ -291,3 +291,53 @@ def test_aot_sorts_the_real_pairs_alone_and_gives_placeholders_no_loss():
         assert losses[~real].eq(0).all()
         losses.sum().backward()
         assert policy.grad[~real].eq(0).all() and policy.grad[real].ne(0).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_wpo_weights_equal_the_papers_and_scale_each_pairs_loss_and_gradient(llama_dpo, make_dpo_config, tmp_path,
+                                                                            layout):
+    """WPO (eq. 2 as TRL computes it): each pair's DPO loss times ``w(chosen) * w(rejected)``, ``w(y) = exp(mean over
+    y's tokens of log p(y_t) - log sum_v p(v)^2)``, the weights without gradient; from full softmaxes here."""
+    padding_free, shared = layout != "padded", layout == "shared_prompt"
+    session = compose_run(make_dpo_config(tmp_path, rows=8, method={
+        "name": "dpo", "beta": 0.5, "wpo_weights": True, "padding_free": padding_free, "share_prompt": shared}))
+    perturb(session.model)
+    batch = next(iter(session.train_data))
+    out = session.plan.method.descriptor.loss(session, batch)
+    (out.loss_sum / out.normaliser).backward()
+    ours = gradients(session.model)
+
+    rows = pair_rows(batch)
+    logps = session.model(rows["input_ids"]).float().log_softmax(-1)
+    mask = rows["labels"] != -100
+    label_logps = logps.gather(-1, rows["labels"].clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    log_sum_sq = torch.log((logps.exp() ** 2).sum(-1))
+    aligned = ((label_logps - log_sum_sq) * mask).sum(-1) / mask.sum(-1)
+    weights = torch.exp(aligned).detach()
+    pc, pr = label_logps.sum(-1).chunk(2)
+    with torch.no_grad():
+        rc, rr = independent_logps(session.models["reference"], rows, average=False)
+    pair_weights = weights.chunk(2)[0] * weights.chunk(2)[1]
+    losses = -torch.log(torch.sigmoid(0.5 * ((pc - rc) - (pr - rr)))) * pair_weights
+    losses.mean().backward()
+    theirs = gradients(session.model)
+
+    assert float(pair_weights.mean()) < 0.8  # far enough from 1 to tell weighted from unweighted
+    torch.testing.assert_close(out.loss_sum / out.normaliser, losses.mean().detach(), atol=2 * TOL, rtol=0)
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, atol=2 * TOL * max(1.0, float(grad.abs().max())), rtol=0, msg=name)
+    total, count = out.metrics["wpo_weight"]
+    assert abs(float(total / count) - float(pair_weights.mean())) <= TOL
+
+
+
+def test_wpo_weights_are_refused_with_a_loss_kernel_that_never_forms_the_logits(llama_dpo, make_dpo_config,
+                                                                                 tmp_path):
+    from posttune.plugin import ConfigError
+
+    config = make_dpo_config(tmp_path, rows=8, method={"name": "dpo", "wpo_weights": True},
+                             memory=["chunked_cross_entropy"])
+    with pytest.raises(ConfigError, match="^config: method.wpo_weights: WPO's weights need the policy's logits, which the "
+                                          "loss kernel 'chunked_cross_entropy' never forms; remove that memory "
+                                          "technique$"):
+        compose_run(config)

@@ -119,9 +119,12 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
     ({"method": {"name": "dpo", "packing": True}}, "config: method.packing: unknown key (keys: loss_type, loss_weights, beta, "
                                                    "label_smoothing, simpo_gamma, discopop_tau, rpo_alpha, "
                                                    "f_divergence_type, f_alpha_divergence_coef, ld_alpha, "
-                                                   "precompute_reference, sync_reference_every, "
+                                                   "precompute_reference, wpo_weights, sync_reference_every, "
                                                    "sync_reference_alpha, padding_free, share_prompt)"),
     ({"method": {"name": "dpo", "beta": 0}}, "config: method.beta: expected a positive number, got 0.0"),
+    ({"method": {"name": "dpo", "loss_type": "aot", "wpo_weights": True}},
+     "config: method.wpo_weights: aot sorts the batch's log-ratios, so a pair's loss is not its own to weight (TRL "
+     "refuses it too)"),
     # TR-DPO
     ({"method": {"name": "dpo", "sync_reference_every": 0}},
      "config: method.sync_reference_every: expected a number of steps >= 1 (null: a fixed reference), got 0"),

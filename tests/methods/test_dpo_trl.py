@@ -35,6 +35,8 @@ What is compared, and why only that:
 - ``sigmoid_norm``, ``exo_pair``, ``nca_pair``, ``bco_pair``, ``sppo_hard``, ``apo_zero``, ``apo_down`` and
   ``discopop``: TRL's loss types of those names (``exo_pair`` with ``label_smoothing`` 1e-3, ``discopop`` with
   ``discopop_tau`` 0.3), the loss and, but for ``sigmoid_norm`` (mean log-probs), the rewards and log-probs.
+- WPO (``wpo_weights``, TRL's ``use_weighting``) on ``sigmoid``: the loss, the rewards and log-probs (unweighted in
+  both). (TRL 1.16 cannot run it with ``hinge``: it scales the hinge's output in place, which autograd refuses.)
 - ``aot`` (with ``label_smoothing``) and ``aot_unpaired``: TRL's, on the same four pairs in one batch (both sort
   within a batch), the loss, the rewards and log-probs.
 """
@@ -84,6 +86,9 @@ CASES = {
     # AOT: the batch's log-ratios matched by rank; TRL sorts each step's pairs, so its steps hold all four pairs
     "aot": ({"loss_type": "aot", "label_smoothing": 0.2}, {"loss_type": ["aot"], "label_smoothing": 0.2}, PAIRS),
     "aot_unpaired": ({"loss_type": "aot_unpaired"}, {"loss_type": ["aot_unpaired"]}, PAIRS),
+    # WPO: each pair's loss times both responses' length-normalised probabilities against the policy's own
+    # distribution (TRL's use_weighting)
+    "wpo": ({"loss_type": "sigmoid", "wpo_weights": True}, {"loss_type": ["sigmoid"], "use_weighting": True}, PAIRS),
     # loss lists: MPO's recipe (its sft term as RPO's: one-pair steps), and losses on sums and on means summed
     "mpo": ({"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
             {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]}, 1),
@@ -231,6 +236,8 @@ def test_dpo_loss_equals_trl_dpo_trainer_loss(llama_dpo, checkpoints, tmp_path, 
         assert ours > 0.1
     if case in ("rpo", "mpo"):  # the NLL term is a real part of the loss
         assert metrics["nll_loss"] > 1.0
+    if case == "wpo":  # the weights are far from 1, so an unweighted loss would not pass
+        assert metrics["wpo_weight"] < 0.5, metrics["wpo_weight"]
     first = ours_settings["loss_type"] if isinstance(ours_settings["loss_type"], str) else ours_settings["loss_type"][0]
     if first in SUMMED:  # a list logs its first loss's rewards
         # the policy is well off its reference, so a wrong reference or ratio would show

@@ -57,6 +57,7 @@ class DPOConfig:
         "truncation_mode": "data.max_prompt_len (the prompt's last tokens kept; responses cut on the right)",
         "sync_ref_model": "method.sync_reference_every (the steps between syncs; null: a fixed reference)",
         "ref_model_sync_steps": "method.sync_reference_every", "ref_model_mixup_alpha": "method.sync_reference_alpha",
+        "use_weighting": "method.wpo_weights",
     }
     # DPO's logistic loss, IPO's squared loss, SimPO, SLiC's hinge loss, robust DPO, ORPO, or one of TRL's other
     # pair losses: DPO on mean log-probs, EXO, NCA, BCO, SPPO (hard), APO (zero, down), DiscoPOP, AOT (paired,
@@ -82,6 +83,9 @@ class DPOConfig:
     # and the reference's log-probs (the paper's alpha, TRL's ld_alpha; the NLL term is unweighted)
     ld_alpha: float | None = None
     precompute_reference: bool = False  # reference log-probs computed once before training; no reference model
+    # WPO: each pair's loss weighted by how likely the policy is to write both responses itself (their
+    # length-normalised probabilities, each token's against the policy's own distribution; TRL's use_weighting)
+    wpo_weights: bool = False
     # TR-DPO: every this many optimizer steps the reference moves toward the policy, ref <- alpha x policy +
     # (1 - alpha) x ref (TRL's sync_ref_model, ref_model_sync_steps); null: a fixed reference
     sync_reference_every: int | None = None
@@ -171,6 +175,9 @@ def validate(config: RunConfig, method: DPOConfig) -> None:
     if method.precompute_reference and not uses_reference(method):
         raise ConfigError("method.precompute_reference", f"{shown} uses no reference model; remove it")
     _check_sync(config, method, shown)
+    if method.wpo_weights and set(losses) & {"aot", "aot_unpaired"}:
+        raise ConfigError("method.wpo_weights", f"{shown} sorts the batch's log-ratios, so a pair's loss is not its "
+                                                "own to weight (TRL refuses it too)")
     streaming = [split for split in ("train", "validation")
                  if getattr(config.data, split) is not None and getattr(config.data, split).streaming]
     if method.precompute_reference and streaming:

@@ -55,7 +55,7 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     the rewards and log-probs logged are the first listed loss's."""
     config = session.method_config
     terms = weighted_losses(config)
-    policy_tokens = token_logps(session, batch)
+    policy_tokens, weights = policy_token_logps(session, batch)
     policy: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
     reference: dict[bool, Any] = {}
     losses: torch.Tensor | None = None
@@ -98,6 +98,9 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
         extra["nll_loss"] = -chosen_means
         if nll_weight is not None:
             losses = losses + nll_weight * extra["nll_loss"]
+    if weights is not None:
+        losses = losses * weights
+        extra["wpo_weight"] = weights
     policy_chosen, policy_rejected, chosen_rewards, rejected_rewards = logged
     real = (~placeholder).to(losses.dtype)
     pairs = real.sum()
@@ -114,6 +117,40 @@ def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
         "logps/rejected": mean(policy_rejected),
         **{key: mean(values) for key, values in extra.items()},
     })
+
+
+def policy_token_logps(session: Session, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The policy's token log-probs, and with ``wpo_weights`` each pair's WPO weight (Zhou et al. 2024,
+    "WPO: Enhancing RLHF with Weighted Preference Optimization", eq. 2, as TRL's ``use_weighting``): the
+    product of both responses' ``exp(mean over its tokens of log p(y_t) - log sum_v p(v)^2)``, each token's
+    probability against the policy's own distribution there (1 for a response it would surely write), without
+    gradient. The weights need the logits, so this path forms them (a loss technique that never does is
+    refused in ``setup``)."""
+    if not session.method_config.wpo_weights:
+        return token_logps(session, batch), None
+    from posttune.plugin import IGNORE_INDEX, labelled_logits
+
+    logits, labels, keep = labelled_logits(session.model, batch)
+    logps = -F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="none")
+    with torch.no_grad():
+        flat = logits.flatten(0, -2)
+        flat = flat.full_tensor() if hasattr(flat, "full_tensor") else flat  # vocabulary-sharded (loss parallel)
+        log_sum_sq = torch.cat([torch.logsumexp(2.0 * chunk.float(), -1) - 2.0 * torch.logsumexp(chunk.float(), -1)
+                                for chunk in flat.split(1024)]) if flat.shape[0] else flat.new_zeros(0)
+    logps, log_sum_sq = (_label_shaped(values, batch["labels"], keep) for values in (logps, log_sum_sq))
+    chosen, rejected = pair_logps(logps.detach() - log_sum_sq, batch, True)
+    return logps, torch.exp(chosen + rejected)
+
+
+def _label_shaped(values: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``labelled_logits``' per-row values in the batch's ``[batch, seq]`` shape, 0 where the label is ignored."""
+    from posttune.plugin import IGNORE_INDEX
+
+    values = values.full_tensor() if hasattr(values, "full_tensor") else values
+    if keep is None:
+        return values.view(labels.shape) * (labels != IGNORE_INDEX)
+    return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter(keep, values)
 
 
 @torch.no_grad()
@@ -174,6 +211,10 @@ def setup(session: Session) -> None:
     ``sync_reference_every``: check that the reference's weights pair with the policy's."""
     if session.method_config.sync_reference_every is not None:
         synced_pairs(session)
+    kernel = getattr(session, "loss_kernel", None)
+    if session.method_config.wpo_weights and kernel is not None:
+        raise ConfigError("method.wpo_weights", f"WPO's weights need the policy's logits, which the loss kernel "
+                                                f"'{kernel.name}' never forms; remove that memory technique")
     if not session.method_config.precompute_reference:
         return
     averages = sorted({name in LENGTH_NORMALISED for name in pair_losses(session.method_config)
