@@ -173,7 +173,7 @@ def test_max_seq_len_past_the_model_context_is_warned_of_once(llama_sft, posttun
                                                   train={"max_steps": 1})))
     assert past.exit_code == 0, past.stderr
     warning = ("posttune: warning: data.max_seq_len: 300 is past the model's context of 256 tokens "
-               "(max_position_embeddings): longer samples train positions it was never trained on; lower it, or "
+               "(max_position_embeddings): longer samples use positions it was never trained on; lower it, or "
                "extend the context on purpose (rope scaling in the checkpoint's config)\n")
     assert past.stderr.count(warning) == 1
     within = posttune_cli("train", str(write_config("within.yaml", model=model, data={"max_seq_len": 256},

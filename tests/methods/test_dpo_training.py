@@ -319,3 +319,18 @@ def test_tr_dpo_refuses_a_reference_that_does_not_hold_the_policys_weights(llama
     with pytest.raises(ConfigError, match=r"method.sync_reference_every: the reference's layers.0.mlp.gate_proj.weight: "
                                           r"the policy holds it as \(\d+, 64\), whole, the reference as \(96, 64\)"):
         compose_run(config)
+
+
+def test_max_seq_len_past_a_frozen_roles_context_is_warned_of(llama_dpo, make_dpo_config, tmp_path, capsys):
+    """A reference from another source with a shorter context than ``data.max_seq_len`` (48) would score positions
+    it never saw: one warning naming it; the policy's own context (the default, longer) gets none."""
+    from run_support import compose_run
+
+    config = make_dpo_config(tmp_path, rows=4)
+    config["models"] = {"reference": {"family": "llama", "size": "tiny",
+                                      "build_overrides": {"vocab_size": 384, "max_position_embeddings": 40}}}
+    compose_run(config)
+    assert capsys.readouterr().err == (
+        "posttune: warning: data.max_seq_len: 48 is past the reference model's context of 40 tokens "
+        "(max_position_embeddings): longer samples use positions it was never trained on; lower it, or extend the "
+        "context on purpose (rope scaling in the checkpoint's config)\n")

@@ -166,17 +166,18 @@ def build_trained(session: Session, target: ModelTarget) -> nn.Module:
     return target.model
 
 
-def warn_past_context(session: Session, model: nn.Module) -> None:
-    """``data.max_seq_len`` past the model's context: longer samples would train positions it never saw, which
-    RoPE allows (a deliberate context extension sets the checkpoint's rope scaling), so a warning. Methods that
-    read prompts bound their own lengths (``max_new_tokens``), and are not warned."""
+def warn_past_context(session: Session, model: nn.Module, whose: str = "the model's") -> None:
+    """``data.max_seq_len`` past a model's context: longer samples would train positions it never saw (or, for a
+    frozen role, be scored there), which RoPE allows (a deliberate context extension sets the checkpoint's rope
+    scaling), so a warning. Methods that read prompts bound their own lengths (``max_new_tokens``), and are not
+    warned."""
     from posttune.generation import context_length
 
     context, length = context_length(model), session.config.data.max_seq_len
     kinds = session.plan.method.descriptor.dataset_kinds
     if context is not None and length > context and "prompt" not in kinds and distributed.is_main():
-        print(f"posttune: warning: data.max_seq_len: {length} is past the model's context of {context} tokens "
-              "(max_position_embeddings): longer samples train positions it was never trained on; lower it, or "
+        print(f"posttune: warning: data.max_seq_len: {length} is past {whose} context of {context} tokens "
+              "(max_position_embeddings): longer samples use positions it was never trained on; lower it, or "
               "extend the context on purpose (rope scaling in the checkpoint's config)", file=sys.stderr)
 
 
@@ -206,6 +207,7 @@ def build_roles(session: Session) -> None:
             continue
         session.targets[name] = target
         target.model = build_model(target).requires_grad_(False)  # frozen before any stage sees it
+        warn_past_context(session, target.model, f"the {name} model's")
         for stage in ("build", "quantize", "parallelize"):
             run_stage(session, stage, target)
         load_weights(session, target)
