@@ -181,6 +181,8 @@ class ModelRole:
     ``score``: the role returns one value per token instead of logits (a reward or value model:
     its source's ``score`` head, or a fresh one replacing a causal LM's; ``checkpoint/score_head.py``).
     A source saved as a sequence classifier gets its score head whatever this says.
+    ``own_tokenizer``: the role reads text through its own tokenizer (a reward model scoring decoded
+    completions), not the policy's token ids: its vocabulary and tokenizer need not be the policy's.
     """
 
     name: str
@@ -190,6 +192,7 @@ class ModelRole:
     run_plans: bool = True
     score: bool = False
     on_policy: bool = False
+    own_tokenizer: bool = False
 
 
 @dataclass(frozen=True)

@@ -279,7 +279,7 @@ def _check_vocabularies(plan: Plan) -> None:
     the method can judge (a setting of its own, as KD's).
     Sizes come from a local config.json or the named size; a hub id is left to the run (as ``_family`` leaves
     it when the family is named), so that `posttune validate` reaches no network for this check."""
-    own = [(name, role) for name, role in plan.roles.items() if role.section != "model"]
+    own = [(name, role) for name, role in plan.roles.items() if role.section != "model" and not role.role.own_tokenizer]
     policy = _vocab_size(plan.config.model, plan.family) if own else None
     for name, role in own:
         size = _vocab_size(role.config, role.family) if policy is not None else None
@@ -323,7 +323,8 @@ def _check_tokenizers(plan: Plan) -> None:
     the same token (added and special tokens aside)."""
     from posttune.tokenizer_files import vocabulary
 
-    own = [(name, role) for name, role in plan.roles.items() if role.section != "model" and role.config.path]
+    own = [(name, role) for name, role in plan.roles.items()
+           if role.section != "model" and role.config.path and not role.role.own_tokenizer]
     source = plan.config.tokenizer.path or plan.config.model.path
     policy = vocabulary(source) if own else None
     for name, role in own if policy is not None else ():

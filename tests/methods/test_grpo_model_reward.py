@@ -153,3 +153,17 @@ def test_a_rows_tools_reach_the_reward_models_chat_template(tmp_path):
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]
         assert ids == theirs.apply_chat_template(messages, tools=tools, return_dict=False)
     assert len(rendered[0]) > len(rendered[2]) + 20  # the tool's definition is in the first rendering
+
+
+def test_a_reward_model_with_a_tokenizer_of_its_own_is_not_held_to_the_policys(grpo_rm, posttune_cli, tmp_path):
+    """The reward model reads decoded completions through its own tokenizer (``ModelRole.own_tokenizer``): one
+    whose ids name other tokens than the policy's (the chatml tiny tokenizer beside the demo's) is accepted, where
+    a role reading the policy's ids would be refused (test_kd_training.py)."""
+    from posttune.tiny_tokenizer import save_tiny_tokenizer
+
+    config = rm_run(tmp_path)
+    save_tiny_tokenizer(tmp_path / "rm", template="chatml")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = posttune_cli("validate", str(path))
+    assert result.exit_code == 0, result.stderr

@@ -103,7 +103,7 @@ def roles(config: PPOConfig) -> tuple[ModelRole, ...]:
     value = ModelRole(VALUE_ROLE, from_policy=True, trained=True, score=True, on_policy=config.value_model == "head")
     reference = (ModelRole(REFERENCE_ROLE, from_policy=True, adapters_off=True),) if config.kl_coef > 0 else ()
     scored = any(spec.name == MODEL_REWARD for spec in config.rewards)
-    return (value, *reference, *((ModelRole(REWARD_ROLE, score=True),) if scored else ()))
+    return (value, *reference, *((ModelRole(REWARD_ROLE, score=True, own_tokenizer=True),) if scored else ()))
 
 
 def rows_per_rank(config: RunConfig, method: PPOConfig) -> int:
