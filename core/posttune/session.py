@@ -90,6 +90,8 @@ class Session:
     resume_from: Path | None = None  # the checkpoint this run resumes from, known before ``method.setup``
     run_id: str = ""  # the lineage this run's checkpoints belong to (inherited on resume), set with resume_from
     skipped_nonfinite: int = 0  # optimizer steps skipped for a NaN/Inf loss or grad norm (train.skip_nonfinite)
+    #: the step records since the last one written (``train.log_every``), kept in checkpoints (rank 0's)
+    log_window: list[dict[str, Any]] = field(default_factory=list)
     # -- extension points: what plugins add to the run ---------------------------------------------
     #: entered around each micro-batch's forward, loss and backward (loss parallel, context parallel,
     #: sequence padding for TP); run in order

@@ -70,14 +70,15 @@ class MetricsLog:
     """
 
     def __init__(self, output_dir: Path, *, total_steps: int, initial_step: int, enabled: bool,
-                 log_every: int = 1, trackers: Trackers | None = None):
+                 log_every: int = 1, trackers: Trackers | None = None, pending: list[dict[str, Any]] | None = None):
         self.enabled = enabled
         self.trackers = (trackers if trackers is not None else tracking.active()) if enabled else None
         self.path = output_dir / "metrics.jsonl"
         self.start = time.perf_counter()
         self.total_steps, self.log_every = total_steps, max(1, log_every)
         self.last_eval: tuple[int, dict[str, float]] | None = None
-        self.pending: list[dict[str, Any]] = []  # the steps since the last written record
+        # the steps since the last written record (a checkpoint keeps them: ``pending`` is the session's list)
+        self.pending: list[dict[str, Any]] = pending if pending is not None else []
         self.postfix: dict[str, str] = {}
         self.bar = None
         if enabled:
@@ -101,7 +102,8 @@ class MetricsLog:
         if "skipped_nonfinite" not in record:
             self.pending.append(record)
             if due:
-                record, self.pending = averaged(self.pending), []
+                record = averaged(self.pending)
+                self.pending.clear()
         if due:
             from posttune.training.write_errors import writing
 

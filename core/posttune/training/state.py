@@ -90,6 +90,7 @@ def _write_checkpoint(session: Session, target: Path) -> None:
         (tmp / STATE_FILE).write_text(json.dumps({"step": session.step, "epoch": session.epoch, "data": data,
                                                   "run_id": session.run_id,
                                                   "skipped_nonfinite": session.skipped_nonfinite,
+                                                  "log_window": session.log_window,
                                                   "lr": session.config.train.lr,
                                                   IDENTITY: resume_identity.of(session.plan)}, indent=2))
         write_manifest(tmp)
@@ -242,4 +243,5 @@ def load_trainer_state(session: Session, path: Path) -> None:
     session.step = meta["step"]
     session.epoch = meta["epoch"]
     session.skipped_nonfinite = int(meta.get("skipped_nonfinite", 0))
+    session.log_window[:] = meta.get("log_window", [])  # the steps a log_every record will average in
     set_rng_state(torch.load(path / "rng.pt", weights_only=True))

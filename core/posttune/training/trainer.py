@@ -95,7 +95,8 @@ def train(session: Session) -> dict[str, Any]:
     """Run until ``session.total_steps``; returns the summary also printed at the end."""
     config = session.config.train
     log = MetricsLog(Path(session.config.checkpoint.output_dir), total_steps=session.total_steps,
-                     initial_step=session.step, enabled=distributed.is_main(), log_every=config.log_every)
+                     initial_step=session.step, enabled=distributed.is_main(), log_every=config.log_every,
+                     pending=session.log_window)
     first_step = session.step
     session.trainable.train()
     window = Window()
