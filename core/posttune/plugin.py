@@ -87,7 +87,7 @@ _LAZY: dict[str, str] = {
     # distributed helpers (one process: the same calls, no communication)
     **dict.fromkeys([
         "all_reduce_max", "all_reduce_sum", "data_rank", "full_value", "is_dtensor", "padded_sequence",
-        "splits_sequence", "step_context", "sum_over_token_ranks", "to_device", "token_group", "token_mesh",
+        "paired_shards", "splits_sequence", "step_context", "sum_over_token_ranks", "to_device", "token_group", "token_mesh",
         "world_size",
     ], "posttune.training.distributed"),
 }

@@ -316,8 +316,9 @@ def test_tr_dpo_refuses_a_reference_that_does_not_hold_the_policys_weights(llama
     config = make_dpo_config(tmp_path, rows=6, method={"name": "dpo", "sync_reference_every": 2})
     config["models"] = {"reference": {"family": "llama", "size": "tiny",
                                       "build_overrides": {"vocab_size": 384, "intermediate_size": 96}}}
-    with pytest.raises(ConfigError, match=r"method.sync_reference_every: the reference's layers.0.mlp.gate_proj.weight: "
-                                          r"the policy holds it as \(\d+, 64\), whole, the reference as \(96, 64\)"):
+    with pytest.raises(ConfigError, match=r"method.sync_reference_every: layers.0.mlp.gate_proj.weight: the other "
+                                          r"model holds it as \(\d+, 64\), whole; this one as \(96, 64\), whole; the "
+                                          r"models must hold the same weights alike"):
         compose_run(config)
 
 

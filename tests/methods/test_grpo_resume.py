@@ -17,11 +17,15 @@ pytestmark = pytest.mark.slow
 ANY_VOWEL = {"name": "format", "options": {"pattern": ".*[AEIOU].*"}}
 
 
-def test_sigkill_then_resume_gives_the_same_grpo_steps(tmp_path):
+@pytest.mark.parametrize("method", [{}, {"beta": 0.04, "sync_reference_every": 2, "sync_reference_alpha": 0.5}],
+                         ids=["plain", "synced_reference"])
+def test_sigkill_then_resume_gives_the_same_grpo_steps(tmp_path, method):
+    """With a synced reference (``sync_reference_every``), the one synced at step 2 resumes from step 3's
+    checkpoint."""
     paths = {}
     for name in ("straight", "killed"):
         config = grpo_config(tmp_path / name, rows=8,
-                             method={"rewards": [ANY_VOWEL], "num_iterations": 2, "micro_batch_size": 4},
+                             method={"rewards": [ANY_VOWEL], "num_iterations": 2, "micro_batch_size": 4, **method},
                              train={"max_steps": 8, "grad_accum_steps": 2, "lr": 5e-3},
                              checkpoint={"save_every": 3, "keep_last": 2})
         paths[name] = tmp_path / f"{name}.yaml"

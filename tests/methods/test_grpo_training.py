@@ -172,6 +172,21 @@ def test_kl_is_logged_and_zero_before_the_first_update(llama_grpo, posttune_cli,
     assert steps[-1]["kl"] > 0
 
 
+def test_a_synced_reference_makes_the_kl_zero_again_after_each_sync(llama_grpo, posttune_cli, tmp_path):
+    """``sync_reference_every: 2, sync_reference_alpha: 1``: after steps 2 and 4 the reference becomes the policy, so
+    steps 3 and 5 (one pass per generation: the policy scored is the synced one) measure a KL of 0; a fixed
+    reference's KL grows instead."""
+    def kls(name: str, **sync: float) -> list[float]:
+        config = vowel_config(tmp_path / name, method={"beta": 0.04, **sync}, train={"max_steps": 5, "lr": 5e-3})
+        result = posttune_cli("train", str(write(tmp_path / name, config)))
+        assert result.exit_code == 0, result.stderr
+        return [step["kl"] for step in records(config)]
+
+    synced, fixed = kls("synced", sync_reference_every=2, sync_reference_alpha=1.0), kls("fixed")
+    assert [synced[i] for i in (0, 2, 4)] == pytest.approx([0.0, 0.0, 0.0], abs=1e-7)
+    assert synced[1] > 0 and synced[3] > 0 and min(fixed[1:]) > 0
+
+
 def test_several_passes_and_micro_batches_make_several_steps_per_generation(llama_grpo, posttune_cli, tmp_path):
     """2 prompts x 4 completions, micro-batches of 4, 2 passes: 4 micro-batches, 2 per step -> 2 steps each."""
     config = vowel_config(tmp_path, method={"num_iterations": 2, "micro_batch_size": 4},
@@ -228,11 +243,17 @@ def test_a_reward_that_cannot_score_stops_the_run_in_one_line_unless_told_to_cou
      "config: method.tis_cap: expected a number >= 1 (or null), got 0.5"),
     ({"method": {"mode": "off_policy", "ray_options": {"tis_cap": 3.0}}},
      "config: method.ray_options.tis_cap: unknown key; moved: set method.tis_cap"),
+    ({"method": {"sync_reference_every": 2}},
+     "config: method.sync_reference_every: beta is 0: the run has no reference model to sync"),
+    ({"method": {"beta": 0.04, "sync_reference_every": 2}, "adapter": {"rank": 4}},
+     "config: method.sync_reference_every: with an adapter the reference shares the policy's base weights; a synced "
+     "reference needs one of its own (full fine-tuning, as TRL)"),
+    ({"method": {"sync_reference_alpha": 0.5}}, "config: method.sync_reference_alpha: only sync_reference_every uses it"),
 ])
 def test_impossible_grpo_runs_are_refused_by_validate(llama_grpo, posttune_cli, tmp_path, sections, message):
     config = vowel_config(tmp_path)
     for section, values in sections.items():
-        config[section] = {**config[section], **values}
+        config[section] = {**config.get(section, {}), **values}
     result = posttune_cli("validate", str(write(tmp_path, config)))
     assert result.exit_code == 2
     assert result.stderr.startswith(f"posttune: error: {message}")

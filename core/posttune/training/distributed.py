@@ -268,3 +268,34 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def paired_shards(target: torch.nn.Module, source: torch.nn.Module,
+                  field: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, ``target``'s tensor, ``source``'s tensor) for every weight of two models of one shape, each rank's
+    local shards where the plans sharded them: what a method reads to move a model toward another, weight by
+    weight, with no gather (TR-DPO's synced reference). FSDP2 modules are resharded first (a root stays
+    gathered after its forward). Weights that do not pair (a missing name, another shape or sharding) are
+    refused in one line naming ``field``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from posttune.errors import ConfigError
+
+    for model in (target, source):
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    sources, pairs = dict(source.named_parameters()), []
+    for name, weight in target.named_parameters():
+        other = sources.pop(name, None)
+        layout = (getattr(weight, "placements", None), getattr(other, "placements", None))
+        if other is None or other.shape != weight.shape or layout[0] != layout[1]:
+            why = "has no such weight" if other is None else (
+                f"holds it as {tuple(other.shape)}, {layout[1] or 'whole'}; this one as {tuple(weight.shape)}, "
+                f"{layout[0] or 'whole'}")
+            raise ConfigError(field, f"{name}: the other model {why}; the models must hold the same weights alike")
+        pairs.append((name, *(w.to_local() if is_dtensor(w) else w for w in (weight, other))))
+    if sources:
+        raise ConfigError(field, f"{next(iter(sources))}: only one of the models holds it; the models must hold the "
+                                 "same weights alike")
+    return pairs

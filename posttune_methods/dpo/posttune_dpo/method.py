@@ -280,35 +280,11 @@ def lookup(table: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> tupl
 
 
 def synced_pairs(session: Session) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(name, reference tensor, policy tensor) for every weight, the local shards where sharded; a reference that
-    does not hold the policy's weights in the same shapes and layout (``models.reference`` of another model, or
-    one the run's plans shard otherwise) is refused in one line."""
-    from torch.distributed.fsdp import FSDPModule
+    """(name, reference tensor, policy tensor) for every weight, each rank's shards; a reference that does not
+    hold the policy's weights alike (``models.reference`` of another shape) is refused in one line."""
+    from posttune.plugin import paired_shards
 
-    for model in (session.model, session.models[REFERENCE]):  # FSDP2 keeps a root gathered after its forward
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-    policy = dict(session.model.named_parameters())
-    pairs = []
-    for name, weight in session.models[REFERENCE].named_parameters():
-        mine = policy.pop(name, None)
-        if mine is None or mine.shape != weight.shape or getattr(mine, "placements", None) != \
-                getattr(weight, "placements", None):
-            why = "has no such weight" if mine is None else f"holds it as {tuple(mine.shape)}, " \
-                f"{getattr(mine, 'placements', 'whole')}, the reference as {tuple(weight.shape)}, " \
-                f"{getattr(weight, 'placements', 'whole')}"
-            raise ConfigError("method.sync_reference_every", f"the reference's {name}: the policy {why}; TR-DPO "
-                                                             "moves the reference toward the policy weight by weight")
-        pairs.append((name, _local(weight), _local(mine)))
-    if policy:
-        raise ConfigError("method.sync_reference_every", f"the policy's {next(iter(policy))}: the reference has no "
-                                                         "such weight")
-    return pairs
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return paired_shards(session.models[REFERENCE], session.model, "method.sync_reference_every")
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@
       mask_truncated_completions: false # DAPO's overlong filtering: no loss from completions cut off
       beta: 0.0                      # KL to the reference (k3); 0 builds no reference model
       kl_in_reward: false            # true: beta x the summed log-ratio off the reward instead (RLOO)
+      sync_reference_every: null     # TR-DPO's update of the reference every this many steps
       engine: builtin                # the generation engine (`posttune ls engines`)
       padding_free: true             # the learner's rows end to end, each group's prompt once
 
@@ -77,6 +78,8 @@ class GRPOConfig:
         "use_bias_correction_kl": "method.bias_correction_kl",
         "vllm_importance_sampling_mode": "method.tis_mode", "vllm_importance_sampling_clip_max": "method.tis_cap",
         "vllm_importance_sampling_cap": "method.tis_cap",
+        "sync_ref_model": "method.sync_reference_every (the steps between syncs; null: a fixed reference)",
+        "ref_model_sync_steps": "method.sync_reference_every", "ref_model_mixup_alpha": "method.sync_reference_alpha",
     }
     group_size: int = 8  # completions sampled per prompt, compared within their group (at least 2)
     max_new_tokens: int = 256  # the longest completion
@@ -117,6 +120,10 @@ class GRPOConfig:
     # beta times the completion's summed log-ratio taken from its reward before the baseline (RLOO, TRL's RLOO)
     kl_in_reward: bool = False
     bias_correction_kl: bool = False  # the KL term times the importance ratio (DeepSeek-V3.2; TRL's default)
+    # TR-DPO's reference for the KL term: every this many optimizer steps, ref <- alpha x policy + (1 - alpha) x
+    # ref (TRL's sync_ref_model, ref_model_sync_steps); null: a fixed reference
+    sync_reference_every: int | None = None
+    sync_reference_alpha: float = 0.6  # the mix (TRL's ref_model_mixup_alpha); 1: the policy replaces it
     # the correction for rollouts sampled by another copy of the policy (the Ray modes' actors; in sync mode
     # any engine but builtin, e.g. vllm): each token's loss weighted by min(pi_old / pi_behaviour, tis_cap);
     # None: no correction
@@ -164,13 +171,31 @@ def roles(config: GRPOConfig) -> tuple[ModelRole, ...]:
     with its adapters disabled; a reward model (``models.reward``) for the ``reward_model`` reward."""
     reference = (ModelRole("reference", from_policy=True, adapters_off=True),) if config.beta > 0 else ()
     scored = any(spec.name == MODEL_REWARD for spec in config.rewards)
-    return reference + ((ModelRole(REWARD_ROLE, score=True),) if scored else ())
+    return reference + ((ModelRole(REWARD_ROLE, score=True, own_tokenizer=True),) if scored else ())
 
 
 def check_tis_cap(method: Any) -> None:
     """``tis_cap`` (GRPO's and PPO's): a weight capped below 1 would shrink every sample's term."""
     if method.tis_cap is not None and not method.tis_cap >= 1:
         raise ConfigError("method.tis_cap", f"expected a number >= 1 (or null), got {method.tis_cap}")
+
+
+def check_sync(config: RunConfig, method: GRPOConfig) -> None:
+    """A synced reference (TR-DPO's update, as TRL's GRPO offers it): a reference of its own, in the learner."""
+    every, alpha = method.sync_reference_every, method.sync_reference_alpha
+    if not (math.isfinite(alpha) and 0 < alpha <= 1):
+        raise ConfigError("method.sync_reference_alpha", f"expected a weight in (0, 1], got {alpha}")
+    if every is None and alpha != GRPOConfig.sync_reference_alpha:
+        raise ConfigError("method.sync_reference_alpha", "only sync_reference_every uses it")
+    if every is not None and every < 1:
+        raise ConfigError("method.sync_reference_every", f"expected a number of steps >= 1 (null: a fixed "
+                                                         f"reference), got {every}")
+    if every is not None and method.beta == 0:
+        raise ConfigError("method.sync_reference_every", "beta is 0: the run has no reference model to sync")
+    if every is not None and config.adapter is not None:
+        raise ConfigError("method.sync_reference_every", "with an adapter the reference shares the policy's base "
+                                                         "weights; a synced reference needs one of its own (full "
+                                                         "fine-tuning, as TRL)")
 
 
 def validate(config: RunConfig, method: GRPOConfig) -> None:
@@ -208,6 +233,7 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
     if method.bias_correction_kl and (method.beta == 0 or method.kl_in_reward):
         raise ConfigError("method.bias_correction_kl", "weights the loss's KL term, and this run has none "
                                                        "(beta 0, or kl_in_reward): remove it")
+    check_sync(config, method)
     if method.kl_in_reward and method.beta == 0:
         raise ConfigError("method.kl_in_reward", "puts beta times the KL in the reward, and beta is 0: set "
                                                  "method.beta (TRL's RLOO uses 0.05)")

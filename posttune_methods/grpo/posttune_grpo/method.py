@@ -25,7 +25,7 @@ import torch
 
 from posttune_grpo.rollouts import Rollouts, micro_batch_size, micro_batches_per_generation
 from posttune_grpo.state import GRPOState, log_samples
-from posttune.plugin import DatasetConfig, Session
+from posttune.plugin import ConfigError, DatasetConfig, Session
 
 
 class RolloutLoader:
@@ -80,6 +80,15 @@ def setup(session: Session) -> None:
 
         session.method_state.reward_tokenizer = load_reward_tokenizer(session)
     session.method_state.source = rollout_source(config).start(session)
+    if config.sync_reference_every is not None:
+        synced_reference(session)  # a reference that does not pair with the policy: refused now
+
+
+def synced_reference(session: Session) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, reference shard, policy shard) for every weight: what ``sync_reference_every`` mixes."""
+    from posttune.plugin import paired_shards
+
+    return paired_shards(session.models["reference"], session.model, "method.sync_reference_every")
 
 
 def logged_completions(setting: int | bool) -> int:
@@ -130,6 +139,11 @@ def on_step_end(session: Session, record: dict[str, Any]) -> None:
     state.step_started = time.perf_counter()
     log_samples(session, state)
     state.source.after_step(session, record)
+    every = getattr(session.method_config, "sync_reference_every", None)  # PPO shares this step end
+    if every is not None and session.step % every == 0:
+        with torch.no_grad():  # TR-DPO's update of the reference, as TRL's GRPO applies it
+            for _, reference, policy in synced_reference(session):
+                reference.copy_(reference.float().lerp_(policy.float(), session.method_config.sync_reference_alpha))
 
 
 def state_dict(session: Session) -> dict[str, Any]:
@@ -140,6 +154,9 @@ def state_dict(session: Session) -> dict[str, Any]:
              "reward_files": state.reward_files}
     if hasattr(state.source, "state_dict"):
         saved["handed_out"] = state.source.state_dict()
+    every = getattr(session.method_config, "sync_reference_every", None)
+    if every is not None and session.step >= every:  # a synced reference: nothing else could rebuild it
+        saved["reference"] = {name: weight.detach().cpu().clone() for name, weight, _ in synced_reference(session)}
     return saved
 
 
@@ -150,6 +167,13 @@ def load_state_dict(session: Session, saved: dict[str, Any]) -> None:
     if saved.get("handed_out") and hasattr(state.source, "load_state_dict"):
         state.source.load_state_dict(saved["handed_out"])
     warn_changed_reward_files(saved, state.reward_files)
+    if saved.get("reference") is not None:
+        if getattr(session.method_config, "sync_reference_every", None) is None:
+            raise ConfigError("method.sync_reference_every", "the checkpoint holds a reference synced with the "
+                              "policy; resume with the run's sync_reference_every")
+        with torch.no_grad():
+            for name, reference, _ in synced_reference(session):
+                reference.copy_(saved["reference"][name])
 
 
 def warn_changed_reward_files(saved: dict[str, Any], now: dict[str, str]) -> None:
