@@ -81,6 +81,7 @@ def test_the_teacher_is_sharded_like_the_student(tmp_path, teacher):
     assert result.returncode == 0, result.stderr[-4000:]
     found = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert found["all_dtensors"] and found["frozen"] and found["policy_frozen_params"] == 0
-    assert found["sharded_after_forward"]  # its root (embedding, head) too: no backward would free them
+    # KD's chunked loss reads the teacher's head after its forward: the root stays gathered until the loss frees it
+    assert not found["sharded_after_forward"]
     assert found["placements"] == ["(Shard(dim=0),)"]
     assert found["local_values"] * 2 <= found["full_values"] + 2 * 384

@@ -158,7 +158,6 @@ def kd_sums(session: Session, batch: dict[str, Any], how: Settings) -> tuple[KDS
         student_hidden = student(batch["input_ids"], return_hidden=True, **extra)
         with torch.no_grad():
             teacher_hidden = teacher(batch["input_ids"], return_hidden=True, **extra)
-        gather(teacher)
         sums = chunked_kd_loss(student_hidden[keep], head_of(student, trainable=True), teacher_hidden[keep],
                                head_of(teacher, trainable=False), labels[keep], how,
                                chunk_size=session.method_config.chunk_size)
@@ -179,14 +178,6 @@ def head_of(model: Any, *, trainable: bool) -> Head:
         raise PosttuneError("kd: the chunked loss found an output head still sharded after the forward pass; "
                             "set method.chunk_size to null for this parallel layout")
     return Head(weight, bias, getattr(model, "logit_softcap", None))
-
-
-def gather(model: Any) -> None:
-    """Gather an FSDP2 teacher's root (embedding, head) for the chunked loss: a frozen model's root is sharded
-    again after its forward (posttune-fsdp2), and the chunked loss reads the head after it."""
-    unshard = getattr(model, "unshard", None)
-    if callable(unshard):
-        unshard()
 
 
 def release(model: Any) -> None:
@@ -225,6 +216,9 @@ def setup(session: Session) -> None:
                  for model in (student, teacher))
     session.method_state = {"vocab": student_vocab, "chunked": config.chunk_size is not None and native,
                             "engine": None}
+    keep = getattr(teacher, "set_reshard_after_forward", None)  # an FSDP2 teacher's root
+    if session.method_state["chunked"] and callable(keep):
+        keep(False, recurse=False)  # gathered after its forward for the chunked loss's head; `release` frees it
 
 
 def close(session: Session) -> None:

@@ -43,7 +43,7 @@ def shard_model(session: Session, target: ModelTarget) -> None:
         fully_shard(layer, reshard_after_forward=options.reshard_after_forward, **kwargs)
     # The root (embedding, final norm, head) is needed again right at the start of backward, so a trained model
     # keeps it gathered; a frozen role has no backward to free it, and would hold it whole on every rank for the
-    # rest of the run (a method that reads its head after the forward gathers it itself: posttune-kd's teacher).
+    # rest of the run (a method that reads its head after the forward keeps it: posttune-kd's teacher).
     trained = any(p.requires_grad for p in model.parameters())
     fully_shard(model, reshard_after_forward=not trained, **kwargs)
 
