@@ -60,13 +60,13 @@ def token_logps(session: Any, batch: dict[str, torch.Tensor], model: Any = None,
         nll = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                               reduction="none")
         values = (-nll, logits_entropy(logits)) if entropies else (-nll,)
-        placed = tuple(_in_label_shape(value, labels, keep) for value in values)
+        placed = tuple(in_label_shape(value, labels, keep) for value in values)
         return placed if entropies else placed[0]
 
 
-def _in_label_shape(values: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """Per-position ``values`` of ``labelled_logits``' rows in the batch's ``[batch, seq]`` shape, 0 where the
-    label is ignored."""
+def in_label_shape(values: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Per-position ``values`` of ``labelled_logits``' rows (``keep``: the mask they were taken at, or None for
+    the full ``[batch, seq]``) in the batch's ``[batch, seq]`` shape, 0 where the label is ignored."""
     if hasattr(values, "full_tensor"):  # vocabulary-sharded logits under loss parallel: a DTensor result
         values = values.full_tensor()
     if keep is None:

@@ -62,7 +62,8 @@ _LAZY: dict[str, str] = {
     ], "posttune.data"),
     "row_tools": "posttune.chat_messages",  # a row's `tools` (a list of definitions or its JSON string), checked
     # losses that honour the loss-stage technique (chunked) and final-logit soft-caps
-    **dict.fromkeys(["token_cross_entropy", "token_logps", "sequence_logps", "labelled_logits"], "posttune.losses"),
+    **dict.fromkeys(["token_cross_entropy", "token_logps", "sequence_logps", "labelled_logits", "in_label_shape"],
+                    "posttune.losses"),
     # generation with a KV cache: batched, seeded per row, the same forward count on every rank
     **dict.fromkeys(["Completions", "Sampling", "check_new_tokens", "derive_seed", "generate", "generate_batch"],
                     "posttune.generation"),
@@ -87,8 +88,8 @@ _LAZY: dict[str, str] = {
     # distributed helpers (one process: the same calls, no communication)
     **dict.fromkeys([
         "all_reduce_max", "all_reduce_sum", "data_rank", "full_value", "is_dtensor", "padded_sequence",
-        "paired_shards", "splits_sequence", "step_context", "sum_over_token_ranks", "to_device", "token_group", "token_mesh",
-        "world_size",
+        "paired_shards", "splits_sequence", "step_context", "sum_over_token_ranks", "to_device", "token_group",
+        "token_mesh", "world_size",
     ], "posttune.training.distributed"),
 }
 

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttune.plugin import IGNORE_INDEX, LossKernel, is_dtensor, labelled_logits
+from posttune.plugin import IGNORE_INDEX, LossKernel, in_label_shape, is_dtensor, labelled_logits
 from posttune_memory.checkpointing import decoder_layers
 
 BATCH_SHAPES = 2  # full batches and a smaller last one: both compile per length bucket
@@ -159,9 +159,7 @@ def compiled_loss_kernel(compile_fn: Callable[[Callable[..., Any]], Callable[...
     def token_logps(model: Any, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         logits, labels, keep = labelled_logits(model, batch)
         values = (logps if torch.is_grad_enabled() else label_logps)(logits, labels, float(temperature))
-        if keep is None:
-            return values
-        return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter(keep, values)
+        return values if keep is None else in_label_shape(values, labels, keep)
 
     return LossKernel(cross_entropy=cross_entropy, logps=token_logps, name="compile")
 

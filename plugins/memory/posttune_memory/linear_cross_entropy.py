@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from posttune.plugin import IGNORE_INDEX, LoRALinear, LossKernel, PosttuneError, head_weight, is_dtensor
+from posttune.plugin import (IGNORE_INDEX, LoRALinear, LossKernel, PosttuneError, head_weight, in_label_shape,
+                             is_dtensor)
 
 
 def apply(session: Any, target: Any) -> None:
@@ -73,8 +74,7 @@ def token_logps(model: Any, batch: dict[str, torch.Tensor], *, chunk_size: int,
     keep, rows = labelled_rows(model, batch)
     entropy = torch.empty(keep.sum(), dtype=torch.float32, device=keep.device) if entropies else None
     logps = linear_logps(*rows, chunk_size=chunk_size, temperature=temperature, entropy_out=entropy)
-    placed = [torch.zeros(keep.shape, dtype=v.dtype, device=v.device).masked_scatter(keep, v)
-              for v in (logps, entropy) if v is not None]
+    placed = [in_label_shape(v, batch["labels"], keep) for v in (logps, entropy) if v is not None]
     return tuple(placed) if entropies else placed[0]
 
 

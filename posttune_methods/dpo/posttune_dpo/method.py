@@ -128,7 +128,7 @@ def policy_token_logps(session: Session, batch: dict[str, Any]) -> tuple[torch.T
     refused in ``setup``)."""
     if not session.method_config.wpo_weights:
         return token_logps(session, batch), None
-    from posttune.plugin import IGNORE_INDEX, labelled_logits
+    from posttune.plugin import IGNORE_INDEX, in_label_shape, labelled_logits
 
     logits, labels, keep = labelled_logits(session.model, batch)
     logps = -F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
@@ -138,19 +138,9 @@ def policy_token_logps(session: Session, batch: dict[str, Any]) -> tuple[torch.T
         flat = flat.full_tensor() if hasattr(flat, "full_tensor") else flat  # vocabulary-sharded (loss parallel)
         log_sum_sq = torch.cat([torch.logsumexp(2.0 * chunk.float(), -1) - 2.0 * torch.logsumexp(chunk.float(), -1)
                                 for chunk in flat.split(1024)]) if flat.shape[0] else flat.new_zeros(0)
-    logps, log_sum_sq = (_label_shaped(values, batch["labels"], keep) for values in (logps, log_sum_sq))
+    logps, log_sum_sq = (in_label_shape(values, batch["labels"], keep) for values in (logps, log_sum_sq))
     chosen, rejected = pair_logps(logps.detach() - log_sum_sq, batch, True)
     return logps, torch.exp(chosen + rejected)
-
-
-def _label_shaped(values: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """``labelled_logits``' per-row values in the batch's ``[batch, seq]`` shape, 0 where the label is ignored."""
-    from posttune.plugin import IGNORE_INDEX
-
-    values = values.full_tensor() if hasattr(values, "full_tensor") else values
-    if keep is None:
-        return values.view(labels.shape) * (labels != IGNORE_INDEX)
-    return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter(keep, values)
 
 
 @torch.no_grad()

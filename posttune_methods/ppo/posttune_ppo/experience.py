@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from posttune.plugin import (Session, documents_as_rows, pad_id, rows_as_documents, step_context,
+from posttune.plugin import (Session, documents_as_rows, in_label_shape, pad_id, rows_as_documents, step_context,
                              sum_over_token_ranks, to_device, token_logps)
 from posttune_ppo import micro_batch_size
 from posttune_ppo.advantages import gae, token_rewards
@@ -104,7 +104,7 @@ def _head_logps_and_values(session: Session, data: dict[str, Any], layout: dict[
         nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
         return -nll.view(labels.shape), values
     nll = F.cross_entropy(logits, labels[keep], reduction="none")
-    return torch.zeros(labels.shape, dtype=nll.dtype, device=nll.device).masked_scatter(keep, -nll), values
+    return in_label_shape(-nll, labels, keep), values
 
 
 def completion_mask(batch: dict[str, Any]) -> torch.Tensor:
