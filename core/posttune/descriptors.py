@@ -181,8 +181,8 @@ class ModelRole:
     ``score``: the role returns one value per token instead of logits (a reward or value model:
     its source's ``score`` head, or a fresh one replacing a causal LM's; ``checkpoint/score_head.py``).
     A source saved as a sequence classifier gets its score head whatever this says.
-    ``own_tokenizer``: the role reads text through its own tokenizer (a reward model scoring decoded
-    completions), not the policy's token ids: its vocabulary and tokenizer need not be the policy's.
+    ``own_tokenizer``: the role reads text through its own tokenizer (it scores decoded completions), not
+    the policy's token ids: its vocabulary and tokenizer need not be the policy's.
     """
 
     name: str

@@ -273,13 +273,19 @@ def _check_score_source(model: ModelConfig, name: str, section: str) -> None:
                                              "score model (a *ForSequenceClassification checkpoint)")
 
 
+def _reading_policy_ids(plan: Plan) -> list[tuple[str, RolePlan]]:
+    """The roles with weights of their own that read the policy's token ids (not ``ModelRole.own_tokenizer``)."""
+    return [(name, role) for name, role in plan.roles.items()
+            if role.section != "model" and not role.role.own_tokenizer]
+
+
 def _check_vocabularies(plan: Plan) -> None:
     """A role with its own weights reads the policy's token ids (it scores the policy's tokens, or reads them),
     so a smaller vocabulary would index past its embedding mid-run. A larger one may be padding rows, which only
-    the method can judge (a setting of its own, as KD's).
+    the method can judge (with a setting of its own).
     Sizes come from a local config.json or the named size; a hub id is left to the run (as ``_family`` leaves
     it when the family is named), so that `posttune validate` reaches no network for this check."""
-    own = [(name, role) for name, role in plan.roles.items() if role.section != "model" and not role.role.own_tokenizer]
+    own = _reading_policy_ids(plan)
     policy = _vocab_size(plan.config.model, plan.family) if own else None
     for name, role in own:
         size = _vocab_size(role.config, role.family) if policy is not None else None
@@ -323,8 +329,7 @@ def _check_tokenizers(plan: Plan) -> None:
     the same token (added and special tokens aside)."""
     from posttune.tokenizer_files import vocabulary
 
-    own = [(name, role) for name, role in plan.roles.items()
-           if role.section != "model" and role.config.path and not role.role.own_tokenizer]
+    own = [(name, role) for name, role in _reading_policy_ids(plan) if role.config.path]
     source = plan.config.tokenizer.path or plan.config.model.path
     policy = vocabulary(source) if own else None
     for name, role in own if policy is not None else ():
