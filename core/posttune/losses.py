@@ -17,9 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from posttune.data.samples import IGNORE_INDEX
 from posttune.modules.decoder import forward_takes
-
-IGNORE_INDEX = -100
 
 
 def token_cross_entropy(session: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

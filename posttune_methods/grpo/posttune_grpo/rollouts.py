@@ -23,9 +23,8 @@ import torch
 
 from posttune_grpo.loss import completion_sums, group_advantages
 from posttune_grpo.scoring import score_batch
-from posttune.plugin import Session
+from posttune.plugin import IGNORE_INDEX, Session
 
-IGNORE_INDEX = -100
 PLACEHOLDER_ROW = -1  # the dataset row of a placeholder prompt (a rank's short share of an epoch's last batch)
 #: the per-row tensors a Rollouts keeps (and a checkpoint saves); the rest is bookkeeping
 ROW_TENSORS = ("input_ids", "labels", "behaviour_logps", "old_logps", "ref_logps", "is_weights", "advantages",
