@@ -28,7 +28,6 @@ The per-step lines (``steps``) give each step's tokens and the RSS at its end. P
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile

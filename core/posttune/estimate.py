@@ -284,7 +284,8 @@ def estimate(plan: Any) -> Estimate:
                       notes=("soft-capped attention runs explicit attention: its [heads, seq, seq] scores are "
                              "not counted",) if softcap else ())
     for model in est.models[1:]:  # a trained role runs forward with gradients on the same rows (a value model)
-        role_shape = decoder_shape(model.module, adapter.rank if adapter is not None else 0) if model.trainable else None
+        role_shape = (decoder_shape(model.module, adapter.rank if adapter is not None else 0) if model.trainable
+                      else None)
         if role_shape is not None:
             est = replace(est, activations=est.activations + activation_bytes(role_shape, model.width, tokens))
     if device == "cpu" and est.allocator and (library := _preloaded_by_train()) is not None:

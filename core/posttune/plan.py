@@ -553,7 +553,8 @@ def _steps(plan: Plan) -> list[Step]:
         applied = [item.descriptor.name for item in plan.parallel + plan.memory
                    if trained or (role.role.run_plans and applies_to_frozen(item.descriptor))]
         how = f", with {', '.join(applied)}" if applied else ""
-        kind = f"trained{' (' + config.adapter.kind + ')' if config.adapter is not None else ''}" if trained else "frozen"
+        kind = (f"trained{' (' + config.adapter.kind + ')' if config.adapter is not None else ''}" if trained
+                else "frozen")
         add("roles", f"{name}: {kind} '{role.family.descriptor.name}' model ({source}){how}", role.family.provenance)
     for where, (source, fmt) in plan.sources.items():
         add("data", f"{where.removeprefix('data.')}: {source.path} as '{fmt.descriptor.name}'", fmt.provenance)

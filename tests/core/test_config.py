@@ -299,7 +299,8 @@ def test_package_paths_resolve_inside_installed_packages():
     assert raw["data"]["train"]["path"].endswith("posttune/builtin/datasets.py")
     assert __import__("pathlib").Path(raw["data"]["train"]["path"]).is_file()
     assert raw["model"]["path"] == "plain/dir"
-    with pytest.raises(ConfigError, match="config: tokenizer.path: package:nope_pkg/x: package 'nope_pkg' is not installed"):
+    with pytest.raises(ConfigError,
+                       match="config: tokenizer.path: package:nope_pkg/x: package 'nope_pkg' is not installed"):
         resolve_package_paths({"tokenizer": {"path": "package:nope_pkg/x"}})
 
 

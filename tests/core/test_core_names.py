@@ -37,9 +37,9 @@ COINCIDENCES = {
     ("scaffold/__init__.py", "reward"): "`posttune new reward`: the scaffold of a reward function",
     ("training/plot.py", "reward"): "the logged metric `reward` (any RL method's), drawn in its own panel",
 }
-FIRST_PARTY = ("posttune-llama", "posttune-qwen", "posttune-gemma", "posttune-phi3", "posttune-sft", "posttune-dpo", "posttune-grpo",
-               "posttune-kd", "posttune-rm", "posttune-ppo", "posttune-fsdp2", "posttune-tp", "posttune-cp", "posttune-ep", "posttune-loss-parallel",
-               "posttune-memory", "posttune-torchao")
+FIRST_PARTY = ("posttune-llama", "posttune-qwen", "posttune-gemma", "posttune-phi3", "posttune-sft", "posttune-dpo",
+               "posttune-grpo", "posttune-kd", "posttune-rm", "posttune-ppo", "posttune-fsdp2", "posttune-tp",
+               "posttune-cp", "posttune-ep", "posttune-loss-parallel", "posttune-memory", "posttune-torchao")
 
 
 def first_party_names() -> dict[str, str]:
@@ -61,10 +61,10 @@ def first_party_names() -> dict[str, str]:
 
 def namings(source: str, names: set[str]) -> list[tuple[int, str]]:
     """(line, name) for each way ``source`` names one of ``names`` (see the module docstring)."""
-    quoted = re.compile(r"""(?:``|`|'|")(%s)(?:``|`|'|")""" % "|".join(map(re.escape, sorted(names))))
+    quoted = re.compile(rf"""(?:``|`|'|")({'|'.join(map(re.escape, sorted(names)))})(?:``|`|'|")""")
     # a name with a digit or underscore is a name wherever it stands (not a call: torch's ``loss_parallel()``)
     coined = sorted(name for name in names if re.search(r"[\d_]", name))
-    bare = re.compile(r"(?<![\w.-])(%s)(?![\w(-])" % "|".join(map(re.escape, coined))) if coined else None
+    bare = re.compile(rf"(?<![\w.-])({'|'.join(map(re.escape, coined))})(?![\w(-])") if coined else None
     found, previous = [], None
     tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     for token, following in zip(tokens, tokens[1:] + [None]):

@@ -69,7 +69,8 @@ def test_one_process_runs_the_same_config_with_plans_inactive(registry):
                            "— pip install posttune-sft"),
     ({"method": {"name": "fdpo", "beta": "high"}}, 1, "config: method.beta: expected a number, got 'high'"),
     ({"method": {"name": "fdpo", "betta": 1}}, 1, "config: method.betta: unknown key (did you mean 'beta'?)"),
-    ({"method": "fdpo"}, 1, "config: data.train.format: 'chat' gives conversation rows; method 'fdpo' needs preference rows"),
+    ({"method": "fdpo"}, 1,
+     "config: data.train.format: 'chat' gives conversation rows; method 'fdpo' needs preference rows"),
     ({"data": None}, 1, "config: data: required: method 'fsft' trains on a dataset"),
     ({"data": {"train": {"path": "x", "format": "alpacca"}}}, 1,
      "config: data.train.format: no dataset format 'alpacca' is installed (installed: alpaca, chat, completion, "

@@ -249,7 +249,8 @@ def test_load_and_disable_environment_variables(fake_distribution, installed, mo
 def test_entry_points_load_once_per_process(fake_distribution, monkeypatch):
     import posttune.plugins as plugins_module
 
-    fake_distribution("fake-counted", "fake_counted", "import builtins\nbuiltins.LOADS = getattr(builtins, 'LOADS', 0) + 1\nPOSTTUNE_PLUGIN_API = 1\n")
+    fake_distribution("fake-counted", "fake_counted",
+                      "import builtins\nbuiltins.LOADS = getattr(builtins, 'LOADS', 0) + 1\nPOSTTUNE_PLUGIN_API = 1\n")
     import builtins
 
     monkeypatch.setattr(plugins_module, "_current", None)

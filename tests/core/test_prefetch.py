@@ -81,6 +81,6 @@ def test_an_error_in_the_worker_is_raised_at_the_batch_it_concerns():
 def test_leaving_early_stops_the_worker():
     before = threading.active_count()
     for _ in range(20):
-        for batch in loader(prefetch=True, count=30):
+        for _batch in loader(prefetch=True, count=30):
             break
     assert threading.active_count() <= before

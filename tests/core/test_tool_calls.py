@@ -112,7 +112,8 @@ def test_sharegpt_turns_keep_their_calls(folder, chat_format):
     turns = [{"from": roles[m["role"]], "value": m.get("content"), "tool_calls": m.get("tool_calls")}
              for m in messages]
     theirs = AutoTokenizer.from_pretrained(folder)
-    ids, _ = SampleMaker(chat_format, load_tokenizer(folder), max_seq_len=512)({"conversations": turns, "tools": tools}, 0)
+    ids, _ = SampleMaker(chat_format, load_tokenizer(folder),
+                         max_seq_len=512)({"conversations": turns, "tools": tools}, 0)
     plain = [{key: m[key] for key in ("role", "content", "tool_calls") if key in m} for m in messages]
     assert ids == theirs.apply_chat_template(plain, tools=tools, return_dict=False)
 
@@ -196,7 +197,8 @@ def test_a_template_that_ignores_tools_is_refused_rather_than_dropping_them(tmp_
 
 
 def test_rows_without_tools_are_unchanged():
-    assert row_tools({"messages": []}) is None and row_tools({"tools": []}) is None and row_tools({"tools": "[]"}) is None
+    assert (row_tools({"messages": []}) is None and row_tools({"tools": []}) is None
+            and row_tools({"tools": "[]"}) is None)
     turn = {"role": "assistant", "content": "ok", "tool_calls": None, "weight": 1, "reasoning_content": "think"}
     assert chat_message(turn, "messages[0]") == {"role": "assistant", "content": "ok", "reasoning_content": "think"}
 

@@ -50,7 +50,8 @@ def _code_lines(path: Path) -> list[tuple[int, str]]:
         blank = not line.strip()
         if fenced:
             out.append((number, line))
-        elif line.startswith("    ") and (indented or previous_blank) and not line.lstrip().startswith(("- ", "* ", "|")):
+        elif (line.startswith("    ") and (indented or previous_blank)
+              and not line.lstrip().startswith(("- ", "* ", "|"))):
             indented = True
             out.append((number, line.strip()))
         else:
@@ -118,5 +119,5 @@ def span_commands() -> list[Shown]:
 
 def quoted_errors() -> list[Shown]:
     """Every `posttune: error:` line the docs quote in a code block."""
-    return [Shown(text.strip(), str(path.relative_to(ROOT)), number) for path in DOCS for number, text in _code_lines(path)
-            if text.strip().startswith(ERROR)]
+    return [Shown(text.strip(), str(path.relative_to(ROOT)), number)
+            for path in DOCS for number, text in _code_lines(path) if text.strip().startswith(ERROR)]

@@ -61,7 +61,8 @@ def _commands() -> dict[str, set[str]]:
 def test_every_command_has_a_row_and_every_row_a_command():
     rows, commands = _rows(), set(_commands())
     assert not commands - set(rows), f"docs/config.md has no row for: {sorted(commands - set(rows))}"
-    assert not set(rows) - commands, f"docs/config.md documents commands that do not exist: {sorted(set(rows) - commands)}"
+    assert not set(rows) - commands, ("docs/config.md documents commands that do not exist: "
+                                      f"{sorted(set(rows) - commands)}")
 
 
 @pytest.mark.parametrize("name", sorted(_rows()))

@@ -59,9 +59,11 @@ PREPARE = (f"posttune train llama-demo-reverse checkpoint.output_dir=runs/sft {S
 CAPITALS_TASK = """
 import json, pathlib, re
 block = pathlib.Path({eval_md!r}).read_text().split("```yaml", 1)[1].split("```", 1)[0]
-pathlib.Path("tasks/capitals.yaml").write_text(re.sub(r"/abs/path/to/capitals.jsonl.*", str(pathlib.Path("capitals.jsonl").resolve()), block))
+pathlib.Path("tasks/capitals.yaml").write_text(re.sub(r"/abs/path/to/capitals.jsonl.*",
+                                                      str(pathlib.Path("capitals.jsonl").resolve()), block))
 rows = [("France", ["Paris", "Rome"], 0), ("Italy", ["Paris", "Rome"], 1), ("Spain", ["Lisbon", "Madrid"], 1)]
-pathlib.Path("capitals.jsonl").write_text("".join(json.dumps({{"question": f"The capital of {{c}}?", "choices": ch, "label": l}}) + "\\n" for c, ch, l in rows))
+pathlib.Path("capitals.jsonl").write_text("".join(
+    json.dumps({{"question": f"The capital of {{c}}?", "choices": ch, "label": l}}) + "\\n" for c, ch, l in rows))
 """.format(eval_md=str(ROOT / "docs" / "eval.md"))
 
 #: scenario -> the documented commands it runs, in order, each with what is appended (or inserted
@@ -71,7 +73,8 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("posttune plugins", ""), ("posttune --version", ""), ("posttune ls", ""), ("posttune ls configs", ""),
         ("posttune ls families", ""), ("posttune ls methods", ""), ("posttune ls plans", ""),
         ("posttune ls memory", ""), ("posttune ls datasets", ""), ("posttune ls rewards", ""),
-        ("posttune ls engines", ""), ("posttune ls --json methods", ""), ("posttune config keys", ""), ("posttune ls loggers", ""),
+        ("posttune ls engines", ""), ("posttune ls --json methods", ""), ("posttune config keys", ""),
+        ("posttune ls loggers", ""),
         ("posttune config keys logging_options", ""), ("posttune validate llama-demo-reverse", ""),
         ("posttune preview llama-demo-reverse --rows 1", ""),
     ],
@@ -188,11 +191,14 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
 #: quoted error line (its start) -> the command that prints it, run in a scratch directory
 #: holding data/train.jsonl (a bad byte on line 12) and data/train.json (one object)
 ERRORS: dict[str, str] = {
-    "posttune: error: config: train.lr: expected a number, got 'f": "posttune validate llama-demo-reverse train.lr=fast",
-    "posttune: error: config: train.lrr: unknown key (did you mean ": "posttune validate llama-demo-reverse train.lrr=1",
+    "posttune: error: config: train.lr: expected a number, got 'f":
+        "posttune validate llama-demo-reverse train.lr=fast",
+    "posttune: error: config: train.lrr: unknown key (did you mean ":
+        "posttune validate llama-demo-reverse train.lrr=1",
     "posttune: error: config: train.learning_rate: unknown key; learni": "posttune validate llama-demo-reverse "
                                                                          "train.learning_rate=1",
-    "posttune: error: config: method: no method 'sftt' is installed": "posttune validate llama-demo-reverse method=sftt",
+    "posttune: error: config: method: no method 'sftt' is installed":
+        "posttune validate llama-demo-reverse method=sftt",
     "posttune: error: config: train.max_grad_norm: expected a number":
         "posttune validate llama-demo-reverse train.max_grad_norm=-1",
     "posttune: error: config: checkpoint.keep_last: expected a posit":
@@ -214,7 +220,8 @@ ERRORS: dict[str, str] = {
         "posttune validate llama-demo-reverse 'train.optimizer={_component_: torch.optim.SGD, momentum: "
         "{_component_: torch.utils.collect_env.run, command: \"id > PWNED\"}}'",
     "posttune: error: checkpoint: 'Qwen/Qwen2.5-0.5B' is a Hugging F":
-        "HF_HUB_OFFLINE=0 HF_ENDPOINT=http://127.0.0.1:9 posttune train llama-demo-reverse model.path=Qwen/Qwen2.5-0.5B",
+        "HF_HUB_OFFLINE=0 HF_ENDPOINT=http://127.0.0.1:9 posttune train llama-demo-reverse "
+        "model.path=Qwen/Qwen2.5-0.5B",
 }
 ERRORS_ELSEWHERE: dict[str, tuple[str, str]] = {
     "posttune: error: reward 'math_answer' (posttune-grpo 0.1.0) retu":
@@ -238,8 +245,9 @@ INSTALL = ("pip install", "python3 -m venv", "python -m venv", ". .venv/bin/acti
 def _synopsis(text: str) -> bool:
     words = text.split()
     # `posttune train --nproc-per-node 2`: an option shown without the config it goes with
-    no_config = len(words) > 2 and words[2].startswith("--") and (words[:2] in (["posttune", "train"], ["posttune", "plan"])
-                                                              or len(words) == 3)  # `posttune generate --adapter`
+    no_config = (len(words) > 2 and words[2].startswith("--")
+                 and (words[:2] in (["posttune", "train"], ["posttune", "plan"])
+                      or len(words) == 3))  # `posttune generate --adapter`
     bare = len(words) <= (3 if words[1:2] in (["config"], ["new"]) else 2)  # `posttune plan`, `posttune new plugin`
     return bool(PLACEHOLDER.search(text)) or no_config or (words[0] == "posttune" and bare
                                                            and text not in ("posttune ls", "posttune plugins"))
@@ -263,7 +271,8 @@ RUN_HERE = {command for steps in SCENARIOS.values() for command, _ in steps
 def test_every_documented_command_is_checked():
     unchecked = sorted({f"{s.where}: {s.text}" for s in _documented() if _kind(s.text) == "run"
                         and s.text not in RUN_HERE | set(NOT_RUN) | set(ELSEWHERE)})
-    assert not unchecked, "documented commands no test runs (add them to SCENARIOS or NOT_RUN):\n" + "\n".join(unchecked)
+    assert not unchecked, ("documented commands no test runs (add them to SCENARIOS or NOT_RUN):\n"
+                           + "\n".join(unchecked))
     keys = set(ERRORS) | set(ERRORS_ELSEWHERE)
     unproduced = [f"{e.where}: {e.text}" for e in quoted_errors() if not any(e.text.startswith(k) for k in keys)]
     assert not unproduced, "quoted errors no command in ERRORS produces:\n" + "\n".join(unproduced)
@@ -344,7 +353,8 @@ def test_an_install_line_names_real_distributions_and_extras(shown):
         for extra in filter(None, extras.rstrip("]").split(",")):
             assert extra in project.get("optional-dependencies", {}), f"{shown.where}: {name} has no extra [{extra}]"
     if "./" in shown.text:
-        assert "-c constraints.txt" in shown.text, f"{shown.where}: a source install must pin torch with -c constraints.txt"
+        assert "-c constraints.txt" in shown.text, (f"{shown.where}: a source install must pin torch with "
+                                                    "-c constraints.txt")
 
 
 # ---- scenarios ---------------------------------------------------------------------------------
@@ -361,7 +371,8 @@ def _with_extra(command: str, extra: str) -> str:
 def _run(command: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=900)
     if check:
-        assert result.returncode == 0, f"`{command}` -> {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, (f"`{command}` -> {result.returncode}\n{result.stdout[-2000:]}\n"
+                                        f"{result.stderr[-3000:]}")
     return result
 
 
@@ -476,4 +487,5 @@ def test_a_quoted_error_is_what_the_command_prints(start, tmp_path):
     assert result.returncode == 2, f"{ERRORS[start]} -> {result.returncode}: {result.stderr[-1000:]}"
     printed = result.stderr.strip().splitlines()[-1].replace("http://127.0.0.1:9", "https://huggingface.co")
     quoted = next(e for e in quoted_errors() if e.text.startswith(start))
-    assert _pattern(quoted.text).match(" ".join(printed.split())), f"{quoted.where}: quoted\n{quoted.text}\nprinted\n{printed}"
+    assert _pattern(quoted.text).match(" ".join(printed.split())), (f"{quoted.where}: quoted\n{quoted.text}\n"
+                                                                    f"printed\n{printed}")

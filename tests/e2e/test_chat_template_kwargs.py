@@ -46,7 +46,8 @@ def test_a_run_renders_its_chats_with_the_template_kwargs(llama_sft, write_confi
     theirs = transformers.AutoTokenizer.from_pretrained(folder)
     data = {"max_seq_len": 128}  # ChatML's default system turn is long in a 384-id tokenizer
     plain = session_for(write_config("plain.yaml", tokenizer={"path": str(folder)}, data=data))
-    session = session_for(write_config(tokenizer={"path": str(folder), "chat_template_kwargs": {"enable_thinking": False}},
+    session = session_for(write_config(tokenizer={"path": str(folder),
+                                                  "chat_template_kwargs": {"enable_thinking": False}},
                                        data=data))
     for generation_prompt, messages in ((False, CHAT), (True, CHAT[:1])):
         text = session.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)

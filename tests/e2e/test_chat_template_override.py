@@ -57,14 +57,16 @@ def test_a_base_tokenizer_trains_chats_with_a_template_file_and_the_run_saves_it
                         train={"max_steps": 2})
     reference = session_for(write_config("reference.yaml", train={"max_steps": 2}))  # the demo tokenizer, same text
     session = session_for(path)
-    assert next(iter(session.train_data))["input_ids"].tolist() == next(iter(reference.train_data))["input_ids"].tolist()
+    assert (next(iter(session.train_data))["input_ids"].tolist()
+            == next(iter(reference.train_data))["input_ids"].tolist())
     assert next(iter(session.train_data))["labels"].tolist() == next(iter(reference.train_data))["labels"].tolist()
 
     result = posttune_cli("train", str(path))
     assert result.exit_code == 0, result.stderr
     saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "out" / "model")
     theirs = saved.apply_chat_template(CHAT, tokenize=False)
-    assert theirs == transformers.AutoTokenizer.from_pretrained(DEMO_TOKENIZER).apply_chat_template(CHAT, tokenize=False)
+    assert theirs == (transformers.AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+                      .apply_chat_template(CHAT, tokenize=False))
     assert session.tokenizer.apply_chat_template(CHAT, tokenize=False) == theirs
 
 
@@ -81,7 +83,8 @@ def test_the_template_itself_may_stand_in_the_config(llama_sft, write_config, ba
                                                 "tokenizer.chat_template: line 1: Unexpected end of template."),
 ])
 def test_a_missing_or_broken_template_is_one_line_from_validate(llama_sft, posttune_cli, write_config, value, message):
-    result = posttune_cli("validate", str(write_config(tokenizer={"path": str(DEMO_TOKENIZER), "chat_template": value})))
+    result = posttune_cli("validate", str(write_config(tokenizer={"path": str(DEMO_TOKENIZER),
+                                                                  "chat_template": value})))
     assert result.exit_code == 2
     assert result.stderr.startswith(f"posttune: error: {message}"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -71,7 +71,7 @@ def test_pruning_and_resume_latest_only_consider_this_runs_lineage(tmp_path):
         directory.mkdir(parents=True)
         (directory / state.STATE_FILE).write_text(json.dumps({"step": step, "run_id": run_id}))
     (root / ".step-00000012.tmp-0123abcd").mkdir()  # a torn save
-    state.prune(root, 1, "mine")
+    output_dir.prune(root, 1, "mine")
     assert sorted(p.name for p in root.iterdir()) == ["step-00000006", "step-00000008", "step-00000010"]
     assert [p.name for p in state.lineage(root, "other")] == ["step-00000006", "step-00000008"]
 

@@ -93,7 +93,8 @@ def starting_from(tmp_path, folder) -> dict:
      "rows.jsonl: line 2: invalid JSON: Expecting property name enclosed in double quotes (column 2)"),
     (lambda tmp: train_file(tmp, b'\xff\xfe{"a": 1}\n'), "data.train.path",
      "rows.jsonl: line 1: not UTF-8 text; save the file as UTF-8"),
-    (lambda tmp: train_file(tmp, b"[1, 2]\n"), "data.train.path", "line 1: expected a JSON object (one row), got a list"),
+    (lambda tmp: train_file(tmp, b"[1, 2]\n"), "data.train.path",
+     "line 1: expected a JSON object (one row), got a list"),
     (lambda tmp: train_file(tmp, b"", data={"skip_bad_rows": True}), "data.train.path", "the file is empty"),
     (lambda tmp: column_map(tmp, {"messages": "msgs"}), "data.train.column_map.messages",
      "the dataset has no column 'msgs' (columns: messages)"),
@@ -104,8 +105,8 @@ def starting_from(tmp_path, folder) -> dict:
      "rank 8 (saved) vs 4 (adapter.rank)"),
 ], ids=["scheduler", "low-bit-optimizer", "missing-path", "missing-train-file", "missing-validation-file",
         "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "empty-file", "invalid-json",
-        "not-utf8", "not-an-object", "empty-file-skipping-bad-rows", "missing-column", "local-split-name", "init-from-missing",
-        "init-from-other-rank"])
+        "not-utf8", "not-an-object", "empty-file-skipping-bad-rows", "missing-column", "local-split-name",
+        "init-from-missing", "init-from-other-rank"])
 def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, tmp_path, make, field, words):
     result = validate(posttune_cli, tmp_path, make(tmp_path))
     lines = result.stderr.strip().splitlines()

@@ -47,8 +47,8 @@ def template_tests(env: Path, tmp: Path) -> list[str]:
     print("== pytest plugins/template/tests (core + template only)", flush=True)
     python = str(env / "bin" / "python")
     subprocess.run([python, "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), "pytest>=8"], check=True)
-    code = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "plugins/template/tests")],
-                          cwd=ROOT / "plugins/template").returncode
+    code = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(ROOT / "plugins/template/tests")], cwd=ROOT / "plugins/template").returncode
     return [] if code == 0 else [f"plugins/template's tests failed (pytest exit {code})"]
 
 
@@ -123,7 +123,8 @@ STATES = [
           uninstall=("posttune-qwen",), check=template_tests),
     State("and a first-party plugin", ("posttune_models/llama",), ("posttune", "posttune-template", "posttune-llama")),
     State("core, posttune-llama, posttune-dpo and posttune-kd (no posttune-sft)",
-          ("posttune_methods/dpo", "posttune_methods/kd"), ("posttune", "posttune-llama", "posttune-dpo", "posttune-kd"),
+          ("posttune_methods/dpo", "posttune_methods/kd"),
+          ("posttune", "posttune-llama", "posttune-dpo", "posttune-kd"),
           uninstall=("posttune-template",), check=check_dpo_and_kd_without_sft),
 ]
 

@@ -111,7 +111,8 @@ def paper(settings: dict, pc, pr, rc, rr, chosen_means) -> tuple[torch.Tensor, t
         loss = (1 - blend) * torch.log(1 + torch.exp(-z)) + blend * torch.exp(-z)
     elif kind in ("aot", "aot_unpaired"):  # AOT eq. 9 and its unpaired form: values matched by rank in the batch
         first, second = ((pc - pr, rc - rr) if kind == "aot" else (pc - rc, pr - rr))
-        ranked = [sorted(range(len(values)), key=lambda i, v=values: float(v[i].detach())) for values in (first, second)]
+        ranked = [sorted(range(len(values)), key=lambda i, v=values: float(v[i].detach()))
+                  for values in (first, second)]
         d = torch.stack([first[i] - second[j] for i, j in zip(*ranked, strict=True)])  # k-th smallest of each
         loss = -(1 - eps) * torch.log(torch.sigmoid(beta * d)) - eps * torch.log(torch.sigmoid(-beta * d))
     elif kind == "hinge":
@@ -337,7 +338,7 @@ def test_wpo_weights_are_refused_with_a_loss_kernel_that_never_forms_the_logits(
 
     config = make_dpo_config(tmp_path, rows=8, method={"name": "dpo", "wpo_weights": True},
                              memory=["chunked_cross_entropy"])
-    with pytest.raises(ConfigError, match="^config: method.wpo_weights: WPO's weights need the policy's logits, which the "
-                                          "loss kernel 'chunked_cross_entropy' never forms; remove that memory "
-                                          "technique$"):
+    with pytest.raises(ConfigError, match="^config: method.wpo_weights: WPO's weights need the policy's logits, "
+                                          "which the loss kernel 'chunked_cross_entropy' never forms; remove that "
+                                          "memory technique$"):
         compose_run(config)

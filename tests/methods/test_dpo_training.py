@@ -112,15 +112,15 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"method": "sft"}, "config: data.train.format: 'preference' gives preference rows; method 'sft' needs conversation rows"),
+    ({"method": "sft"},
+     "config: data.train.format: 'preference' gives preference rows; method 'sft' needs conversation rows"),
     ({"data": {"train": {"path": "x.jsonl", "format": "chat"}}},
      "config: data.train.format: 'chat' gives conversation rows; method 'dpo' needs preference rows"),
     ({"data": {"packing": True}}, "config: data.packing: moved: set method.packing"),
-    ({"method": {"name": "dpo", "packing": True}}, "config: method.packing: unknown key (keys: loss_type, loss_weights, beta, "
-                                                   "label_smoothing, simpo_gamma, discopop_tau, rpo_alpha, "
-                                                   "f_divergence_type, f_alpha_divergence_coef, ld_alpha, "
-                                                   "precompute_reference, wpo_weights, sync_reference_every, "
-                                                   "sync_reference_alpha, padding_free, share_prompt)"),
+    ({"method": {"name": "dpo", "packing": True}},
+     "config: method.packing: unknown key (keys: loss_type, loss_weights, beta, label_smoothing, simpo_gamma, "
+     "discopop_tau, rpo_alpha, f_divergence_type, f_alpha_divergence_coef, ld_alpha, precompute_reference, "
+     "wpo_weights, sync_reference_every, sync_reference_alpha, padding_free, share_prompt)"),
     ({"method": {"name": "dpo", "beta": 0}}, "config: method.beta: expected a positive number, got 0.0"),
     ({"method": {"name": "dpo", "loss_type": "aot", "wpo_weights": True}},
      "config: method.wpo_weights: aot sorts the batch's log-ratios, so a pair's loss is not its own to weight (TRL "
@@ -154,8 +154,8 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
     ({"teacher": {"family": "llama", "size": "tiny"}},  # the old spelling of models.teacher
      "config: models.teacher: method 'dpo' uses no teacher model with these settings; remove it"),
     ({"reference": {"family": "qwen3", "size": "0.6b"}},
-     "config: models.reference.family: no model family 'qwen3' is installed (installed: llama, mistral, mixtral, smollm3) — "
-     "pip install posttune-qwen"),
+     "config: models.reference.family: no model family 'qwen3' is installed (installed: llama, mistral, mixtral, "
+     "smollm3) — pip install posttune-qwen"),
     ({"reference": {"family": "llama", "size": "tiny"}, "models": {"reference": {"family": "llama", "size": "tiny"}}},
      "config: reference: given twice: `reference:` is the old spelling of `models.reference`; keep one"),
     ({"method": {"name": "dpo", "loss_type": "kto"}},

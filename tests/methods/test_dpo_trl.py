@@ -79,8 +79,8 @@ CASES = {
             1),
     **{name: ({"loss_type": name}, {"loss_type": [name]}, PAIRS)
        for name in ("sigmoid_norm", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down")},
-    "exo_pair": ({"loss_type": "exo_pair", "label_smoothing": 1e-3}, {"loss_type": ["exo_pair"], "label_smoothing": 1e-3},
-                 PAIRS),
+    "exo_pair": ({"loss_type": "exo_pair", "label_smoothing": 1e-3},
+                 {"loss_type": ["exo_pair"], "label_smoothing": 1e-3}, PAIRS),
     "discopop": ({"loss_type": "discopop", "discopop_tau": 0.3}, {"loss_type": ["discopop"], "discopop_tau": 0.3},
                  PAIRS),
     # AOT: the batch's log-ratios matched by rank; TRL sorts each step's pairs, so its steps hold all four pairs

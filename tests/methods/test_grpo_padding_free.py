@@ -67,7 +67,7 @@ def test_the_padding_free_learner_gives_the_padded_rows_loss_and_gradients(llama
         torch.testing.assert_close(scored[mask], padded_scored[mask], rtol=0, atol=1e-5, msg=name)
         assert scored[~mask].abs().sum() == 0
         torch.testing.assert_close(out.loss_sum, padded.loss_sum, rtol=0, atol=1e-6, msg=name)
-        for key, (total, count) in padded.metrics.items():
+        for key, (total, _count) in padded.metrics.items():
             torch.testing.assert_close(out.metrics[key][0], total, rtol=0, atol=1e-5, msg=f"{name} {key}")
         for key, grad in padded_grads.items():
             torch.testing.assert_close(grads[key], grad, rtol=0, atol=1e-6, msg=f"{name} {key}")

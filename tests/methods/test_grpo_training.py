@@ -9,7 +9,6 @@ from pathlib import Path
 import posttune_grpo
 import pytest
 import torch
-import yaml
 from posttune.plugin import RewardFunction, hookimpl
 from run_support import check_bundled_config, compose_run, grpo_config, prompt_rows, write
 
@@ -248,7 +247,8 @@ def test_a_reward_that_cannot_score_stops_the_run_in_one_line_unless_told_to_cou
     ({"method": {"beta": 0.04, "sync_reference_every": 2}, "adapter": {"rank": 4}},
      "config: method.sync_reference_every: with an adapter the reference shares the policy's base weights; a synced "
      "reference needs one of its own (full fine-tuning, as TRL)"),
-    ({"method": {"sync_reference_alpha": 0.5}}, "config: method.sync_reference_alpha: only sync_reference_every uses it"),
+    ({"method": {"sync_reference_alpha": 0.5}},
+     "config: method.sync_reference_alpha: only sync_reference_every uses it"),
 ])
 def test_impossible_grpo_runs_are_refused_by_validate(llama_grpo, posttune_cli, tmp_path, sections, message):
     config = vowel_config(tmp_path)

@@ -13,7 +13,6 @@ import posttune_memory
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 from run_support import check_bundled_config, compose_run, kd_config, save_hf_teacher, write
 
 TOL = 1e-6

@@ -247,7 +247,8 @@ def test_text_rows_are_encoded_as_trls_kto_trainer_encodes_them(llama_dpo, tmp_p
              "completion": ("the " if i % 2 else " ") + row["completion"], "label": row["label"]}
             for i, row in enumerate(feedback_rows(4))]
     session = compose_run(kto_config(tmp_path, rows=rows, method={"name": "kto", "padding_free": False},
-                                     data={"train": {"path": str(tmp_path / "train.jsonl"), "format": "unpaired_text"}}))
+                                     data={"train": {"path": str(tmp_path / "train.jsonl"),
+                                                     "format": "unpaired_text"}}))
     batch = next(iter(session.train_data))
     for position, row in enumerate(batch["rows"].tolist()):
         prompt, completion = rows[row]["prompt"], rows[row]["completion"] + theirs.eos_token

@@ -205,7 +205,8 @@ def test_each_pair_layout_gives_the_dpo_loss_and_gradients_of_padded_pairs(llama
     assert_pair_layouts_step_equal(session, loss)
 
 
-def test_each_pair_layout_gives_the_reward_model_loss_and_gradients_of_padded_pairs(llama_dpo, register_plugin, tmp_path):
+def test_each_pair_layout_gives_the_reward_model_loss_and_gradients_of_padded_pairs(llama_dpo, register_plugin,
+                                                                                     tmp_path):
     import posttune_rm
     from posttune_rm.method import loss
 

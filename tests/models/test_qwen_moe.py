@@ -111,7 +111,8 @@ def test_saved_checkpoint_loads_in_transformers_with_per_expert_tensors(saved, n
         assert (reloaded(ids).logits - hf_model(ids).logits).abs().max().item() <= 1e-5
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == hf_model.config.architectures
-    assert reloaded.config.num_experts_per_tok == 2 and reloaded.config.mlp_only_layers == hf_model.config.mlp_only_layers
+    assert (reloaded.config.num_experts_per_tok == 2
+            and reloaded.config.mlp_only_layers == hf_model.config.mlp_only_layers)
 
 
 def _edit_config(path, tmp_path, **changes):

@@ -52,8 +52,8 @@ def test_ep_must_divide_the_expert_count(plugins):
 
 
 def test_ep_on_a_dense_family_is_refused(plugins):
-    with pytest.raises(ConfigError, match=r"^config: parallel\.plans: ep splits the experts of a mixture-of-experts model; "
-                                          r"llama is dense"):
+    with pytest.raises(ConfigError, match=r"^config: parallel\.plans: ep splits the experts of a mixture-of-experts "
+                                          r"model; llama is dense"):
         plan_for(2, {"plans": ["fsdp2", "ep"], "dims": {"ep": 2}}, model={"family": "llama", "size": "tiny"})
 
 

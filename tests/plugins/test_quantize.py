@@ -93,7 +93,8 @@ def test_transformers_loads_the_export_with_quantized_linear_weights(exports, sc
     parts = {key: value for key, value in stored.items() if "._weight_" in key}
     assert {key.rpartition("._weight_")[0] for key in parts} == set(weights)
     assert not any(f"{name}.weight" in stored for name in weights)
-    assert sum(v.numel() * v.element_size() for v in parts.values()) < 0.3 * sum(w.numel() * 4 for w in weights.values())
+    assert (sum(v.numel() * v.element_size() for v in parts.values())
+            < 0.3 * sum(w.numel() * 4 for w in weights.values()))
     qdata = stored["model.layers.0.self_attn.q_proj._weight_qdata"]
     assert qdata.dtype == torch.int8
     assert qdata.min() >= (-8 if "int4" in scheme else -128) and qdata.max() <= (7 if "int4" in scheme else 127)
@@ -274,7 +275,8 @@ def test_quantized_checkpoints_are_checked_like_any_other(exports, register_plug
 def test_a_model_with_tied_embeddings_is_exported_once_and_retied(exports, plugins, tmp_path):
     """The demo's shape: `tie_word_embeddings` (the head is the embedding). The export stores it once,
     as transformers' own save does, and both loaders tie it again."""
-    save_tiny_hf_checkpoint(tmp_path / "hf", tiny_llama_config(vocab_size=384, pad_token_id=3, tie_word_embeddings=True))
+    save_tiny_hf_checkpoint(tmp_path / "hf",
+                            tiny_llama_config(vocab_size=384, pad_token_id=3, tie_word_embeddings=True))
     posttune.save_model(posttune.load_model(tmp_path / "hf"), tmp_path / "float",
                         tokenizer=posttune.load_tokenizer(exports / "float"))
     done = run_cli("quantize", "--model", str(tmp_path / "float"), "-o", str(tmp_path / "int8"), "--device", "cpu")

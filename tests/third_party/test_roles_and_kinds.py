@@ -83,7 +83,8 @@ def test_plan_lists_the_role_and_counts_its_weights(plugins, posttune_cli, tmp_p
      "config: models.critic: method 'anchored_lm' uses no critic model with these settings; remove it"),
     ({"data": {"train": {"path": "PATH", "format": "chat"}}},
      "config: data.train.format: 'chat' gives conversation rows; method 'anchored_lm' needs snippet rows"),
-    ({"method": "sft"}, "config: data.train.format: 'snippet' gives snippet rows; method 'sft' needs conversation rows"),
+    ({"method": "sft"},
+     "config: data.train.format: 'snippet' gives snippet rows; method 'sft' needs conversation rows"),
 ])
 def test_kinds_and_roles_are_checked_before_launch(plugins, posttune_cli, tmp_path, change, message):
     path = write_run(tmp_path)

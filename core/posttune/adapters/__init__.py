@@ -32,8 +32,9 @@ from posttune.adapters.inject import (
     trainable_parameters,
 )
 from posttune.adapters.lora import KINDS, LoRALinear, head_weight
-from posttune.adapters.peft_format import adapter_base, load_peft_adapter, save_peft_adapter, tokenizer_source
+from posttune.adapters.peft_format import load_peft_adapter, save_peft_adapter
 from posttune.checkpoint.keymap import base_key  # the unwrapped (checkpoint) name of an adapted key
+from posttune.checkpoint.peft_config import adapter_base, tokenizer_source
 
 __all__ = [
     "KINDS", "AdaptersOff", "LoRALinear", "active_model", "adapter_base", "adapted_key", "adapted_modules",

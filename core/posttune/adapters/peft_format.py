@@ -42,8 +42,7 @@ from posttune.adapters.inject import adapted_modules, apply_adapters
 from posttune.adapters.lora import LoRALinear
 from posttune.checkpoint.atomic import atomic_dir
 from posttune.checkpoint.convert import Join, pairs
-from posttune.checkpoint.peft_config import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, UNSUPPORTED, adapter_base, read_config,
-                                             saved_settings, settings_of, tokenizer_source)
+from posttune.checkpoint.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, UNSUPPORTED, read_config, settings_of
 from posttune.checkpoint.safetensors_io import Planned, iter_tensors, write_file
 from posttune.checkpoint.score_head import HEAD, HF_SCORE, score_labels
 from posttune.errors import PosttuneError

@@ -123,7 +123,8 @@ class ExpertKeys:
     _parts: dict[tuple[str, str, int], tuple[str, ...]] = field(init=False, repr=False)  # built once per stack
 
     def __post_init__(self) -> None:
-        hf = re.escape(f"{self.keys.hf_layers}") + r"(\d+)\." + re.escape(self.block) + r"\.experts\.(\d+)\.(\w+)\.weight"
+        hf = (re.escape(f"{self.keys.hf_layers}") + r"(\d+)\." + re.escape(self.block)
+              + r"\.experts\.(\d+)\.(\w+)\.weight")
         native = re.escape(self.keys.native_layers) + r"(\d+)\.mlp\.experts\.(\w+)"
         object.__setattr__(self, "_hf", re.compile(hf))
         object.__setattr__(self, "_native", re.compile(native))

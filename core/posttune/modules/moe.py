@@ -81,7 +81,8 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *
     pieces = torch.split(x, counts.tolist())
     # unbind, not weight[e]: each index's backward would add a zero gradient the size of the whole stack
     slabs = weight.unbind(0)
-    return torch.cat([piece @ slab.T for piece, slab in zip(pieces, slabs)]) if pieces else x.new_zeros(0, weight.shape[1])
+    return (torch.cat([piece @ slab.T for piece, slab in zip(pieces, slabs)]) if pieces
+            else x.new_zeros(0, weight.shape[1]))
 
 
 class _ContiguousGrad(torch.autograd.Function):

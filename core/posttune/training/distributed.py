@@ -274,9 +274,9 @@ def paired_shards(target: torch.nn.Module, source: torch.nn.Module,
                   field: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, ``target``'s tensor, ``source``'s tensor) for every weight of two models of one shape, each rank's
     local shards where the plans sharded them: what a method reads to move a model toward another, weight by
-    weight, with no gather (a frozen model moved toward the trained one every few steps). FSDP2 modules are resharded first (a root stays
-    gathered after its forward). Weights that do not pair (a missing name, another shape or sharding) are
-    refused in one line naming ``field``."""
+    weight, with no gather (a frozen model moved toward the trained one every few steps). FSDP2 modules are
+    resharded first (a root stays gathered after its forward). Weights that do not pair (a missing name, another
+    shape or sharding) are refused in one line naming ``field``."""
     from torch.distributed.fsdp import FSDPModule
 
     from posttune.errors import ConfigError

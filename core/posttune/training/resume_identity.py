@@ -127,5 +127,5 @@ def _describe(model: Any) -> str:
 def _show(value: Any) -> str:
     if value is None:
         return "null"
-    return json.dumps(value) if isinstance(value, (list, dict, str, bool)) else f"{value:g}" if isinstance(value, float) \
-        else str(value)
+    return (json.dumps(value) if isinstance(value, (list, dict, str, bool))
+            else f"{value:g}" if isinstance(value, float) else str(value))

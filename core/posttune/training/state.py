@@ -39,8 +39,8 @@ from posttune.session import Session
 from posttune.training import distributed, nonfinite, resume_identity
 from posttune.training.manifest import MANIFEST, damage, write_manifest
 from posttune.training.resume_identity import IDENTITY
-from posttune.training.output_dir import (CHECKPOINTS, LATEST, STATE_FILE, STEP_DIR, checkpoints, lineage,
-                                          named_checkpoint, new_run_id, prune, recorded_run_id, run_id_of)
+from posttune.training.output_dir import (CHECKPOINTS, LATEST, STATE_FILE, lineage, named_checkpoint, new_run_id,
+                                          recorded_run_id, run_id_of)
 from posttune.training.write_errors import torch_write_failed, writing
 
 METHOD_FILE = "method-{rank:05d}.pt"

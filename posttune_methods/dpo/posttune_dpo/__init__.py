@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
-from posttune.plugin import (ConfigError, DatasetConfig, DatasetFormat, Method, ModelRole, RunConfig, Session,
-                             configs_in, hookimpl)
+from posttune.plugin import ConfigError, DatasetFormat, Method, ModelRole, RunConfig, configs_in, hookimpl
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
@@ -68,8 +67,8 @@ class DPOConfig:
     loss_weights: list[float] | None = None  # with a loss_type list: each loss's weight (default: 1 each)
     # strength of the implicit KL to the reference (SimPO: the reward scale, ~2; ORPO: the odds-ratio weight lambda)
     beta: float = 0.1
-    # cDPO (sigmoid, simpo, aot, aot_unpaired): probability that a pair's preference label is flipped; robust: the flip rate it
-    # corrects; exo_pair: the labels' epsilon (needed, > 0; the paper uses 1e-3)
+    # cDPO (sigmoid, simpo, aot, aot_unpaired): probability that a pair's preference label is flipped; robust: the flip
+    # rate it corrects; exo_pair: the labels' epsilon (needed, > 0; the paper uses 1e-3)
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5  # SimPO: target margin between the chosen and rejected rewards
     discopop_tau: float = 0.05  # DiscoPOP: the temperature of the blend between its logistic and exponential losses

@@ -6,8 +6,6 @@ over every rank's validation prompts (placeholders excluded), in either mode.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from posttune_grpo.in_process import learner_scorer

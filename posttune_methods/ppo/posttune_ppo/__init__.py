@@ -145,8 +145,9 @@ def validate(config: RunConfig, method: PPOConfig) -> None:
             raise ConfigError("parallel.plans", f"ppo's value and reward models end in a one-value score head, "
                                                 f"which '{plan}' does not split yet; use fsdp2")
     if method.value_model == "head" and "chunked_cross_entropy" in config.memory:
-        raise ConfigError("memory", "value_model: head takes the logits and the values from one forward's hidden "
-                                    "states, which chunked_cross_entropy would split; drop it or use value_model: model")
+        raise ConfigError("memory", "value_model: head takes the logits and the values from one forward's "
+                                    "hidden states, which chunked_cross_entropy would split; drop it or use "
+                                    "value_model: model")
     check_row_fields(config.data, resolve_rewards(method.rewards))
     from posttune.plugin import Sampling  # torch: imported when a run is validated, not at plugin discovery
 

@@ -4,8 +4,9 @@ The Llama plan (q/k/v and gate/up colwise, o/down rowwise, norms sequence-parall
 rowwise and output colwise over the vocabulary) plus Gemma 2/3's post-norms, which sit between
 a rowwise projection and the residual and so run sequence-parallel like the pre-norms.
 Gemma 3's q/k norms act on whole heads after the colwise split: each rank normalises its own
-heads with the full (replicated) weight, whose gradient is summed over the ranks (``per_head``). Soft-capping and the explicit
-attention path are per-head and per-token, so a head shard runs them unchanged.
+heads with the full (replicated) weight, whose gradient is summed over the ranks (``per_head``).
+Soft-capping and the explicit attention path are per-head and per-token, so a head shard runs them
+unchanged.
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ def smollm3_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
         raise PosttuneError(f"config.json: no_rope_layers must list 0 (no RoPE) or 1 for each of the {layers} layers, "
                             f"got {flags!r}")
     return {**kwargs, "activation": read_activation(config, "smollm3"), "no_rope_layers": tuple(flags),
-            "attention_bias": bool(config.get("attention_bias", False)), "mlp_bias": bool(config.get("mlp_bias", False))}
+            "attention_bias": bool(config.get("attention_bias", False)),
+            "mlp_bias": bool(config.get("mlp_bias", False))}
 
 
 def read_activation(config: Mapping[str, Any], family: str) -> str:
@@ -159,7 +160,8 @@ def smollm3_hf_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     flags = kwargs.get("no_rope_layers")
     layers = kwargs["num_layers"]
     config.update(hidden_act=NATIVE_ACTIVATIONS[kwargs.get("activation", "silu")],
-                  attention_bias=bool(kwargs.get("attention_bias", False)), mlp_bias=bool(kwargs.get("mlp_bias", False)),
+                  attention_bias=bool(kwargs.get("attention_bias", False)),
+                  mlp_bias=bool(kwargs.get("mlp_bias", False)),
                   no_rope_layers=[int(flag) for flag in flags] if flags is not None else [1] * layers,
                   use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * layers)
     return config

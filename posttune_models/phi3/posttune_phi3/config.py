@@ -52,7 +52,8 @@ def from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
 def _longrope_spelling(config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with LongRoPE named ``longrope`` and the switch point Phi3Config uses."""
     config = dict(config)
-    config["original_max_position_embeddings"] = config.get("original_max_position_embeddings") or ORIGINAL_MAX_POSITIONS
+    config["original_max_position_embeddings"] = (config.get("original_max_position_embeddings")
+                                                  or ORIGINAL_MAX_POSITIONS)
     for field in ("rope_parameters", "rope_scaling"):
         rope = config.get(field)
         if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) in LONGROPE_ALIASES:

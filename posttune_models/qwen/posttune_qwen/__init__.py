@@ -3,9 +3,9 @@ checkpoint converters.
 
 Tensors keep Llama's names (``posttune.plugin.decoder_keys``) and pass unchanged (q/k are stored
 in the rotate-half RoPE layout posttune keeps); Qwen3 adds per-head ``q_norm``/``k_norm``, which
-the Qwen2 map refuses, so a checkpoint read as the wrong family fails on its first foreign tensor. The MoE families stack
-each layer's per-expert HF tensors into one parameter on load and split them on save
-(``posttune.plugin.ExpertKeys``).
+the Qwen2 map refuses, so a checkpoint read as the wrong family fails on its first foreign tensor.
+The MoE families stack each layer's per-expert HF tensors into one parameter on load and split them
+on save (``posttune.plugin.ExpertKeys``).
 Importing this package does not import torch: the builders are imported on their first call.
 """
 
@@ -28,7 +28,8 @@ CONFIGS = Path(__file__).parent / "configs"
 QK_NORMS = {"self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
 #: MoE layers' router and (qwen2_moe) shared expert; dense layers keep Llama's mlp names
 MOE_MODULES = {"mlp.gate": "mlp.router", "mlp.shared_expert_gate": "mlp.shared_gate",
-               **{f"mlp.shared_expert.{name}": f"mlp.shared_expert.{name}" for name in ("gate_proj", "up_proj", "down_proj")}}
+               **{f"mlp.shared_expert.{name}": f"mlp.shared_expert.{name}"
+                  for name in ("gate_proj", "up_proj", "down_proj")}}
 #: LoRA on the attention projections and (qwen2_moe) the shared expert: every default target must
 #: match a linear layer, and the stacked experts are parameters, not linear layers (docs/moe.md)
 ATTENTION = DECODER_LINEAR_LAYERS[:4]

@@ -113,7 +113,8 @@ def _moe(hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                z_loss_coef=z_loss_coef)
 
 
-def _sparse_layers(moe: Callable[[], MoE], step: int, dense_layers: Sequence[int]) -> Callable[[int, int, int], nn.Module]:
+def _sparse_layers(moe: Callable[[], MoE], step: int,
+                   dense_layers: Sequence[int]) -> Callable[[int, int, int], nn.Module]:
     """Layer index -> its feed-forward: MoE on every ``step``-th layer (1-based) not listed dense, as transformers."""
     def mlp(index: int, hidden_size: int, intermediate_size: int) -> nn.Module:
         if index not in dense_layers and (index + 1) % step == 0:

@@ -21,7 +21,8 @@ QWEN3_TP_PLAN: dict[str, str] = {**TP_PLAN, "layers.*.attn.q_norm": "per_head", 
 #: MoE families: attention, embedding, head and norms as above; each layer's feed-forward (router,
 #: experts, shared expert; a dense layer's MLP too) runs whole on every TP rank ("replicated")
 def moe_tp_plan(dense: dict[str, str]) -> dict[str, str]:
-    return {**{pattern: style for pattern, style in dense.items() if ".mlp." not in pattern}, "layers.*.mlp": "replicated"}
+    return {**{pattern: style for pattern, style in dense.items() if ".mlp." not in pattern},
+            "layers.*.mlp": "replicated"}
 
 
 TP_PLANS = {"qwen2": TP_PLAN, "qwen3": QWEN3_TP_PLAN, "qwen2_moe": moe_tp_plan(TP_PLAN),

@@ -73,7 +73,8 @@ class Dispatcher:
         send_splits, receive_splits = sizes[:self.size], sizes[self.size:2 * self.size]
         per_source = torch.tensor(sizes[2 * self.size:]).view(self.size, local)
         arrived = self._exchange(rows, receive_splits, send_splits)
-        order = expert_major(per_source).to(rows.device)  # rows arrive source by source; the experts want them expert by expert
+        # rows arrive source by source; the experts want them expert by expert
+        order = expert_major(per_source).to(rows.device)
         weights = tuple(_ScaleGrad.apply(_local(getattr(experts, name)), 1.0 / self.size) for name in WEIGHTS)
         out = experts.compute(arrived[order], per_source.sum(dim=0).to(counts.device), weights)
         back = torch.empty_like(out).index_copy_(0, order, out) if len(order) else out
