@@ -64,10 +64,13 @@ def test_temperature_without_filters_reports_processed_logprobs(checkpoint):
         engine.close()
 
 
-def test_lora_as_a_vllm_adapter(checkpoint):
+@pytest.mark.parametrize("rslora", [False, True])
+def test_lora_as_a_vllm_adapter(checkpoint, rslora):
+    """vLLM runs the saved PEFT adapter with the learner's scale: alpha / rank, or alpha / sqrt(rank) under rsLoRA
+    (``use_rslora`` in adapter_config.json; at rank 4 the two scales differ by 2x)."""
     _, path = checkpoint
     policy = load_model(path)
-    apply_adapters(policy, targets=["*q_proj", "*v_proj"], rank=4, alpha=8.0)
+    apply_adapters(policy, targets=["*q_proj", "*v_proj"], rank=4, alpha=8.0, rslora=rslora)
     engine = start_engine("vllm", {"lora": "adapter"}, live(policy, 0), sampling=SAMPLED)
     try:
         for version in (1, 2):
