@@ -65,6 +65,7 @@ NAMES: dict[str, dict[str, str]] = {
     "command": {
         "eval": "posttune-lmeval",
         "quantize": "posttune-torchao",
+        "new": "posttune-scaffold",
     },
     "metric_logger": {
         "wandb": "posttune-wandb",

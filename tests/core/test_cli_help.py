@@ -8,7 +8,7 @@ import pytest
 from posttune.cli.main import build_parser
 from posttune.plugins import get_registry
 
-COMMANDS = ["plugins", "ls", "cp", "config", "validate", "plan", "train", "generate", "plot", "download", "new"]
+COMMANDS = ["plugins", "ls", "cp", "config", "validate", "plan", "train", "generate", "plot", "download"]
 
 
 @pytest.mark.parametrize("name", COMMANDS)

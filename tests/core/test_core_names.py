@@ -34,7 +34,6 @@ COINCIDENCES = {
     ("generation.py", "value"): "an attribute of the core's own error",
     ("plugins.py", "value"): "importlib's EntryPoint.value",
     ("template_limits.py", "value"): "an ast node's value",
-    ("scaffold/__init__.py", "reward"): "`posttune new reward`: the scaffold of a reward function",
     ("training/plot.py", "reward"): "the logged metric `reward` (any RL method's), drawn in its own panel",
 }
 FIRST_PARTY = ("posttune-llama", "posttune-qwen", "posttune-gemma", "posttune-phi3", "posttune-sft", "posttune-dpo",

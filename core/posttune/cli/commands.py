@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from posttune.cli import config_keys, generate, launch, merge, new_plugin, preview
+from posttune.cli import config_keys, generate, launch, merge, preview
 from posttune.cli.main import warn
 from posttune.descriptors import Command
 from posttune.errors import PosttuneError, did_you_mean, first_line
@@ -341,6 +341,5 @@ def posttune_register_commands(cli):
     cli(_command("plot", "plot a run's train and validation loss to a PNG", _configure_plot, _run_plot))
     cli(_command("download", "download a checkpoint's weights, config and tokenizer", _configure_download,
                 _run_download))
-    cli(new_plugin.COMMAND)
     cli(Command("preview", preview.HELP, preview.configure, lambda args: preview.run(args, resolve),
                 examples=preview.EXAMPLES))

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 from packaging.version import Version
-from posttune.scaffold import KINDS, TEMPLATES, plugin_names
+from posttune_scaffold.scaffold import KINDS, TEMPLATES, plugin_names
 from posttune.testing import run_cli
-from posttune.version import __version__
+from posttune import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
 #: kind -> what `posttune ls` lists it under
@@ -187,16 +187,33 @@ def test_an_existing_folder_is_never_overwritten(tmp_path):
     assert [p.name for p in (tmp_path / "posttune-demo").iterdir()] == ["mine.txt"]
 
 
-def test_a_name_another_plugin_registers_is_refused(posttune_cli, tmp_path):
-    result = posttune_cli("new", "plugin", "chat", "--kind", "dataset", "-o", str(tmp_path))  # a built-in format
+@pytest.fixture
+def scaffold_cli(posttune_cli, register_plugin):
+    """The CLI against the isolated plugin set (the core's built-ins) plus posttune-scaffold."""
+    import posttune_scaffold
+
+    register_plugin(posttune_scaffold, name="scaffold", distribution="posttune-scaffold")
+    return posttune_cli
+
+
+def test_without_posttune_scaffold_the_command_names_its_distribution(posttune_cli, tmp_path):
+    result = posttune_cli("new", "plugin", "demo", "-o", str(tmp_path))
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("posttune: error: no command 'new' is installed (installed: ")
+    assert result.stderr.endswith(" — pip install posttune-scaffold\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_name_another_plugin_registers_is_refused(scaffold_cli, tmp_path):
+    result = scaffold_cli("new", "plugin", "chat", "--kind", "dataset", "-o", str(tmp_path))  # a built-in format
     assert result.exit_code == 2
     assert result.stderr.startswith("posttune: error: dataset format 'chat' is already registered by posttune ")
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_name_of_an_installed_distribution_is_refused(posttune_cli, tmp_path):
+def test_the_name_of_an_installed_distribution_is_refused(scaffold_cli, tmp_path):
     """posttune-sft registers no reward named 'sft', but a reward scaffold named so would be posttune-sft itself."""
-    result = posttune_cli("new", "plugin", "sft", "--kind", "reward", "-o", str(tmp_path))
+    result = scaffold_cli("new", "plugin", "sft", "--kind", "reward", "-o", str(tmp_path))
     assert (result.exit_code, result.stderr) == (2, "posttune: error: posttune-sft (package posttune_sft) is installed "
                                                     "already; installing the new plugin would replace it (choose "
                                                     "another name)\n")

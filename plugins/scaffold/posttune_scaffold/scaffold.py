@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttune.errors import PosttuneError
+from posttune.plugin import PosttuneError
 
 TEMPLATES = Path(__file__).parent / "templates"
 SUFFIX = ".j2"
@@ -155,7 +155,7 @@ def _render_all(kind: ScaffoldKind, names: Names) -> dict[Path, bytes]:
 
 def posttune_requirement() -> str:
     """The range of posttune versions a new plugin accepts: this release's minor series (0.1.x -> >=0.1,<0.2)."""
-    from posttune.version import __version__
+    from posttune import __version__
 
     major, minor = (int(part) for part in __version__.split(".")[:2])
     upper = f"{major}.{minor + 1}" if major == 0 else f"{major + 1}"

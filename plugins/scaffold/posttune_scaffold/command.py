@@ -3,7 +3,7 @@
 It writes ``posttune-NAME/`` (a distribution: pyproject.toml with the ``posttune`` entry point,
 README, the package with the hook implementation, a bundled config where the kind trains, and
 tests written with ``posttune.testing`` that pass as generated). The templates live in
-``posttune.scaffold``; this module is the command around them. No torch is imported.
+``posttune_scaffold.scaffold``; this module is the command around them. No torch is imported.
 """
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posttune.descriptors import Command
-from posttune.errors import PosttuneError
+from posttune.plugin import Command, PosttuneError
 
 EXAMPLES = ("posttune new plugin my-method --kind method",
             "posttune new plugin my-model --kind family -o plugins/")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from posttune.scaffold import KINDS
+    from posttune_scaffold.scaffold import KINDS
 
     parser.add_argument("what", choices=["plugin"], help="what to create (a plugin distribution)")
     parser.add_argument("name", help="the plugin's name: registered under it, distribution posttune-NAME, "
@@ -32,7 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from posttune.scaffold import KINDS, plugin_names, scaffold
+    from posttune_scaffold.scaffold import KINDS, plugin_names, scaffold
 
     kind = KINDS[args.kind]
     names = plugin_names(args.name)
@@ -55,13 +54,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _refuse_a_taken_name(registry_kind: str, name: str) -> None:
     """Two distributions registering one name are both kept out of the registry: refuse it now."""
-    from posttune.plugins import get_registry
+    from posttune.plugin import provenance, registered
 
-    registry = get_registry()
-    found = registry.entries[registry_kind].get(name)
-    if found is not None:
+    if name in registered(registry_kind):
         label = registry_kind.replace("_", " ")
-        raise PosttuneError(f"{label} '{name}' is already registered by {found.provenance}; two plugins "
+        raise PosttuneError(f"{label} '{name}' is already registered by {provenance(registry_kind, name)}; two plugins "
                             f"registering one name are both refused at run time (choose another name)")
 
 
