@@ -46,7 +46,7 @@ def write(tmp_path: Path, config: dict) -> Path:
     return path
 
 
-@pytest.mark.parametrize("margin, center", [(0.0, None), (0.5, 0.01)])
+@pytest.mark.parametrize("margin, center", [(0.0, None), (0.5, 0.01), ((0.0, 0.5, 2.0, 0.25, 1.0, 3.0), None)])
 def test_bradley_terry_equals_trl_reward_trainer(margin, center):
     trl = pytest.importorskip("trl")
     from posttune_rm.losses import bradley_terry
@@ -59,12 +59,72 @@ def test_bradley_terry_equals_trl_reward_trainer(margin, center):
                               args=SimpleNamespace(center_rewards_coefficient=center),
                               _metrics={"eval": __import__("collections").defaultdict(list)}, _total_train_tokens=0)
     inputs = {"input_ids": torch.zeros(12, 3, dtype=torch.long), "attention_mask": torch.ones(12, 3)}
-    if margin:
-        inputs["margin"] = torch.full((6,), margin)
+    if isinstance(margin, tuple):  # each pair its own (TRL's `margin` column; posttune's method.margin_column)
+        margin = torch.tensor(margin)
+    if isinstance(margin, torch.Tensor) or margin:
+        inputs["margin"] = margin if isinstance(margin, torch.Tensor) else torch.full((6,), margin)
     expected = trl.RewardTrainer.compute_loss(trainer, lambda **_: SimpleNamespace(logits=logits), inputs)
     ours = bradley_terry(chosen, rejected, margin=margin, center_coefficient=center).mean()
     assert abs(float(ours) - float(expected)) <= TOL
     assert trainer._metrics["eval"]["accuracy"] == [pytest.approx(float((chosen > rejected).float().mean()))]
+
+
+def margin_rows(count: int) -> list[dict]:
+    """Preference rows, each with its own margin (0, 0.5, ..., 2.5, repeating): the row's index tells its margin."""
+    from run_support import preference_rows
+
+    return [{**row, "margin": (index % 6) * 0.5} for index, row in enumerate(preference_rows(count))]
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_each_pairs_margin_reaches_its_loss(llama_rm, tmp_path, padding_free):
+    """``margin_column``: every micro-batch's ``margins`` are its pairs' own, in the batch's order (its ``rows``),
+    and the loss is the Bradley-Terry formula with them on the batch's rewards."""
+    import torch.nn.functional as F
+
+    from posttune.config import load_config, validate
+    from posttune.plan import resolve_plan
+    from posttune.plugins import get_registry
+    from posttune.training.compose import compose
+    from posttune_rm.method import loss, rewards
+
+    rows = margin_rows(12)
+    config = rm_config(tmp_path, method={"margin_column": "margin", "padding_free": padding_free})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    session = compose(resolve_plan(validate(load_config(write(tmp_path, config), [])), get_registry()))
+    seen = []
+    for batch in session.train_data:
+        expected = torch.tensor([rows[int(r)]["margin"] for r in batch["rows"]])
+        torch.testing.assert_close(batch["margins"], expected, atol=0, rtol=0)
+        with torch.no_grad():
+            chosen, rejected = rewards(session, batch).chunk(2)
+            out = loss(session, batch)
+        torch.testing.assert_close(out.loss_sum, -F.logsigmoid(chosen - rejected - expected).sum(), atol=1e-6, rtol=0)
+        seen += batch["rows"].tolist()
+    assert sorted(seen) == list(range(12))  # every pair once, with margins 0 to 2.5 among them
+
+
+@pytest.mark.parametrize("margin, problem", [
+    ("wide", "field 'margin' must be a number >= 0 (the pair's margin), got 'wide'"),
+    (-1.5, "field 'margin' must be a number >= 0 (the pair's margin), got -1.5"),
+    (None, "field 'margin' must be a number >= 0 (the pair's margin), got None"),  # a row without it: null
+    ("no column", "missing field 'margin'"),
+])
+def test_a_bad_margin_is_refused_naming_its_row(llama_rm, posttune_cli, tmp_path, margin, problem):
+    rows = margin_rows(8)
+    if margin == "no column":
+        rows = [{key: value for key, value in row.items() if key != "margin"} for row in rows]
+    elif margin is None:
+        del rows[5]["margin"]
+    else:
+        rows[5]["margin"] = margin
+    config = rm_config(tmp_path, method={"margin_column": "margin"}, train={"max_steps": 1})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = posttune_cli("train", str(write(tmp_path, config)))
+    assert result.exit_code == 2
+    row = 0 if margin == "no column" else 5
+    assert result.stderr == (f"posttune: error: data.train: row {row}: {problem} (set data.skip_bad_rows: true to skip "
+                             "such rows)\n")
 
 
 def hf_scores(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -189,6 +249,8 @@ def test_a_lora_reward_model_loads_in_peft_with_its_score_head_and_resumes(llama
 @pytest.mark.parametrize("section, value, field", [
     ("method", {"margin": -1.0}, "method.margin"),
     ("method", {"center_rewards_coefficient": -0.1}, "method.center_rewards_coefficient"),
+    ("method", {"margin_column": "margin", "margin": 0.5}, "method.margin"),
+    ("method", {"margin_column": " "}, "method.margin_column"),
     ("parallel", {"plans": ["tp"]}, "parallel.plans"),
 ])
 def test_bad_settings_are_refused_in_one_line(llama_rm, posttune_cli, tmp_path, section, value, field):

@@ -3,6 +3,7 @@
     method:
       name: reward_model
       margin: 0.0                       # the chosen reward must beat the rejected by this much
+      margin_column: null               # or a column giving each pair its own margin (TRL's `margin`)
       center_rewards_coefficient: null  # e.g. 0.01: pulls the rewards' mean towards 0 (Eisenstein et al. 2023)
       padding_free: true                # every response its own document of one row; false: padded rows
       share_prompt: true                # padding-free: each pair's prompt computed once
@@ -34,6 +35,9 @@ CONFIGS = Path(__file__).parent / "configs"
 @dataclass(frozen=True)
 class RewardModelConfig:
     margin: float = 0.0  # the chosen reward must exceed the rejected by this much before a pair stops teaching
+    # a column of the preference rows holding each pair's own margin, a number >= 0 (TRL's `margin` column; Llama 2's
+    # margins from how much better the chosen was rated); null: `margin` for every pair
+    margin_column: str | None = None
     center_rewards_coefficient: float | None = None  # weight of mean((r_chosen + r_rejected)^2); TRL suggests 0.01
     padding_free: bool = True  # the pairs' responses end to end in one row, each its own document (as DPO)
     share_prompt: bool = True  # padding-free: each pair's prompt computed once (as DPO; the same scores)
@@ -42,6 +46,11 @@ class RewardModelConfig:
 def validate(config: RunConfig, method: RewardModelConfig) -> None:
     if not math.isfinite(method.margin) or method.margin < 0:
         raise ConfigError("method.margin", f"expected a number >= 0, got {method.margin}")
+    if method.margin_column is not None and not method.margin_column.strip():
+        raise ConfigError("method.margin_column", "expected a column name, or null")
+    if method.margin_column is not None and method.margin:
+        raise ConfigError("method.margin", f"margin_column '{method.margin_column}' gives each pair its own margin; "
+                                           "set one of them")
     coefficient = method.center_rewards_coefficient
     if coefficient is not None and not (math.isfinite(coefficient) and coefficient >= 0):
         raise ConfigError("method.center_rewards_coefficient", f"expected a number >= 0 or null, got {coefficient}")

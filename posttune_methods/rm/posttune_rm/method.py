@@ -8,31 +8,80 @@
 - ``loss``: the score head's value at each response's last token that is not padding
   (``sequence_scores``, transformers' pooling, so the exported model scores the same), the
   per-pair loss summed, normalised by the trainer over the pairs of the whole step.
+- ``margin_column``: each pair's margin read from its row (``MarginPairMaker``) and batched as
+  ``margins``, one per pair in the batch's order.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from posttune.plugin import DatasetConfig, LossOutput, Session, pad_id, sequence_scores
+from posttune.plugin import IGNORE_INDEX, DatasetConfig, LossOutput, PairMaker, Session, pad_id, sequence_scores
 from posttune_rm.losses import bradley_terry
 
 
-def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
-    from posttune.plugin import pair_batch, pair_loader, splits_sequence
+class MarginPairMaker(PairMaker):
+    """Preference rows -> ``[chosen, rejected, ([margin bits], [IGNORE_INDEX])]`` (a sample group).
 
-    pad, multiple = pad_id(session.tokenizer), session.config.data.pad_to_multiple_of
-    padding_free = session.method_config.padding_free
+    The data toolkit keeps token ids per sample and nothing else, so the row's margin travels as a
+    marker sample: one id holding the margin's float32 bits, never fed to a model (``margins``
+    reads it back). A missing or bad margin is a bad row like any other (``skip_bad_rows``).
+    """
+
+    def __init__(self, column: str, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.column = column
+        self.row: Mapping[str, Any] = {}
+
+    def __call__(self, row: Mapping[str, Any], index: int) -> Any:
+        self.row = row  # the dataset's own columns: `make` sees the format's pair alone
+        return super().__call__(row, index)
+
+    def make(self, pair: Any) -> list[tuple[list[int], list[int]]] | None:
+        margin = self.row[self.column]  # a KeyError is the toolkit's "missing field" row error
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
+            raise ValueError(f"field '{self.column}' must be a number >= 0 (the pair's margin), got {margin!r}")
+        samples = super().make(pair)
+        if samples is None:
+            return None
+        bits = int(torch.tensor([float(margin)], dtype=torch.float32).view(torch.int32))
+        return [*samples, ([bits], [IGNORE_INDEX])]
+
+
+def margins(rows: list) -> torch.Tensor:
+    """The margin of each pair of a micro-batch (``MarginPairMaker``'s groups), ``[pairs]`` (a placeholder for
+    an empty share, as ``pair_batch`` pads one, gets 0)."""
+    bits = [int(group[2].ids[0]) for group in rows] or [0]
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+
+
+def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
+    from posttune.plugin import build_loader, dataset_format, pair_batch, pair_loader, splits_sequence
+
+    config, method = session.config.data, session.method_config
+    pad, multiple = pad_id(session.tokenizer), config.pad_to_multiple_of
+    padding_free = method.padding_free
     # a plan that splits the sequence (context parallelism) keeps each document to itself
-    share = padding_free and session.method_config.share_prompt and not splits_sequence(session)
+    share = padding_free and method.share_prompt and not splits_sequence(session)
 
     def collate(rows: list) -> dict[str, Any]:
-        return pair_batch(rows, pad_id=pad, pad_to_multiple_of=multiple, padding_free=padding_free,
-                          share_prompt=share)
+        batch = pair_batch([group[:2] for group in rows], pad_id=pad, pad_to_multiple_of=multiple,
+                           padding_free=padding_free, share_prompt=share)
+        if method.margin_column is not None:
+            batch["margins"] = margins(rows)
+        return batch
 
-    return pair_loader(session, dataset, split, collate=collate)
+    if method.margin_column is None:
+        return pair_loader(session, dataset, split, collate=collate)
+    make = MarginPairMaker(method.margin_column, dataset_format(session, split), session.tokenizer,
+                           max_seq_len=config.max_seq_len, max_prompt_len=config.max_prompt_len,
+                           skip_bad_rows=config.skip_bad_rows, column_map=dataset.column_map, where=f"data.{split}",
+                           system_prompt=dataset.system_prompt)
+    return build_loader(session, dataset, split, make=make, collate=collate)
 
 
 def rewards(session: Session, batch: dict[str, Any]) -> torch.Tensor:
@@ -56,7 +105,8 @@ def rewards(session: Session, batch: dict[str, Any]) -> torch.Tensor:
 def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     config = session.method_config
     chosen, rejected = rewards(session, batch).chunk(2)
-    losses = bradley_terry(chosen, rejected, margin=config.margin, center_coefficient=config.center_rewards_coefficient)
+    margin = batch["margins"].to(chosen.device) if "margins" in batch else config.margin
+    losses = bradley_terry(chosen, rejected, margin=margin, center_coefficient=config.center_rewards_coefficient)
     real = (batch["rows"] >= 0).to(losses.dtype)  # a placeholder pair (an empty share) weighs nothing
     pairs = real.sum()
 
