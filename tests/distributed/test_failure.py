@@ -85,6 +85,14 @@ def test_the_reported_failure_is_a_rank_that_ended_on_its_own(tmp_path):
     killed = {0: failure(0, -15), 1: failure(1, -9)}
     rank, chosen = first_failure(killed)
     assert chosen.exitcode < 0 and rank in killed
+    # rank 1 SIGKILLed (the OOM killer); rank 0's collective then failed on its own, only because rank 1 was gone
+    lost = tmp_path / "error-lost.json"
+    lost.write_text(json.dumps({"message": {"message": "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection "
+                                                       "closed by peer [127.0.0.1]:46252. This is typically caused by "
+                                                       "a remote worker crashing.", "extraInfo": {"timestamp": 10}}}))
+    peer_lost = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(lost))
+    assert first_failure({0: peer_lost, 1: failure(1, -9)})[0] == 1
+    assert first_failure({0: peer_lost, 1: failure(1, 2, timestamp=11)})[0] == 1  # a real error wins too
 
 #: Rank 1 dies by SIGKILL right after optimizer step 3 (a lost node, the OOM killer): no Python
 #: error handler runs, so only torchrun's agent and the other rank's collectives notice.

@@ -95,11 +95,21 @@ def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) 
     return 0
 
 
+#: what a rank's collective raises when another rank's process is gone (gloo, NCCL): a symptom, not a cause
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
+
+
 def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
     """The failure to report: the earliest of the ranks that ended on their own. A rank killed by a signal
     (negative exit code) is usually one torchrun stopped after another rank failed, even when it had recorded the
-    same error first; it is reported only when every rank died that way (a lost node, the OOM killer)."""
-    return min(failures.items(), key=lambda item: (item[1].exitcode < 0, item[1].timestamp))
+    same error first; it is reported only when every rank died that way (a lost node, the OOM killer) or the
+    others failed only because it was gone (their collectives' ``LOST_PEER`` errors)."""
+    def rank(item: tuple[int, Any]) -> tuple[int, float]:
+        failure = item[1]
+        lost_peer = failure.exitcode >= 0 and any(text in reported(failure.message) for text in LOST_PEER)
+        return 2 if lost_peer else int(failure.exitcode < 0), failure.timestamp
+
+    return min(failures.items(), key=rank)
 
 
 def reported(message: Any) -> str:
