@@ -201,16 +201,19 @@ def _paths(dataset: DatasetConfig) -> str:
 
 
 def pair_loader(session: Any, dataset: DatasetConfig, split: str, *,
-                collate: Callable[[list[list[Sample]]], dict[str, Any]] | None = None) -> BatchLoader:
+                collate: Callable[[list[list[Sample]]], dict[str, Any]] | None = None,
+                maker: Callable[..., Any] | None = None) -> BatchLoader:
     """Preference pairs (``PairMaker`` with the run's data settings), batched by ``pair_batch`` (the chosen
-    rows, then the rejected) unless ``collate`` is given: what preference methods read."""
+    rows, then the rejected) unless ``collate`` is given: what preference methods read. ``maker``: a
+    ``PairMaker`` subclass (or a partial of one) built with the same settings, for rows of a method's own."""
     from posttune.data.collate import pad_id, pair_batch
     from posttune.data.preference import PairMaker
 
     config = session.config.data
-    make = PairMaker(dataset_format(session, split), session.tokenizer, max_seq_len=config.max_seq_len,
-                     max_prompt_len=config.max_prompt_len, skip_bad_rows=config.skip_bad_rows,
-                     column_map=dataset.column_map, where=f"data.{split}", system_prompt=dataset.system_prompt)
+    make = (maker or PairMaker)(dataset_format(session, split), session.tokenizer, max_seq_len=config.max_seq_len,
+                                max_prompt_len=config.max_prompt_len, skip_bad_rows=config.skip_bad_rows,
+                                column_map=dataset.column_map, where=f"data.{split}",
+                                system_prompt=dataset.system_prompt)
     if collate is None:
         pad = pad_id(session.tokenizer)
 

@@ -121,17 +121,14 @@ def feedback_batch(rows: list[list[Any]], *, pad_id: int, max_seq_len: int, pad_
 
 
 def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
-    from posttune.plugin import build_loader, dataset_format, pad_id, splits_sequence
+    from posttune.plugin import pad_id, pair_loader, splits_sequence
 
     config, method = session.config.data, session.method_config
-    make = FeedbackMaker(dataset_format(session, split), session.tokenizer, max_seq_len=config.max_seq_len,
-                         max_prompt_len=config.max_prompt_len, skip_bad_rows=config.skip_bad_rows,
-                         column_map=dataset.column_map, where=f"data.{split}", system_prompt=dataset.system_prompt)
     collate = partial(feedback_batch, pad_id=pad_id(session.tokenizer), max_seq_len=config.max_seq_len,
                       pad_to_multiple_of=config.pad_to_multiple_of, padding_free=method.padding_free,
                       # a plan that splits the sequence (context parallelism) keeps each document to itself
                       share_prompt=method.padding_free and method.share_prompt and not splits_sequence(session))
-    return build_loader(session, dataset, split, make=make, collate=collate)
+    return pair_loader(session, dataset, split, collate=collate, maker=FeedbackMaker)
 
 
 def loss(session: Session, batch: dict[str, Any]) -> LossOutput:

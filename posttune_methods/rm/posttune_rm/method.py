@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ class MarginPairMaker(PairMaker):
     reads it back). A missing or bad margin is a bad row like any other (``skip_bad_rows``).
     """
 
-    def __init__(self, column: str, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, column: str, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.column = column
         self.row: Mapping[str, Any] = {}
@@ -60,10 +61,10 @@ def margins(rows: list) -> torch.Tensor:
 
 
 def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
-    from posttune.plugin import build_loader, dataset_format, pair_batch, pair_loader, splits_sequence
+    from posttune.plugin import pair_batch, pair_loader, splits_sequence
 
-    config, method = session.config.data, session.method_config
-    pad, multiple = pad_id(session.tokenizer), config.pad_to_multiple_of
+    method = session.method_config
+    pad, multiple = pad_id(session.tokenizer), session.config.data.pad_to_multiple_of
     padding_free = method.padding_free
     # a plan that splits the sequence (context parallelism) keeps each document to itself
     share = padding_free and method.share_prompt and not splits_sequence(session)
@@ -75,13 +76,8 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
             batch["margins"] = margins(rows)
         return batch
 
-    if method.margin_column is None:
-        return pair_loader(session, dataset, split, collate=collate)
-    make = MarginPairMaker(method.margin_column, dataset_format(session, split), session.tokenizer,
-                           max_seq_len=config.max_seq_len, max_prompt_len=config.max_prompt_len,
-                           skip_bad_rows=config.skip_bad_rows, column_map=dataset.column_map, where=f"data.{split}",
-                           system_prompt=dataset.system_prompt)
-    return build_loader(session, dataset, split, make=make, collate=collate)
+    maker = None if method.margin_column is None else partial(MarginPairMaker, column=method.margin_column)
+    return pair_loader(session, dataset, split, collate=collate, maker=maker)
 
 
 def rewards(session: Session, batch: dict[str, Any]) -> torch.Tensor:
