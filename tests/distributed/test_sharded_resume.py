@@ -86,3 +86,37 @@ def test_the_best_sharded_checkpoint_is_kept_named_and_resumes(tmp_path):
     train(config, *validation, f"checkpoint.output_dir={tmp_path / 'resumed'}", f"checkpoint.resume={kept}",
           nproc=2)
     assert [r["step"] for r in metrics(tmp_path / "resumed") if "loss" in r][0] == best + 1
+
+
+@pytest.mark.parametrize("adapter", [None, {"rank": 4, "alpha": 8}], ids=["full", "lora"])
+def test_an_unsharded_checkpoint_resumes_on_two_fsdp2_ranks(runs, tmp_path, adapter):
+    """The other way round: a checkpoint of one process (``model/`` or ``adapter/``, ``optimizer.pt`` whole)
+    resumed by 2 FSDP2 ranks, each taking its shard of the weights and of Adam's moments, with the same global
+    batch: the loss curve of the uninterrupted run goes on."""
+    name = "single_saving" if adapter is None else "lora_single_saving"
+    straight = runs(name, batch_size=8, adapter=adapter, checkpoint={"save_every": 2})
+    checkpoint = straight / "checkpoints" / "step-00000002"
+    assert (checkpoint / "optimizer.pt").is_file() and not (checkpoint / "sharded").exists()
+    expected = {r["step"]: r["loss"] for r in metrics(straight)}
+    config = write_config(tmp_path, batch_size=4, adapter=adapter, parallel={"plans": ["fsdp2"]})
+    train(config, f"checkpoint.output_dir={tmp_path / 'two'}", f"checkpoint.resume={checkpoint}", nproc=2)
+    resumed = metrics(tmp_path / "two")
+    assert [r["step"] for r in resumed] == [3, 4]
+    for record in resumed:
+        assert abs(record["loss"] - expected[record["step"]]) <= TOL, record["step"]
+
+
+def test_an_adapter_starts_a_run_on_two_fsdp2_ranks(runs, tmp_path):
+    """``adapter.init_from`` under FSDP2: each rank loads its shard of the saved adapter; the run's losses are the
+    single process's."""
+    lora = {"rank": 4, "alpha": 8}
+    saved = runs("lora_single_saving", batch_size=8, adapter=lora, checkpoint={"save_every": 2}) / "adapter"
+    config = write_config(tmp_path, batch_size=8, adapter={**lora, "init_from": str(saved)}, steps=2)
+    train(config, f"checkpoint.output_dir={tmp_path / 'one'}")
+    train(config, f"checkpoint.output_dir={tmp_path / 'two'}", "train.batch_size=4", "parallel.plans=[fsdp2]",
+          nproc=2)
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["step"] for r in two] == [1, 2]
+    assert one[0]["loss"] < metrics(saved.parent)[0]["loss"]  # it starts where the saved run ended, not afresh
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= TOL, a["step"]

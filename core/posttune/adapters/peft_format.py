@@ -42,6 +42,7 @@ from posttune.adapters.inject import adapted_modules, apply_adapters
 from posttune.adapters.lora import LoRALinear
 from posttune.checkpoint.atomic import atomic_dir
 from posttune.checkpoint.convert import Join, pairs
+from posttune.checkpoint.materialize import copy_into
 from posttune.checkpoint.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, UNSUPPORTED, read_config, settings_of
 from posttune.checkpoint.safetensors_io import Planned, iter_tensors, write_file
 from posttune.checkpoint.score_head import HEAD, HF_SCORE, score_labels
@@ -454,7 +455,7 @@ def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALi
         if tuple(tensor.shape) != tuple(target.shape):
             raise PosttuneError(f"{directory / ADAPTER_WEIGHTS}: '{entry.name}' has shape {list(tensor.shape)}, "
                                 f"the model's adapter {list(target.shape)}")
-        target.copy_(tensor)
+        copy_into(target, tensor)  # a sharded (FSDP2, TP) adapter takes its own shard
         filled.add((name, native_suffix))
     for hf_module, tensors in held.items():
         filled |= _copy_fused(directory, hf_module, fused[hf_module], tensors, layers, to_native, hf_config)
@@ -507,14 +508,12 @@ def _copy_fused(directory: Path, hf_module: str, group: Fused, tensors: Mapping[
             if tuple(value.shape) != tuple(mine[suffix].shape):
                 raise PosttuneError(f"{where}: '{part}' {suffix} has shape {list(value.shape)}, the model's adapter "
                                     f"{list(mine[suffix].shape)}")
-            mine[suffix].copy_(value)
+            copy_into(mine[suffix], value)
             filled.add((part, suffix))
     return filled
 
 
 def _copy_whole(target: torch.Tensor, tensor: torch.Tensor, directory: Path, name: str) -> None:
-    from posttune.checkpoint.materialize import copy_into
-
     if tuple(tensor.shape) != tuple(target.shape):
         raise PosttuneError(f"{directory / ADAPTER_WEIGHTS}: '{name}' has shape {list(tensor.shape)}, "
                             f"the model's score head {list(target.shape)}")

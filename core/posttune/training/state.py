@@ -213,6 +213,22 @@ def checkpoint_damage(path: Path) -> str | None:
     return problem
 
 
+def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """An unsharded run's optimizer state resumed under a sharding plan (FSDP2, TP): each parameter's whole state
+    tensors (Adam's moments) cut to this rank's shard, as its parameter is (every rank read the same file, so
+    no communication). The weights took their shards as they loaded (``copy_into``)."""
+    from posttune.checkpoint.materialize import copy_into
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if getattr(param, "device_mesh", None) is not None and torch.is_tensor(value) \
+                        and getattr(value, "device_mesh", None) is None and value.shape == param.shape:
+                    state[key] = torch.empty_like(param, dtype=value.dtype)
+                    copy_into(state[key], value)
+
+
 def load_trainer_state(session: Session, path: Path) -> None:
     """Restore optimizer, scheduler, RNG, data position and step from checkpoint ``path``."""
     meta = json.loads((path / STATE_FILE).read_text())
@@ -222,6 +238,7 @@ def load_trainer_state(session: Session, path: Path) -> None:
         sharded_state.load(session, path)
     else:
         session.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        shard_optimizer_state(session.optimizer)
     session.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     saved_lr, lr = meta.get("lr"), session.config.train.lr
     if isinstance(saved_lr, (int, float)) and saved_lr > 0 and saved_lr != lr:  # train.lr changed: it applies
