@@ -26,6 +26,10 @@ def matches_answer(prompts, completions, answer, completion_ids, **kwargs):
                                                                                    completion_ids)]
 
 
+def trl_chat(completions, **kwargs):  # TRL's conversational example: completions as lists of messages
+    return [float("<answer>" in completion[0]["content"]) for completion in completions]
+
+
 def slow(completions, **kwargs):
     import time
     time.sleep(30)
@@ -57,6 +61,22 @@ def test_a_time_limit_isolates_the_function_in_worker_processes(rewards_file):
     assert [reward.isolated for reward in rewards] == [True, True]
     scores = score(rewards, ["p"], ["AB"], {}, on_error="zero")
     assert scores.timeouts == {"slow": 1, "brevity": 0} and scores.per_reward["brevity"] == [1 / 3]
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5])
+def test_a_function_that_reads_trl_chat_messages_is_told_completions_are_text(rewards_file, timeout_s):
+    """Indexing a string as TRL's messages fails on every completion: the error says what to read instead, not
+    ``reward_errors: zero`` (which would score every completion 0 and train on nothing), in process and isolated."""
+    from posttune.plugin import PosttuneError
+
+    rewards = resolve_rewards([RewardSpec("my_rewards.py:trl_chat", timeout_s=timeout_s)])
+    with pytest.raises(PosttuneError) as failed:
+        score(rewards, ["p"], ["<answer>1</answer>"], {})
+    message = str(failed.value)
+    assert "raised TypeError: string indices must be integers" in message
+    assert message.endswith("completions are strings here, not TRL's chat messages [{'role': 'assistant', "
+                            "'content': ...}]: read the text itself (docs/coming_from.md)")
+    assert "reward_errors" not in message
 
 
 @pytest.mark.parametrize(("name", "problem"), [

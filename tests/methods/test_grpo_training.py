@@ -82,6 +82,31 @@ def test_a_run_generates_scores_and_logs_what_grpo_users_watch(llama_grpo, postt
     assert all(r["reward_failures/vowel_share"] == 0 for r in steps)  # an unbroken series: 0 when none failed
 
 
+def test_every_step_reports_what_it_trained_on_a_repeated_iteration_too(llama_grpo, posttune_cli, tmp_path):
+    """``num_iterations: 2``: each generation batch trains two steps. Every step logs each reward's failure count
+    (an unbroken series), the longest completion it trained on and ``reward_std``, the sample standard deviation
+    (Bessel-corrected, TRL's ``nanstd``) of the total rewards of the completions it trained on, which
+    ``completions.jsonl`` lists for a generating step."""
+    config = vowel_config(tmp_path, method={"num_iterations": 2, "log_completions": True}, train={"max_steps": 4})
+    assert posttune_cli("train", str(write(tmp_path, config))).exit_code == 0
+    steps = records(config)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    logged = [json.loads(line) for line in (Path(config["checkpoint"]["output_dir"]) / "completions.jsonl")
+              .read_text().splitlines()]
+    for step in steps:
+        assert step["reward_failures/vowel_share"] == 0
+        assert step["completion_length_max"] >= step["completion_length"] > 0
+    for generated, repeated in ((steps[0], steps[1]), (steps[2], steps[3])):
+        rewards = torch.tensor([row["reward"] for row in logged if row["step"] == generated["step"]])
+        assert len(rewards) > 2 and float(rewards.std()) > 0
+        assert generated["reward_std"] == pytest.approx(float(rewards.std(correction=1)), rel=1e-5)
+        assert generated["reward_std"] != pytest.approx(float(rewards.std(correction=0)), rel=1e-4)
+        # the second iteration trains on the same completions: the same figures
+        for key in ("reward", "reward_std", "completion_length", "completion_length_max"):
+            assert repeated[key] == pytest.approx(generated[key]), key
+        assert "generation_tokens_per_s" in generated and "generation_tokens_per_s" not in repeated
+
+
 def test_the_share_of_groups_that_teach_nothing_is_logged(llama_grpo, posttune_cli, tmp_path):
     """``frac_reward_zero_std``: the share of groups whose rewards are all equal (zero advantage, no gradient),
     against the words the step's prompts hold; when every group ties, it is 1 and the gradient is 0."""

@@ -80,6 +80,14 @@ class GRPOConfig:
         "vllm_importance_sampling_cap": "method.tis_cap",
         "sync_ref_model": "method.sync_reference_every (the steps between syncs; null: a fixed reference)",
         "ref_model_sync_steps": "method.sync_reference_every", "ref_model_mixup_alpha": "method.sync_reference_alpha",
+        "vllm_mode": "method.engine: vllm (colocate: in the training process, method.generation: local; "
+                     "in Ray engine actors: method.generation: ray)",
+        "vllm_gpu_memory_utilization": "method.engine_options.memory_fraction (docs/vllm.md)",
+        "vllm_importance_sampling_correction": "method.tis_cap (null: no correction)",
+        "generation_batch_size": "train.batch_size prompts x method.group_size completions per generation batch",
+        "steps_per_generation": "method.micro_batch_size and train.grad_accum_steps (a generation batch is "
+                                "trained in micro-batches of micro_batch_size completions, grad_accum_steps a step)",
+        "chat_template_kwargs": "tokenizer.chat_template_kwargs",
     }
     group_size: int = 8  # completions sampled per prompt, compared within their group (at least 2)
     max_new_tokens: int = 256  # the longest completion

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from posttune_grpo.rollouts import Rollouts, micro_batch_size, micro_batches_per_generation
-from posttune_grpo.state import GRPOState, log_samples
+from posttune_grpo.state import GRPOState, count_trained, log_samples
 from posttune.plugin import ConfigError, DatasetConfig, Session
 
 
@@ -112,6 +112,7 @@ def _train_on(session: Session, state: GRPOState) -> Any:
     while state.cursor < total:
         piece = pieces[state.cursor % len(pieces)]
         state.cursor += 1  # before yielding: a checkpoint taken now must not train on this one again
+        count_trained(state, piece)
         yield piece
     state.pending = None
 
@@ -123,8 +124,9 @@ def on_step_end(session: Session, record: dict[str, Any]) -> None:
     state: GRPOState = session.method_state
     record["completion_length_max"] = int(all_reduce_max(torch.tensor(float(state.longest), device=session.device)))
     mean, mean_sq = record.get("reward"), record.pop("reward_sq", None)
-    if mean is not None and mean_sq is not None:
-        record["reward_std"] = math.sqrt(max(mean_sq - mean * mean, 0.0))
+    if mean is not None and mean_sq is not None:  # the sample standard deviation, as TRL's reward_std
+        n = trained_completions(session, state.trained)
+        record["reward_std"] = math.sqrt(max(mean_sq - mean * mean, 0.0) * n / (n - 1)) if n > 1 else 0.0
     elapsed = time.perf_counter() - state.step_started
     record["generation_s"] = state.generation_seconds
     record["training_s"] = max(elapsed - state.source.waited_s(session), 0.0)
@@ -132,10 +134,12 @@ def on_step_end(session: Session, record: dict[str, Any]) -> None:
         record[f"reward_failures/{name}"] = count
     for name, count in state.reward_timeouts.items():
         record[f"reward_timeouts/{name}"] = count
-    state.reward_failures, state.reward_timeouts = {}, {}
+    # the names stay: a step that trains on an earlier generation batch logs 0 failures, not a gap in the series
+    state.reward_failures = dict.fromkeys(state.reward_failures, 0)
+    state.reward_timeouts = dict.fromkeys(state.reward_timeouts, 0)
     if state.generation_seconds:
         record["generation_tokens_per_s"] = state.generated_tokens / state.generation_seconds
-    state.generation_seconds, state.generated_tokens, state.longest = 0.0, 0, 0
+    state.generation_seconds, state.generated_tokens, state.longest, state.trained = 0.0, 0, 0, 0
     state.step_started = time.perf_counter()
     log_samples(session, state)
     state.source.after_step(session, record)
@@ -144,6 +148,16 @@ def on_step_end(session: Session, record: dict[str, Any]) -> None:
         with torch.no_grad():  # TR-DPO's update of the reference, as TRL's GRPO applies it
             for _, reference, policy in synced_reference(session):
                 reference.copy_(reference.float().lerp_(policy.float(), session.method_config.sync_reference_alpha))
+
+
+def trained_completions(session: Session, local: int) -> int:
+    """The completions the step trained on, over the ranks that hold different data (each data-parallel rank's
+    count summed once, however many ranks of a tensor- or context-parallel group share it)."""
+    from posttune.plugin import all_reduce_sum, data_rank
+
+    total = int(all_reduce_sum(torch.tensor(float(local), device=session.device)))
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return total * data_rank(session)[1] // world
 
 
 def state_dict(session: Session) -> dict[str, Any]:

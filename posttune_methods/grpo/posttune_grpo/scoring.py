@@ -42,6 +42,16 @@ from posttune_grpo.rewards import ROW_FIELDS, WARM_UPS, needs_field
 
 RewardErrors = Literal["raise", "zero"]
 _CONTINUE = "set method.reward_errors: zero to score such completions 0 and count them"
+#: what Python says when code indexes a string as TRL's chat completions (``completion[0]["content"]``)
+_STRING_INDEXED = "string indices must be integers"
+_TEXT_NOT_MESSAGES = ("completions are strings here, not TRL's chat messages [{'role': 'assistant', 'content': ...}]: "
+                      "read the text itself (docs/coming_from.md)")
+
+
+def _remedy(error: BaseException | None) -> str:
+    """What the one-line error suggests: reading text where a reward indexes it as TRL's messages (scoring such
+    completions 0 would train on nothing), else ``reward_errors: zero``."""
+    return _TEXT_NOT_MESSAGES if _STRING_INDEXED in str(error) else _CONTINUE
 DEFAULT_TIMEOUT_S = 5.0  # math-verify's own default: GSM8K and MATH answers take milliseconds
 BUDGET_PER_TIMEOUT = 6  # default budget_s: six completions' worth of timeout_s (30 s at the default)
 
@@ -299,7 +309,7 @@ def _run(reward: ResolvedReward, prompts: Sequence[str], completions: Sequence[s
         except Exception as exc:  # a reward's bug or a bad row: the user chooses to stop or to go on
             if on_error == "raise":
                 message = first_line(str(exc))
-                raise PosttuneError(f"{label} raised {type(exc).__name__}: {message}; {_CONTINUE}") from exc
+                raise PosttuneError(f"{label} raised {type(exc).__name__}: {message}; {_remedy(exc)}") from exc
             return [0.0] * n, n, 0
         _check_length(raw, n, label)
         problems = [None] * n
@@ -311,7 +321,7 @@ def _run(reward: ResolvedReward, prompts: Sequence[str], completions: Sequence[s
         cause = problems[j].value if problems[j].kind == "error" else None
         row = _row_lacks(reward, kwargs, j, rows) if problems[j].kind == "value" else ""
         raise PosttuneError(f"{label} {_what_failed(problems[j], reward)} for completion {j} ({len(failed)} of {n} "
-                            f"in this batch){row}; {_CONTINUE}") from cause
+                            f"in this batch){row}; {_remedy(cause)}") from cause
     timed_out = sum(problem is not None and problem.kind in ("timeout", "budget") for problem in problems)
     values = [0.0 if problem is not None else float(value) for value, problem in zip(raw, problems, strict=True)]
     return values, len(failed), timed_out

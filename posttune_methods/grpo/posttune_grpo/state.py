@@ -30,7 +30,8 @@ class GRPOState:
     cursor: int = 0  # micro-batches of ``pending`` already handed out (over all iterations)
     generation_seconds: float = 0.0  # since the last optimizer step
     generated_tokens: int = 0
-    longest: int = 0  # the longest completion generated since the last optimizer step
+    longest: int = 0  # the longest completion this optimizer step trained on
+    trained: int = 0  # the completions this optimizer step trained on (a repeated iteration's too)
     step_started: float = field(default_factory=time.perf_counter)
     reward_failures: dict[str, int] = field(default_factory=dict)  # scored 0 (reward_errors: zero), this step
     reward_timeouts: dict[str, int] = field(default_factory=dict)  # of those, isolated rewards' timeouts
@@ -63,12 +64,19 @@ def count_rollouts(state: GRPOState, rollouts: Rollouts) -> None:
     real = (rollouts.rows >= 0).long()
     state.generation_seconds += rollouts.seconds
     state.generated_tokens += int((rollouts.lengths * real).sum())
-    state.longest = max(state.longest, int((rollouts.lengths * real).max()))
     for name, count in rollouts.reward_failures.items():
         state.reward_failures[name] = state.reward_failures.get(name, 0) + count
     for name, count in rollouts.reward_timeouts.items():
         state.reward_timeouts[name] = state.reward_timeouts.get(name, 0) + count
     keep_samples(state, rollouts)
+
+
+def count_trained(state: GRPOState, batch: dict[str, Any]) -> None:
+    """Add a micro-batch about to be trained on to the step's figures (``trained``, ``longest``): the step
+    record describes what it trained on, an earlier generation batch's repeated iteration too."""
+    real = batch["rows"] >= 0
+    state.trained += int(real.sum())
+    state.longest = max(state.longest, int((batch["lengths"] * real).max()))
 
 
 def keep_samples(state: GRPOState, rollouts: Rollouts) -> None:

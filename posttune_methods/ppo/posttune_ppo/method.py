@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from posttune.plugin import DatasetConfig, LossOutput, Session
-from posttune_grpo.state import GRPOState
+from posttune_grpo.state import GRPOState, count_trained
 from posttune_ppo import micro_batch_size, rows_per_rank
 from posttune_ppo.advantages import policy_loss, value_loss
 from posttune_ppo.experience import completion_mask, logps_and_values, make_experience, micro_batches
@@ -90,6 +90,7 @@ def _train_on(session: Session, state: PPOState) -> Any:
         order = torch.randperm(rows, generator=generator)
         piece = micro_batches(state.pending, order[index * size:(index + 1) * size], size)[0]
         state.cursor += 1  # before yielding: a checkpoint taken now must not train on this one again
+        count_trained(state, piece)
         yield piece
     state.pending = None
 
