@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from posttune import first_party, tracking
-from posttune.checkpoint.source import family_for, is_hub_id, read_hf_config
+from posttune.checkpoint.source import family_for, is_hub_id, no_directory, read_hf_config
 from posttune.config.components import check_components
 from posttune.config.requires import check_requires, device_for
 from posttune.config.mixture import dataset_sources
@@ -183,7 +183,7 @@ def _hf_config(model: ModelConfig, section: str) -> dict[str, Any]:
     (a malformed file is named, with its field, by the reader)."""
     local = Path(str(model.path)).expanduser()
     if not local.is_dir() and not is_hub_id(str(model.path)):
-        raise ConfigError(f"{section}.path", f"{model.path}: no such checkpoint directory")
+        raise ConfigError(f"{section}.path", no_directory(model.path))
     if local.is_dir() and not (local / "config.json").is_file():
         raise ConfigError(f"{section}.path", f"{model.path}: not a Hugging Face checkpoint (no config.json)")
     return read_hf_config(model.path)

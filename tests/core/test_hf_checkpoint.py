@@ -252,6 +252,14 @@ def test_missing_directory(tmp_path):
     assert error_of(posttune.load_model, tmp_path / "nope").endswith("no such checkpoint directory")
 
 
+def test_a_weights_file_is_named_as_a_file(tmp_path):
+    """torchtune's checkpointer names weight files; a model path names the folder, and says so."""
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert error_of(posttune.load_model, tmp_path / "model.safetensors") == (
+        f"{tmp_path / 'model.safetensors'}: is a file; give the checkpoint folder that holds config.json and the "
+        "weights")
+
+
 def test_architecture_no_installed_family_reads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
     assert error_of(posttune.load_model, tmp_path) == (

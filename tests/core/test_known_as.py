@@ -1,6 +1,6 @@
-"""A key of transformers' TrainingArguments, TRL's, PEFT's or axolotl's configs, written where a user bringing a
-recipe puts it, is refused with the key it is here (``KNOWN_AS``), in the run config's sections and in a method's;
-so is a run-config key written in the wrong section (``ELSEWHERE``)."""
+"""A key of transformers' TrainingArguments, TRL's, PEFT's, axolotl's or torchtune's configs, written where a user
+bringing a recipe puts it, is refused with the key it is here (``KNOWN_AS``), in the run config's sections and in a
+method's; so is a run-config key written in the wrong section (``ELSEWHERE``)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,21 @@ RUN = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"
     # what a first-party plugin provides, with its distribution
     ({"gradient_checkpointing": True}, "gradient_checkpointing: unknown key; gradient_checkpointing is memory: "
                                        "[activation_checkpointing] (posttune-memory) here"),
+    # torchtune's recipe keys, at the top, in a section and in a dataset
+    ({"checkpointer": {"checkpoint_dir": "x"}}, "checkpointer: unknown key; checkpointer is model.path (its "
+                                                "checkpoint_dir: the folder) and checkpoint.output_dir"),
+    ({"clip_grad_norm": 1.0}, "clip_grad_norm: unknown key; clip_grad_norm is train.max_grad_norm here"),
+    ({"train": {"compile": True}}, "train.compile: unknown key; compile is memory: [compile] (posttune-memory) here"),
+    ({"enable_activation_checkpointing": True},
+     "enable_activation_checkpointing: unknown key; enable_activation_checkpointing is memory: "
+     "[activation_checkpointing]"),
+    ({"model": {"path": "x", "lora_rank": 8}}, "model.lora_rank: unknown key; lora_rank is adapter.rank here"),
+    ({"model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b"}},
+     "model._component_: unknown key; _component_ is model.path (a checkpoint's config.json names its family)"),
+    ({"data": {"train": {"path": "x", "data_files": "d.json"}}},
+     "data.train.data_files: unknown key; data_files is the dataset's path here"),
+    ({"data": {"train": {"path": "x", "packed": True}}}, "data.train.packed: unknown key; packed is method.packing"),
+    ({"checkpoint": {"resume": False}}, "checkpoint.resume: false means a fresh start here: write null"),
     # a value as transformers spells it: resume_from_checkpoint=True
     ({"checkpoint": {"resume": True}}, "checkpoint.resume: true means the newest checkpoint here: write latest (or a "
                                        "checkpoint's path)"),

@@ -138,10 +138,13 @@ def test_hf_hub_offline_skips_the_probe_and_stays_one_line(tmp_path, silent_endp
 @pytest.mark.parametrize("section, value, message", [
     ("model", "models/llama", "config: model.path: models/llama: no such checkpoint directory"),
     ("model", "./llama", "config: model.path: ./llama: no such checkpoint directory"),
+    ("model", "models/model.safetensors", "config: model.path: models/model.safetensors: is a file; give the "
+                                          "checkpoint folder that holds config.json and the weights"),
     ("data", "models/train", "config: data.train.path: no such file or directory 'models/train'"),
 ])
 def test_a_missing_local_path_is_not_a_hub_problem(tmp_path, section, value, message, silent_endpoint):
     (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "model.safetensors").write_bytes(b"")
     config = {"model": {"path": value} if section == "model" else {"family": "llama", "size": "tiny",
                                                                    "build_overrides": {"vocab_size": 384}},
               "tokenizer": {"path": TOKENIZER}, "method": "sft",

@@ -115,11 +115,11 @@ def test_values_that_break_a_run_fail_validate(fake_plugin, posttune_cli, tmp_pa
     (["train.optimizer._component_=torch.optim.AdamW", "train.optimizer.betass=[0.9,0.95]"],
      "config: train.optimizer: torch.optim.AdamW: got an unexpected keyword argument 'betass'"),
     (["train.optimizer._component_=torch.optim.SGD", "train.optimizer.lr=0.1"],
-     "config: train.optimizer.lr: is set by posttune itself; remove it from the config"),
+     "config: train.optimizer.lr: posttune sets it from train.lr (and its schedule); set that instead"),
     # the parameter groups' weight decay overrides the constructor's: a value here would be ignored
     (["train.optimizer._component_=torch.optim.AdamW", "train.optimizer.weight_decay=0.1"],
-     "config: train.optimizer.weight_decay: posttune sets it for each parameter group from train.weight_decay "
-     "(none on biases and norms); set that instead"),
+     "config: train.optimizer.weight_decay: posttune sets it from train.weight_decay (for each parameter group, "
+     "none on biases and norms); set that instead"),
     # posttune's warmup belongs to its named schedules: a component's schedule would run without it
     (["train.scheduler._component_=torch.optim.lr_scheduler.StepLR", "train.scheduler.step_size=2",
       "train.warmup_steps=2"],

@@ -177,13 +177,20 @@ def test_behaviour_log_probs_equal_a_fresh_forward_pass(llama_grpo, tmp_path):
                                atol=1e-5, rtol=0)
 
 
-def test_kl_needs_a_reference_which_lora_gets_by_disabling_adapters(llama_grpo, tmp_path):
-    from posttune.adapters import AdaptersOff
+def test_kl_needs_a_reference_which_lora_gets_by_disabling_adapters(llama_grpo, tmp_path, capsys):
+    from posttune.adapters import AdaptersOff, save_peft_adapter
 
     full = compose_run(vowel_config(tmp_path / "full", method={"beta": 0.04}))
     assert "reference" in full.models and not isinstance(full.models["reference"], AdaptersOff)
     lora = compose_run(vowel_config(tmp_path / "lora", method={"beta": 0.04}, adapter={"rank": 4, "alpha": 8}))
     assert isinstance(lora.models["reference"], AdaptersOff)
+    assert "warning" not in capsys.readouterr().err
+    # started from a saved adapter, the reference is still the base model: said, since the KL starts above 0
+    saved = save_peft_adapter(lora.model, tmp_path / "adapter")
+    compose_run(vowel_config(tmp_path / "init", method={"beta": 0.04},
+                             adapter={"rank": 4, "alpha": 8, "init_from": str(saved)}))
+    assert ("posttune: warning: adapter.init_from: the reference model is the policy with its adapters off, the "
+            "base model before that adapter's training") in capsys.readouterr().err
     none = compose_run(vowel_config(tmp_path / "none"))
     assert none.models == {}
 

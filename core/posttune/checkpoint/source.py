@@ -53,7 +53,7 @@ def read_hf_config(path: str | Path | None) -> dict[str, Any]:
         if not file.is_file():
             raise PosttuneError(f"{path}: not a Hugging Face checkpoint (no config.json)")
     elif not is_hub_id(str(path)):
-        raise PosttuneError(f"{path}: no such checkpoint directory")
+        raise PosttuneError(no_directory(path))
     else:
         file = _hub_config(str(path))
     try:
@@ -61,6 +61,13 @@ def read_hf_config(path: str | Path | None) -> dict[str, Any]:
     except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8, a 5000-digit number
         raise PosttuneError(f"{file}: unreadable config.json: {type(exc).__name__}: {first_line(str(exc))}") from None
     return check_hf_config(config, str(file))
+
+
+def no_directory(path: str | Path) -> str:
+    """Why ``path`` is no checkpoint: a file (torchtune's checkpointer names weight files), or nothing there."""
+    if Path(str(path)).expanduser().is_file():
+        return f"{path}: is a file; give the checkpoint folder that holds config.json and the weights"
+    return f"{path}: no such checkpoint directory"
 
 
 def local_dir(path_or_id: str | Path) -> Path:
@@ -72,7 +79,7 @@ def local_dir(path_or_id: str | Path) -> Path:
     if local.is_dir():
         return local
     if not is_hub_id(str(path_or_id)):
-        raise PosttuneError(f"{path_or_id}: no such checkpoint directory")
+        raise PosttuneError(no_directory(path_or_id))
     from huggingface_hub import snapshot_download
 
     reach = _reach()

@@ -342,7 +342,7 @@ def _known_as_table(groups: list[Group]) -> list[str]:
     for group in groups:
         for theirs, here in group.known_as:
             rows.setdefault((theirs, here), []).append(f"`{group.title or group.section}`")
-    return ["### Keys as transformers, TRL, PEFT and axolotl name them", "",
+    return ["### Keys as transformers, TRL, PEFT, axolotl and torchtune name them", "",
             "Written in a section the last column names, each is refused with its place here.", "",
             "| theirs | here | written in |", "|---|---|---|",
             *(f"| `{theirs}` | {_cell(here)} | {', '.join(where)} |" for (theirs, here), where in rows.items())]

@@ -66,14 +66,15 @@ class Passed:
 
     positional: int = 0
     keywords: tuple[str, ...] = ()
-    #: arguments posttune sets from a field of its own, overriding the component's (key -> that field)
-    from_fields: tuple[tuple[str, str], ...] = ()
+    #: arguments posttune sets from a field of its own, overriding the component's: (key, that field, how)
+    from_fields: tuple[tuple[str, str, str], ...] = ()
 
 
 #: the calls `posttune.training.optim` makes (``build_optimizer``, ``build_scheduler``)
 PASSED: dict[str, Passed] = {
     # the parameter groups, each with its weight decay (none on biases and norms); train.lr
-    "train.optimizer": Passed(1, ("lr",), from_fields=(("weight_decay", "train.weight_decay"),)),
+    "train.optimizer": Passed(1, ("lr",), from_fields=(("lr", "train.lr", "and its schedule"), (
+        "weight_decay", "train.weight_decay", "for each parameter group, none on biases and norms"))),
     "train.scheduler": Passed(1),  # the optimizer
 }
 
@@ -273,11 +274,10 @@ def find_components(node: Any, where: str = "") -> Iterator[tuple[str, dict[str,
 
 def _bind(target: Callable[..., Any], node: dict[str, Any], where: str, passed: Passed | None) -> None:
     keys = {k: None for k in node if k != COMPONENT}
+    for key, field_name, how in passed.from_fields if passed else ():
+        if key in keys:  # posttune's value wins over the constructor's: this one would be ignored
+            raise ConfigError(_join(where, key), f"posttune sets it from {field_name} ({how}); set that instead")
     _check_clash(keys, dict.fromkeys(passed.keywords) if passed else {}, where)
-    for key, field_name in passed.from_fields if passed else ():
-        if key in keys:  # the groups' own value wins over the constructor's: it would be ignored
-            raise ConfigError(_join(where, key), f"posttune sets it for each parameter group from {field_name} "
-                                                 "(none on biases and norms); set that instead")
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):  # a builtin without a signature: checked when called

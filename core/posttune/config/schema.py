@@ -52,6 +52,15 @@ TRAINING_ARGUMENTS = {
     "lora_target_linear": "adapter.targets: all-linear",
     "peft_use_dora": "adapter.kind: dora", "peft_use_rslora": "adapter.rslora", "lora_model_dir": "adapter.init_from",
     "chat_template": "tokenizer.chat_template",
+    # torchtune's recipe keys
+    "checkpointer": "model.path (its checkpoint_dir: the folder) and checkpoint.output_dir (its output_dir)",
+    "dataset": "data.train (source or data_files: path; _component_: format)", "clip_grad_norm": "train.max_grad_norm",
+    "log_every_n_steps": "train.log_every", "max_steps_per_epoch": "train.max_steps (the run's total)",
+    "shuffle": "always on (each epoch's order drawn from train.seed)",
+    "log_peak_memory_stats": "always on (peak_memory_mib in each step's record)",
+    "lora_rank": "adapter.rank", "lora_attn_modules": "adapter.targets (q_proj, k_proj, v_proj, o_proj)",
+    "apply_lora_to_mlp": "adapter.targets (gate_proj, up_proj, down_proj; all-linear: every linear layer)",
+    "apply_lora_to_output": "adapter.targets (lm_head)",
 }
 #: what the run config's sections name: the keys above, and those whose place is a first-party plugin's setting
 #: (their names live in posttune.first_party); a plugin's own config is told only the core's places (ELSEWHERE)
@@ -61,6 +70,8 @@ DECAY_RATIO = 0.1  # wsd's decay, when train.decay_ratio is not set: the last te
 
 @dataclass(frozen=True)
 class ModelConfig:
+    KNOWN_AS: ClassVar[dict[str, str]] = {**SECTION_KNOWN_AS, "_component_": "model.path (a checkpoint's config.json "
+                                          "names its family) or model.family and model.size"}
     path: str | None = None  # HF checkpoint directory or hub id
     family: str | None = None  # else read from config.json `architectures`
     size: str | None = None  # a named size of the family, randomly initialised (no path)
@@ -81,6 +92,12 @@ class TokenizerConfig:
 
 @dataclass(frozen=True)
 class DatasetConfig:
+    KNOWN_AS: ClassVar[dict[str, str]] = {  # torchtune's dataset builders' arguments
+        **SECTION_KNOWN_AS, "_component_": "the dataset's format (alpaca, chat, text, ...: posttune ls datasets)",
+        "source": "the dataset's path", "data_files": "the dataset's path",
+        "conversation_column": "the dataset's column_map: {messages: COLUMN}",
+        "new_system_prompt": "the dataset's system_prompt",
+    }
     path: str  # a local json/jsonl/parquet/csv file or directory, or a hub dataset name
     # how a row reads: alpaca, chat, text, completion, preference, preference_text, prompt (`posttune ls datasets`)
     format: str = "chat"
@@ -318,6 +335,8 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     if isinstance(checkpoint, dict) and checkpoint.get("resume") is True:  # HF's resume_from_checkpoint=True
         raise ConfigError("checkpoint.resume", "true means the newest checkpoint here: write latest (or a "
                                                "checkpoint's path)")
+    if isinstance(checkpoint, dict) and checkpoint.get("resume") is False:  # torchtune's resume_from_checkpoint
+        raise ConfigError("checkpoint.resume", "false means a fresh start here: write null (or leave it out)")
     config = from_dict(RunConfig, _mixtures(role_sections(raw)))
     if isinstance(config.method, dict) and not isinstance(config.method.get("name"), str):
         raise ConfigError("method.name", "required: the method to run (e.g. sft)")
