@@ -219,9 +219,10 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     no communication). The weights took their shards as they loaded (``copy_into``)."""
     from posttune.checkpoint.materialize import copy_into
 
-    for group in optimizer.param_groups:
+    held = getattr(optimizer, "state", None)  # None: an optimizer of optimizers (in backward) keeps its own
+    for group in getattr(optimizer, "param_groups", []) if held is not None else []:
         for param in group["params"]:
-            state = optimizer.state.get(param, {})
+            state = held.get(param, {})
             for key, value in state.items():
                 if getattr(param, "device_mesh", None) is not None and torch.is_tensor(value) \
                         and getattr(value, "device_mesh", None) is None and value.shape == param.shape:
