@@ -98,3 +98,14 @@ def test_grpo_reads_trls_boolean_scale_rewards(value, read):
     from posttune_grpo import GRPOConfig
 
     assert from_dict(GRPOConfig, {"scale_rewards": value}, "method").scale_rewards == read
+
+
+def test_every_unknown_key_of_a_section_is_named_at_once():
+    """A recipe brought from TRL has several such keys at the top: one error names them all, each with its place
+    (or a near key), so a user does not fix them one run at a time."""
+    with pytest.raises(ConfigError) as info:
+        validate({**RUN, "learning_rate": 1e-4, "r": 16, "tokenzier": {}, "gradient_checkpointing": True})
+    assert str(info.value) == (
+        "config: learning_rate: unknown key; learning_rate is train.lr here (and 3 more unknown here: r is "
+        "adapter.rank here; tokenzier (did you mean 'tokenizer'?); gradient_checkpointing is memory: "
+        "[activation_checkpointing] (posttune-memory) here)")

@@ -57,6 +57,18 @@ def test_grpo_shows_the_prompts(plugins, posttune_cli, tmp_path):
     assert result.stdout.count("Reverse: ") == 2 and "[[" not in result.stdout
 
 
+def test_overrides_may_follow_the_options(plugins, posttune_cli, tmp_path):
+    """``preview CONFIG --rows 1 k=v`` (argparse alone refuses an override after an option); an option-like stray
+    word is still refused."""
+    override = "data.train.system_prompt=Answer in capitals"
+    before = posttune_cli("preview", "llama-demo-reverse", override, "--rows", "1")
+    after = posttune_cli("preview", "llama-demo-reverse", "--rows", "1", override)
+    assert before.exit_code == after.exit_code == 0, after.stderr
+    assert before.stdout == after.stdout and "Answer in capitals" in after.stdout
+    refused = posttune_cli("preview", "llama-demo-reverse", "--rows", "1", override, "--nope")
+    assert refused.exit_code == 2 and "unrecognized arguments: " in refused.stderr and "--nope" in refused.stderr
+
+
 @pytest.mark.parametrize(("argv", "error"), [
     (("--rows", "0"), "posttune: error: preview: --rows must be at least 1, got 0\n"),
     (("~data.validation", "--split", "validation"),

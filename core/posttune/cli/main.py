@@ -112,6 +112,17 @@ def _refuse_unavailable(parser: _Parser, argv: list[str]) -> None:
         raise get_registry().unknown("command", word)
 
 
+def _parse(parser: _Parser, argv: list[str]) -> argparse.Namespace:
+    """argparse's parse, with a command's ``KEY=VALUE`` overrides also taken after its options (``preview CONFIG
+    --rows 1 k=v``, ``train CONFIG --nproc-per-node 2 k=v``), where argparse alone refuses them."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and not any(a.startswith("-") for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     entry, argv = argv is None, sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
@@ -125,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             allocator.preload(["-m", "posttune.cli.main", *argv])
         parser = build_parser()
         _refuse_unavailable(parser, argv)
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
         if not getattr(args, "_run", None):
             parser.print_help()
             return USER_ERROR

@@ -43,10 +43,13 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         raise ConfigError(path, f"expected a mapping of keys, got {_show(data)}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    for key in data:
-        if key not in fields:
-            hint = _known_as(cls, str(key)) or did_you_mean(str(key), fields) or f" (keys: {', '.join(fields)})"
-            raise ConfigError(_join(path, str(key)), "unknown key" + hint)
+    unknown = [str(key) for key in data if key not in fields]
+    if unknown:  # all of them at once: a recipe brought from elsewhere has several
+        hints = [_known_as(cls, key) or did_you_mean(key, fields) for key in unknown]
+        others = "; ".join(f"{key}{hint.removeprefix(f'; {key}')}" for key, hint in zip(unknown[1:], hints[1:]))
+        more = f" (and {len(unknown) - 1} more unknown here: {others})" if others else ""
+        raise ConfigError(_join(path, unknown[0]), "unknown key" + (hints[0] or f" (keys: {', '.join(fields)})")
+                          + more)
     values = {}
     for name, f in fields.items():
         where = _join(path, name)
