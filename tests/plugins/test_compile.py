@@ -313,13 +313,14 @@ def validate(posttune_cli, tmp_path, **sections):
     ({"memory": ["activation_checkpointing", "compile"], "method": {"packing": True}},
      "method.packing", "packed attention breaks the graph inside the checkpointed layer"),
     ({"memory": ["activation_checkpointing", "compile"], "data": ONE_SHAPE},
-     "method.padding_free", "must be false with compile and activation_checkpointing"),
+     "method.padding_free", "needs padded rows of few lengths (method.packing and method.padding_free false, "
+                            "data.pad_to_multiple_of set"),
     ({"memory": ["activation_checkpointing", "compile"], "method": {"padding_free": False},
       "memory_options": {"compile": {"dynamic": True}}},
-     "memory_options.compile.dynamic", "must be false with activation_checkpointing"),
+     "memory_options.compile.dynamic", "must be false with compile and activation_checkpointing"),
     ({"memory": ["activation_checkpointing", "compile"], "memory_options": {"compile": {"dynamic": None}},
-      "method": {"padding_free": False}}, "memory_options.compile.dynamic",
-     "must be false with activation_checkpointing"),
+      "method": {"padding_free": False}}, "data.pad_to_multiple_of: must be set with compile and",
+     "data.pad_to_multiple_of set, memory_options.compile.dynamic not true"),
     ({"memory": ["compile"], "method": {"packing": True}, "memory_options": {"compile": {"fullgraph": True}}},
      "memory_options.compile.fullgraph", "must be false with rows of documents"),
 ])

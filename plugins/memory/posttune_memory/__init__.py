@@ -197,19 +197,23 @@ def check_compile_graph_breaks(config: Any, options: dict, dynamic: Any, rows: R
                                                               "document outside the compiled graph")
     if "activation_checkpointing" not in config.memory:
         return
+    # the whole of what the pair needs, in each message: a user meets these one after the other otherwise
+    needs = ("compile with activation_checkpointing needs padded rows of few lengths (method.packing and "
+             "method.padding_free false, data.pad_to_multiple_of set, memory_options.compile.dynamic not true)")
     if rows.packing:
         raise ConfigError("method.packing", "compile with activation_checkpointing would run every layer eagerly: "
-                                            "packed attention breaks the graph inside the checkpointed layer; use "
-                                            "data.pad_to_multiple_of instead of packing, or drop one of the two")
+                                            "packed attention breaks the graph inside the checkpointed layer; "
+                                            f"{needs}, or drop one of the two")
     if rows.padding_free:
         raise ConfigError("method.padding_free", "must be false with compile and activation_checkpointing: rows "
                                                  "joined as documents break the graph inside the checkpointed "
-                                                 "layer, which then runs eagerly")
+                                                 f"layer, which then runs eagerly; {needs}")
     if dynamic is not False:
-        raise ConfigError("memory_options.compile.dynamic", "must be false with activation_checkpointing: symbolic "
-                                                            "lengths break the graph inside the checkpointed layer, "
-                                                            "which then runs eagerly; bucket lengths with "
-                                                            "data.pad_to_multiple_of")
+        unset = options.get("dynamic") is None  # symbolic by default: the lengths are not bucketed
+        raise ConfigError("data.pad_to_multiple_of" if unset else "memory_options.compile.dynamic",
+                          ("must be set" if unset else "must be false") + " with compile and "
+                          "activation_checkpointing: symbolic lengths break the graph inside the checkpointed layer, "
+                          f"which then runs eagerly; {needs}")
 
 
 def check_compile_backend(backend: Any) -> None:
