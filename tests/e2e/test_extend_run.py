@@ -98,3 +98,28 @@ def test_a_resume_below_the_checkpoints_step_is_refused_before_anything_is_writt
     finished = posttune_cli("train", str(path), "checkpoint.resume=latest")  # at the step: the run is finished
     assert finished.exit_code == 0, finished.stderr
     assert json.loads((out / "summary.json").read_text())["steps_run"] == 0
+
+
+def test_a_resume_with_another_global_batch_is_refused_by_validate(llama_sft, register_plugin, posttune_cli, tmp_path):
+    """The data position counts global batches (train.batch_size x data-parallel ranks): a resume that reads it
+    with another is refused before launch (train refused it only once the model had loaded), naming the batch size
+    that reads it on this launch's ranks."""
+    import posttune_fsdp2
+
+    register_plugin(posttune_fsdp2, distribution="posttune-fsdp2", version="0.1.0")
+    config = sft_config(tmp_path, train={"max_steps": 2, "batch_size": 2}, checkpoint={"save_every": 2})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert posttune_cli("train", str(path)).exit_code == 0
+    resume = ("checkpoint.resume=latest", "train.max_steps=4")
+    assert posttune_cli("validate", str(path), *resume).exit_code == 0
+    checkpoint = tmp_path / "out" / "checkpoints" / "step-00000002"
+    for extra, fits in ((("train.batch_size=4",), "set train.batch_size=2 to continue it on 1 data-parallel rank"),
+                        (("parallel.plans=[fsdp2]", "--nproc-per-node", "2"),
+                         "set train.batch_size=1 to continue it on 2 data-parallel ranks")):
+        result = posttune_cli("validate", str(path), *resume, *extra)
+        assert result.exit_code == 2
+        assert result.stderr == (f"posttune: error: config: train.batch_size: checkpoint {checkpoint}: cannot resume "
+                                 "the data position: the checkpoint's global batch is 2 rows (train.batch_size x "
+                                 f"data-parallel ranks) and this run's 4; {fits}\n")
+

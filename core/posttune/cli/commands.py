@@ -174,7 +174,9 @@ def resolve(args: argparse.Namespace, world_size: int | None = 1):
         from posttune.training.output_dir import check_output_dir, resume_candidate
 
         check_output_dir(config)
-        resume_identity.check(plan, resume_candidate(config))  # a resume that would misread its checkpoint
+        candidate = resume_candidate(config)
+        resume_identity.check(plan, candidate)  # a resume that would misread its checkpoint
+        resume_identity.check_global_batch(plan, candidate)
     return plan
 
 

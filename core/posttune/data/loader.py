@@ -140,11 +140,7 @@ class BatchLoader:
         for key, mine in self._identity().items():
             saved = state.get(key, _ABSENT.get(key))
             if saved != mine and key == "global_batch_size" and isinstance(saved, int):
-                ranks = f"{self.world_size} data-parallel rank{'s' if self.world_size != 1 else ''}"
-                fits = (f"set train.batch_size={saved // self.world_size} to continue it on {ranks}"
-                        if saved % self.world_size == 0 else f"it does not divide over {ranks}")
-                raise PosttuneError(f"cannot resume the data position: the checkpoint's global batch is {saved} rows "
-                                    f"(train.batch_size x data-parallel ranks) and this run's {mine}; {fits}")
+                raise PosttuneError(other_global_batch(saved, mine, self.world_size))
             if saved != mine:
                 raise PosttuneError(f"cannot resume the data position: the checkpoint has {key}={saved}, "
                                     f"this run has {mine} (the dataset, batch size x ranks, seed or "
@@ -187,3 +183,13 @@ def prefetched(items: Iterator[T]) -> Iterator[T]:
 def _mix(seed: int, epoch: int) -> int:
     """One generator seed per (seed, epoch): distinct pairs give distinct seeds for any realistic values."""
     return (seed * 1_000_003 + epoch) % (2**63)
+
+
+def other_global_batch(saved: int, mine: int, ranks: int) -> str:
+    """Why a checkpoint's data position cannot be read with this run's global batch, and the batch size that reads
+    it (the position counts global batches: train.batch_size x data-parallel ranks)."""
+    where = f"{ranks} data-parallel rank{'s' if ranks != 1 else ''}"
+    fits = (f"set train.batch_size={saved // ranks} to continue it on {where}" if saved % ranks == 0
+            else f"it does not divide over {where}")
+    return (f"cannot resume the data position: the checkpoint's global batch is {saved} rows (train.batch_size x "
+            f"data-parallel ranks) and this run's {mine}; {fits}")

@@ -69,6 +69,25 @@ def saved(checkpoint: Path) -> Mapping[str, Any] | None:
     return found if isinstance(found, Mapping) else None
 
 
+def check_global_batch(plan: Any, checkpoint: Path | None) -> None:
+    """Before launch, what the loader refuses once the model has loaded: a data position saved with another global
+    batch (train.batch_size x data-parallel ranks: this launch's, from the plan's mesh)."""
+    import math
+
+    from posttune.data.loader import other_global_batch
+    from posttune.training.output_dir import STATE_FILE
+
+    try:
+        data = json.loads((checkpoint / STATE_FILE).read_text()).get("data") if checkpoint is not None else None
+    except (OSError, ValueError, AttributeError):
+        return
+    ranks = math.prod(degree for name, degree in plan.mesh.items() if plan.mesh_dims[name].splits == "batch") \
+        if plan.mesh else plan.world_size
+    saved, mine = (data or {}).get("global_batch_size"), plan.config.train.batch_size * ranks
+    if isinstance(saved, int) and saved != mine:
+        raise ConfigError("train.batch_size", f"checkpoint {checkpoint}: {other_global_batch(saved, mine, ranks)}")
+
+
 def check(plan: Any, checkpoint: Path | None) -> None:
     """Refuse to resume ``checkpoint`` with a config that would read it as another run's."""
     recorded = saved(checkpoint) if checkpoint is not None else None
