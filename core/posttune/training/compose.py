@@ -30,6 +30,7 @@ from posttune.checkpoint import materialize as mat
 from posttune.checkpoint.origin import ModelOrigin, attach
 from posttune.checkpoint.score_head import add_score_head, checkpoint_labels
 from posttune.config.requires import device_for
+from posttune.config.schema import DataConfig
 from posttune.errors import ConfigError, PosttuneError, first_line
 from posttune.plan import Plan, applies_to_frozen, build_kwargs
 from posttune.registry import Registered
@@ -176,7 +177,8 @@ def warn_past_context(session: Session, model: nn.Module, whose: str = "the mode
     context, length = context_length(model), session.config.data.max_seq_len
     kinds = session.plan.method.descriptor.dataset_kinds
     if context is not None and length > context and "prompt" not in kinds and distributed.is_main():
-        print(f"posttune: warning: data.max_seq_len: {length} is past {whose} context of {context} tokens "
+        default = " (the default)" if length == DataConfig.max_seq_len else ""
+        print(f"posttune: warning: data.max_seq_len: {length}{default} is past {whose} context of {context} tokens "
               "(max_position_embeddings): longer samples use positions it was never trained on; lower it, or "
               "extend the context on purpose (rope scaling in the checkpoint's config)", file=sys.stderr)
 
