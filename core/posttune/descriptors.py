@@ -223,6 +223,8 @@ class Method:
       default (None): ``train.batch_size x data.max_seq_len``, right for one sequence per row,
       wrong for a method that puts several in one forward (DPO's chosen and rejected) or sizes
       its rows from its own settings (GRPO's completions).
+    - ``batch_text(config, method_config) -> str``: with ``batches``, what ``train.batch_size`` counts and what
+      one rank's micro-batches hold, for the run's banner (GRPO: prompts, their completions).
     - ``score_head``: the policy returns one value per token instead of logits (a reward model):
       a fresh head replaces a causal checkpoint's, and it saves as a sequence classifier.
     - ``close(session)``: releases what the method opened (engines, Ray actors, worker processes,
@@ -247,6 +249,7 @@ class Method:
     description: str = ""
     micro_batch_tokens: Callable[[RunConfig, Any], tuple[int, str]] | None = None
     close: Callable[[Session], None] | None = None  # releases what the method opened; see above
+    batch_text: Callable[[RunConfig, Any], str] | None = None  # the banner's account of its own batches
     score_head: bool = False  # the policy is a reward model: see above
 
     @property

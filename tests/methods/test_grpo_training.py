@@ -69,7 +69,8 @@ def test_a_run_generates_scores_and_logs_what_grpo_users_watch(llama_grpo, postt
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     # GRPO makes its own micro-batches (completions, micro_batch_size): no rows x accumulation product is claimed
     assert ("1 micro-batch(es) per step on each of 1 data-parallel rank(s), made by method 'grpo' (train.batch_size "
-            "2 counts what its docs say)") in result.stdout
+            "2 prompts x group_size 4 = 8 completions per rank a generation, trained in micro-batches of 8)"
+            ) in result.stdout
     for key in ("reward", "reward_std", "reward/vowel_share", "completion_length", "completion_length_max",
                 "truncated", "clip_fraction", "generation_tokens_per_s", "generation_s", "training_s",
                 "completion_tokens"):

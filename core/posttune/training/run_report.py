@@ -134,6 +134,9 @@ def banner(session: Any) -> list[str]:
              if adapter is not None else "full fine-tuning")
     data_ranks = distributed.data_rank(session)[1]
     batch, accumulation = config.train.batch_size, config.train.grad_accum_steps
+    method = plan.method.descriptor  # a method that makes its own batches says what train.batch_size counts
+    account = (method.batch_text(config, session.method_config) if method.batch_text is not None
+               else f"train.batch_size {batch} counts what its docs say")
     lines = [
         f"model: {_model_name(config.model, plan)}, method {config.method_name}, {tuned}",
         f"parameters: {total:,} total, {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)",
@@ -141,9 +144,9 @@ def banner(session: Any) -> list[str]:
         + (f"; validation {describe_data(session.validation_data)}" if session.validation_data is not None else ""),
         f"steps: {describe_steps(session)}; " + (
             f"effective batch {batch * accumulation * data_ranks} = {batch} x {accumulation} accumulation x "
-            f"{data_ranks} data-parallel rank(s)" if plan.method.descriptor.batches is None else
+            f"{data_ranks} data-parallel rank(s)" if method.batches is None else
             f"{accumulation} micro-batch(es) per step on each of {data_ranks} data-parallel rank(s), made by method "
-            f"'{plan.method.descriptor.name}' (train.batch_size {batch} counts what its docs say)"),
+            f"'{method.name}' ({account})"),
         f"output: {config.checkpoint.output_dir} (config.yaml, metrics.jsonl); device {session.device}, "
         f"world size {distributed.world_size()}, allocator {allocator.in_use()}",
     ]

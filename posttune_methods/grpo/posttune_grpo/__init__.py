@@ -288,6 +288,13 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
     rollout_source(method).validate(config, method)
 
 
+def batch_text(config: Any, method: GRPOConfig) -> str:
+    """The banner's account of a step: prompts, their completions, the micro-batches the loss runs on."""
+    rows = config.train.batch_size * method.group_size
+    return (f"train.batch_size {config.train.batch_size} prompts x group_size {method.group_size} = {rows} completions "
+            f"per rank a generation, trained in micro-batches of {method.micro_batch_size or rows}")
+
+
 def micro_batch_tokens(config: Any, method: GRPOConfig) -> tuple[int, str]:
     """The tokens of one loss forward, for `posttune plan`'s memory estimate: the worst case.
 
@@ -352,6 +359,7 @@ def posttune_register_methods(register):
         validate=validate,
         description="GRPO: group-normalised policy gradient on generated completions (sync or async on Ray)",
         micro_batch_tokens=micro_batch_tokens,
+        batch_text=batch_text,
         close=_method("close"),
     ))
 

@@ -156,6 +156,13 @@ def validate(config: RunConfig, method: PPOConfig) -> None:
     resolve_engine(method.engine, method.engine_options, sampling=Sampling(**generation_settings(method)))
 
 
+def batch_text(config: Any, method: PPOConfig) -> str:
+    """The banner's account of a step: prompts, their completions, the mini- and micro-batches trained on."""
+    return (f"train.batch_size {config.train.batch_size} prompts x group_size {method.group_size} = "
+            f"{rows_per_rank(config, method)} completions per rank a generation, {method.ppo_epochs} epoch(s) of "
+            f"{method.num_mini_batches} step(s), in micro-batches of {micro_batch_size(config, method)}")
+
+
 def micro_batch_tokens(config: Any, method: PPOConfig) -> tuple[int, str]:
     """The tokens of one loss forward (the worst case), for `posttune plan`: each micro-batch runs the policy
     and the value model with gradients on the same rows (the estimate counts both models' activations)."""
@@ -192,6 +199,7 @@ def posttune_register_methods(register):
         validate=validate,
         description="PPO (RLHF): policy and value model, GAE, per-token KL penalty, clipped losses",
         micro_batch_tokens=micro_batch_tokens,
+        batch_text=batch_text,
         close=_method("close", "posttune_grpo.method"),
     ))
 
