@@ -88,8 +88,10 @@ def test_a_resume_below_the_checkpoints_step_is_refused_before_anything_is_writt
                                  f"the checkpoint to resume ({checkpoint}) is at step 4; set train.max_steps to 4 or "
                                  "more to continue that run, or start afresh with checkpoint.overwrite=true (or "
                                  "another checkpoint.output_dir)\n")
-    # epochs instead of max_steps: 24 rows at batch 8 are 3 steps an epoch (known once the data is read)
-    by_epochs = posttune_cli("train", str(path), "~train.max_steps", "train.batch_size=8", "checkpoint.resume=latest")
+    # epochs instead of max_steps: 24 rows at batch 4 with 2 accumulation steps are 3 steps an epoch (known once
+    # the data is read)
+    by_epochs = posttune_cli("train", str(path), "~train.max_steps", "train.grad_accum_steps=2",
+                             "checkpoint.resume=latest")
     assert by_epochs.exit_code == 2, by_epochs.stdout
     assert by_epochs.stderr.startswith(f"posttune: error: config: train.epochs: 1 epoch(s) make 3 steps, fewer than "
                                        f"already trained: the checkpoint to resume ({checkpoint}) is at step 4; "
@@ -123,3 +125,32 @@ def test_a_resume_with_another_global_batch_is_refused_by_validate(llama_sft, re
                                  "the data position: the checkpoint's global batch is 2 rows (train.batch_size x "
                                  f"data-parallel ranks) and this run's 4; {fits}\n")
 
+
+
+def test_a_checkpoint_at_the_end_of_every_epoch(llama_sft, posttune_cli, tmp_path):
+    """``checkpoint.save_every: epoch`` (torchtune's cadence, HF's save_strategy="epoch"): 10 rows of 2 with 2
+    accumulation steps are 3 steps an epoch (the last one of a single micro-batch); a resume from the first
+    epoch's checkpoint continues the run's losses bitwise. Streamed data has no epoch length: refused before
+    launch; with best_metric an epoch must be a multiple of eval_every: refused once the data is read."""
+    config = sft_config(tmp_path, rows=10, train={"epochs": 2, "grad_accum_steps": 2},
+                        checkpoint={"save_every": "epoch", "keep_last": 5})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert posttune_cli("train", str(path)).exit_code == 0
+    out = tmp_path / "out"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
+    straight = losses(out)
+    resumed = posttune_cli("train", str(path), f"checkpoint.resume={out / 'checkpoints' / 'step-00000003'}",
+                           f"checkpoint.output_dir={tmp_path / 'resumed'}")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert losses(tmp_path / "resumed") == straight[3:]
+
+    streamed = posttune_cli("validate", str(path), "data.train.streaming=true", "train.max_steps=4")
+    assert streamed.exit_code == 2 and streamed.stderr == (
+        "posttune: error: config: checkpoint.save_every: epoch (give a number of steps) is not possible with "
+        "streaming data (the epoch length is unknown)\n")
+    scored = posttune_cli("train", str(path), "checkpoint.best_metric=val_loss", "train.eval_every=3",
+                          "data.validation_split=0.2", f"checkpoint.output_dir={tmp_path / 'scored'}")
+    assert scored.exit_code == 2  # 8 training rows: 2 steps an epoch
+    assert scored.stderr.endswith("checkpoint.save_every: epoch: with checkpoint.best_metric an epoch's 2 steps must "
+                                  "be a multiple of train.eval_every (3), so that every checkpoint is scored\n")

@@ -88,8 +88,8 @@ def check_ranges(config: Any) -> None:
         section_name, name = dotted.split(".")
         for where, section in _sections(config, section_name):
             value = getattr(section, name)
-            if value is None:
-                continue  # the type allows null only where `off` says what it means
+            if value is None or isinstance(value, str):
+                continue  # the type allows null only where `off` says what it means; a word (epoch) is no number
             if not allowed.contains(value):
                 off = f", or null ({allowed.off})" if allowed.off else ""
                 raise ConfigError(f"{where}.{name}", f"expected {allowed.describe(isinstance(value, int))}{off}, "

@@ -34,7 +34,7 @@ TRAINING_ARGUMENTS = {
     "bf16": "model.dtype: bf16", "fp16": "model.dtype: fp16", "torch_dtype": "model.dtype",
     "per_device_eval_batch_size": "train.batch_size (evaluation batches are training's size)",
     "eval_strategy": "train.eval_every (in steps)", "evaluation_strategy": "train.eval_every (in steps)",
-    "save_strategy": "checkpoint.save_every (in steps)", "optim": "train.optimizer",
+    "save_strategy": "checkpoint.save_every (in steps, or epoch)", "optim": "train.optimizer",
     "load_best_model_at_end": "checkpoint.best_metric (its best checkpoint is kept)",
     "adam_beta1": "train.optimizer: {_component_: torch.optim.AdamW, betas: [b1, b2]}",
     "adam_beta2": "train.optimizer: {_component_: torch.optim.AdamW, betas: [b1, b2]}",
@@ -219,7 +219,8 @@ class ParallelConfig:
 class CheckpointConfig:
     KNOWN_AS: ClassVar[dict[str, str]] = SECTION_KNOWN_AS
     output_dir: str = "outputs/run"  # checkpoints, the final model or adapter, metrics.jsonl
-    save_every: int | None = None  # a resumable checkpoint every N optimizer steps (and at the end)
+    # a resumable checkpoint every N optimizer steps, or at the end of every epoch (epoch), and at the end
+    save_every: int | Literal["epoch"] | None = None
     keep_last: int | None = 2  # checkpoints kept; older ones are deleted (the best one stays too)
     best_metric: str | None = None  # an evaluation's metric (val_loss, val_reward): its best checkpoint is kept
     greater_is_better: bool | None = None  # for best_metric; default: lower for a *loss, higher otherwise (HF's)
@@ -301,6 +302,9 @@ def _check_decay(train: TrainConfig) -> None:
 def _check_best(config: RunConfig) -> None:
     """``checkpoint.best_metric`` needs evaluations that score every checkpoint; early stopping needs the metric."""
     checkpoint, train = config.checkpoint, config.train
+    if checkpoint.save_every == "epoch" and config.data is not None and config.data.train.streaming:
+        raise ConfigError("checkpoint.save_every", "epoch (give a number of steps) is not possible with streaming "
+                                                   "data (the epoch length is unknown)")
     if checkpoint.best_metric is None:
         for key, value in (("checkpoint.greater_is_better", checkpoint.greater_is_better),
                            ("train.early_stopping_patience", train.early_stopping_patience)):
@@ -314,7 +318,7 @@ def _check_best(config: RunConfig) -> None:
                                 and config.data.validation_split is None):
         raise ConfigError("checkpoint.best_metric", "needs evaluations: set train.eval_every and data.validation "
                                                     "(or data.validation_split)")
-    if checkpoint.save_every and checkpoint.save_every % train.eval_every:
+    if isinstance(checkpoint.save_every, int) and checkpoint.save_every % train.eval_every:
         raise ConfigError("checkpoint.save_every", f"with checkpoint.best_metric it must be a multiple of "
                                                    f"train.eval_every ({train.eval_every}), so that every checkpoint "
                                                    "is scored")

@@ -59,6 +59,7 @@ def compose(plan: Plan) -> Session:
     build_roles(session)
     build_data(session)
     session.total_steps = total_steps(session)
+    session.save_every = save_interval(session)
     check_resume_step(plan.config, session.resume_from, session.total_steps)  # past train.epochs: before config.yaml
     adapter = plan.config.adapter
     session.optimizer = build_optimizer(session.trainable.named_parameters(), plan.config.train,
@@ -449,14 +450,33 @@ def total_steps(session: Session) -> int:
     train = session.config.train
     if train.max_steps is not None:
         return train.max_steps
+    return train.epochs * steps_per_epoch(session, "train.max_steps", "required")
+
+
+def steps_per_epoch(session: Session, field: str, problem: str) -> int:
+    """Optimizer steps of an epoch (a partial accumulation at its end makes one); what needs it and cannot have it
+    (streamed data, a method making its batches as it goes) is refused naming ``field``."""
     try:
-        per_epoch = math.ceil(len(session.train_data) / train.grad_accum_steps)
+        return math.ceil(len(session.train_data) / session.config.train.grad_accum_steps)
     except TypeError:
         if session.config.data.train.streaming:
-            raise ConfigError("train.max_steps", "required with streaming data (the epoch length is unknown)") from None
-        raise ConfigError("train.max_steps", f"required: method '{session.plan.method.descriptor.name}' makes its "
-                                             "batches as it goes, so the epoch length is unknown") from None
-    return train.epochs * per_epoch
+            raise ConfigError(field, f"{problem} with streaming data (the epoch length is unknown)") from None
+        raise ConfigError(field, f"{problem}: method '{session.plan.method.descriptor.name}' makes its batches as it "
+                                 "goes, so the epoch length is unknown") from None
+
+
+def save_interval(session: Session) -> int | None:
+    """``checkpoint.save_every`` in optimizer steps: ``epoch`` is an epoch's, scored by every evaluation of
+    ``checkpoint.best_metric`` as a number of steps must be."""
+    checkpoint, eval_every = session.config.checkpoint, session.config.train.eval_every
+    if checkpoint.save_every != "epoch":
+        return checkpoint.save_every
+    steps = steps_per_epoch(session, "checkpoint.save_every", "epoch (give a number of steps) is not possible")
+    if checkpoint.best_metric is not None and steps % eval_every:
+        raise ConfigError("checkpoint.save_every", f"epoch: with checkpoint.best_metric an epoch's {steps} steps must "
+                                                   f"be a multiple of train.eval_every ({eval_every}), so that every "
+                                                   "checkpoint is scored")
+    return steps
 
 
 def trim_metrics(session: Session) -> None:

@@ -218,7 +218,7 @@ def _best_summary(session: Session, best: Best) -> dict[str, Any]:
 def _checkpoint_due(session: Session) -> bool:
     """Every ``save_every`` steps, and the final step too: a finished run stays resumable, so raising
     ``train.max_steps`` with ``resume: latest`` extends it (docs/training.md, "Extending a finished run")."""
-    every = session.config.checkpoint.save_every
+    every = session.save_every
     return bool(every) and (session.step % every == 0 or session.step >= session.total_steps)
 
 
