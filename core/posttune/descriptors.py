@@ -339,7 +339,7 @@ class MemoryTechnique:
     requires: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()
     saves: str = ""  # what memory it saves, shown by `posttune ls memory`
-    validate: Validator | None = None
+    validate: Validator | None = None  # sees ``parallel.dims`` resolved against the world size, as a plan's
     description: str = ""
     config: type | None = None  # dataclass validated from `memory_options.<name>`; the instance
     #                             is ``session.plan.memory_options[name]`` when the technique runs

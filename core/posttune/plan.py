@@ -99,14 +99,14 @@ def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | Non
     plan.mesh, plan.mesh_dims = _mesh(config, plan.parallel, world_size)
     if plan.world_size == 1:
         plan.parallel = []  # one process: the same config runs with the plans inactive
-    # Plans see the degrees this launch resolved (a -1 replaced by the rest of the world).
+    # Plans and techniques see the degrees this launch resolved (a -1 replaced by the rest of the world).
     resolved = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dims=dict(plan.mesh)))
     _check_frozen(plan)
     if method.descriptor.validate is not None:
         method.descriptor.validate(config, plan.method_config)
     for item in [*plan.parallel, *plan.memory]:
         if item.descriptor.validate is not None:
-            item.descriptor.validate(resolved if isinstance(item.descriptor, ParallelPlan) else config)
+            item.descriptor.validate(resolved)
     plan.steps = _steps(plan)
     plan.components = components
     return plan

@@ -124,6 +124,22 @@ def test_adding_an_adapter_to_a_full_checkpoint_is_refused(runs, tmp_path):
     assert "it is full fine-tuning (no adapter), this run trains a lora adapter" in line
 
 
+def test_a_sharded_checkpoint_points_at_the_way_to_its_weights(runs, tmp_path):
+    """A sharded (FSDP2, TP) checkpoint has no model/ to start a new run from: the hint names the recipe that
+    writes one. (The full run's checkpoint with a sharded/ folder added: what `validate` reads.)"""
+    import shutil
+
+    config = json.loads(json.dumps(runs["full"]))
+    out = tmp_path / "out"
+    shutil.copytree(config["checkpoint"]["output_dir"], out)
+    (out / "checkpoints" / "step-00000002" / "sharded").mkdir()
+    config["checkpoint"]["output_dir"] = str(out)
+    result = run_cli("validate", str(write(tmp_path, config)), "checkpoint.resume=latest", "adapter.rank=4",
+                     "adapter.alpha=8")
+    assert refused(result).endswith("begin a new run in another checkpoint.output_dir (its shards written as a "
+                                    "model first, as docs/parallel.md shows)")
+
+
 def test_a_changed_model_role_is_refused(runs, bases, tmp_path):
     config = json.loads(json.dumps(runs["dpo"]))
     config["models"] = {"reference": {"path": str(bases["llama"])}}  # a frozen copy, not the policy without adapters

@@ -120,6 +120,37 @@ def test_dora_and_merged_saves_are_refused_with_sharding(plugins):
         plan_for(2, {"plans": ["fsdp2"]}, adapter={}, checkpoint={"save_merged": True})
 
 
+def test_sample_prompts_are_refused_where_generation_cannot_run(plugins):
+    """``train.sample_prompts`` generate one token at a time: sequence parallelism cannot split that, and loss
+    parallelism keeps the logits sharded; both crashed the ranks at the first sample before, now one line."""
+    samples = {"train": {"sample_prompts": ["Reverse: ABC"]}}
+    with pytest.raises(ConfigError, match=r"parallel\.options\.tp\.sequence_parallel: train\.sample_prompts are "
+                                          r"generated one token at a time"):
+        plan_for(2, {"plans": ["tp"]}, **samples)
+    plan_for(2, {"plans": ["tp"], "options": {"tp": {"sequence_parallel": False}}}, **samples)
+    with pytest.raises(ConfigError, match=r"train\.sample_prompts: generating them needs whole logits"):
+        plan_for(2, {"plans": ["tp", "loss_parallel"], "options": {"tp": {"sequence_parallel": False}}}, **samples)
+    plan_for(1, {"plans": ["tp", "loss_parallel"]}, **samples)  # one process: the plans are inactive
+
+
+def test_techniques_that_need_whole_weights_are_refused_with_a_sharding_plan(plugins, register_plugin):
+    """Before launch, what their apply refused once the model was built (a rank's error, after loading)."""
+    import posttune_memory
+
+    register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
+    for plans, memory, words in (
+            (["fsdp2"], ["optimizer_in_backward"], "optimizer_in_backward does not support a model sharded by fsdp2"),
+            (["tp"], ["optimizer_in_backward"], "optimizer_in_backward does not support a model sharded by tp"),
+            (["fsdp2"], ["chunked_cross_entropy"], "chunked_cross_entropy .* drop chunked_cross_entropy under fsdp2"),
+            (["tp"], ["chunked_cross_entropy"], "chunked_cross_entropy .* use loss_parallel for a vocabulary-sharded"),
+            (["tp"], ["compile"], "compile does not trace tp's layers yet")):
+        train = {"max_grad_norm": None} if memory == ["optimizer_in_backward"] else {}
+        with pytest.raises(ConfigError, match=rf"memory: {words}"):
+            plan_for(2, {"plans": plans}, memory=memory, train=train)
+        plan_for(1, {"plans": plans}, memory=memory, train=train)  # one process: nothing is sharded
+    plan_for(2, {"plans": ["fsdp2"]}, memory=["compile"])
+
+
 def test_world_size_must_fit_the_dims(plugins):
     with pytest.raises(ConfigError, match=r"parallel\.dims: dp_shard=2 x tp=2 does not fit the 2 processes"):
         plan_for(2, {"plans": ["fsdp2", "tp"], "dims": {"dp_shard": 2, "tp": 2}})

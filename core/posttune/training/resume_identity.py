@@ -93,10 +93,12 @@ def check(plan: Any, checkpoint: Path | None) -> None:
     recorded = saved(checkpoint) if checkpoint is not None else None
     if recorded is None:
         return
+    weights = ("its shards written as a model first, as docs/parallel.md shows" if (checkpoint / "sharded").is_dir()
+               else "model.path or adapter.init_from set to its model/")  # sharded_state.SHARDED, without torch
     for field, problem in _differences(recorded, of(plan), plan):
         raise ConfigError(field, f"cannot resume {checkpoint}: {problem}; a resume continues the run that wrote "
-                                 "it: to start from its weights, begin a new run in another checkpoint.output_dir "
-                                 "(model.path or adapter.init_from set to its model/)")
+                                 f"it: to start from its weights, begin a new run in another checkpoint.output_dir "
+                                 f"({weights})")
 
 
 def _differences(old: Mapping[str, Any], new: Mapping[str, Any], plan: Any) -> Iterator[tuple[str, str]]:

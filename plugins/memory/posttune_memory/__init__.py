@@ -107,7 +107,18 @@ def validate_offloading(config: Any) -> None:
     require_cuda(config, "activation_offloading", "it moves saved activations to pinned host memory on a CUDA stream")
 
 
+def sharding_plan(config: Any) -> str | None:
+    """The plan that shards the trained weights on this launch (fsdp2 or tp, its dimension above 1), or None."""
+    for plan, dim in (("fsdp2", "dp_shard"), ("tp", "tp")):
+        if plan in config.parallel.plans and config.parallel.dims.get(dim, 1) > 1:
+            return plan
+    return None
+
+
 def validate_optimizer_in_backward(config: Any) -> None:
+    if (plan := sharding_plan(config)) is not None:  # before launch, what its apply refuses (compose)
+        raise ConfigError("memory", f"optimizer_in_backward does not support a model sharded by {plan} yet (its "
+                                    "checkpoints need a plain optimizer); drop one of the two")
     train = config.train
     if train.grad_accum_steps != 1:
         raise ConfigError("train.grad_accum_steps", f"optimizer_in_backward steps each parameter during backward, "
@@ -119,6 +130,13 @@ def validate_optimizer_in_backward(config: Any) -> None:
 
 
 def validate_chunked_cross_entropy(config: Any) -> None:
+    plan = sharding_plan(config)
+    if plan == "fsdp2":
+        raise ConfigError("memory", "chunked_cross_entropy projects with the output head outside its forward, where "
+                                    "fsdp2 keeps the head sharded; drop chunked_cross_entropy under fsdp2")
+    if plan == "tp":
+        raise ConfigError("memory", "chunked_cross_entropy needs the output head whole, which tp shards; use "
+                                    "loss_parallel for a vocabulary-sharded loss instead")
     size = config.memory_options.get("chunked_cross_entropy", {}).get("chunk_size", 1)
     if isinstance(size, int) and size < 1:
         raise ConfigError("memory_options.chunked_cross_entropy.chunk_size", f"expected a positive integer, got {size}")
@@ -135,6 +153,9 @@ def validate_compile(config: Any) -> None:
         raise ConfigError("memory_options.compile.mode", f"modes are inductor's; backend is '{backend}'")
     if mode == "reduce-overhead":
         require_cuda(config, "compile", "mode reduce-overhead records CUDA graphs")
+    if sharding_plan(config) == "tp":  # tried: tracing the TP layers' DTensor autograd recursed without end
+        raise ConfigError("memory", "compile does not trace tp's layers yet (the first step failed in autograd "
+                                    "tracing, torch 2.13); drop one of the two (compile with fsdp2 works)")
     check_compile_backend(backend)
     rows = method_rows(config)
     dynamic = compile_is_dynamic(config, options.get("dynamic"), rows.fixed)

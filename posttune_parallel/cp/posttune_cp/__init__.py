@@ -38,6 +38,9 @@ def validate(config: RunConfig) -> None:
                                             "attention; remove cp or run on CUDA devices")
     from posttune.plugin import model_kwargs
 
+    if config.train.sample_prompts:
+        raise ConfigError("train.sample_prompts", "cp cannot generate yet (one token at a time, split over the "
+                                                  "sequence); drop the sample prompts (or cp)")
     if model_kwargs(config).get("sliding_window"):
         raise ConfigError("parallel.plans", "cp does not support sliding-window attention yet; remove cp")
 

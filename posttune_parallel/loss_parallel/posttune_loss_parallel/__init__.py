@@ -39,9 +39,19 @@ def vocab_parallel_loss(session: Session, batch: Any) -> Iterator[None]:
         yield
 
 
+def validate(config: Any) -> None:
+    """Generation needs whole logits: the core's greedy samples (as GRPO's rollouts) cannot run here yet."""
+    if config.train.sample_prompts:
+        from posttune.plugin import ConfigError
+
+        raise ConfigError("train.sample_prompts", "generating them needs whole logits, which loss_parallel keeps "
+                                                  "vocabulary-sharded; drop the sample prompts (or loss_parallel)")
+
+
 PLAN = ParallelPlan(
     name="loss_parallel",
     apply=apply,
+    validate=validate,
     order=ORDER,
     requires=("tp",),
     conflicts=("chunked_cross_entropy",),  # posttune-memory's technique wants the head whole; this keeps it sharded

@@ -57,6 +57,11 @@ def validate(config: RunConfig) -> None:
     if config.adapter is not None and config.adapter.kind == "dora":
         raise ConfigError("adapter.kind", "dora is not supported with tp (its row norms need whole weights); "
                                           "use lora, or fsdp2 alone")
+    if config.train.sample_prompts and config.parallel.options.get("tp", {}).get("sequence_parallel", True):
+        raise ConfigError("parallel.options.tp.sequence_parallel", "train.sample_prompts are generated one token at "
+                                                                   "a time, which sequence parallelism cannot split "
+                                                                   "over the TP ranks; set it to false (or drop the "
+                                                                   "sample prompts)")
     if config.adapter is not None and config.checkpoint.save_merged:
         raise ConfigError("checkpoint.save_merged", "not supported with tp (the model is sharded): save the "
                                                     "adapter and merge it on one process")
