@@ -83,7 +83,9 @@ class Session:
     train_data: Any = None  # what ``Method.data(session, config.data.train, "train")`` returned
     validation_data: Any = None  # the same for ``data.validation``, or None
     total_steps: int = 0  # optimizer steps of the whole run (fixed after the data stage)
-    save_every: int | None = None  # ``checkpoint.save_every`` in optimizer steps (``epoch`` resolved), with it
+    # ``train.eval_every`` and ``checkpoint.save_every`` in optimizer steps (``epoch`` resolved once data is read)
+    eval_every: int | None = None
+    save_every: int | None = None
     optimizer: Any = None
     scheduler: Any = None
     step: int = 0  # optimizer steps done

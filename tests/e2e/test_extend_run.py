@@ -127,11 +127,12 @@ def test_a_resume_with_another_global_batch_is_refused_by_validate(llama_sft, re
 
 
 
-def test_a_checkpoint_at_the_end_of_every_epoch(llama_sft, posttune_cli, tmp_path):
+def test_a_checkpoint_and_an_evaluation_at_the_end_of_every_epoch(llama_sft, posttune_cli, tmp_path):
     """``checkpoint.save_every: epoch`` (torchtune's cadence, HF's save_strategy="epoch"): 10 rows of 2 with 2
     accumulation steps are 3 steps an epoch (the last one of a single micro-batch); a resume from the first
     epoch's checkpoint continues the run's losses bitwise. Streamed data has no epoch length: refused before
-    launch; with best_metric an epoch must be a multiple of eval_every: refused once the data is read."""
+    launch; with best_metric an epoch must be a multiple of eval_every (refused once the data is read), or
+    ``train.eval_every: epoch`` too."""
     config = sft_config(tmp_path, rows=10, train={"epochs": 2, "grad_accum_steps": 2},
                         checkpoint={"save_every": "epoch", "keep_last": 5})
     path = tmp_path / "run.yaml"
@@ -152,5 +153,11 @@ def test_a_checkpoint_at_the_end_of_every_epoch(llama_sft, posttune_cli, tmp_pat
     scored = posttune_cli("train", str(path), "checkpoint.best_metric=val_loss", "train.eval_every=3",
                           "data.validation_split=0.2", f"checkpoint.output_dir={tmp_path / 'scored'}")
     assert scored.exit_code == 2  # 8 training rows: 2 steps an epoch
-    assert scored.stderr.endswith("checkpoint.save_every: epoch: with checkpoint.best_metric an epoch's 2 steps must "
-                                  "be a multiple of train.eval_every (3), so that every checkpoint is scored\n")
+    assert scored.stderr.endswith("checkpoint.save_every: with checkpoint.best_metric its 2 steps must be a multiple "
+                                  "of train.eval_every's 3, so that every checkpoint is scored\n")
+    # evaluated at the end of every epoch too (HF's eval_strategy="epoch"): each checkpoint scored, the best kept
+    both = posttune_cli("train", str(path), "checkpoint.best_metric=val_loss", "train.eval_every=epoch",
+                        "data.validation_split=0.2", f"checkpoint.output_dir={tmp_path / 'both'}")
+    assert both.exit_code == 0, both.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "both") if "val_loss" in r] == [2, 4]
+    assert json.loads((tmp_path / "both" / "summary.json").read_text())["best_step"] in (2, 4)

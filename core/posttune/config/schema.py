@@ -33,7 +33,8 @@ TRAINING_ARGUMENTS = {
     "max_seq_length": "data.max_seq_len", "max_prompt_length": "data.max_prompt_len",
     "bf16": "model.dtype: bf16", "fp16": "model.dtype: fp16", "torch_dtype": "model.dtype",
     "per_device_eval_batch_size": "train.batch_size (evaluation batches are training's size)",
-    "eval_strategy": "train.eval_every (in steps)", "evaluation_strategy": "train.eval_every (in steps)",
+    "eval_strategy": "train.eval_every (in steps, or epoch)", "evaluation_strategy": "train.eval_every (in steps, or "
+                                                                                     "epoch)",
     "save_strategy": "checkpoint.save_every (in steps, or epoch)", "optim": "train.optimizer",
     "load_best_model_at_end": "checkpoint.best_metric (its best checkpoint is kept)",
     "adam_beta1": "train.optimizer: {_component_: torch.optim.AdamW, betas: [b1, b2]}",
@@ -187,7 +188,8 @@ class TrainConfig:
     seed: int = 0  # seeds the data order, a random init and sampling
     device: str = "auto"  # auto (CUDA if available, else CPU), or a torch device: cpu, cuda, cuda:1
     log_every: int = 1  # write a metrics record every N optimizer steps (and the last), averaging those steps
-    eval_every: int | None = None  # validation loss every N optimizer steps (needs data.validation)
+    # validation loss every N optimizer steps, or at the end of every epoch (epoch); needs data.validation
+    eval_every: int | Literal["epoch"] | None = None
     early_stopping_patience: int | None = None  # stop after N evaluations without a better checkpoint.best_metric
     sample_prompts: list[str] = field(default_factory=list)  # greedy completions shown before and after
     sample_max_new_tokens: int = 32  # tokens generated for each of sample_prompts
@@ -302,9 +304,10 @@ def _check_decay(train: TrainConfig) -> None:
 def _check_best(config: RunConfig) -> None:
     """``checkpoint.best_metric`` needs evaluations that score every checkpoint; early stopping needs the metric."""
     checkpoint, train = config.checkpoint, config.train
-    if checkpoint.save_every == "epoch" and config.data is not None and config.data.train.streaming:
-        raise ConfigError("checkpoint.save_every", "epoch (give a number of steps) is not possible with streaming "
-                                                   "data (the epoch length is unknown)")
+    for field_name, every in (("checkpoint.save_every", checkpoint.save_every), ("train.eval_every", train.eval_every)):
+        if every == "epoch" and config.data is not None and config.data.train.streaming:
+            raise ConfigError(field_name, "epoch (give a number of steps) is not possible with streaming data (the "
+                                          "epoch length is unknown)")
     if checkpoint.best_metric is None:
         for key, value in (("checkpoint.greater_is_better", checkpoint.greater_is_better),
                            ("train.early_stopping_patience", train.early_stopping_patience)):
@@ -318,7 +321,8 @@ def _check_best(config: RunConfig) -> None:
                                 and config.data.validation_split is None):
         raise ConfigError("checkpoint.best_metric", "needs evaluations: set train.eval_every and data.validation "
                                                     "(or data.validation_split)")
-    if isinstance(checkpoint.save_every, int) and checkpoint.save_every % train.eval_every:
+    if isinstance(checkpoint.save_every, int) and isinstance(train.eval_every, int) \
+            and checkpoint.save_every % train.eval_every:
         raise ConfigError("checkpoint.save_every", f"with checkpoint.best_metric it must be a multiple of "
                                                    f"train.eval_every ({train.eval_every}), so that every checkpoint "
                                                    "is scored")

@@ -59,7 +59,7 @@ def compose(plan: Plan) -> Session:
     build_roles(session)
     build_data(session)
     session.total_steps = total_steps(session)
-    session.save_every = save_interval(session)
+    set_cadence(session)
     check_resume_step(plan.config, session.resume_from, session.total_steps)  # past train.epochs: before config.yaml
     adapter = plan.config.adapter
     session.optimizer = build_optimizer(session.trainable.named_parameters(), plan.config.train,
@@ -465,18 +465,18 @@ def steps_per_epoch(session: Session, field: str, problem: str) -> int:
                                  "goes, so the epoch length is unknown") from None
 
 
-def save_interval(session: Session) -> int | None:
-    """``checkpoint.save_every`` in optimizer steps: ``epoch`` is an epoch's, scored by every evaluation of
-    ``checkpoint.best_metric`` as a number of steps must be."""
-    checkpoint, eval_every = session.config.checkpoint, session.config.train.eval_every
-    if checkpoint.save_every != "epoch":
-        return checkpoint.save_every
-    steps = steps_per_epoch(session, "checkpoint.save_every", "epoch (give a number of steps) is not possible")
-    if checkpoint.best_metric is not None and steps % eval_every:
-        raise ConfigError("checkpoint.save_every", f"epoch: with checkpoint.best_metric an epoch's {steps} steps must "
-                                                   f"be a multiple of train.eval_every ({eval_every}), so that every "
-                                                   "checkpoint is scored")
-    return steps
+def set_cadence(session: Session) -> None:
+    """``train.eval_every`` and ``checkpoint.save_every`` in optimizer steps (``epoch``: an epoch's), and with
+    ``checkpoint.best_metric`` every checkpoint scored, as numbers of steps are checked before launch."""
+    config = session.config
+    session.eval_every, session.save_every = (
+        steps_per_epoch(session, field, "epoch (give a number of steps) is not possible") if every == "epoch"
+        else every for field, every in (("train.eval_every", config.train.eval_every),
+                                        ("checkpoint.save_every", config.checkpoint.save_every)))
+    if config.checkpoint.best_metric is not None and session.save_every and session.save_every % session.eval_every:
+        raise ConfigError("checkpoint.save_every", f"with checkpoint.best_metric its {session.save_every} steps must "
+                                                   f"be a multiple of train.eval_every's {session.eval_every}, so "
+                                                   "that every checkpoint is scored")
 
 
 def trim_metrics(session: Session) -> None:

@@ -288,7 +288,7 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
     method = session.plan.method.descriptor
     if method.on_step_end is not None:
         method.on_step_end(session, record)
-    if config.eval_every and session.step % config.eval_every == 0 and session.validation_data is not None:
+    if session.eval_every and session.step % session.eval_every == 0 and session.validation_data is not None:
         with log.evaluating():
             results = _prefixed(evaluate(session))
         log.evaluated(session.step, results)
