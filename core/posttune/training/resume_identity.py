@@ -74,7 +74,6 @@ def check_global_batch(plan: Any, checkpoint: Path | None) -> None:
     batch (train.batch_size x data-parallel ranks: this launch's, from the plan's mesh)."""
     import math
 
-    from posttune.data.loader import other_global_batch
     from posttune.training.output_dir import STATE_FILE
 
     try:
@@ -85,6 +84,8 @@ def check_global_batch(plan: Any, checkpoint: Path | None) -> None:
         if plan.mesh else plan.world_size
     saved, mine = (data or {}).get("global_batch_size"), plan.config.train.batch_size * ranks
     if isinstance(saved, int) and saved != mine:
+        from posttune.data.loader import other_global_batch  # torch: only on this way out (validate stays fast)
+
         raise ConfigError("train.batch_size", f"checkpoint {checkpoint}: {other_global_batch(saved, mine, ranks)}")
 
 
