@@ -184,3 +184,44 @@ def test_max_seq_len_past_the_model_context_is_warned_of_once(llama_sft, posttun
                                                    checkpoint={"overwrite": True})), "~data.max_seq_len")
     assert unset.exit_code == 0, unset.stderr
     assert "posttune: warning: data.max_seq_len: 2048 (the default) is past the model's context of 256" in unset.stderr
+
+
+def test_trained_model_keeps_the_checkpoints_generation_config(llama_sft, posttune_cli, make_config, tmp_path):
+    """Stop ids and sampling defaults of generation_config.json survive training (transformers' and vLLM's
+    generate read them): the saved file is the source's, not one derived from config.json."""
+    import yaml
+
+    from posttune.testing.tiny import TINY, tiny_hf_model
+
+    source = tmp_path / "base"
+    tiny_hf_model(transformers.LlamaConfig(**{**TINY, "vocab_size": 384})).save_pretrained(source)
+    wanted = {"do_sample": True, "eos_token_id": [2, 0], "temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05}
+    (source / "generation_config.json").write_text(json.dumps(wanted))
+    config = make_config(tmp_path, train={"max_steps": 1})
+    config["model"] = {"path": str(source)}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    result = posttune_cli("train", str(tmp_path / "run.yaml"))
+    assert result.exit_code == 0, result.stderr
+    saved = json.loads((tmp_path / "out" / "model" / "generation_config.json").read_text())
+    assert {key: saved.get(key) for key in wanted} == wanted
+
+
+def test_an_fp32_run_on_a_bf16_checkpoint_warns_that_it_saves_fp32(llama_sft, posttune_cli, make_config, tmp_path):
+    """transformers keeps a checkpoint's dtype; posttune trains in model.dtype (fp32 by default), so a bf16
+    checkpoint comes back twice its size unless model.dtype says bf16: said before training."""
+    import yaml
+
+    from posttune.testing.tiny import TINY, tiny_hf_model
+
+    source = tmp_path / "base"
+    tiny_hf_model(transformers.LlamaConfig(**{**TINY, "vocab_size": 384})).to(torch.bfloat16).save_pretrained(source)
+    config = make_config(tmp_path, train={"max_steps": 1})
+    config["model"] = {"path": str(source)}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    result = posttune_cli("train", str(tmp_path / "run.yaml"))
+    assert result.exit_code == 0, result.stderr
+    assert (f"posttune: warning: model.dtype is fp32 and {source} is stored in bfloat16: the model trains and is "
+            "saved in fp32, twice its size; set model.dtype: bfloat16 to keep bfloat16") in result.stderr
+    kept = posttune_cli("train", str(tmp_path / "run.yaml"), "model.dtype=bf16", "checkpoint.overwrite=true")
+    assert kept.exit_code == 0 and "is stored in" not in kept.stderr
+    assert json.loads((tmp_path / "out" / "model" / "config.json").read_text())["dtype"] == "bfloat16"

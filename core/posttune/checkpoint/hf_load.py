@@ -72,7 +72,7 @@ def load_hf(path_or_id: str | Path, *, dtype: torch.dtype | str | None = None,
         mat.materialize(model, device or "cpu")
         loader.load(ckpt.headers)
         mat.init_buffers(model)
-    attach(model, ModelOrigin(ckpt.family.name, kwargs, ckpt.hf_config, _generation_config(ckpt.directory),
+    attach(model, ModelOrigin(ckpt.family.name, kwargs, ckpt.hf_config, generation_config(ckpt.directory),
                               ckpt.where, origin_of(model).extra))  # keeps the score head's labels
     return model.eval()
 
@@ -361,7 +361,8 @@ def _names(items: list[str]) -> str:
     return shown + (f" and {len(items) - SHOWN} more" if len(items) > SHOWN else "")
 
 
-def _generation_config(directory: Path) -> dict[str, Any] | None:
+def generation_config(directory: Path) -> dict[str, Any] | None:
+    """The checkpoint's generation_config.json (stop ids, sampling defaults), saved back with the model."""
     file = directory / GENERATION_CONFIG
     if not file.is_file():
         return None

@@ -247,22 +247,33 @@ def build_policy_head(session: Session, target: ModelTarget) -> nn.Module:
 def build_model(target: ModelTarget) -> nn.Module:
     """The target's family model on the meta device: no memory is spent until the ``load`` stage."""
     config, family = target.config, target.family
-    hf_config = None
+    hf_config = generation = None
     if config.path is not None:
+        from posttune.checkpoint.hf_load import generation_config
         from posttune.checkpoint.source import local_dir, read_hf_config
 
         hf_config = read_hf_config(local_dir(config.path))
+        generation = generation_config(local_dir(config.path))  # saved back with the trained model
     kwargs = build_kwargs(config, family, hf_config)
+    section = "model" if target.role == "policy" else f"models.{target.role}"
     try:
         model = mat.build(family.build, kwargs, DTYPES[config.dtype], "meta")
     except TypeError as exc:  # a builder argument the family does not take: name the override
         unknown = [key for key in config.build_overrides if f"'{key}'" in str(exc)]
         if not unknown:
             raise
-        section = "model" if target.role == "policy" else f"models.{target.role}"
         raise ConfigError(f"{section}.build_overrides.{unknown[0]}",
                           f"family '{family.name}' builds with no argument '{unknown[0]}'") from None
-    attach(model, ModelOrigin(family.name, kwargs, hf_config, source=config.path))
+    except ValueError as exc:  # a value the blocks refuse (an MoE's top_k past its experts): one line
+        if not config.build_overrides:
+            raise
+        raise ConfigError(f"{section}.build_overrides", f"family '{family.name}': {exc}") from None
+    attach(model, ModelOrigin(family.name, kwargs, hf_config, generation, source=config.path))
+    stored = str((hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype"))
+    if target.trainable and config.dtype == "fp32" and stored in ("bfloat16", "float16") and distributed.is_main():
+        print(f"posttune: warning: {section}.dtype is fp32 and {config.path} is stored in {stored}: the model trains "
+              f"and is saved in fp32, twice its size; set {section}.dtype: {stored} to keep {stored}",
+              file=sys.stderr)
     labels = checkpoint_labels(hf_config) if hf_config is not None else None
     if labels is not None or target.score:
         add_score_head(model, labels or 1)
