@@ -152,6 +152,13 @@ def _family(model: ModelConfig, registry: Registry, section: str) -> Registered:
             _check_named_family(_hf_config(model, section), family, registry, section)
     else:
         family = family_for(_hf_config(model, section), registry, str(model.path))
+    if model.path is not None and Path(model.path).expanduser().is_dir():  # its values, as the family reads them
+        try:
+            family.descriptor.from_hf_config(_hf_config(model, section))
+        except ConfigError:
+            raise
+        except PosttuneError as exc:
+            raise ConfigError(f"{section}.path", f"{model.path}: {exc}") from None
     if model.path is None and model.size not in family.descriptor.sizes:
         sizes = ", ".join(family.descriptor.sizes) or "none"
         raise ConfigError(f"{section}.size", f"family '{family.descriptor.name}' has no size '{model.size}' "

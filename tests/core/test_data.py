@@ -104,8 +104,9 @@ def alpaca_messages(row):
 def test_alpaca_rows_from_each_file_type_tokenize_with_the_chat_template(ext, tmp_path, tokenizer, formats):
     path = write(tmp_path / f"alpaca.{ext}", ALPACA[:3])
     (batch,) = all_batches(loader_for(path, tokenizer, formats, shuffle=False))
-    assert batch.keys() == {"input_ids", "labels", "num_tokens"}
+    assert batch.keys() == {"input_ids", "labels", "real_tokens", "num_tokens"}
     assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
+    assert int(batch["real_tokens"].sum()) == int(batch["num_tokens"])
     rows = [row for row, _ in zip(ALPACA, range(3))]
     for (ids, labels), row in zip(unpadded(batch), rows):
         assert (ids, labels) == expected_sample(tokenizer, alpaca_messages(row))
@@ -253,14 +254,33 @@ def test_padding_collate_pads_ids_with_the_pad_id_and_labels_with_ignore(tmp_pat
     assert (batch["labels"][1, short - 1:] == IGNORE_INDEX).all()
 
 
+def test_a_folder_saved_by_datasets_save_to_disk_loads_as_its_rows(tmp_path, tokenizer, formats):
+    """``Dataset.save_to_disk`` and ``DatasetDict.save_to_disk`` folders (Arrow files, not data files) read with
+    ``load_from_disk``: a DatasetDict's split by name, a slice as datasets reads one; a missing split is named."""
+    from posttune.data.loading import load_rows
+
+    expected = all_batches(loader_for(write(tmp_path / "rows.jsonl", ALPACA[:3]), tokenizer, formats, shuffle=False))
+    datasets.Dataset.from_list(ALPACA[:3]).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ALPACA[:3]),
+                          "test": datasets.Dataset.from_list(ALPACA[3:4])}).save_to_disk(str(tmp_path / "both"))
+    for folder in ("one", "both"):
+        (batch,) = all_batches(loader_for(tmp_path / folder, tokenizer, formats, shuffle=False))
+        assert batch["input_ids"].equal(expected[0]["input_ids"]) and batch["labels"].equal(expected[0]["labels"])
+    assert load_rows(DatasetConfig(path=str(tmp_path / "both"), split="test"))[0] == ALPACA[3]
+    assert len(load_rows(DatasetConfig(path=str(tmp_path / "one"), split="train[1:]"))) == 2
+    with pytest.raises(ConfigError, match=r"data.train.split: .*both' holds the splits train, test, not 'valid'"):
+        load_rows(DatasetConfig(path=str(tmp_path / "both"), split="valid"))
+
+
 def test_packing_fills_rows_of_max_seq_len_with_document_ids(tmp_path, tokenizer, formats):
     path = write(tmp_path / "alpaca.jsonl", ALPACA)
     samples = [expected_sample(tokenizer, alpaca_messages(row), max_seq_len=160) for row in ALPACA]
     batches = all_batches(loader_for(path, tokenizer, formats, shuffle=False, packing=True, max_seq_len=160,
                                      batch_size=64))
     (batch,) = batches
-    assert batch.keys() == {"input_ids", "labels", "document_ids", "num_tokens"}
+    assert batch.keys() == {"input_ids", "labels", "document_ids", "real_tokens", "num_tokens"}
     assert batch["input_ids"].shape[1] == 160 and batch["input_ids"].shape[0] < len(ALPACA)
+    assert int(batch["real_tokens"].sum()) == int(batch["num_tokens"])  # the rows' tails are padding
     assert int(batch["num_tokens"]) == sum(len(ids) for ids, _ in samples)
     unpacked = []
     for ids, labels, docs in zip(*(batch[k].tolist() for k in ("input_ids", "labels", "document_ids"))):

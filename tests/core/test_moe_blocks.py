@@ -121,7 +121,6 @@ def test_aux_loss_is_the_switch_formula_over_all_layers_and_forwards():
     expected = switch_balance(probs, 2)
     assert abs(metrics["aux_loss"].item() - expected.item()) <= 1e-6
     assert abs(loss.item() - 0.01 * expected.item()) <= 1e-8
-    assert metrics["expert_tokens_dropped"].item() == 0
     assert metrics["expert_tokens_mean"].item() == pytest.approx(3 * 10 * 2 / EXPERTS)
     assert pop_aux_loss(layers) is None  # taken once
 

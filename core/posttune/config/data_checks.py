@@ -33,7 +33,7 @@ def check_data(plan: Any, *, runs: bool = True) -> None:
     its first row, and a local tokenizer loads. ``runs``: the config is about to train (``validate``,
     ``train``), so it must name a tokenizer; ``plan`` and ``config show`` need none."""
     for where, (dataset, _) in plan.sources.items():
-        if (path := local_path(dataset, where)) is not None:
+        if (path := local_path(dataset, where)) is not None and not saved_by_datasets(path):
             local_files(path, where)
             local_split(dataset.split, where)
     chats = check_first_rows(plan)
@@ -89,6 +89,12 @@ def local_path(dataset: Any, where: str) -> Path | None:
     if path.suffix in BUILDERS or not _HUB_NAME.match(dataset.path) or hub.first_part_exists(dataset.path):
         raise ConfigError(f"{where}.path", f"no such file or directory {dataset.path!r}")
     return None
+
+
+def saved_by_datasets(path: Path) -> bool:
+    """Whether ``path`` is a folder ``Dataset.save_to_disk`` (state.json) or ``DatasetDict.save_to_disk``
+    (dataset_dict.json) wrote: Arrow files ``datasets.load_from_disk`` reads, not data files."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
 def local_files(path: Path, where: str) -> tuple[str, list[str]]:

@@ -8,6 +8,9 @@ Batch dict keys:
   row, so they serve both `modules.attention.attention_mask` (a query sees only its own id) and
   varlen kernels that derive boundaries from id changes. The model restarts positions per id.
 - ``num_tokens`` LongTensor []: the real (non-padding) tokens of the batch, what throughput counts.
+- ``real_tokens`` BoolTensor [b, s]: True on the samples' tokens, False on padding (a placeholder's
+  too). Targets alone cannot say it (a prompt has none); a mixture of experts' routing statistics
+  count only these tokens, as transformers counts those of its ``attention_mask``.
 
 ``pair_batch`` (preference pairs) stacks the chosen samples, then the rejected ones, so one
 forward pass scores both: rows ``i`` and ``b + i`` are pair i; ``rows`` LongTensor [b] holds each
@@ -40,8 +43,8 @@ from posttune.data.samples import IGNORE_INDEX, Sample
 def padded_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int | None = None) -> dict[str, Any]:
     """One sample per row, right-padded to the longest (a single padding token for an empty share)."""
     samples = [sample for row in rows for sample in row]
-    input_ids, labels = _pad(samples, pad_id, rows=max(len(samples), 1), multiple=pad_to_multiple_of)
-    return {"input_ids": input_ids, "labels": labels, "num_tokens": _count(samples)}
+    return {**_pad(samples, pad_id, rows=max(len(samples), 1), multiple=pad_to_multiple_of),
+            "num_tokens": _count(samples)}
 
 
 def pair_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int | None = None,
@@ -63,27 +66,28 @@ def pair_batch(rows: list[list[Sample]], *, pad_id: int, pad_to_multiple_of: int
     elif padding_free:
         batch = _flat(samples, pad_id, pad_to_multiple_of)
     else:
-        input_ids, labels = _pad(samples, pad_id, rows=2 * count, multiple=pad_to_multiple_of)
-        batch = {"input_ids": input_ids, "labels": labels}
+        batch = _pad(samples, pad_id, rows=2 * count, multiple=pad_to_multiple_of)
     batch["rows"] = torch.tensor([row[0].row for row in rows] or [-1], dtype=torch.long)
     batch["num_tokens"] = _count(chosen + rejected)
     return batch
 
 
 def _pad(samples: list[Sample | None], pad_id: int, *, rows: int,
-         multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` x longest ids and labels (rounded up to ``multiple``), right-padded; a None sample
-    (or a missing one) is all padding."""
+         multiple: int | None = None) -> dict[str, torch.Tensor]:
+    """``rows`` x longest ids, labels and real tokens (rounded up to ``multiple``), right-padded; a None
+    sample (or a missing one) is all padding."""
     length = max((len(s) for s in samples if s is not None), default=1)
     if multiple is not None:
         length = -(-length // multiple) * multiple
     input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
+    real = torch.zeros_like(input_ids, dtype=torch.bool)
     for index, sample in enumerate(samples):
         if sample is not None:
             input_ids[index, : len(sample)] = sample.ids
             labels[index, : len(sample)] = sample.labels
-    return input_ids, labels
+            real[index, : len(sample)] = True
+    return {"input_ids": input_ids, "labels": labels, "real_tokens": real}
 
 
 def packed_batch(rows: list[list[Sample]], *, pad_id: int, max_seq_len: int) -> dict[str, Any]:
@@ -91,6 +95,7 @@ def packed_batch(rows: list[list[Sample]], *, pad_id: int, max_seq_len: int) -> 
     input_ids = torch.full((max(len(rows), 1), max_seq_len), pad_id, dtype=torch.long)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     document_ids = torch.zeros_like(input_ids)
+    real = torch.zeros_like(input_ids, dtype=torch.bool)
     for index, row in enumerate(rows):
         start = 0
         for document, sample in enumerate(row):
@@ -100,7 +105,8 @@ def packed_batch(rows: list[list[Sample]], *, pad_id: int, max_seq_len: int) -> 
             document_ids[index, start:end] = document
             start = end
         document_ids[index, start:] = len(row)
-    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids,
+        real[index, :start] = True
+    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids, "real_tokens": real,
             "num_tokens": _count([sample for row in rows for sample in row])}
 
 
@@ -138,28 +144,30 @@ def shared_prompt_row(samples: list[Sample | None], pad_id: int, multiple: int |
     token; the row's tail, to ``multiple``, one more document. ``share_prompt=False``: every
     document whole (``flat_batch``'s layout, with positions).
     """
-    parts: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (ids, labels, first position) per document
+    parts: list[tuple[torch.Tensor, torch.Tensor, int, bool]] = []  # (ids, labels, first position, real) per document
     root: Sample | None = None
     for sample in samples:
         if sample is None:
-            parts.append((torch.tensor([pad_id]), torch.tensor([IGNORE_INDEX]), 0))
+            parts.append((torch.tensor([pad_id]), torch.tensor([IGNORE_INDEX]), 0, False))
             continue
         skip = _shared_prefix(root, sample) if share_prompt else 0
         root = sample if skip == 0 else root
-        parts.append((sample.ids[skip:], sample.labels[skip:], skip))
-    total = sum(len(ids) for ids, _, _ in parts)
+        parts.append((sample.ids[skip:], sample.labels[skip:], skip, True))
+    total = sum(len(ids) for ids, *_ in parts)
     width = max(total, 1)  # an empty share: one padding token
     width = -(-width // multiple) * multiple if multiple else width
     input_ids = torch.full((1, width), pad_id, dtype=torch.long)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     document_ids = torch.full_like(input_ids, len(parts))
     positions = torch.arange(width).unsqueeze(0) - total  # the tail's positions: 0, 1, ...
+    real_tokens = torch.zeros_like(input_ids, dtype=torch.bool)
     end = 0
-    for document, (ids, targets, start) in enumerate(parts):
+    for document, (ids, targets, start, real) in enumerate(parts):
         end, begin = end + len(ids), end
         input_ids[0, begin:end], labels[0, begin:end], document_ids[0, begin:end] = ids, targets, document
-        positions[0, begin:end] = torch.arange(start, start + len(ids))
-    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids, "positions": positions}
+        positions[0, begin:end], real_tokens[0, begin:end] = torch.arange(start, start + len(ids)), real
+    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids, "positions": positions,
+            "real_tokens": real_tokens}
 
 
 def rows_as_documents(input_ids: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor, *, pad_id: int,

@@ -1,7 +1,8 @@
 """Dataset rows from a config: local json/jsonl/parquet/csv/txt files or folders, or a hub dataset.
 
 Everything goes through `datasets.load_dataset`, so local files and hub datasets behave the same
-(Arrow-backed map-style datasets, or `IterableDataset` with ``streaming: true``). A path that does
+(Arrow-backed map-style datasets, or `IterableDataset` with ``streaming: true``); a folder written by
+``save_to_disk`` through `datasets.load_from_disk` (a `DatasetDict`'s ``split`` chosen by name). A path that does
 not exist and does not look like a hub name is reported as a missing file, naming the config field.
 """
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from posttune import hub
-from posttune.config.data_checks import local_files, local_path, local_split
+from posttune.config.data_checks import local_files, local_path, local_split, saved_by_datasets
 from posttune.config.schema import DatasetConfig
 from posttune.data.local_files import check_files, explain_failure
 from posttune.errors import ConfigError, first_line
@@ -26,6 +27,8 @@ def load_rows(config: DatasetConfig, *, where: str = "data.train", skip_bad_rows
     unreadable lines of line-based files are dropped and added to ``skipped.bad_rows``.
     """
     path = local_path(config, where)
+    if path is not None and saved_by_datasets(path):
+        return _from_disk(config, path, where)
     if path is not None:
         builder, files = local_files(path, where)
         files, dropped = check_files(files, builder, where, skip_bad_rows=skip_bad_rows)
@@ -38,6 +41,39 @@ def load_rows(config: DatasetConfig, *, where: str = "data.train", skip_bad_rows
         raise hub.unreachable(config.path, f"config: {where}.path", local="a local file or folder", cache_tried=False)
     return _load(where, config.path, config.path, name=config.subset, split=config.split,
                  streaming=config.streaming, hint="; no local file or directory has that name either")
+
+
+def _from_disk(config: DatasetConfig, path: Path, where: str) -> Any:
+    """A ``save_to_disk`` folder's rows: a Dataset whole (a slice, ``train[:50%]``, as ``split`` says), or one
+    split of a DatasetDict."""
+    import datasets
+
+    try:
+        rows = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise ConfigError(f"{where}.path", f"could not load {str(path)!r}, a folder of datasets' save_to_disk "
+                                           f"({type(exc).__name__}: {first_line(str(exc))})") from None
+    name, bracket, _ = config.split.partition("[")
+    if isinstance(rows, datasets.DatasetDict):
+        if name not in rows:
+            raise ConfigError(f"{where}.split", f"{str(path)!r} holds the splits {', '.join(rows)}, not {name!r}")
+        rows = rows[name]
+    elif name != "train":
+        raise ConfigError(f"{where}.split", f"{config.split!r}: {str(path)!r} holds one dataset, read as the split "
+                                            "'train' (slices such as train[:90%] work)")
+    if bracket:  # a slice, read as datasets reads one of a split
+        rows = rows.select(range(len(rows))[_slice(config.split, len(rows), where)])
+    return rows.to_iterable_dataset() if config.streaming else rows
+
+
+def _slice(split: str, size: int, where: str) -> slice:
+    import datasets
+
+    try:
+        instruction = datasets.ReadInstruction.from_spec(split).to_absolute({split.partition("[")[0]: size})[0]
+    except Exception as exc:
+        raise ConfigError(f"{where}.split", f"{split!r}: {first_line(str(exc))}") from None
+    return slice(instruction.from_, instruction.to)
 
 
 def _load(where: str, shown: str, path: str, *, hint: str = "", explain: Any = None, **kwargs: Any) -> Any:

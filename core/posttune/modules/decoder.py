@@ -34,12 +34,15 @@ Options a family switches on (each off by default, so a plain pre-norm decoder p
 
 Auxiliary losses: ``model.aux_loss()`` returns the weighted auxiliary loss of the forwards run
 with gradients since its last call (a mixture of experts' load balancing, ``modules/moe.py``) and
-its parts as metrics, or None (a dense model). The trainer adds it to every method's loss.
+its parts as metrics, or None (a dense model). The trainer adds it to every method's loss, and
+runs each micro-batch's loss within ``model.counting(batch["input_ids"], batch["real_tokens"])``,
+so that padding stays out of the routing statistics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +50,7 @@ from torch import nn
 
 from posttune.modules.attention import Attention, DocumentSpans, attention_mask, document_spans
 from posttune.modules.kv_cache import KVCache, LayerCache
+from posttune.modules.moe import MoE, pop_aux_loss
 from posttune.modules.rope import RotaryEmbedding
 from posttune.modules.softcap import soft_cap
 
@@ -102,6 +106,7 @@ class Decoder(nn.Module):
         self.tie_word_embeddings = tie_word_embeddings
         self.embed_scale = embed_scale
         self.logit_softcap = logit_softcap
+        self.counted_for: tuple[torch.Tensor, torch.Tensor] | None = None  # ``counting``'s (input_ids, real tokens)
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -126,6 +131,10 @@ class Decoder(nn.Module):
         if positions is None:
             positions = default_positions(batch, seq, start=start, document_ids=document_ids,
                                           device=input_ids.device)
+        if self.counted_for is not None:
+            ids, real = self.counted_for
+            for layer in self.moe_layers():
+                layer.counted = real.reshape(-1) if ids is input_ids else None
         x = self.embed(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, device=x.device).to(x.dtype)  # fp32, then x's dtype
@@ -180,10 +189,27 @@ class Decoder(nn.Module):
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
         """The weighted auxiliary loss recorded since the last call, and its parts; None if there is none.
         ``reduce``: sums a statistic over the data-parallel ranks (``moe.pop_aux_loss``)."""
-        from posttune.modules.moe import MoE, pop_aux_loss
-
-        layers = [module for module in self.modules() if isinstance(module, MoE)]
+        layers = self.moe_layers()
         return pop_aux_loss(layers, reduce) if layers else None
+
+    def moe_layers(self) -> list[MoE]:
+        return [module for module in self.modules() if isinstance(module, MoE)]
+
+    @contextlib.contextmanager
+    def counting(self, input_ids: torch.Tensor, real_tokens: torch.Tensor) -> Iterator[None]:
+        """Within: a forward of exactly ``input_ids`` (this tensor, a micro-batch's) counts only its
+        ``real_tokens`` (bool, the same shape) in the routing statistics; other forwards (another
+        model input a method builds) count all of theirs. Every token is still routed."""
+        if not self.moe_layers():
+            yield
+            return
+        self.counted_for = (input_ids, real_tokens)
+        try:
+            yield
+        finally:
+            self.counted_for = None
+            for layer in self.moe_layers():
+                layer.counted = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over (some of) ``hidden_states``' rows, soft-capped if the model caps logits."""

@@ -16,7 +16,10 @@ experts a rank holds.
 
 Routing statistics feed the auxiliary loss. They are recorded only by forwards that build a
 graph (``torch.is_grad_enabled()``), so a frozen model or a generation adds nothing, and
-``Decoder.aux_loss`` takes them (docs/architecture.md, "Auxiliary losses").
+``Decoder.aux_loss`` takes them (docs/architecture.md, "Auxiliary losses"). ``MoE.counted`` (flat
+bool, set by ``Decoder.counting``) leaves padding out of them, as transformers' ``attention_mask``
+does: padding a batch for sequence parallelism, or a rank's placeholder, would otherwise change the
+loss one process computes.
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ class Routing:
 
     counts: torch.Tensor  # [experts] fp32: token slots routed to each expert (no gradient)
     probs: torch.Tensor  # [experts] fp32: router probabilities summed over tokens (with gradient)
-    rows: int  # tokens routed
+    rows: torch.Tensor  # [] fp32: tokens routed
     z_sum: torch.Tensor | None  # sum over tokens of logsumexp(logits)^2, when a z-loss is asked for
 
 
@@ -176,16 +179,20 @@ class MoE(nn.Module):
     def __init__(self, router: Router, experts: Experts, *, shared_expert: GatedMLP | None = None,
                  shared_gate: nn.Linear | None = None, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
         super().__init__()
+        if aux_loss_coef < 0 or z_loss_coef < 0:  # a negative weight would reward imbalance
+            raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got {aux_loss_coef} and {z_loss_coef}")
         self.router, self.experts = router, experts
         self.shared_expert, self.shared_gate = shared_expert, shared_gate
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.routing: Routing | None = None
+        self.counted: torch.Tensor | None = None  # [tokens] bool: the real ones (None: all)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits, probs, weights, experts = self.router(flat)
         if torch.is_grad_enabled():
-            self.record(logits, probs, experts)
+            counted = self.counted if self.counted is not None and self.counted.numel() == flat.shape[0] else None
+            self.record(logits, probs, experts, counted)
         out = self.experts(flat, weights, experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
@@ -194,10 +201,16 @@ class MoE(nn.Module):
             out = out + shared
         return out.reshape(x.shape)
 
-    def record(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> None:
-        counts = torch.bincount(experts.reshape(-1), minlength=self.router.num_experts).float()
-        z_sum = torch.logsumexp(logits.float(), dim=-1).square().sum() if self.z_loss_coef else None
-        step = Routing(counts, probs.sum(dim=0), probs.shape[0], z_sum)
+    def record(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor,
+               counted: torch.Tensor | None = None) -> None:
+        """Add this forward's statistics; ``counted`` (bool [tokens]): only those tokens' (weights, not
+        indexing: no data-dependent shapes for a compiled layer)."""
+        weight = (torch.ones(probs.shape[0], device=probs.device) if counted is None
+                  else counted.to(device=probs.device, dtype=torch.float32))
+        slots = weight.repeat_interleave(experts.shape[-1])
+        counts = torch.bincount(experts.reshape(-1), weights=slots, minlength=self.router.num_experts).float()
+        z_sum = (torch.logsumexp(logits.float(), dim=-1).square() * weight).sum() if self.z_loss_coef else None
+        step = Routing(counts, (probs * weight[:, None]).sum(dim=0), weight.sum(), z_sum)
         if self.routing is not None:  # several forwards before one loss
             old = self.routing
             z = None if z_sum is None else z_sum + old.z_sum
@@ -236,16 +249,15 @@ def pop_aux_loss(layers: list[MoE], reduce: Callable[[torch.Tensor], torch.Tenso
     counts = torch.stack([r.counts for _, r in records])  # [layers, experts]
     probs = torch.stack([r.probs for _, r in records]).sum(dim=0)
     z_sum = sum(r.z_sum for _, r in records) if first.z_loss_coef else None
-    rows = torch.tensor(float(sum(r.rows for _, r in records)), device=counts.device)
+    rows = torch.stack([r.rows for _, r in records]).sum()
     if reduce is not None:
         counts, probs, rows = reduce(counts), reduce(probs), reduce(rows)
         z_sum = reduce(z_sum) if z_sum is not None else None
     balance = experts * torch.sum((counts.sum(dim=0) / rows) * (probs / rows))
     loss = first.aux_loss_coef * balance
-    # token slots per (layer, expert): a starved expert shows as a min of 0; dropless, nothing is dropped
+    # token slots per (layer, expert): a starved expert shows as a min of 0 (dropless: no token is dropped)
     metrics = {"aux_loss": balance.detach(), "expert_tokens_min": counts.min(), "expert_tokens_mean": counts.mean(),
-               "expert_tokens_max": counts.max(),
-               "expert_tokens_dropped": first.router.top_k * rows - counts.sum()}
+               "expert_tokens_max": counts.max()}
     if z_sum is not None:
         z_loss = z_sum / rows
         loss = loss + first.z_loss_coef * z_loss

@@ -203,7 +203,8 @@ def step_context(session: Any, batch: Any) -> Iterator[None]:
 
 
 #: how padding extends each [batch, seq] tensor of a micro-batch: a fill value, or a rule
-PAD_RULES: dict[str, Any] = {"input_ids": 0, "labels": -100, "document_ids": "new_document", "positions": "continue"}
+PAD_RULES: dict[str, Any] = {"input_ids": 0, "labels": -100, "document_ids": "new_document", "positions": "continue",
+                             "real_tokens": False}
 
 
 @contextlib.contextmanager

@@ -109,7 +109,7 @@ def train(session: Session) -> dict[str, Any]:
             for batch in batches(session):
                 batch = distributed.to_device(batch, session.device)
                 # Plans' contexts (loss parallel, context parallel, sequence padding) wrap forward and backward.
-                with distributed.step_context(session, batch):
+                with distributed.step_context(session, batch), counting_real_tokens(session, batch):
                     # drop what forwards outside the loss recorded (a layer recomputed in backward)
                     pop_aux_loss(session, summed=False)
                     out = with_aux_loss(session, loss_of(session, batch))
@@ -146,6 +146,15 @@ def pop_aux_loss(session: Session, *, summed: bool = True) -> tuple[torch.Tensor
         return None
     group, size = distributed.token_group(session) if summed else (None, 1)
     return aux_loss(distributed.summing(group) if size > 1 else None)
+
+
+def counting_real_tokens(session: Session, batch: Any) -> contextlib.AbstractContextManager:
+    """The policy's routing statistics leave out the micro-batch's padding (``Decoder.counting``), after the
+    plans' contexts padded or split it; a model or batch without them: nothing to do."""
+    counting = getattr(session.model, "counting", None)
+    if not callable(counting) or not isinstance(batch, dict) or "real_tokens" not in batch:
+        return contextlib.nullcontext()
+    return counting(batch["input_ids"], batch["real_tokens"])
 
 
 def loss_of(session: Session, batch: Any) -> LossOutput:
