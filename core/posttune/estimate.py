@@ -108,11 +108,12 @@ class Estimate:
 
     @property
     def parameters(self) -> int:
-        return self.models[0].parameters
+        """The policy's and every trained role's (PPO's value model), as `posttune train`'s banner counts them."""
+        return sum(m.parameters for i, m in enumerate(self.models) if i == 0 or m.trainable)
 
     @property
     def trainable(self) -> int:
-        return self.models[0].trainable
+        return sum(m.trainable for m in self.models)
 
     @property
     def baseline(self) -> int:

@@ -171,6 +171,19 @@ def test_plan_prints_stages_in_order_with_providers(fake, posttune_cli, config_f
     assert lines[1].endswith("[posttune-fake 9.9]")
 
 
+def test_plan_of_one_process_says_when_the_config_sizes_a_larger_launch(fake, posttune_cli, config_file):
+    """A config written for 2 TP ranks planned without --nproc-per-node shows one process, and says so."""
+    result = posttune_cli("plan", str(config_file), "parallel.plans=[fsdp,tensor]", "parallel.dims.tp=2",
+                          "--no-estimate")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.split()[:2] == ["distributed", "1"]
+    assert result.stderr == ("posttune: warning: parallel.dims asks for 2 processes; this plan is for 1 (its parallel "
+                             "plans inactive): posttune plan --nproc-per-node 2 ... shows that launch's\n")
+    launched = posttune_cli("plan", str(config_file), "parallel.plans=[fsdp,tensor]", "parallel.dims.tp=2",
+                            "--nproc-per-node", "2", "--no-estimate")
+    assert launched.exit_code == 0 and "warning" not in launched.stderr
+
+
 def test_train_validates_before_anything_else(fake, posttune_cli, config_file):
     result = posttune_cli("train", str(config_file), "train.lr=fast")
     assert result.stderr == "posttune: error: config: train.lr: expected a number, got 'fast'\n"

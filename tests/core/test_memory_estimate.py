@@ -144,6 +144,22 @@ def test_qlora_stores_the_decoder_linears_in_about_half_a_byte(registry, tmp_pat
     assert saved == pytest.approx(linear * (4 - 0.5159), rel=0.01)
 
 
+def test_nf4_heap_term_counts_only_weights_whose_temporaries_stay_on_the_heap():
+    """The 12 bytes per NF4 value glibc keeps were measured on weights of a few million values; a weight whose
+    fp32 copy passes glibc's 32 MiB mmap ceiling frees its temporaries to the system (Mixtral 8x7B's stacked
+    experts: before, the term alone came to 520 GiB)."""
+    from torch import nn
+
+    from posttune_torchao.estimate import nf4_values
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(1024, 1024, bias=False, device="meta"),
+                                  nn.Linear(4096, 4096, bias=False, device="meta")])
+    model.layers.requires_grad_(False)
+    assert nf4_values(model) == 1024**2 + 4096**2
+    assert nf4_values(model, heap_only=True) == 1024**2  # 4096^2 fp32 values: 64 MiB, past the ceiling
+
+
 def test_a_frozen_role_is_counted_as_the_runs_techniques_leave_it(registry, tmp_path):
     """qlora_nf4 quantises a frozen role built apart (a reference of its own, a teacher) as the run does
     (frozen="apply"): its decoder linears at NF4's width, like the policy's base weights."""

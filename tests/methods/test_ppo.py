@@ -206,6 +206,8 @@ def test_the_estimate_counts_the_value_models_gradients_optimizer_and_activation
     assert value.trainable == value.parameters > 0 and value.gradient_bytes == value.trainable * value.width
     assert value.optimizer_bytes == 2 * value.gradient_bytes  # AdamW: two moments
     assert reference.gradient_bytes == reference.optimizer_bytes == 0
+    # the plan's "parameters:" line counts what trains, as the train banner does: not the frozen reference
+    assert est.parameters == est.trainable == policy.parameters + value.parameters
     parts = est.components()
     assert parts["gradients"] == policy.gradient_bytes + value.gradient_bytes
     assert parts["optimizer"] == policy.optimizer_bytes + value.optimizer_bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -222,6 +223,10 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 def _run_plan(args: argparse.Namespace) -> int:
     plan = resolve(args, launch.world_size(args))
+    sized = math.prod(degree for degree in plan.config.parallel.dims.values() if degree > 0)
+    if plan.world_size == 1 and sized > 1:  # the config is for a launch this plan is not showing
+        warn([f"parallel.dims asks for {sized} processes; this plan is for 1 (its parallel plans inactive): "
+              f"posttune plan --nproc-per-node {sized} ... shows that launch's"])
     width = max(len(step.stage) for step in plan.steps)
     what = max(len(step.what) for step in plan.steps)
     for step in plan.steps:

@@ -31,6 +31,9 @@ NF4_BYTES_PER_VALUE = 0.5 + 1 / 64 + 4 / (64 * 256)
 #: frees int64 code indices, fp32 lookups and scaled copies, ~40 bytes per value per step;
 #: measured 10.6 (10M parameters) and 12.3 (42M) bytes per value stay resident.
 NF4_HEAP_BYTES = 12
+#: glibc's largest mmap threshold: a freed block above it goes back to the system, so only weights whose
+#: temporaries (an fp32 copy, 4 bytes per value, and smaller) fit under it leave heap behind
+MMAP_CEILING = 32 * 2**20
 #: torchao's block-quantised AdamW: bytes per state value (codes + one fp32 scale per block).
 LOW_BIT_STATE_BYTES = {"adamw_8bit": 1 + 4 / 256, "adamw_4bit": 0.5 + 4 / 128}
 LOW_BIT_MIN_SIZE = 4096  # smaller tensors keep full-precision states
@@ -43,9 +46,10 @@ def with_import(est: Estimate) -> Estimate:
     return replace(est, baselines={**est.baselines, "torchao": IMPORT_BYTES})
 
 
-def nf4_values(model: Any) -> int:
+def nf4_values(model: Any, *, heap_only: bool = False) -> int:
     """Values qlora_nf4 stores as NF4 in ``model``: frozen nn.Linear weights and frozen stacked experts
-    (3-D parameters) inside ``model.layers``."""
+    (3-D parameters) inside ``model.layers``; ``heap_only``: of the weights whose dequantising temporaries
+    stay on glibc's heap (``MMAP_CEILING``), so the heap term does not grow without bound on real sizes."""
     from torch import nn
 
     layers = getattr(model, "layers", None)
@@ -54,7 +58,7 @@ def nf4_values(model: Any) -> int:
     weights = {id(m.weight): m.weight for m in layers.modules()
                if isinstance(m, nn.Linear) and not m.weight.requires_grad}
     weights.update({id(p): p for p in layers.parameters() if p.dim() == 3 and not p.requires_grad})
-    return sum(w.numel() for w in weights.values())
+    return sum(w.numel() for w in weights.values() if not heap_only or 4 * w.numel() <= MMAP_CEILING)
 
 
 def qlora(est: Estimate, plan: Any) -> Estimate:
@@ -63,7 +67,8 @@ def qlora(est: Estimate, plan: Any) -> Estimate:
         values = nf4_values(model.module) if model.run_plans else 0
         models.append(replace(model, weights_bytes=model.weights_bytes - values * model.width
                               + int(values * NF4_BYTES_PER_VALUE)))
-    heap = NF4_HEAP_BYTES * nf4_values(est.models[0].module) if est.device == "cpu" and est.shape is not None else 0
+    heap = (NF4_HEAP_BYTES * nf4_values(est.models[0].module, heap_only=True)
+            if est.device == "cpu" and est.shape is not None else 0)
     return with_import(replace(est, models=tuple(models), allocator=est.allocator + heap))
 
 
