@@ -17,7 +17,8 @@ RUN = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"
 @pytest.mark.parametrize(("config", "message"), [
     ({"train": {"learning_rate": 1e-4}}, "train.learning_rate: unknown key; learning_rate is train.lr here"),
     ({"per_device_train_batch_size": 4}, "per_device_train_batch_size: unknown key; per_device_train_batch_size is "
-                                         "train.batch_size here"),
+                                         "train.batch_size (a method that generates counts prompts in it, where TRL "
+                                         "counts completions: divide by the completions per prompt) here"),
     ({"checkpoint": {"save_steps": 100}},
      "checkpoint.save_steps: unknown key; save_steps is checkpoint.save_every here"),
     ({"train": {"lr_scheduler_type": "cosine"}}, "train.lr_scheduler_type: unknown key; lr_scheduler_type is "
@@ -75,16 +76,26 @@ def test_a_transformers_key_in_the_run_config_names_its_place_here(config, messa
     ({"name": "grpo", "ray_options": {"tis_cap": 3.0}}, "method.ray_options.tis_cap: unknown key; moved: set "
                                                         "method.tis_cap"),
     ({"name": "kd", "lmbda": 0.5}, "method.lmbda: unknown key; lmbda is method.on_policy_fraction here"),
+    ({"name": "grpo", "kl_coef": 0.1}, "method.kl_coef: unknown key; kl_coef is method.beta here"),
+    ({"name": "ppo", "beta": 0.1}, "method.beta: unknown key; beta is method.kl_coef here"),
+    ({"name": "ppo", "value_model_path": "v"}, "method.value_model_path: unknown key; value_model_path is "
+                                               "models.value.path here"),
+    # TRL's value for a setting posttune splits or names otherwise
+    ({"name": "grpo", "loss_aggregation": "dr_grpo"}, "method.loss_aggregation: expected one of 'token', 'sequence', "
+                                                      "'constant', got 'dr_grpo'; dr_grpo is constant here"),
+    ({"name": "grpo", "baseline": "rloo"}, "method.baseline: expected one of 'mean', 'leave_one_out', got 'rloo'; "
+                                           "rloo is leave_one_out here"),
 ])
 def test_a_trl_method_key_names_its_place_here(method, message):
     import posttune_dpo
     import posttune_grpo
     import posttune_kd
     import posttune_llama
+    import posttune_ppo
     import posttune_sft
 
     plugins = new_plugin_set()
-    for module in (posttune_llama, posttune_sft, posttune_dpo, posttune_grpo, posttune_kd):
+    for module in (posttune_llama, posttune_sft, posttune_dpo, posttune_grpo, posttune_kd, posttune_ppo):
         plugins.register(module, distribution=module.__name__.replace("_", "-"), version="0")
     with pytest.raises(ConfigError) as info:
         resolve_plan(validate({**RUN, "method": method}), plugins.registry)

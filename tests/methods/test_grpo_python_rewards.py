@@ -35,6 +35,22 @@ def slow(completions, **kwargs):
     time.sleep(30)
 
 
+async def async_brevity(completions, **kwargs):  # TRL awaits async reward functions
+    return [1.0 / (1 + len(text)) for text in completions]
+
+
+def scheduled(completions, trainer_state, **kwargs):  # TRL passes its TrainerState
+    return [float(trainer_state.global_step > 10)] * len(completions)
+
+
+def scheduled_or_not(completions, trainer_state=None, **kwargs):
+    return [0.5] * len(completions)
+
+
+def no_kwargs(completions):  # TRL passes prompts and completion_ids too: this cannot be called as it is
+    return [0.0] * len(completions)
+
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -77,6 +93,41 @@ def test_a_function_that_reads_trl_chat_messages_is_told_completions_are_text(re
     assert message.endswith("completions are strings here, not TRL's chat messages [{'role': 'assistant', "
                             "'content': ...}]: read the text itself (docs/coming_from.md)")
     assert "reward_errors" not in message
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5])
+def test_an_async_function_is_awaited(rewards_file, timeout_s):
+    rewards = resolve_rewards([RewardSpec("my_rewards.py:async_brevity", timeout_s=timeout_s)])
+    assert score(rewards, ["p", "p"], ["AB", "X"], {}).per_reward == {"async_brevity": [1 / 3, 1 / 2]}
+
+
+def test_a_function_that_needs_trl_s_trainer_state_is_refused_before_launch(rewards_file):
+    with pytest.raises(ConfigError) as error:
+        resolve_rewards([RewardSpec("my_rewards.py:scheduled")])
+    assert str(error.value) == ("config: method.rewards[0].name: scheduled requires 'trainer_state', which TRL "
+                                "passes and posttune does not; give it a default (trainer_state=None) to run here")
+    assert score(resolve_rewards([RewardSpec("my_rewards.py:scheduled_or_not")]), ["p"], ["A"], {}).total == [0.5]
+
+
+def test_a_call_that_does_not_fit_says_how_rewards_are_called_and_all_failures_warn(rewards_file, capsys):
+    """A signature that cannot take the call fails every completion alike: the error says how the function is
+    called, not ``reward_errors: zero``; with ``zero`` anyway, a batch where it failed for every completion warns
+    (once), since it then scores nothing to learn from."""
+    from posttune.plugin import PosttuneError
+
+    rewards = resolve_rewards([RewardSpec("my_rewards.py:no_kwargs")])
+    with pytest.raises(PosttuneError) as failed:
+        score(rewards, ["p"], ["A"], {})
+    message = str(failed.value)
+    assert "raised TypeError: no_kwargs() got an unexpected keyword argument" in message
+    assert message.endswith("it is called as fn(prompts=, completions=, completion_ids=, **the row's fields), by "
+                            "keyword: take **kwargs for the fields it does not read")
+    for _ in range(2):
+        assert score(rewards, ["p", "p"], ["A", "B"], {}, on_error="zero").failures == {"no_kwargs": 2}
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("posttune: warning:")]
+    assert warnings == ["posttune: warning: reward 'no_kwargs' (Python function my_rewards.py:no_kwargs) failed for "
+                        "all 2 completions of a batch (scored 0, counted in reward_failures/no_kwargs); check it "
+                        "against its first error with method.reward_errors: raise"]
 
 
 @pytest.mark.parametrize(("name", "problem"), [

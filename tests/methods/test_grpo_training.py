@@ -282,6 +282,10 @@ def test_a_reward_that_cannot_score_stops_the_run_in_one_line_unless_told_to_cou
      "reference needs one of its own (full fine-tuning, as TRL)"),
     ({"method": {"sync_reference_alpha": 0.5}},
      "config: method.sync_reference_alpha: only sync_reference_every uses it"),
+    ({"train": {"eval_every": 2}, "data": {"validation_split": 0.25},
+      "checkpoint": {"best_metric": "val_loss", "save_every": 2}},
+     "config: checkpoint.best_metric: the evaluation logs no 'val_loss' (it logs: val_reward, val_reward/vowel_share, "
+     "val_completion_length; the mean reward of greedy answers is val_reward)"),
 ])
 def test_impossible_grpo_runs_are_refused_by_validate(llama_grpo, posttune_cli, tmp_path, sections, message):
     config = vowel_config(tmp_path)

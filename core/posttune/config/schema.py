@@ -22,7 +22,9 @@ SCHEDULE_NAMES = ("constant", "linear", "cosine", "wsd")
 #: keys of transformers' TrainingArguments (which TRL's configs extend) -> where they are here: an unknown key of
 #: the run config's sections names its place (`posttune.config.typed`, ``KNOWN_AS``); PEFT's and axolotl's too
 TRAINING_ARGUMENTS = {
-    "learning_rate": "train.lr", "per_device_train_batch_size": "train.batch_size",
+    "learning_rate": "train.lr",
+    "per_device_train_batch_size": "train.batch_size (a method that generates counts prompts in it, where TRL "
+                                   "counts completions: divide by the completions per prompt)",
     "gradient_accumulation_steps": "train.grad_accum_steps", "num_train_epochs": "train.epochs",
     "lr_scheduler_type": "train.scheduler (cosine_with_min_lr: cosine with train.min_lr_ratio)",
     "lr_scheduler_kwargs": "train.min_lr_ratio (min_lr_rate) and train.decay_ratio", "eval_steps": "train.eval_every",

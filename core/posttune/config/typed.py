@@ -54,7 +54,13 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     for name, f in fields.items():
         where = _join(path, name)
         if name in data:
-            values[name] = convert(hints[name], data[name], where)
+            try:
+                values[name] = convert(hints[name], data[name], where)
+            except ConfigError as exc:  # TRL's value for the setting (``KNOWN_VALUES``: field -> their value -> ours)
+                known = getattr(cls, "KNOWN_VALUES", {}).get(name, {}).get(str(data[name]))
+                if not known or exc.path != where:
+                    raise
+                raise ConfigError(where, f"{exc.problem}; {data[name]} is {known} here") from None
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(where, "required")
     try:

@@ -88,6 +88,13 @@ class GRPOConfig:
         "steps_per_generation": "method.micro_batch_size and train.grad_accum_steps (a generation batch is "
                                 "trained in micro-batches of micro_batch_size completions, grad_accum_steps a step)",
         "chat_template_kwargs": "tokenizer.chat_template_kwargs",
+        "kl_coef": "method.beta", "cliprange": "method.epsilon", "num_ppo_epochs": "method.num_iterations",
+    }
+    KNOWN_VALUES: ClassVar[dict[str, dict[str, str]]] = {  # TRL's loss_type values, and RLOO's and TRL's names
+        "loss_aggregation": {"dapo": "token", "bnpo": "token", "grpo": "sequence", "dr_grpo": "constant",
+                             "cispo": "method.objective: cispo", "sapo": "method.objective: sapo"},
+        "objective": {"grpo": "clip", "dapo": "clip", "dr_grpo": "clip with loss_aggregation: constant"},
+        "baseline": {"rloo": "leave_one_out", "grpo": "mean"},
     }
     group_size: int = 8  # completions sampled per prompt, compared within their group (at least 2)
     max_new_tokens: int = 256  # the longest completion
@@ -207,7 +214,7 @@ def check_sync(config: RunConfig, method: GRPOConfig) -> None:
 
 
 def validate(config: RunConfig, method: GRPOConfig) -> None:
-    from posttune_grpo.scoring import check_row_fields, resolve_rewards
+    from posttune_grpo.scoring import check_best_metric, check_row_fields, resolve_rewards
 
     positive = {"group_size": method.group_size, "max_new_tokens": method.max_new_tokens,
                 "num_iterations": method.num_iterations}
@@ -275,7 +282,9 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
         raise ConfigError("parallel.options.tp.sequence_parallel", "grpo generates one token at a time, which "
                                                                    "sequence parallelism cannot split over the TP "
                                                                    "ranks; set it to false")
-    check_row_fields(config.data, resolve_rewards(method.rewards))
+    rewards = resolve_rewards(method.rewards)
+    check_row_fields(config.data, rewards)
+    check_best_metric(config, rewards)
     scored = [i for i, spec in enumerate(method.rewards) if spec.name == MODEL_REWARD]
     if scored and generation_of(method) != "local":
         raise ConfigError(f"method.rewards[{scored[0]}].name", f"'{MODEL_REWARD}' scores in the learner process; "

@@ -5,7 +5,9 @@ Python function, ``path/to/file.py:function`` (a file, read relative to the work
 ``module:function`` (an importable module; the working directory is on the path), rather than a registered reward
 (whose names hold no ``:``). Each is called as TRL calls its reward functions, by keyword:
 ``fn(prompts=..., completions=..., completion_ids=..., **row_fields)``, and returns one float (or None) per
-completion. It runs in the training process; ``timeout_s`` or ``budget_s`` runs it isolated instead, one
+completion; an ``async def`` function is awaited. TRL's ``trainer_state``, ``log_metric`` and ``log_extra`` are
+not passed: a function that requires one is refused before launch (give it a default to run here).
+It runs in the training process; ``timeout_s`` or ``budget_s`` runs it isolated instead, one
 completion at a time in worker processes under those limits, as the built-in ``math_answer``. Its name in the logs
 (``reward/<name>``) is the function's own.
 
@@ -19,8 +21,10 @@ legitimate. A module reference is not fingerprinted: its code is a package's, po
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
+import inspect
 import importlib
 import importlib.util
 import os
@@ -49,14 +53,27 @@ class PythonReward:
         return self.reference.rpartition(":")[2]
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[str], **fields: Any) -> Any:
-        return load(self.reference, self.cwd)(prompts=prompts, completions=completions, **fields)
+        result = load(self.reference, self.cwd)(prompts=prompts, completions=completions, **fields)
+        return asyncio.run(result) if inspect.iscoroutine(result) else result
+
+
+#: what TRL passes a reward function beyond the rows' fields, and posttune does not
+TRL_ONLY = ("trainer_state", "log_metric", "log_extra")
 
 
 def python_reward(reference: str, cwd: str | None = None) -> PythonReward:
     """``reference`` read from ``cwd`` (default: the working directory) and its function imported now, so a bad
     one is a one-line error before launch (``ValueError``, naming what is missing)."""
     reward = PythonReward(reference, cwd or os.getcwd())
-    load(reward.reference, reward.cwd)
+    function = load(reward.reference, reward.cwd)
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return reward
+    for name in TRL_ONLY:
+        if name in parameters and parameters[name].default is inspect.Parameter.empty:
+            raise ValueError(f"{reward.name} requires '{name}', which TRL passes and posttune does not; give it a "
+                             f"default ({name}=None) to run here")
     return reward
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import numbers
 import pickle
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,10 +49,21 @@ _TEXT_NOT_MESSAGES = ("completions are strings here, not TRL's chat messages [{'
                       "read the text itself (docs/coming_from.md)")
 
 
+#: what Python says when a call's arguments do not fit the function (every completion would fail alike)
+_SIGNATURE = ("required positional argument", "required keyword-only argument", "unexpected keyword argument")
+_CALLED_AS = ("it is called as fn(prompts=, completions=, completion_ids=, **the row's fields), by keyword: "
+              "take **kwargs for the fields it does not read")
+
+
 def _remedy(error: BaseException | None) -> str:
-    """What the one-line error suggests: reading text where a reward indexes it as TRL's messages (scoring such
-    completions 0 would train on nothing), else ``reward_errors: zero``."""
-    return _TEXT_NOT_MESSAGES if _STRING_INDEXED in str(error) else _CONTINUE
+    """What the one-line error suggests: reading text where a reward indexes it as TRL's messages, or how it is
+    called where its arguments do not fit (scoring such completions 0 would train on nothing), else
+    ``reward_errors: zero``."""
+    if _STRING_INDEXED in str(error):
+        return _TEXT_NOT_MESSAGES
+    if isinstance(error, TypeError) and any(text in str(error) for text in _SIGNATURE):
+        return _CALLED_AS
+    return _CONTINUE
 DEFAULT_TIMEOUT_S = 5.0  # math-verify's own default: GSM8K and MATH answers take milliseconds
 BUDGET_PER_TIMEOUT = 6  # default budget_s: six completions' worth of timeout_s (30 s at the default)
 
@@ -125,6 +137,16 @@ def resolve_rewards(specs: Sequence[RewardSpec], *, where: str = "method.rewards
         logged[reward.name] = i
         resolved.append(reward)
     return resolved
+
+
+def check_best_metric(config: Any, rewards: Sequence[ResolvedReward]) -> None:
+    """``checkpoint.best_metric`` names what the evaluation logs (``evaluation.py``), checked before launch:
+    found at the first evaluation instead, it would end the run before its first checkpoint."""
+    metric = config.checkpoint.best_metric
+    logged = ["val_reward", *(f"val_reward/{reward.name}" for reward in rewards), "val_completion_length"]
+    if metric is not None and metric not in logged:
+        raise ConfigError("checkpoint.best_metric", f"the evaluation logs no '{metric}' (it logs: {', '.join(logged)}; "
+                                                    "the mean reward of greedy answers is val_reward)")
 
 
 def _resolve(spec: RewardSpec, at: str, cwd: str | None = None) -> ResolvedReward:
@@ -262,11 +284,26 @@ def score(rewards: Sequence[ResolvedReward], prompts: Sequence[str], completions
         if reward.in_learner:  # added by the method after this (rollouts.score_completions)
             continue
         values, failed, timed_out = _run(reward, prompts, completions, kwargs, on_error, warm_up, rows)
+        if n and failed == n:
+            _warn_all_failed(reward, n)
         per_reward[reward.name], failures[reward.name] = values, failed
         if reward.isolated:
             timeouts[reward.name] = timed_out
         total = [t + reward.weight * v for t, v in zip(total, values, strict=True)]
     return Scores(total, per_reward, failures, timeouts)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_all_failed(reward: ResolvedReward, n: int) -> None:
+    """Once per reward and process: every completion of a batch failed it (``reward_errors: zero`` scored them
+    0), so it adds nothing to learn from; a reward whose call itself is wrong fails like this at every step."""
+    if reward.name not in _WARNED:
+        _WARNED.add(reward.name)
+        print(f"posttune: warning: reward '{reward.name}' ({reward.provider}) failed for all {n} completions of a "
+              f"batch (scored 0, counted in reward_failures/{reward.name}); check it against its first error with "
+              "method.reward_errors: raise", file=sys.stderr)
 
 
 def score_batch(tokenizer: Any, rewards: Sequence[ResolvedReward], on_error: RewardErrors, prompts: Mapping[str, Any],

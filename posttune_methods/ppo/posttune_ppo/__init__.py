@@ -29,7 +29,7 @@ import importlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from posttune.plugin import ConfigError, Method, ModelRole, RunConfig, configs_in, hookimpl, resolve_engine
 from posttune_grpo import check_tis_cap
@@ -47,6 +47,14 @@ REFERENCE_ROLE = "reference"
 
 @dataclass(frozen=True)
 class PPOConfig:
+    KNOWN_AS: ClassVar[dict[str, str]] = {  # TRL's PPOConfig (and GRPO's names) -> here
+        "response_length": "method.max_new_tokens", "num_ppo_epochs": "method.ppo_epochs",
+        "reward_model_path": "models.reward.path (with method.rewards: [reward_model])",
+        "value_model_path": "models.value.path", "sft_model_path": "model.path",
+        "stop_token": "the tokenizer's EOS ids (completions end at them)", "beta": "method.kl_coef",
+        "epsilon": "method.cliprange", "num_generations": "method.group_size",
+        "max_completion_length": "method.max_new_tokens",
+    }
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(MODEL_REWARD)])  # summed, weighted
     reward_errors: Literal["raise", "zero"] = "raise"  # a reward returning None or raising: stop, or score 0
     group_size: int = 1  # completions sampled per prompt (PPO's baseline is the value model, not the group)
@@ -116,7 +124,7 @@ def micro_batch_size(config: RunConfig, method: PPOConfig) -> int:
 
 
 def validate(config: RunConfig, method: PPOConfig) -> None:
-    from posttune_grpo.scoring import check_row_fields, resolve_rewards
+    from posttune_grpo.scoring import check_best_metric, check_row_fields, resolve_rewards
 
     for name in ("group_size", "max_new_tokens", "ppo_epochs", "num_mini_batches"):
         if getattr(method, name) < 1:
@@ -148,7 +156,9 @@ def validate(config: RunConfig, method: PPOConfig) -> None:
         raise ConfigError("memory", "value_model: head takes the logits and the values from one forward's "
                                     "hidden states, which chunked_cross_entropy would split; drop it or use "
                                     "value_model: model")
-    check_row_fields(config.data, resolve_rewards(method.rewards))
+    rewards = resolve_rewards(method.rewards)
+    check_row_fields(config.data, rewards)
+    check_best_metric(config, rewards)
     from posttune.plugin import Sampling  # torch: imported when a run is validated, not at plugin discovery
 
     from posttune_grpo.rollouts import generation_settings
