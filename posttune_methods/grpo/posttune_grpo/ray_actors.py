@@ -24,7 +24,9 @@ corrects for the stale or different sampler).
 **Resume.** The method's checkpoint state holds every batch handed out and not yet trained on, in
 order: its prompts, and its rollouts (with their version) if they had arrived. A resumed run
 trains on those first, generating the missing ones again with the checkpoint's weights, then
-continues the prompt stream: no prompt is lost or trained twice.
+continues the prompt stream: no prompt is lost or trained twice. A checkpoint taken after the hand-outs
+drew the epoch's last batch has the loader already at the next epoch: that epoch begins after the
+restored batches, as it would have (``epoch_handed_out``).
 
 **Faults.** Actors are restarted by Ray (``max_restarts=-1``); a batch whose engine or reward actor
 died is handed out again at its place in the queue (``dropped_rollouts``, ``actor_restarts``).
@@ -129,7 +131,7 @@ class RaySource:
             self.pool = start_pool(session)
         restored = [h for h in self.restored if h.epoch == session.epoch]
         self.restored = [h for h in self.restored if h.epoch != session.epoch]
-        prompts, exhausted = iter(session.train_data), False
+        prompts, exhausted = iter(session.train_data), epoch_handed_out(session)
         while True:
             while len(self.queue) < self.options.queue_size and self._may_hand_out(session):
                 if restored:
@@ -221,6 +223,16 @@ class RaySource:
         pool, self.pool = self.pool, None
         if pool is not None:
             pool.close()
+
+
+def epoch_handed_out(session: Any) -> bool:
+    """Whether this epoch's prompt batches were all handed out already: resumed from a checkpoint taken after the
+    hand-outs drew past the epoch's last batch, when the loader had moved itself on to the next epoch (its saved
+    position: that epoch's start) while the trainer's ``epoch`` had not. What is left of this epoch is then the
+    restored hand-outs alone; drawing from the loader would label the next epoch's prompts with this one (the step
+    records' ``epoch``, the completions' seeds), and the trainer's ``set_epoch`` at this epoch's end would rewind
+    the loader to them a second time (the epoch's end: docs/architecture.md, "The trainer loop")."""
+    return getattr(session.train_data, "epoch", session.epoch) > session.epoch
 
 
 def all_ranks(session: Any, rows: list[int]) -> list[int]:
