@@ -222,24 +222,33 @@ def test_resuming_q_v_adapters_keeps_the_zero_k_block_out(checkpoint, tmp_path):
         assert torch.equal(resumed.eval()(ids(24)), model(ids(24)))
 
 
-def test_an_adapter_trained_on_the_fused_layer_itself_is_refused_in_one_line(checkpoint, tmp_path):
-    """PEFT on transformers' Phi-3 trains one dense rank-r adapter on qkv_proj: not q/k/v adapters."""
+def test_fused_adapters_that_are_not_per_part_adapters_of_one_rank_are_refused_in_one_line(checkpoint, tmp_path):
+    """PEFT's own dense adapter on qkv_proj loads (tests/core/test_peft_interop.py): rank r, each part its rows of B.
+    Refused: one changing k on a model that adapts only q and v, a pattern giving qkv_proj neither r nor 3r, and a
+    rank-3r adapter (posttune's export) that is not block-diagonal."""
     hf_model, path = checkpoint("phi3")
     config = peft.LoraConfig(r=6, lora_alpha=18, target_modules=["qkv_proj"], init_lora_weights=False)
     peft.get_peft_model(hf_model, config).save_pretrained(tmp_path / "peft")
-    model = posttune.load_model(path, dtype="float32")
-    apply_adapters(model, targets=["attn.q_proj", "attn.k_proj", "attn.v_proj"], rank=2, alpha=6)
-    with pytest.raises(PosttuneError) as caught:
-        load_peft_adapter(model, tmp_path / "peft")
-    assert str(caught.value).endswith("'model.layers.0.self_attn.qkv_proj' has rank 6 and alpha 18 after "
-                                      "rank_pattern/alpha_pattern; expected fused from 3 layers, so rank 3 x r and "
-                                      "alpha 3 x lora_alpha")
-    fused = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    fused.update(r=2, lora_alpha=6, rank_pattern={"qkv_proj": 6}, alpha_pattern={"qkv_proj": 18})
-    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(fused))
-    with pytest.raises(PosttuneError, match="lora_B is not block-diagonal over"):
-        load_peft_adapter(model, tmp_path / "peft")
+    saved = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
 
+    def refusal(targets: list[str], rank: int, alpha: float, **overrides) -> str:
+        (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({**saved, **overrides}))
+        model = posttune.load_model(path, dtype="float32")
+        apply_adapters(model, targets=targets, rank=rank, alpha=alpha)
+        with pytest.raises(PosttuneError) as caught:
+            load_peft_adapter(model, tmp_path / "peft")
+        return str(caught.value)
+
+    qkv = ["attn.q_proj", "attn.k_proj", "attn.v_proj"]
+    assert refusal(["attn.q_proj", "attn.v_proj"], 6, 18).endswith(
+        "'model.layers.0.self_attn.qkv_proj': the adapter changes 'layers.0.attn.k_proj', which this model does not "
+        "adapt; adapt all of ['layers.0.attn.q_proj', 'layers.0.attn.k_proj', 'layers.0.attn.v_proj']")
+    assert refusal(qkv, 2, 6, r=2, lora_alpha=6, rank_pattern={"qkv_proj": 4}, alpha_pattern={"qkv_proj": 12}).endswith(
+        "'model.layers.0.self_attn.qkv_proj' has rank 4 and alpha 12 after rank_pattern/alpha_pattern; expected rank r "
+        "and lora_alpha, or (fused from 3 layers) rank 3 x r and alpha 3 x lora_alpha (posttune's adapters share one "
+        "rank and alpha)")
+    assert "lora_B is not block-diagonal over" in refusal(qkv, 2, 6, r=2, lora_alpha=6, rank_pattern={"qkv_proj": 6},
+                                                          alpha_pattern={"qkv_proj": 18})
 
 
 @pytest.fixture

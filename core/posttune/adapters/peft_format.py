@@ -21,8 +21,16 @@ block-diagonal (part i's B in columns i*r..(i+1)*r, zeros elsewhere), the DoRA m
 stacked, and ``rank_pattern``/``alpha_pattern`` giving the fused layer rank n*r and alpha n*alpha,
 so PEFT's scale alpha/r is unchanged: the same update, row for row. A part without an adapter
 gets zero blocks (LoRA only: a DoRA magnitude for it would be its weight's row norms). Loading
-splits such an adapter back and refuses one that is not block-diagonal (trained on the fused
-layer itself: merge it into the model instead).
+splits such an adapter back, and refuses one of rank n*r that is not block-diagonal. It also takes
+PEFT's own adapter on the fused layer (rank r and lora_alpha, trained on the transformers model):
+``B @ A`` restricted to a part's rows is that part's rows of B times A, so each part gets a copy of
+A and its rows of B at the same rank and scale; DoRA's magnitude and row norm are per output row,
+so they split by rows too, exactly.
+
+A targeted ``lm_head`` (an "embedding layer" to PEFT) makes PEFT save its base weight beside the
+adapter (``lm_head.base_layer.weight``, for a resized vocabulary) and load it over the model's.
+Loading checks that it is this model's head and skips it; another head is refused, since PEFT would
+compute with that head, not this one.
 """
 
 from __future__ import annotations
@@ -146,7 +154,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
         raise PosttuneError(f"{directory}: target_modules {config.get('target_modules')!r} match no linear "
                             f"layer of this model")
     settings = settings_of(config)
-    _check_patterns(directory, config, {hf_names[name] for name in targets}, fused, settings)
+    ranks = _check_patterns(directory, config, {hf_names[name] for name in targets}, fused, settings)
     layers = adapted_modules(model)
     if layers:  # resuming: a fused layer's adapter may cover parts the model leaves unadapted (zero blocks)
         targets = [name for name in targets if name in layers or hf_names[name] not in fused]
@@ -156,7 +164,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
                        rslora=settings["rslora"])  # exact native names
         layers = adapted_modules(model)
     _check_same(directory, layers, targets, settings)
-    _copy_tensors(model, directory, layers, hf_names, converter.to_native, hf_config, fused)
+    _copy_tensors(model, directory, layers, hf_names, converter.to_native, hf_config, fused, ranks)
     return list(layers)
 
 
@@ -274,20 +282,26 @@ def _pattern_value(patterns: Mapping[str, Any] | None, hf_name: str, default: An
 
 
 def _check_patterns(directory: Path, config: Mapping[str, Any], adapted: set[str], fused: Mapping[str, Fused],
-                    settings: Mapping[str, Any]) -> None:
-    """Every adapted layer's rank and alpha, after PEFT's patterns, are r and alpha, or n*r and `fused_alpha`
-    for a layer fused from n native ones (the only patterns posttune's per-layer adapters can hold)."""
+                    settings: Mapping[str, Any]) -> dict[str, int]:
+    """Every adapted layer's rank and alpha, after PEFT's patterns, are r and alpha (one rank and alpha: all that
+    posttune's per-layer adapters hold), or, on a layer fused from n native ones, n*r and `fused_alpha` (posttune's
+    block-diagonal export). Without patterns nothing can differ. Returns each fused layer's rank in the file."""
+    ranks = {}
     for hf_name in sorted(adapted):
         count = len(fused[hf_name].parts) if hf_name in fused else 1
         rank = _pattern_value(config.get("rank_pattern"), hf_name, settings["rank"])
         alpha = _pattern_value(config.get("alpha_pattern"), hf_name, settings["alpha"])
-        expected = fused_alpha(count, settings["alpha"], settings["rslora"])
-        if rank != count * settings["rank"] or not math.isclose(float(alpha), expected, rel_tol=1e-9):
+        forms = {count * settings["rank"]: fused_alpha(count, settings["alpha"], settings["rslora"]),
+                 settings["rank"]: settings["alpha"]}
+        if rank not in forms or not math.isclose(float(alpha), forms[rank], rel_tol=1e-9):
             times = f"sqrt({count})" if settings["rslora"] else str(count)
-            what = f"fused from {count} layers, so rank {count} x r and alpha {times} x lora_alpha" if count > 1 \
-                else "rank r and lora_alpha (posttune's adapters share one rank and alpha)"
+            joined = f", or (fused from {count} layers) rank {count} x r and alpha {times} x lora_alpha" * (count > 1)
             raise PosttuneError(f"{directory / ADAPTER_CONFIG}: '{hf_name}' has rank {rank} and alpha {alpha:g} after "
-                                f"rank_pattern/alpha_pattern; expected {what}")
+                                f"rank_pattern/alpha_pattern; expected rank r and lora_alpha{joined} (posttune's "
+                                f"adapters share one rank and alpha)")
+        if hf_name in fused:
+            ranks[hf_name] = rank
+    return ranks
 
 
 def _linear_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -427,7 +441,8 @@ def _check_same(directory: Path, layers: Mapping[str, LoRALinear], targets: list
 
 @torch.no_grad()
 def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALinear], hf_names: Mapping[str, str],
-                  to_native: Convert, hf_config: Mapping[str, Any], fused: Mapping[str, Fused]) -> None:
+                  to_native: Convert, hf_config: Mapping[str, Any], fused: Mapping[str, Fused],
+                  ranks: Mapping[str, int]) -> None:
     native_of = {hf: native for native, hf in hf_names.items() if native in layers and hf not in fused}
     expected = {(name, suffix) for name, layer in layers.items() for suffix in _layer_tensors(layer)}
     filled = set()
@@ -438,6 +453,11 @@ def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALi
         if score and key == HF_SCORE:  # a score head saved whole (modules_to_save)
             _copy_whole(model.get_parameter(HEAD), tensor, directory, entry.name)
             filled.add((HEAD, ""))
+            continue
+        hf_module, _, param = key.partition(".base_layer.")
+        if param and hf_module in native_of:  # PEFT's copy of a targeted head's base weight
+            _check_base_copy(directory, entry.name, getattr(layers[native_of[hf_module]].base, param, None),
+                             _converted(to_native, f"{hf_module}.{param}", tensor, hf_config))
             continue
         hf_module, suffix = _split_peft_key(key)
         name = native_of.get(hf_module)
@@ -458,7 +478,8 @@ def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALi
         copy_into(target, tensor)  # a sharded (FSDP2, TP) adapter takes its own shard
         filled.add((name, native_suffix))
     for hf_module, tensors in held.items():
-        filled |= _copy_fused(directory, hf_module, fused[hf_module], tensors, layers, to_native, hf_config)
+        filled |= _copy_fused(directory, hf_module, fused[hf_module], tensors, layers, to_native, hf_config,
+                              ranks[hf_module])
     if score:
         expected.add((HEAD, ""))
     missing = sorted(expected - filled)
@@ -468,19 +489,20 @@ def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALi
 
 
 def _copy_fused(directory: Path, hf_module: str, group: Fused, tensors: Mapping[str, torch.Tensor],
-                layers: Mapping[str, LoRALinear], to_native: Convert, hf_config: Mapping[str, Any]
+                layers: Mapping[str, LoRALinear], to_native: Convert, hf_config: Mapping[str, Any], file_rank: int
                 ) -> set[tuple[str, str]]:
-    """Split one fused layer's adapter into its parts' (the module docstring's layout); what was filled."""
+    """Split one fused layer's adapter of rank ``file_rank`` into its parts' (the module docstring's layouts:
+    block-diagonal of rank n*r, or PEFT's own dense one of rank r); what was filled."""
     where = f"{directory / ADAPTER_WEIGHTS}: '{hf_module}'"
     adapted = [part for part in group.parts if part in layers]
     rank = layers[adapted[0]].rank if adapted else 0
-    count = len(group.parts)
     if not adapted or "lora_A.weight" not in tensors or "lora_B.weight" not in tensors:
         raise PosttuneError(f"{where}: an adapter on a layer this model does not adapt, or missing lora_A/lora_B")
     a, b = tensors["lora_A.weight"], tensors["lora_B.weight"]
-    if a.shape[0] != count * rank or b.shape[1] != count * rank:
-        raise PosttuneError(f"{where}: rank {a.shape[0]}; a layer fused from {count} parts of rank {rank} needs "
-                            f"rank {count * rank}")
+    if a.shape[0] != file_rank or b.shape[1] != file_rank:
+        raise PosttuneError(f"{where}: lora_A has rank {a.shape[0]} and lora_B {b.shape[1]}; {ADAPTER_CONFIG} "
+                            f"gives it rank {file_rank}")
+    dense = file_rank == rank  # PEFT's own: every part takes all of A
 
     def split(tensor: torch.Tensor) -> dict[str, torch.Tensor]:  # row-indexed tensor -> each part's rows
         return {key.removesuffix(".weight"): value for key, value in pairs(to_native(f"{hf_module}.weight", tensor,
@@ -490,13 +512,17 @@ def _copy_fused(directory: Path, hf_module: str, group: Fused, tensors: Mapping[
     magnitudes = split(tensors["magnitude"]) if "magnitude" in tensors else {}
     filled = set()
     for index, part in enumerate(group.parts):
-        block = slice(index * rank, (index + 1) * rank)
-        outside = torch.cat([rows_b[part][:, :block.start], rows_b[part][:, block.stop:]], dim=1)
-        if outside.count_nonzero() or (part not in layers and rows_b[part].count_nonzero()):
-            raise PosttuneError(f"{where}: lora_B is not block-diagonal over {list(group.parts)} (an adapter trained "
-                                f"on the fused layer itself); posttune adapts each part on its own: merge this "
+        block = slice(None) if dense else slice(index * rank, (index + 1) * rank)
+        outside = rows_b[part].clone()
+        outside[:, block] = 0
+        if outside.count_nonzero():
+            raise PosttuneError(f"{where}: lora_B is not block-diagonal over {list(group.parts)} (rank {file_rank} "
+                                f"on the fused layer itself); posttune adapts each part at rank {rank}: merge this "
                                 f"adapter into the model with PEFT instead")
         if part not in layers:
+            if rows_b[part].count_nonzero() or magnitudes:
+                raise PosttuneError(f"{where}: the adapter changes '{part}', which this model does not adapt; "
+                                    f"adapt all of {list(group.parts)}")
             continue
         mine = _layer_tensors(layers[part])
         values = {"lora_A.weight": a[block], "lora_B.weight": rows_b[part][:, block]}
@@ -511,6 +537,20 @@ def _copy_fused(directory: Path, hf_module: str, group: Fused, tensors: Mapping[
             copy_into(mine[suffix], value)
             filled.add((part, suffix))
     return filled
+
+
+def _check_base_copy(directory: Path, key: str, base: torch.Tensor | None, saved: torch.Tensor) -> None:
+    """PEFT's copy of a targeted head's base weight (the module docstring) must be this model's: PEFT loads it
+    over the model's head, so another one (a resized vocabulary, another base) would compute something else.
+    Compared to the rounding of the coarser dtype, as either side may have been cast; a DTensor as a whole."""
+    if base is None:
+        raise PosttuneError(f"{directory / ADAPTER_WEIGHTS}: tensor '{key}' belongs to no adapter of this model")
+    full = base.full_tensor() if hasattr(base, "full_tensor") else base
+    eps = max(torch.finfo(saved.dtype).eps, torch.finfo(full.dtype).eps)
+    if saved.shape != full.shape or not torch.allclose(saved.to(full), full, rtol=eps, atol=1e-6):
+        raise PosttuneError(f"{directory / ADAPTER_WEIGHTS}: '{key}', PEFT's copy of the base layer (which PEFT loads "
+                            f"over the model's), differs from this model's: the adapter was saved on another base "
+                            f"(or a resized vocabulary); load it on that one")
 
 
 def _copy_whole(target: torch.Tensor, tensor: torch.Tensor, directory: Path, name: str) -> None:
