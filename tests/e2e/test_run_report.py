@@ -57,6 +57,9 @@ def test_config_changes_are_dotted_keys():
     assert config_changes(old, new) == ['memory [] -> ["compile"]', "train.lr 0.001 -> 0.002"]
     # a setting added since the old file was written, off (null): not a change; set, it is one
     assert config_changes({"method": {"name": "sft"}}, {"method": {"name": "sft", "neftune_alpha": None}}) == []
+    # a section empty on one side is said once, by its keys (not also "parallel.dims {} -> (unset)")
+    assert config_changes({"parallel": {"dims": {}}}, {"parallel": {"dims": {"ep": 2}}}) == [
+        "parallel.dims.ep (unset) -> 2"]
     assert config_changes({"method": {"name": "sft"}}, {"method": {"name": "sft", "neftune_alpha": 5.0}}) == [
         "method.neftune_alpha (unset) -> 5.0"]
 

@@ -176,6 +176,19 @@ def test_lora_on_stacked_experts_is_refused_with_the_reason(target):
         apply_adapters(model, targets=["attn.q_proj", target])
 
 
+@pytest.mark.parametrize("target", ["mlp.gate", "mlp.experts.0.gate_proj"])
+def test_a_peft_recipes_router_or_per_expert_target_is_told_they_take_no_adapter(target):
+    from posttune.adapters import apply_adapters
+
+    model = posttune.build_model("qwen3_moe", "tiny")
+    with pytest.raises(PosttuneError) as refused:
+        apply_adapters(model, targets=[target])
+    assert str(refused.value).startswith(f"adapters: target '{target}' matches no linear layer")
+    assert str(refused.value).endswith("; on this mixture of experts the routers and the stacked experts "
+                                       "(layers.*.mlp.experts.gate_proj, Hugging Face's mlp.gate and mlp.experts.N.*) "
+                                       "take no adapter yet (docs/moe.md)")
+
+
 def test_default_lora_targets_adapt_attention_and_shared_experts():
     from posttune.adapters import adapted_modules, apply_adapters
     from posttune.plugin import lookup

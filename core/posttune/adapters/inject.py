@@ -58,7 +58,7 @@ def apply_adapters(model: nn.Module, *, targets: Sequence[str] | str, rank: int 
     for pattern in targets:
         found = [name for name in linears if matches(name, pattern) or matches(aliases.get(name), pattern)]
         if not found:
-            raise PosttuneError(_stacked(model, pattern) or _unmatched(pattern, linears, aliases))
+            raise PosttuneError(_stacked(model, pattern) or _unmatched(pattern, linears, aliases) + _moe_note(model))
         chosen.extend(name for name in found if name not in chosen)
     chosen.sort(key=list(linears).index)
     for name in chosen:
@@ -138,6 +138,16 @@ def _stacked(model: nn.Module, pattern: str) -> str | None:
     return (f"adapters: target '{pattern}' names stacked expert weights ({shape}), which LoRA does not adapt yet "
             "(PEFT's target_parameters layout is not written); target the attention and shared experts, or train "
             "the experts in full without an adapter")
+
+
+def _moe_note(model: nn.Module) -> str:
+    """On a mixture of experts, what a PEFT recipe's router and per-expert names (``mlp.gate``,
+    ``mlp.experts.0.gate_proj``) mean here: neither is a linear layer LoRA adapts."""
+    stacked = next(_stacked_parameters(model), None)
+    if stacked is None:
+        return ""
+    return (f"; on this mixture of experts the routers and the stacked experts ({_generalised(stacked)}, Hugging "
+            "Face's mlp.gate and mlp.experts.N.*) take no adapter yet (docs/moe.md)")
 
 
 def _check_all_linear(model: nn.Module) -> None:

@@ -11,6 +11,7 @@ session: its mesh holds the names, its plan the declarations.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -269,10 +270,21 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    with warnings.catch_warnings():  # gathering a 2-D (FSDP2 x TP or EP) shard: torch's caution, which the
-        # gathered weights' tests answer (tests/distributed: equal to one process's), not news to the user
-        warnings.filterwarnings("ignore", "While redistributing from")
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # gathering a 2-D (FSDP2 x TP or EP) shard: torch's caution (a warning, or in torch 2.13 a log record of
+    # its redistribute module), which the gathered weights' tests answer (tests/distributed: equal to one
+    # process's), not news to the user
+    caution = "While redistributing from"
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    def quiet(record: logging.LogRecord) -> bool:
+        return caution not in record.getMessage()
+
+    logger.addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", caution)
+            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    finally:
+        logger.removeFilter(quiet)
 
 
 def paired_shards(target: torch.nn.Module, source: torch.nn.Module,

@@ -78,6 +78,9 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             continue
         if key not in before and after[key] is None:
             continue
+        inner = any(other.startswith(f"{key}.") for other in before.keys() | after.keys())
+        if inner and {} in (before.get(key), after.get(key)):
+            continue  # an empty section on one side: its keys' own lines say what changed
         changes.append(f"{key} {_show(before.get(key, _MISSING))} -> {_show(after.get(key, _MISSING))}")
     return changes
 
