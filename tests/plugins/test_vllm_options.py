@@ -38,3 +38,31 @@ def test_a_temperature_with_a_filter_has_no_exact_mode(settings):
     with pytest.raises(PosttuneError, match=r"^vLLM reports behaviour log-probs of the raw logits or after "
                                             r"top-k/top-p/min-p, so a temperature of .* with a filter has neither"):
         posttune_vllm.logprobs_mode(Sampling(8, **settings))
+
+
+def test_vllms_benign_warnings_are_dropped_at_its_handlers():
+    """Every run logs vLLM's chat-template warm-up failure (no tokenizer: the engine takes ids) with a traceback,
+    and RoPE's cache among the weights a reload did not load: dropped; vLLM's other records pass."""
+    import logging
+
+    from posttune_vllm.engine import quiet_benign_logs
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    parent, child = logging.getLogger("vllm"), logging.getLogger("vllm.model_executor.layerwise")
+    handler = Keep()
+    parent.addHandler(handler)
+    try:
+        quiet_benign_logs()
+        quiet_benign_logs()  # once per handler however often an engine starts
+        assert handler.filters.count(handler.filters[0]) == 1 and len(handler.filters) == 1
+        for message in ("Chat template warmup failed", "RotaryEmbedding: Failed to load weights",
+                        "KV cache is full"):
+            child.warning(message)
+    finally:
+        parent.removeHandler(handler)
+    assert seen == ["KV cache is full"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import random
 import shutil
@@ -51,6 +52,22 @@ CPU_MEMORY_FRACTION, GPU_MEMORY_FRACTION = 0.05, 0.4
 _MASK64 = (1 << 64) - 1
 _open: list[VLLMEngine] = []  # vLLM keeps one model-parallel state per process: one engine at a time
 
+
+#: vLLM warnings every run of this engine gets, which change nothing: its chat-template warm-up needs a tokenizer
+#: (the engine takes token ids, skip_tokenizer_init) and prints a traceback; its layerwise weight reload lists the
+#: RoPE cos/sin cache, a buffer it keeps, among the weights not loaded (at every weight update)
+BENIGN_LOGS = ("Chat template warmup failed", "RotaryEmbedding: Failed to load weights")
+
+
+def _not_benign(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(BENIGN_LOGS)
+
+
+def quiet_benign_logs() -> None:
+    """Drop ``BENIGN_LOGS`` at vLLM's log handlers (its modules' loggers propagate to them)."""
+    for handler in logging.getLogger("vllm").handlers:
+        if _not_benign not in handler.filters:
+            handler.addFilter(_not_benign)
 
 class VLLMEngine:
     """The engine ``start`` returns (contract: docs/plugins.md, "Generation engines")."""
@@ -156,6 +173,8 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (module docstring)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
+
+        quiet_benign_logs()
 
         options = self.options
         kwargs: dict[str, Any] = {}
