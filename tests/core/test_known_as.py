@@ -51,6 +51,9 @@ RUN = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"
     ({"data": {"train": {"path": "x", "data_files": "d.json"}}},
      "data.train.data_files: unknown key; data_files is the dataset's path here"),
     ({"data": {"train": {"path": "x", "packed": True}}}, "data.train.packed: unknown key; packed is method.packing"),
+    ({"data": {"path": "x.jsonl"}}, "data.path: unknown key; path is data.train.path (a dataset: path, format, ...)"),
+    ({"data": {"train": {"path": "x", "dataset_text_field": "body"}}},
+     "data.train.dataset_text_field: unknown key; dataset_text_field is the dataset's column_map: {text: COLUMN}"),
     ({"checkpoint": {"resume": False}}, "checkpoint.resume: false means a fresh start here: write null"),
     # a value as transformers spells it: resume_from_checkpoint=True
     ({"checkpoint": {"resume": True}}, "checkpoint.resume: true means the newest checkpoint here: write latest (or a "

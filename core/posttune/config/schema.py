@@ -100,6 +100,7 @@ class DatasetConfig:
         "source": "the dataset's path", "data_files": "the dataset's path",
         "conversation_column": "the dataset's column_map: {messages: COLUMN}",
         "new_system_prompt": "the dataset's system_prompt",
+        "dataset_text_field": "the dataset's column_map: {text: COLUMN} (format: text)",
     }
     path: str  # a local json/jsonl/parquet/csv file or directory, or a hub dataset name
     # how a row reads: alpaca, chat, text, completion, preference, preference_text, prompt (`posttune ls datasets`)
@@ -157,7 +158,8 @@ def mixture(sources: list[DatasetConfig], where: str) -> DatasetConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    KNOWN_AS: ClassVar[dict[str, str]] = SECTION_KNOWN_AS
+    KNOWN_AS: ClassVar[dict[str, str]] = {**SECTION_KNOWN_AS, "path": "data.train.path (a dataset: path, format, ...)",
+                                          "format": "data.train.format"}
     train: DatasetConfig  # the training dataset, or a list of them read as one (a mixture, docs/training.md)
     validation: DatasetConfig | None = None  # a dataset (or a list) for the validation loss (see train.eval_every)
     # or: this share of data.train's rows, in (0, 1), drawn at random (train.seed) and held out of training as
