@@ -177,7 +177,7 @@ class TrainConfig:
     KNOWN_AS: ClassVar[dict[str, str]] = SECTION_KNOWN_AS
     epochs: int = 1  # passes over the training data (when max_steps is null)
     max_steps: int | None = None  # optimizer steps to run, over epochs (required with streaming data)
-    batch_size: int = 1  # rows (samples, pairs, prompts) per micro-batch on each data-parallel rank
+    batch_size: int = 1  # rows (samples, pairs, or prompts for a method that generates) per micro-batch and rank
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     lr: float = 2e-5  # peak learning rate, reached after warmup_steps
     weight_decay: float = 0.0  # the optimizer's weight decay
@@ -192,7 +192,8 @@ class TrainConfig:
     seed: int = 0  # seeds the data order, a random init and sampling
     device: str = "auto"  # auto (CUDA if available, else CPU), or a torch device: cpu, cuda, cuda:1
     log_every: int = 1  # write a metrics record every N optimizer steps (and the last), averaging those steps
-    # validation loss every N optimizer steps, or at the end of every epoch (epoch); needs data.validation
+    # evaluate (val_loss, or the method's val_* metrics) every N optimizer steps, or at every epoch's end (epoch);
+    # needs data.validation
     eval_every: int | Literal["epoch"] | None = None
     early_stopping_patience: int | None = None  # stop after N evaluations without a better checkpoint.best_metric
     sample_prompts: list[str] = field(default_factory=list)  # greedy completions shown before and after
