@@ -79,16 +79,21 @@ def test_a_time_limit_isolates_the_function_in_worker_processes(rewards_file):
     assert scores.timeouts == {"slow": 1, "brevity": 0} and scores.per_reward["brevity"] == [1 / 3]
 
 
+def _error(rewards: list, completions: list[str]) -> str:
+    """The one-line error scoring ``completions`` (one prompt each) raises."""
+    from posttune.plugin import PosttuneError
+
+    with pytest.raises(PosttuneError) as failed:
+        score(rewards, ["p"] * len(completions), completions, {})
+    return str(failed.value)
+
+
 @pytest.mark.parametrize("timeout_s", [None, 5])
 def test_a_function_that_reads_trl_chat_messages_is_told_completions_are_text(rewards_file, timeout_s):
     """Indexing a string as TRL's messages fails on every completion: the error says what to read instead, not
     ``reward_errors: zero`` (which would score every completion 0 and train on nothing), in process and isolated."""
-    from posttune.plugin import PosttuneError
-
-    rewards = resolve_rewards([RewardSpec("my_rewards.py:trl_chat", timeout_s=timeout_s)])
-    with pytest.raises(PosttuneError) as failed:
-        score(rewards, ["p"], ["<answer>1</answer>"], {})
-    message = str(failed.value)
+    message = _error(resolve_rewards([RewardSpec("my_rewards.py:trl_chat", timeout_s=timeout_s)]),
+                     ["<answer>1</answer>"])
     assert "raised TypeError: string indices must be integers" in message
     assert message.endswith("completions are strings here, not TRL's chat messages [{'role': 'assistant', "
                             "'content': ...}]: read the text itself (docs/coming_from.md)")
@@ -113,12 +118,8 @@ def test_a_call_that_does_not_fit_says_how_rewards_are_called_and_all_failures_w
     """A signature that cannot take the call fails every completion alike: the error says how the function is
     called, not ``reward_errors: zero``; with ``zero`` anyway, a batch where it failed for every completion warns
     (once), since it then scores nothing to learn from."""
-    from posttune.plugin import PosttuneError
-
     rewards = resolve_rewards([RewardSpec("my_rewards.py:no_kwargs")])
-    with pytest.raises(PosttuneError) as failed:
-        score(rewards, ["p"], ["A"], {})
-    message = str(failed.value)
+    message = _error(rewards, ["A"])
     assert "raised TypeError: no_kwargs() got an unexpected keyword argument" in message
     assert message.endswith("it is called as fn(prompts=, completions=, completion_ids=, **the row's fields), by "
                             "keyword: take **kwargs for the fields it does not read")
