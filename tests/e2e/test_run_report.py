@@ -175,3 +175,23 @@ def test_a_window_s_throughput_is_its_tokens_over_its_time():
     assert record == {"step": 2, "lr": 0.5, "loss": 1.5, "tokens": 100.0, "tokens_per_s": pytest.approx(150.0),
                       "peak_memory_mib": 10.0}
     assert averaged(steps[:1]) == steps[0] and isinstance(averaged(steps[:1])["tokens"], int)
+    # a metric a step left out (over no example) is the mean of the steps that logged it, kept when the last did not
+    steps[0]["rewards/rejected"] = -0.5
+    assert averaged(steps)["rewards/rejected"] == -0.5
+
+
+def test_a_metric_over_no_example_is_left_out_of_the_step():
+    """KTO's rewards/rejected of a step with only desirable examples: TRL leaves it out; a 0 would read as a
+    log-probability of 0 (probability 1) on a plot."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from posttune.descriptors import LossOutput
+    from posttune.training.trainer import Window
+
+    window = Window()
+    none, some = (torch.tensor(0.0), torch.tensor(0.0)), (torch.tensor(3.0), torch.tensor(2.0))
+    window.add(LossOutput(torch.tensor(1.0), 1.0, metrics={"rewards/rejected": none, "rewards/chosen": some}))
+    reduced = window.reduce(SimpleNamespace(mesh=None, device=torch.device("cpu")))
+    assert reduced["rewards/chosen"] == 1.5 and "rewards/rejected" not in reduced

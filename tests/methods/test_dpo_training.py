@@ -214,6 +214,11 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
      "config: method.f_alpha_divergence_coef: only f_divergence_type alpha_divergence uses it"),
     ({"method": {"name": "dpo", "loss_type": ["sigmoid", "sft"], "rpo_alpha": 1.0}},
      "config: method.rpo_alpha: loss_type's sft is the same NLL term; keep one of them"),
+    ({"method": {"name": "dpo", "loss_type": ["orpo", "sft"]}},
+     "config: method.loss_type: orpo already adds the chosen responses' NLL, which sft in the list would add a second "
+     "time; remove sft"),
+    ({"method": {"name": "dpo", "loss_type": "simpo", "simpo_gamma": -1.0}},
+     "config: method.simpo_gamma: expected a margin >= 0, got -1.0"),
     ({"method": {"name": "dpo", "loss_type": ["simpo", "orpo"], "precompute_reference": True}},
      "config: method.precompute_reference: [simpo, orpo] uses no reference model; remove it"),
     ({"method": {"name": "dpo", "loss_type": ["hinge", "ipo"], "label_smoothing": 0.1}},

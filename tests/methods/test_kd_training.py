@@ -252,6 +252,8 @@ def test_on_policy_max_new_tokens_past_the_students_context_is_refused_and_a_lon
      "ids (up to 383)"),
     ({"method": {"kd_ratio": 1.5}}, "method.kd_ratio: expected a value in [0, 1], got 1.5"),
     ({"method": {"temperature": 0}}, "method.temperature: expected a positive number"),
+    ({"method": {"divergence": "reverse_kl", "beta": 0.9}},
+     "method.beta: only divergence jsd uses it (this run: reverse_kl)"),
     ({"method": {"on_policy_fraction": 0.5, "packing": True}}, "method.packing: on-policy distillation"),
     ({"method": {"packing": True}, "data": {"group_by_length": True}}, "data.group_by_length: packed rows are"),
     ({"method": {"on_policy_fraction": 0.5, "train_on_input": True}}, "method.train_on_input: on-policy"),

@@ -41,13 +41,13 @@ def averaged(records: list[dict[str, Any]]) -> dict[str, Any]:
     if len(records) == 1:  # log_every 1: the step's record as it is (integers stay integers)
         return last
     timed = [record for record in records if _number(record.get("tokens")) and record.get("tokens_per_s")]
-    for key, value in last.items():
-        if key in OWN or key.startswith("val_") or not _number(value):
+    for key in dict.fromkeys(key for record in records for key in record):  # one a step left out counts too
+        values = [record[key] for record in records if _number(record.get(key))]
+        if key in OWN or key.startswith("val_") or not values or not _number(last.get(key, 0)):
             continue
         if key == "tokens_per_s" and timed:  # a step's seconds are its tokens over its rate
             last[key] = sum(r["tokens"] for r in timed) / sum(r["tokens"] / r["tokens_per_s"] for r in timed)
             continue
-        values = [record[key] for record in records if _number(record.get(key))]
         last[key] = max(values) if key == "peak_memory_mib" else sum(values) / len(values)
     return last
 

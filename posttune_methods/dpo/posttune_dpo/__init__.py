@@ -57,6 +57,8 @@ class DPOConfig:
         "sync_ref_model": "method.sync_reference_every (the steps between syncs; null: a fixed reference)",
         "ref_model_sync_steps": "method.sync_reference_every", "ref_model_mixup_alpha": "method.sync_reference_alpha",
         "use_weighting": "method.wpo_weights",
+        "reference_free": "method.loss_type: simpo or orpo (losses without a reference; DPO against a uniform "
+                          "reference is not offered)",
     }
     # DPO's logistic loss, IPO's squared loss, SimPO, SLiC's hinge loss, robust DPO, ORPO, or one of TRL's other
     # pair losses: DPO on mean log-probs, EXO, NCA, BCO, SPPO (hard), APO (zero, down), DiscoPOP, AOT (paired,
@@ -162,6 +164,11 @@ def validate(config: RunConfig, method: DPOConfig) -> None:
             raise ConfigError("method.rpo_alpha", "orpo already adds the chosen responses' NLL; remove it")
         if len(losses) < len(weighted_losses(method)):
             raise ConfigError("method.rpo_alpha", "loss_type's sft is the same NLL term; keep one of them")
+    if "orpo" in losses and len(losses) < len(weighted_losses(method)):
+        raise ConfigError("method.loss_type", "orpo already adds the chosen responses' NLL, which sft in the list "
+                                              "would add a second time; remove sft")
+    if not (math.isfinite(method.simpo_gamma) and method.simpo_gamma >= 0):
+        raise ConfigError("method.simpo_gamma", f"expected a margin >= 0, got {method.simpo_gamma}")
     if method.f_divergence_type != "reverse_kl" and not set(losses) <= set(F_DIVERGENCE_LOSSES):
         raise ConfigError("method.f_divergence_type", f"{method.f_divergence_type} replaces the log-ratio "
                                                       f"difference of {', '.join(F_DIVERGENCE_LOSSES)} (this run: "

@@ -66,6 +66,8 @@ def validate(config: RunConfig, method: KDConfig) -> None:
         raise ConfigError("method.chunk_size", f"expected a positive integer or null, got {method.chunk_size}")
     if method.max_new_tokens < 1:
         raise ConfigError("method.max_new_tokens", f"expected a positive integer, got {method.max_new_tokens}")
+    if method.beta != KDConfig.beta and method.divergence != "jsd":  # a setting that would do nothing, as DPO's
+        raise ConfigError("method.beta", f"only divergence jsd uses it (this run: {method.divergence})")
     if method.on_policy_fraction > 0 and method.packing:
         raise ConfigError("method.packing", "on-policy distillation samples one completion per prompt; set packing "
                                             "to false or on_policy_fraction to 0")
