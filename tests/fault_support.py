@@ -81,6 +81,15 @@ FAULTS = textwrap.dedent("""
         torch.save = failing_save
     elif mode == "final_enospc":
         hf_save.write_file = failing_final_write
+    elif mode == "final_term":  # SIGTERM as the final model's first file is written
+        real_final = hf_save.write_file
+
+        def signalled_write(path, *args, **kwargs):
+            if "checkpoints" not in str(path):
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real_final(path, *args, **kwargs)
+
+        hf_save.write_file = signalled_write
     sys.exit(main(["train", *sys.argv[3:]]))
 """)
 

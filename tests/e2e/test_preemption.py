@@ -62,6 +62,16 @@ def test_an_external_sigterm_stops_at_a_step_boundary(tmp_path, make_config):
     assert 3 <= last < 600 and saved(out) == [f"step-{last:08d}"]  # the checkpoint is the last logged step
 
 
+def test_a_sigterm_during_the_final_save_lets_it_finish(tmp_path, make_config):
+    """Dying in the final save would leave no model and, with save_every null, no checkpoint: a requeued run would
+    start at step 0. The save finishes, the run is complete (exit 0) and says so."""
+    path, out = write(tmp_path, make_config, "run", epochs=1)
+    result = train(str(path), fault=("final_term", 0))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "posttune: SIGTERM during the final save: it finished, and the run is complete" in result.stderr
+    assert (out / "model" / "model.safetensors").is_file() and (out / "summary.json").is_file()
+
+
 @pytest.mark.extended
 def test_a_second_sigterm_exits_at_once(tmp_path, make_config):
     path, out = write(tmp_path, make_config, "run")

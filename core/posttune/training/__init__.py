@@ -49,8 +49,13 @@ def run(plan: Any) -> int:
                     if show:  # Ctrl-C saves nothing: say what is kept and how to stop with a checkpoint
                         print(f"posttune: {interrupted(session)}", file=sys.stderr)
                     raise
-                outputs = save_final(session)
-                after = sample(session)
+                with preemption.watching():  # a SIGTERM now lets the save finish: the run is then complete
+                    outputs = save_final(session)
+                    stopping = preemption.asked()
+                if stopping and show:
+                    print("posttune: SIGTERM during the final save: it finished, and the run is complete",
+                          file=sys.stderr)
+                after = [] if stopping else sample(session)
                 if show:
                     outputs = report(session, summary, outputs, before, after)
                     trackers.finish(summary, artefacts(session, outputs))

@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM finishes the current step, saves a checkpoint there and exits with 143.
+"""Preemption: SIGTERM finishes the current step, saves a checkpoint there and exits with 143; during
+the final save it lets the save finish (the run is then complete, and exits 0).
 
 SLURM and Kubernetes send SIGTERM some time before they kill a job. The handler only sets a
 flag; the trainer looks at it after each optimizer step, so the step in flight completes and
@@ -88,6 +89,12 @@ def _on_sigterm(signum: int, _frame: Any) -> None:
     elif now - _requested_at > DUPLICATE_S:  # asked twice: stop now, without the checkpoint
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+
+def asked() -> bool:
+    """Whether this process was asked to stop (no collective): the final save, which every rank runs to its end
+    (``watching`` around it), needs no agreement on when to stop."""
+    return _requested_at is not None
 
 
 def requested(device: Any = None) -> bool:
