@@ -136,6 +136,25 @@ def test_a_rank_killed_by_sigkill_ends_the_job_and_resume_continues_the_losses(r
     assert [(r["step"], r["loss"]) for r in metrics(out)] == [(r["step"], r["loss"]) for r in metrics(straight)]
 
 
+STALLED_RANK_WORKER = KILLED_RANK_WORKER.replace("os.kill(os.getpid(), signal.SIGKILL)",
+                                                 "__import__('time').sleep(600)")
+
+
+def test_a_stalled_rank_fails_the_job_after_parallel_timeout_s(tmp_path):
+    """A rank stuck (a filesystem, a device) leaves the others waiting in a collective: torch's default waits 30
+    minutes on gloo; parallel.timeout_s ends the job after that many seconds instead."""
+    config = write_config(tmp_path / "stalled", batch_size=4, parallel={"plans": ["fsdp2"], "timeout_s": 5})
+    script = tmp_path / "stalled_rank_worker.py"
+    script.write_text(STALLED_RANK_WORKER)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(script), str(config)]
+    started = time.monotonic()
+    stalled = subprocess.run(command, capture_output=True, text=True, timeout=KILL_BOUND_S + 60, env=env())
+    elapsed = time.monotonic() - started
+    assert stalled.returncode != 0
+    assert elapsed < KILL_BOUND_S, f"the job took {elapsed:.0f} s to end after rank 1 stalled"
+
+
 @pytest.mark.extended
 def test_sigterm_to_posttune_train_under_torchrun_saves_on_every_rank_and_resumes(tmp_path):
     """What SLURM does on preemption: SIGTERM to the launcher; torchrun forwards it to the workers,

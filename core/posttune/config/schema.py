@@ -220,6 +220,9 @@ class ParallelConfig:
     plans: list[str] = field(default_factory=list)  # parallel plans by name, as `posttune ls plans` lists them
     dims: dict[str, int] = field(default_factory=dict)  # mesh dimension -> degree; -1: the rest
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # plan name -> its settings
+    # seconds a collective waits for the other ranks before the run fails (a rank stalled on a filesystem or a
+    # device); null: torch's default (30 minutes on gloo, 10 on NCCL)
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ docs/architecture.md walks through the same order.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import random
@@ -110,7 +111,9 @@ def init_distributed(session: Session) -> None:
         if cuda:
             torch.cuda.set_device(session.device)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
+            timeout = session.config.parallel.timeout_s
+            dist.init_process_group("nccl" if cuda else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout) if timeout is not None else None)
         dims = session.plan.mesh
         session.mesh = init_device_mesh(session.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     else:
