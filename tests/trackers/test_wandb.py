@@ -86,6 +86,7 @@ def test_a_resumed_run_continues_the_same_wandb_run(wandb_plugin, train, tmp_pat
 def test_online_mode_without_a_login_stops_the_run_in_one_line(wandb_plugin, llama_sft, posttune_cli, monkeypatch,
                                                                tmp_path):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # no mode anywhere: W&B's default, online
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no stored login either
     result = posttune_cli("train", str(tracked_config(tmp_path, ["wandb"], {"wandb": {"project": "reversal"}})))
     assert result.exit_code == 2
@@ -93,6 +94,15 @@ def test_online_mode_without_a_login_stops_the_run_in_one_line(wandb_plugin, lla
         "posttune: error: logging: tracker 'wandb' (posttune-wandb 0.1.0) failed to start: UsageError: No API key "
         "configured. Use `wandb login` to log in.")
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_wandb_mode_from_the_environment_is_kept(wandb_plugin, llama_sft, posttune_cli, monkeypatch, tmp_path):
+    """WANDB_MODE=offline, as clusters without egress export it, with no logging_options mode: offline files."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    result = posttune_cli("train", str(tracked_config(tmp_path, ["wandb"], {"wandb": {"project": "reversal"}})))
+    assert result.exit_code == 0, result.stderr
+    assert list((tmp_path / "out" / "wandb").glob("offline-run-*"))
 
 
 def test_disabled_mode_trains_and_writes_nothing_of_wandb(wandb_plugin, llama_sft, posttune_cli, tmp_path):

@@ -39,7 +39,8 @@ class WandbOptions:
     project: str = "posttune"  # the W&B project
     entity: str | None = None  # team or user; null: the logged-in user's default entity
     name: str | None = None  # the run's display name; null: the output directory's name
-    mode: Literal["online", "offline", "disabled"] = "online"  # offline: write files only (`wandb sync` later)
+    # offline: write files only (`wandb sync` later); null: WANDB_MODE's, else online
+    mode: Literal["online", "offline", "disabled"] | None = None
     dir: str | None = None  # where wandb writes its files; null: $WANDB_DIR if set, else the output directory
     group: str | None = None  # runs of one group are shown together (e.g. a sweep)
     tags: list[str] = field(default_factory=list)  # the run's tags
@@ -64,8 +65,9 @@ def start(run: TrackerRun) -> Opened:
         Path(directory).mkdir(parents=True, exist_ok=True)
     # The lineage id as the W&B id: a resumed posttune run continues its W&B run; allow_val_change
     # lets a resume's changed settings (a raised max_steps) replace the saved ones.
+    mode = options.mode or os.environ.get("WANDB_MODE") or None  # read at each start (one process, several runs)
     wb = wandb.init(project=options.project, entity=options.entity, name=options.name or run.name,
-                    mode=options.mode, dir=directory, group=options.group, tags=options.tags or None,
+                    mode=mode, dir=directory, group=options.group, tags=options.tags or None,
                     notes=options.notes, config=dict(run.config), allow_val_change=True,
                     id=run.run_id, resume="allow", reinit="create_new")
     return Opened(wb, options)
