@@ -71,7 +71,7 @@ def saved(checkpoint: Path) -> Mapping[str, Any] | None:
 
 def check_global_batch(plan: Any, checkpoint: Path | None) -> None:
     """Before launch, what the loader refuses once the model has loaded: a data position saved with another global
-    batch (train.batch_size x data-parallel ranks: this launch's, from the plan's mesh)."""
+    batch (train.batch_size x data-parallel ranks: this launch's, from the plan's mesh), or another seed."""
     import math
 
     from posttune.training.output_dir import STATE_FILE
@@ -87,6 +87,10 @@ def check_global_batch(plan: Any, checkpoint: Path | None) -> None:
         from posttune.data.loader import other_global_batch  # torch: only on this way out (validate stays fast)
 
         raise ConfigError("train.batch_size", f"checkpoint {checkpoint}: {other_global_batch(saved, mine, ranks)}")
+    seed = (data or {}).get("seed")  # None: the data was not shuffled, nothing to match
+    if isinstance(seed, int) and seed != plan.config.train.seed:
+        raise ConfigError("train.seed", f"checkpoint {checkpoint}: its data order was drawn with seed {seed}, this "
+                                        f"run has {plan.config.train.seed}; set train.seed: {seed} to resume it")
 
 
 def check(plan: Any, checkpoint: Path | None) -> None:
