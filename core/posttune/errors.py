@@ -1,4 +1,6 @@
-"""Errors a user can fix. The CLI prints them as one line on stderr and exits with status 2."""
+"""Errors a user can fix. The CLI prints them as one line on stderr and exits with status 2, or with
+``RETRY`` (75, EX_TEMPFAIL) for a failure of the machine that the same command may get past: an
+orchestrator requeues those, and not a config error."""
 
 from __future__ import annotations
 
@@ -6,8 +8,21 @@ import difflib
 from collections.abc import Iterable
 
 
+#: the exit status of a failure worth retrying as it is (a rank killed by a signal, the output directory still
+#: held by the run a requeue replaces)
+RETRY = 75
+
+
 class PosttuneError(Exception):
     """A problem in what the user asked for (config, plugins, paths), not a bug in posttune."""
+
+    exit_status = 2
+
+
+class RetryableError(PosttuneError):
+    """A failure of the machine, not of what was asked: the same command may succeed later."""
+
+    exit_status = RETRY
 
 
 class ConfigError(PosttuneError):

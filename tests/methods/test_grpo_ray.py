@@ -174,7 +174,7 @@ def test_a_killed_learner_rank_ends_the_job_within_a_minute_and_the_run_resumes(
     killed = subprocess.run([sys.executable, "-c", LAUNCH_WITH_KILLED_RANK, str(path), *launch], capture_output=True,
                             text=True, timeout=300, env=env)
     ended = time.time()
-    assert killed.returncode == 2, killed.stderr[-3000:]
+    assert killed.returncode == 75, killed.stderr[-3000:]  # a rank killed by a signal: worth a retry (EX_TEMPFAIL)
     last = killed.stderr.strip().splitlines()[-1]
     assert last.startswith("posttune: error: rank 1 failed") and "SIGKILL" in last, last
     took = ended - float((tmp_path / "killed_at").read_text())

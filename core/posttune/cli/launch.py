@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Any
 
-from posttune.errors import PosttuneError
+from posttune.errors import PosttuneError, RetryableError
 
 #: set for the workers of `posttune train`'s launch: the launcher prints a user error, once
 REPORTS = "POSTTUNE_LAUNCHER_REPORTS"
@@ -87,7 +87,10 @@ def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) 
         rank, failure = first_failure(exc.failures)
         if failure.exitcode == PREEMPTED:  # the workers printed where they saved
             return PREEMPTED
-        raise PosttuneError(f"rank {rank} failed (exit code {failure.exitcode}): {reported(failure.message)}") from None
+        # killed by a signal (the OOM killer, a lost node): the machine's failure, worth a retry; any other exit is
+        # the worker's own error, said by it
+        kind = RetryableError if failure.exitcode < 0 else PosttuneError
+        raise kind(f"rank {rank} failed (exit code {failure.exitcode}): {reported(failure.message)}") from None
     finally:
         os.environ.pop(REPORTS, None)
         for logger, level in quiet.items():

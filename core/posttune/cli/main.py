@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"posttune: error: {one_line(str(exc))}", file=sys.stderr)
-        return USER_ERROR
+        return exc.exit_status
     except KeyboardInterrupt:
         print("posttune: interrupted", file=sys.stderr)
         return 130

@@ -16,7 +16,7 @@ import socket
 import time
 from pathlib import Path
 
-from posttune.errors import ConfigError
+from posttune.errors import RETRY, ConfigError
 
 LOCK_FILE = ".posttune.lock"
 
@@ -65,8 +65,11 @@ def release(fd: int) -> None:
 
 
 def in_use(directory: Path, who: str) -> ConfigError:
-    return ConfigError("checkpoint.output_dir", f"{directory} is in use by another run ({who}); wait for it to "
-                                                "finish or choose another output_dir")
+    """Exits with ``RETRY``: a requeued job may start while the one it replaces is still exiting."""
+    error = ConfigError("checkpoint.output_dir", f"{directory} is in use by another run ({who}); wait for it to "
+                                                 "finish or choose another output_dir")
+    error.exit_status = RETRY
+    return error
 
 
 def _describe(path: Path) -> str:
