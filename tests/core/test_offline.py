@@ -140,7 +140,8 @@ def test_hf_hub_offline_skips_the_probe_and_stays_one_line(tmp_path, silent_endp
     ("model", "./llama", "config: model.path: ./llama: no such checkpoint directory"),
     ("model", "models/model.safetensors", "config: model.path: models/model.safetensors: is a file; give the "
                                           "checkpoint folder that holds config.json and the weights"),
-    ("data", "models/train", "config: data.train.path: no such file or directory 'models/train'"),
+    ("data", "models/train", "config: data.train.path: no such file or directory 'models/train' (relative to the "
+                             "working directory {cwd})"),
 ])
 def test_a_missing_local_path_is_not_a_hub_problem(tmp_path, section, value, message, silent_endpoint):
     (tmp_path / "models").mkdir()
@@ -151,4 +152,4 @@ def test_a_missing_local_path_is_not_a_hub_problem(tmp_path, section, value, mes
               "data": {"train": {"path": value if section == "data" else "d.jsonl", "format": "chat"}},
               "train": {"device": "cpu", "max_steps": 1}, "checkpoint": {"output_dir": str(tmp_path / "out")}}
     done, seconds = posttune("train", write(tmp_path, config), cwd=tmp_path, endpoint=silent_endpoint)
-    assert one_fast_line(done, seconds) == f"posttune: error: {message}\n"
+    assert one_fast_line(done, seconds) == f"posttune: error: {message.format(cwd=tmp_path)}\n"

@@ -126,8 +126,8 @@ def test_a_resume_with_another_global_batch_is_refused_by_validate(llama_sft, re
                                  f"data-parallel ranks) and this run's 4; {fits}\n")
     reseeded = posttune_cli("validate", str(path), *resume, "train.seed=5")  # the seed orders the data: likewise
     assert reseeded.exit_code == 2
-    assert reseeded.stderr == (f"posttune: error: config: train.seed: checkpoint {checkpoint}: its data order was drawn "
-                               "with seed 0, this run has 5; set train.seed: 0 to resume it\n")
+    assert reseeded.stderr == (f"posttune: error: config: train.seed: checkpoint {checkpoint}: its data order was "
+                               "drawn with seed 0, this run has 5; set train.seed: 0 to resume it\n")
 
 
 

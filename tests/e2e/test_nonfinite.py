@@ -94,7 +94,7 @@ def test_an_overflowing_run_keeps_the_last_trusted_checkpoint_and_resumes_with_a
     resumed = train(str(path), "checkpoint.keep_last=1", "train.lr=0.05", "checkpoint.resume=latest",
                     "train.max_steps=3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resume: no checkpoint yet, starting at step 0" in resumed.stdout
+    assert f"resume: no checkpoint yet in {out}, starting at step 0" in resumed.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["lr"] == 0.05 for r in records)
     assert steps_saved(out) == [3]  # keep_last 1: the last step's checkpoint, trusted at the end of the run

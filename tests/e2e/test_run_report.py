@@ -111,7 +111,7 @@ def test_resume_latest_without_a_checkpoint_names_no_change(llama_sft, posttune_
     assert posttune_cli("train", str(path)).exit_code == 0
     result = posttune_cli("train", str(path), "checkpoint.resume=latest", "train.lr=0.002")
     assert result.exit_code == 0, result.stderr
-    assert "resume: no checkpoint yet, starting at step 0" in result.stdout
+    assert f"resume: no checkpoint yet in {tmp_path / 'out'}, starting at step 0" in result.stdout
     assert "changed since the checkpoint" not in result.stdout
     assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["train"]["lr"] == 0.002
 

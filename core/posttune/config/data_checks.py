@@ -87,7 +87,8 @@ def local_path(dataset: Any, where: str) -> Path | None:
     if path.exists():
         return path
     if path.suffix in BUILDERS or not _HUB_NAME.match(dataset.path) or hub.first_part_exists(dataset.path):
-        raise ConfigError(f"{where}.path", f"no such file or directory {dataset.path!r}")
+        relative = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+        raise ConfigError(f"{where}.path", f"no such file or directory {dataset.path!r}{relative}")
     return None
 
 

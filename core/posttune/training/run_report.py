@@ -162,8 +162,9 @@ def banner(session: Any) -> list[str]:
         lines.append(f"adapter: initialised from {adapter.init_from}")
     if session.resume_from is not None:
         lines.append(f"resumed from step {session.step} ({session.resume_from})")
-    elif config.checkpoint.resume is not None:
-        lines.append("resume: no checkpoint yet, starting at step 0")
+    elif config.checkpoint.resume is not None:  # where it looked, in full: a requeue from another directory
+        out = Path(config.checkpoint.output_dir).absolute()
+        lines.append(f"resume: no checkpoint yet in {out}, starting at step 0")
     return lines
 
 
