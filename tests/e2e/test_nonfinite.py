@@ -40,6 +40,8 @@ def test_a_nan_loss_stops_the_run_at_that_step_without_saving_it(config):
                                   "step-00000001 (checkpoint.resume=latest continues from it)")
     # step 3 ran on step 2's weights: that checkpoint is set aside, and resume: latest takes step 1
     assert steps_saved(out) == [1] and steps_saved(out, ".unstable") == [2] and not (out / "model").exists()
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "failed" and run["error"] == error_line(result).removeprefix("posttune: error: ")
 
 
 def test_an_infinite_gradient_is_skipped_within_the_allowance(config):

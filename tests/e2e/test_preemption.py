@@ -4,6 +4,7 @@ for bit (CPU fp32). A second SIGTERM exits at once."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -41,8 +42,11 @@ def test_sigterm_saves_the_current_step_and_resume_matches_the_uninterrupted_run
     assert error_line(stopped) == (f"posttune: preempted by SIGTERM: saved checkpoint {out}/checkpoints/step-00000005 "
                                    "at step 5; resume with checkpoint.resume=latest")
     assert saved(out) == ["step-00000005"] and not (out / "model").exists()
+    run = json.loads((out / "run.json").read_text())
+    assert (run["status"], run["step"], run["checkpoint"]) == ("preempted", 5, f"{out}/checkpoints/step-00000005")
     resumed = train(str(path), "checkpoint.resume=latest")
     assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((out / "run.json").read_text())["status"] == "finished"
     assert losses(out) == losses(straight_out)
     assert [step for step, _ in losses(out)] == list(range(1, 13))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,8 @@ def test_full_fine_tuning_writes_metrics_and_an_hf_checkpoint(llama_sft, posttun
     assert (out / "model" / "tokenizer.json").is_file()
     assert "before:" in result.stdout and "after:" in result.stdout
     assert json.loads((out / "summary.json").read_text())["final_step"] == 12
+    run = json.loads((out / "run.json").read_text())  # what an operator reads: how it ended, where and how it ran
+    assert (run["status"], run["step"], run["pid"]) == ("finished", 12, os.getpid()) and run["ended"] >= run["started"]
     generated = posttune_cli("generate", "--model", str(out / "model"), "--prompt", "Reverse: ABC", "--chat")
     assert generated.exit_code == 0, generated.stderr
 

@@ -5,7 +5,8 @@
     summary.json) -> finish trackers -> Method.close (on every exit, from the method's setup on)
 
 Exit statuses (docs/training.md): 0 done; 2 a user error, a write failure or a NaN/Inf the
-run may not skip (one line on stderr); 143 preempted by SIGTERM after saving a checkpoint.
+run may not skip (one line on stderr); 75 a failure worth retrying; 143 preempted by SIGTERM after
+saving a checkpoint. ``run.json`` records how the run ended (``status``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ WORKER_MODULE = "posttune.training.worker"
 
 
 def run(plan: Any) -> int:
-    from posttune import tracking
-    from posttune.training import distributed, output_dir, preemption, run_report
+    from posttune.errors import one_line
+    from posttune.training import distributed, output_dir, run_report
     from posttune.training.compose import close_method, compose
-    from posttune.training.trainer import train
 
     # Rank 0 (known from torchrun's environment: no process group yet) holds the directory.
     main = int(os.environ.get("RANK", "0")) == 0
@@ -31,38 +31,57 @@ def run(plan: Any) -> int:
         if main:
             print(run_report.preparing(plan), flush=True)
         session = compose(plan)  # closes the method itself if it fails after the method's setup
+        show = distributed.is_main()
+        out = Path(plan.config.checkpoint.output_dir)
         try:
-            show = distributed.is_main()
+            return _run(session, show, out)
+        except KeyboardInterrupt:  # run.json says how the run ended, for whoever watches the folder
             if show:
-                start(session)
-            # Trackers run on the main rank only; one that fails to start stops the run here, in one line.
-            trackers = start_trackers(session) if show else tracking.Trackers()
-            with tracking.running(trackers):  # leaving early (preempted, an error) finishes them as stopped
-                before = sample(session)
-                try:
-                    summary = train(session)
-                except preemption.Preempted as stopped:
-                    if show:
-                        print(f"posttune: {stopped}", file=sys.stderr)
-                    return preemption.PREEMPTED
-                except KeyboardInterrupt:
-                    if show:  # Ctrl-C saves nothing: say what is kept and how to stop with a checkpoint
-                        print(f"posttune: {interrupted(session)}", file=sys.stderr)
-                    raise
-                with preemption.watching():  # a SIGTERM now lets the save finish: the run is then complete
-                    outputs = save_final(session)
-                    stopping = preemption.asked()
-                if stopping and show:
-                    print("posttune: SIGTERM during the final save: it finished, and the run is complete",
-                          file=sys.stderr)
-                after = [] if stopping else sample(session)
-                if show:
-                    outputs = report(session, summary, outputs, before, after)
-                    trackers.finish(summary, artefacts(session, outputs))
+                output_dir.record_status(out, "interrupted", step=session.step)
+            raise
+        except BaseException as exc:
+            if show:
+                output_dir.record_status(out, "failed", step=session.step, error=one_line(str(exc)))
+            raise
         finally:  # success, an error, Ctrl-C, preemption: what the method opened is closed
             close_method(session)
-        distributed.shutdown()
-        return 0
+
+
+def _run(session: Any, show: bool, out: Path) -> int:
+    """The composed run: samples, training, the final save, the report; its status in run.json as it ends."""
+    from posttune import tracking
+    from posttune.training import distributed, output_dir, preemption
+    from posttune.training.trainer import train
+
+    if show:
+        start(session)
+    # Trackers run on the main rank only; one that fails to start stops the run here, in one line.
+    trackers = start_trackers(session) if show else tracking.Trackers()
+    with tracking.running(trackers):  # leaving early (preempted, an error) finishes them as stopped
+        before = sample(session)
+        try:
+            summary = train(session)
+        except preemption.Preempted as stopped:
+            if show:
+                print(f"posttune: {stopped}", file=sys.stderr)
+                output_dir.record_status(out, "preempted", step=stopped.step, checkpoint=str(stopped.checkpoint))
+            return preemption.PREEMPTED
+        except KeyboardInterrupt:
+            if show:  # Ctrl-C saves nothing: say what is kept and how to stop with a checkpoint
+                print(f"posttune: {interrupted(session)}", file=sys.stderr)
+            raise
+        with preemption.watching():  # a SIGTERM now lets the save finish: the run is then complete
+            outputs = save_final(session)
+            stopping = preemption.asked()
+        if stopping and show:
+            print("posttune: SIGTERM during the final save: it finished, and the run is complete", file=sys.stderr)
+        after = [] if stopping else sample(session)
+        if show:
+            outputs = report(session, summary, outputs, before, after)
+            trackers.finish(summary, artefacts(session, outputs))
+            output_dir.record_status(out, "finished", step=session.step)
+    distributed.shutdown()
+    return 0
 
 
 def interrupted(session: Any) -> str:

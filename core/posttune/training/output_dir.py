@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from posttune.errors import ConfigError, did_you_mean
+from posttune.errors import ConfigError, PosttuneError, did_you_mean
 from posttune.training import run_lock
 from posttune.training.write_errors import writing
 
@@ -209,8 +209,31 @@ def recorded_run_id(out: Path) -> str | None:
 
 
 def record_run(out: Path, run_id: str, resumed_from: Path | None) -> None:
-    """Write ``run.json`` (replacing it whole, never torn): the lineage a later ``resume: latest`` follows."""
-    record = {"run_id": run_id, "resumed_from": str(resumed_from) if resumed_from else None, "started": time.time()}
+    """Write ``run.json`` (replacing it whole, never torn): the lineage a later ``resume: latest`` follows, and
+    what an operator asks of a run's folder: its status (``record_status`` ends it), where and how it ran."""
+    import platform
+    import sys
+
+    from posttune.version import __version__
+
+    record = {"run_id": run_id, "resumed_from": str(resumed_from) if resumed_from else None, "started": time.time(),
+              "status": "running", "host": platform.node(), "pid": os.getpid(), "cwd": os.getcwd(),
+              "argv": sys.argv, "posttune": __version__}
+    _write_run(out, record)
+
+
+def record_status(out: Path, status: str, **details: Any) -> None:
+    """``run.json``'s ``status`` as the run ends (finished, preempted, failed, interrupted), with ``details``;
+    a folder without one (the run never got that far) is left alone."""
+    try:
+        record = json.loads((out / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    with contextlib.suppress(PosttuneError, OSError):  # never in the way of the error that ends the run
+        _write_run(out, {**record, "status": status, "ended": time.time(), **details})
+
+
+def _write_run(out: Path, record: dict[str, Any]) -> None:
     tmp = out / f".{RUN_FILE}.tmp-{uuid.uuid4().hex[:8]}"
     with writing(out / RUN_FILE, "run record"):
         out.mkdir(parents=True, exist_ok=True)
