@@ -85,8 +85,10 @@ class MetricsLog:
             from tqdm.auto import tqdm
 
             output_dir.mkdir(parents=True, exist_ok=True)
+            # into a log file (a batch job's stderr) a frame every 30 s, not ten a second; TQDM_DISABLE=1: none
+            interval = 0.1 if sys.stderr.isatty() else 30.0
             self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stderr)
+                            file=sys.stderr, mininterval=interval)
 
     def due(self, record: dict[str, Any]) -> bool:
         """Whether step ``record`` is written: a multiple of log_every, the last step, an eval or a skip."""
