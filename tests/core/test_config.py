@@ -206,6 +206,14 @@ def test_validation_fills_defaults_and_converts():
     assert validate(base(method={"name": "dpo", "beta": 0.1})).method_settings == {"beta": 0.1}
 
 
+def test_null_for_a_list_or_mapping_is_its_empty_default():
+    """`models=null` or `train.sample_prompts=null` on the command line clears them (as ~models does); a field
+    that may hold null (checkpoint.resume) keeps it."""
+    config = validate(base(models=None, train={"sample_prompts": None}, memory=None, checkpoint={"resume": None}))
+    assert config.models == {} and config.train.sample_prompts == [] and config.memory == []
+    assert config.checkpoint.resume is None
+
+
 # ---- _component_ -------------------------------------------------------------------------------
 
 def test_component_builds_the_callable_with_sibling_kwargs():

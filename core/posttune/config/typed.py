@@ -54,6 +54,8 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     for name, f in fields.items():
         where = _join(path, name)
         if name in data:
+            if data[name] is None and f.default_factory is not dataclasses.MISSING and not _nullable(hints[name]):
+                continue  # null for a list or mapping that cannot hold it: its default (empty), as ~key gives
             try:
                 values[name] = convert(hints[name], data[name], where)
             except ConfigError as exc:  # TRL's value for the setting (``KNOWN_VALUES``: field -> their value -> ours)
@@ -69,6 +71,10 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         if not path or exc.path == path or exc.path.startswith((f"{path}.", f"{path}[")):
             raise
         raise ConfigError(_join(path, exc.path) if exc.path else path, exc.problem) from None
+
+
+def _nullable(annotation: Any) -> bool:
+    return get_origin(annotation) in (Union, types.UnionType) and type(None) in get_args(annotation)
 
 
 def convert(annotation: Any, value: Any, path: str) -> Any:
