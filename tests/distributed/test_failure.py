@@ -115,20 +115,25 @@ KILLED_RANK_WORKER = textwrap.dedent("""
 KILL_BOUND_S = 120  # torchrun's agent stops the surviving rank; a hang would run to the timeout
 
 
+def ends_within_bound(tmp_path, worker: str, config, what: str) -> None:
+    """torchrun runs ``worker`` (rank 1 fails at step 3) on ``config``: the job fails within ``KILL_BOUND_S``."""
+    script = tmp_path / f"{what}_rank_worker.py"
+    script.write_text(worker)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(script), str(config)]
+    started = time.monotonic()
+    ended = subprocess.run(command, capture_output=True, text=True, timeout=KILL_BOUND_S + 60, env=env())
+    elapsed = time.monotonic() - started
+    assert ended.returncode != 0
+    assert elapsed < KILL_BOUND_S, f"the job took {elapsed:.0f} s to end after rank 1 {what}"
+
+
 def test_a_rank_killed_by_sigkill_ends_the_job_and_resume_continues_the_losses(runs, tmp_path):
     straight = runs("fsdp2_saving", nproc=2, batch_size=4, parallel={"plans": ["fsdp2"]},
                     checkpoint={"save_every": 2})
     config = write_config(tmp_path / "killed", batch_size=4, parallel={"plans": ["fsdp2"]},
                           checkpoint={"save_every": 2})
-    script = tmp_path / "killed_rank_worker.py"
-    script.write_text(KILLED_RANK_WORKER)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(script), str(config)]
-    started = time.monotonic()
-    killed = subprocess.run(command, capture_output=True, text=True, timeout=KILL_BOUND_S + 60, env=env())
-    elapsed = time.monotonic() - started
-    assert killed.returncode != 0
-    assert elapsed < KILL_BOUND_S, f"the job took {elapsed:.0f} s to end after rank 1 died"
+    ends_within_bound(tmp_path, KILLED_RANK_WORKER, config, "died")
     out = tmp_path / "killed" / "out"
     assert [p.name for p in sorted((out / "checkpoints").glob("step-*"))] == ["step-00000002"]
 
@@ -144,15 +149,7 @@ def test_a_stalled_rank_fails_the_job_after_parallel_timeout_s(tmp_path):
     """A rank stuck (a filesystem, a device) leaves the others waiting in a collective: torch's default waits 30
     minutes on gloo; parallel.timeout_s ends the job after that many seconds instead."""
     config = write_config(tmp_path / "stalled", batch_size=4, parallel={"plans": ["fsdp2"], "timeout_s": 5})
-    script = tmp_path / "stalled_rank_worker.py"
-    script.write_text(STALLED_RANK_WORKER)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(script), str(config)]
-    started = time.monotonic()
-    stalled = subprocess.run(command, capture_output=True, text=True, timeout=KILL_BOUND_S + 60, env=env())
-    elapsed = time.monotonic() - started
-    assert stalled.returncode != 0
-    assert elapsed < KILL_BOUND_S, f"the job took {elapsed:.0f} s to end after rank 1 stalled"
+    ends_within_bound(tmp_path, STALLED_RANK_WORKER, config, "stalled")
 
 
 @pytest.mark.extended
