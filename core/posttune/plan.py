@@ -146,15 +146,17 @@ def _family(model: ModelConfig, registry: Registry, section: str) -> Registered:
     A local checkpoint's config.json is read, and so its values checked, even when the family is
     named; a hub id's then waits for the run, so that `posttune validate` works offline.
     """
+    local = model.path is not None and Path(model.path).expanduser().is_dir()
+    hf_config = _hf_config(model, section) if local or model.family is None else None  # read once
     if model.family is not None:
         family = _get(registry, "model_family", model.family, f"{section}.family")
-        if model.path is not None and Path(model.path).expanduser().is_dir():
-            _check_named_family(_hf_config(model, section), family, registry, section)
+        if local:
+            _check_named_family(hf_config, family, registry, section)
     else:
-        family = family_for(_hf_config(model, section), registry, str(model.path))
-    if model.path is not None and Path(model.path).expanduser().is_dir():  # its values, as the family reads them
+        family = family_for(hf_config, registry, str(model.path))
+    if local:  # its values, as the family reads them
         try:
-            family.descriptor.from_hf_config(_hf_config(model, section))
+            family.descriptor.from_hf_config(hf_config)
         except ConfigError:
             raise
         except PosttuneError as exc:
