@@ -214,7 +214,7 @@ def check_sync(config: RunConfig, method: GRPOConfig) -> None:
 
 
 def validate(config: RunConfig, method: GRPOConfig) -> None:
-    from posttune_grpo.scoring import check_best_metric, check_row_fields, resolve_rewards
+    from posttune_grpo.scoring import check_rewards
 
     positive = {"group_size": method.group_size, "max_new_tokens": method.max_new_tokens,
                 "num_iterations": method.num_iterations}
@@ -282,9 +282,7 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
         raise ConfigError("parallel.options.tp.sequence_parallel", "grpo generates one token at a time, which "
                                                                    "sequence parallelism cannot split over the TP "
                                                                    "ranks; set it to false")
-    rewards = resolve_rewards(method.rewards)
-    check_row_fields(config.data, rewards)
-    check_best_metric(config, rewards)
+    check_rewards(config, method.rewards)
     scored = [i for i, spec in enumerate(method.rewards) if spec.name == MODEL_REWARD]
     if scored and generation_of(method) != "local":
         raise ConfigError(f"method.rewards[{scored[0]}].name", f"'{MODEL_REWARD}' scores in the learner process; "

@@ -139,7 +139,15 @@ def resolve_rewards(specs: Sequence[RewardSpec], *, where: str = "method.rewards
     return resolved
 
 
-def check_best_metric(config: Any, rewards: Sequence[ResolvedReward]) -> None:
+def check_rewards(config: Any, specs: Sequence[RewardSpec]) -> None:
+    """A generating method's rewards before launch (GRPO's and PPO's validate): each resolved, the data's rows
+    holding the fields they read, and ``checkpoint.best_metric`` one the evaluation logs."""
+    rewards = resolve_rewards(specs)
+    check_row_fields(config.data, rewards)
+    _check_best_metric(config, rewards)
+
+
+def _check_best_metric(config: Any, rewards: Sequence[ResolvedReward]) -> None:
     """``checkpoint.best_metric`` names what the evaluation logs (``evaluation.py``), checked before launch:
     found at the first evaluation instead, it would end the run before its first checkpoint."""
     metric = config.checkpoint.best_metric

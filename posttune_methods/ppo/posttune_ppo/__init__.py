@@ -124,7 +124,7 @@ def micro_batch_size(config: RunConfig, method: PPOConfig) -> int:
 
 
 def validate(config: RunConfig, method: PPOConfig) -> None:
-    from posttune_grpo.scoring import check_best_metric, check_row_fields, resolve_rewards
+    from posttune_grpo.scoring import check_rewards
 
     for name in ("group_size", "max_new_tokens", "ppo_epochs", "num_mini_batches"):
         if getattr(method, name) < 1:
@@ -156,9 +156,7 @@ def validate(config: RunConfig, method: PPOConfig) -> None:
         raise ConfigError("memory", "value_model: head takes the logits and the values from one forward's "
                                     "hidden states, which chunked_cross_entropy would split; drop it or use "
                                     "value_model: model")
-    rewards = resolve_rewards(method.rewards)
-    check_row_fields(config.data, rewards)
-    check_best_metric(config, rewards)
+    check_rewards(config, method.rewards)
     from posttune.plugin import Sampling  # torch: imported when a run is validated, not at plugin discovery
 
     from posttune_grpo.rollouts import generation_settings
