@@ -108,7 +108,7 @@ class Estimate:
 
     @property
     def parameters(self) -> int:
-        """The policy's and every trained role's (PPO's value model), as `posttune train`'s banner counts them."""
+        """The policy's and every role's that trains too, as `posttune train`'s banner counts them."""
         return sum(m.parameters for i, m in enumerate(self.models) if i == 0 or m.trainable)
 
     @property

@@ -18,7 +18,7 @@ Routing statistics feed the auxiliary loss. They are recorded only by forwards t
 graph (``torch.is_grad_enabled()``), so a frozen model or a generation adds nothing, and
 ``Decoder.aux_loss`` takes them (docs/architecture.md, "Auxiliary losses"). ``MoE.counted`` (flat
 bool, set by ``Decoder.counting``) leaves padding out of them, as transformers' ``attention_mask``
-does: padding a batch for sequence parallelism, or a rank's placeholder, would otherwise change the
+does: padding a plan adds to split the sequence, or a rank's placeholder, would otherwise change the
 loss one process computes.
 """
 

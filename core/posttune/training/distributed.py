@@ -270,7 +270,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    # gathering a 2-D (FSDP2 x TP or EP) shard: torch's caution (a warning, or in torch 2.13 a log record of
+    # gathering a shard split over two mesh dimensions: torch's caution (a warning, or in torch 2.13 a log record of
     # its redistribute module), which the gathered weights' tests answer (tests/distributed: equal to one
     # process's), not news to the user
     caution = "While redistributing from"

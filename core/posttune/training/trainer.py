@@ -82,7 +82,7 @@ class Window:
             flat = torch.cat([flat, torch.stack([e.float().reshape(()).to(flat.device) for e in extra])])
         host = flat.tolist()
         loss_sum, normaliser, tokens = host[:3]
-        # a metric over no example (KTO's rejected rewards in a batch of desirable ones) is left out, as TRL does
+        # a metric over no example (a side of a pair loss the step held none of) is left out, as TRL does
         means = {k: host[3 + 2 * i] / host[4 + 2 * i] for i, k in enumerate(keys) if host[4 + 2 * i] > 0}
         return {"loss": loss_sum / max(normaliser, 1.0), "normaliser": normaliser, "tokens": tokens, **means,
                 "extra": host[len(values):]}
