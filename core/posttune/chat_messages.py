@@ -36,6 +36,8 @@ def chat_message(turn: Any, where: str, roles: Mapping[str, str] | None = None, 
     if not isinstance(turn, Mapping):
         raise ValueError(f"field '{where}' must be an object with '{role_key}' and '{content_key}'")
     role, content = turn.get(role_key), turn.get(content_key)
+    if role_key not in turn:
+        raise ValueError(f"field '{where}' has no '{role_key}' (its fields: {', '.join(map(str, turn))}){_shape(turn)}")
     if not isinstance(role, str) or (roles is not None and role not in roles):
         expected = f" (expected one of {', '.join(sorted(roles))})" if roles is not None else ""
         raise ValueError(f"field '{where}.{role_key}': unknown role {role!r}{expected}")
@@ -138,3 +140,13 @@ def _non_empty_list(items: Any, where: str) -> Sequence[Any]:
     if not isinstance(items, list) or not items:
         raise ValueError(f"field '{where}' must be a non-empty list")
     return items
+
+
+def _shape(turn: Mapping[str, Any]) -> str:
+    """Where a turn of the other chat shape is read (a column mapped to the wrong one: axolotl's field_messages)."""
+    if "from" in turn and "value" in turn:
+        return ("; ShareGPT turns (from/value) are read from a row's 'conversations': "
+                "column_map: {conversations: COLUMN}")
+    if "role" in turn and "content" in turn:
+        return "; OpenAI turns (role/content) are read from a row's 'messages': column_map: {messages: COLUMN}"
+    return "; a turn is role/content (OpenAI 'messages') or from/value (ShareGPT 'conversations'), renamed by no option"

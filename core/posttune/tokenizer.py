@@ -115,7 +115,8 @@ class Tokenizer:
         Trained tokens are those of assistant turns: the content and the end-of-turn token that
         closes it (see `chat_template.assistant_spans` for how turns are found and why), or what
         the template's own ``{% generation %}`` blocks mark when it has them. ``train_on_input``
-        trains on every token. ``max_seq_len`` cuts both lists on the right.
+        trains on every token but those of an assistant turn with ``weight: 0``. ``max_seq_len`` cuts both lists
+        on the right.
         """
         prepared = ct.prepare_messages(messages)
         source = self._template(tools)
@@ -129,10 +130,13 @@ class Tokenizer:
             spans = ct.assistant_spans(
                 lambda prefix, prompt: self._try_render(prefix, prompt, tools, template_kwargs),
                 prepared, text, self._added_token_texts())
-        spans = _weighted(spans, [message.get("weight", 1) for message in prepared if message["role"] == "assistant"])
+        weights = [message.get("weight", 1) for message in prepared if message["role"] == "assistant"]
         encoding = self.backend.encode(text, add_special_tokens=False)
         ids = encoding.ids
-        mask = [True] * len(ids) if train_on_input else ct.tokens_in_spans(encoding.offsets, spans)
+        if train_on_input:  # every token but those of a turn marked weight 0: the turn's own switch still holds
+            mask = [not hit for hit in ct.tokens_in_spans(encoding.offsets, _weighted(spans, weights, weight=0))]
+        else:
+            mask = ct.tokens_in_spans(encoding.offsets, _weighted(spans, weights))
         if max_seq_len is not None:
             ids, mask = ids[:max_seq_len], mask[:max_seq_len]
         return ids, mask
@@ -190,14 +194,14 @@ class Tokenizer:
         return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size})"
 
 
-def _weighted(spans: list[Any], weights: list[int]) -> list[Any]:
-    """The spans of the assistant turns whose weight is not 0 (one span per assistant turn, in order)."""
+def _weighted(spans: list[Any], weights: list[int], weight: int = 1) -> list[Any]:
+    """The spans of the assistant turns of this ``weight`` (1: not 0), one span per assistant turn, in order."""
     if all(weights):
-        return spans
+        return spans if weight else []
     if len(spans) != len(weights):  # a template's {% generation %} blocks need not be one per turn
         raise ValueError(f"a turn's weight needs one trained span per assistant turn; this template marks "
                          f"{len(spans)} for {len(weights)} assistant turns")
-    return [span for span, weight in zip(spans, weights, strict=True) if weight]
+    return [span for span, turn in zip(spans, weights, strict=True) if bool(turn) == bool(weight)]
 
 
 def check_fits(tokenizer: Tokenizer, model: Any, where: str) -> None:

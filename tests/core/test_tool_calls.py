@@ -249,3 +249,37 @@ def test_a_turn_with_weight_0_is_not_trained(folder, chat_format):
     assert trained({"conversations": shared}) == everything[len(first):]
     with pytest.raises(PosttuneError, match=r"field 'messages\[1\]\.weight' must be 0 \(not trained\) or 1, got 0\.5"):
         make({"messages": [turns[0], {**turns[1], "weight": 0.5}]}, 0)
+
+
+def test_train_on_input_keeps_a_turn_with_weight_0_untrained(folder, chat_format):
+    """``train_on_input`` trains the prompt too, not a turn the row switched off: every token but the muted turn's
+    (its content and end-of-turn token) is trained, as axolotl's ``train_on_inputs`` with turn weights."""
+    tokenizer = load_tokenizer(folder)
+    turns = [{"role": "user", "content": "Reverse: AB"}, {"role": "assistant", "content": "BA"},
+             {"role": "user", "content": "Reverse: XYZ"}, {"role": "assistant", "content": "ZYX"}]
+    ids, everything = tokenizer.tokenize_messages(turns, train_on_input=True)
+    assert all(everything)
+    muted = [turns[0], {**turns[1], "weight": 0}, *turns[2:]]
+    same_ids, mask = tokenizer.tokenize_messages(muted, train_on_input=True)
+    _, assistant_mask = tokenizer.tokenize_messages(turns)
+    _, muted_mask = tokenizer.tokenize_messages(muted)
+    off = [i for i, (a, m) in enumerate(zip(assistant_mask, muted_mask, strict=True)) if a and not m]
+    assert same_ids == ids and off  # the muted turn's tokens: trained by the assistant mask, not by the muted one
+    assert [i for i, trained in enumerate(mask) if not trained] == off
+
+
+@pytest.mark.parametrize(("row", "hint"), [
+    ({"messages": [{"from": "human", "value": "Reverse: AB"}]},
+     "ShareGPT turns (from/value) are read from a row's 'conversations': column_map: {conversations: COLUMN}"),
+    ({"conversations": [{"role": "user", "content": "Reverse: AB"}]},
+     "OpenAI turns (role/content) are read from a row's 'messages': column_map: {messages: COLUMN}"),
+    ({"messages": [{"speaker": "user", "text": "Reverse: AB"}]},
+     "a turn is role/content (OpenAI 'messages') or from/value (ShareGPT 'conversations'), renamed by no option"),
+])
+def test_a_turn_of_the_other_shape_names_where_it_is_read(folder, chat_format, row, hint):
+    """axolotl's ``field_messages: chats`` ported as ``column_map: {messages: chats}`` on ShareGPT rows said
+    "unknown role None"; the turn's fields and where that shape is read are named instead."""
+    make = SampleMaker(chat_format, load_tokenizer(folder), max_seq_len=512)
+    with pytest.raises(PosttuneError) as caught:
+        make(row, 0)
+    assert "(its fields: " in str(caught.value) and f"; {hint} (set data.skip_bad_rows" in str(caught.value)
