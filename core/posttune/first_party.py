@@ -99,6 +99,12 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 
+#: kind -> another tool's name for something registered here under another name (axolotl's dataset types)
+OTHER_NAMES: dict[str, dict[str, str]] = {
+    "dataset_format": {"sharegpt": "chat", "chat_template": "chat", "conversation": "chat", "messages": "chat"},
+}
+
+
 def install_hint(distribution: str | None) -> str:
     return f" — pip install {distribution}" if distribution else ""
 
@@ -122,6 +128,10 @@ KNOWN_AS: dict[str, str] = {
     "train_on_inputs": "method.train_on_input (sft)", "neftune_noise_alpha": "method.neftune_alpha (sft)",
     "beta": "method.beta",
     "load_in_4bit": "memory: [qlora_nf4] with an adapter section (posttune-torchao)",
+    "load_in_8bit": "not here (no 8-bit base weights); 4-bit: memory: [qlora_nf4] with an adapter section "
+                    "(posttune-torchao)",
+    "pad_to_sequence_len": "method.padding_free: false (sft; rows padded, packed ones to data.max_seq_len)",
+    "wandb_project": "logging: [wandb] with logging_options: {wandb: {project: ...}} (posttune-wandb)",
     "report_to": "logging: [wandb, tensorboard, mlflow or trackio] (posttune-wandb, ...)",
     "fsdp": "parallel: {plans: [fsdp2]} (posttune-fsdp2)", "fsdp_config": "parallel.options.fsdp2 (posttune-fsdp2)",
     "deepspeed": "parallel: {plans: [fsdp2]} (posttune-fsdp2; ZeRO-3's sharding)",

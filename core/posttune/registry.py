@@ -182,6 +182,9 @@ class Registry:
         distribution = first_party.NAMES.get(kind, {}).get(name)
         installed = ", ".join(known) if known else "none"
         message = f"no {label} '{name}' is installed (installed: {installed})"
+        here = first_party.OTHER_NAMES.get(kind, {}).get(name)
+        if here:
+            return UnknownNameError(f"{message}; {name} is '{here}' here")
         if distribution is None:
             suggestion = did_you_mean(name, known + list(first_party.NAMES.get(kind, {})))
             message += suggestion

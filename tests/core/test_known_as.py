@@ -54,6 +54,17 @@ RUN = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"
     ({"data": {"path": "x.jsonl"}}, "data.path: unknown key; path is data.train.path (a dataset: path, format, ...)"),
     ({"data": {"train": {"path": "x", "dataset_text_field": "body"}}},
      "data.train.dataset_text_field: unknown key; dataset_text_field is the dataset's column_map: {text: COLUMN}"),
+    # axolotl's dataset entries and top-level keys; a setting with no counterpart says what stands in its place
+    ({"data": {"train": {"path": "x", "type": "sharegpt"}}}, "data.train.type: unknown key; type is format (axolotl's "
+                                                             "chat_template and sharegpt: chat) here"),
+    ({"data": {"train": {"path": "x", "roles_to_train": ["gpt"]}}},
+     "data.train.roles_to_train: unknown key; roles_to_train has no counterpart here (assistant turns train; a "
+     "turn's weight: 0 mutes one, method.train_on_input trains every turn)"),
+    ({"merge_lora": True}, "merge_lora: unknown key; merge_lora is checkpoint.save_merged here"),
+    ({"load_in_8bit": True}, "load_in_8bit: unknown key; load_in_8bit has no counterpart here (no 8-bit base "
+                             "weights); 4-bit: memory: [qlora_nf4]"),
+    ({"adapter": "qlora"}, "adapter.kind: expected one of 'lora', 'dora', got 'qlora' (did you mean 'lora'?); qlora "
+                           "is kind: lora with memory: [qlora_nf4] (posttune-torchao) here"),
     ({"checkpoint": {"resume": False}}, "checkpoint.resume: false means a fresh start here: write null"),
     # a value as transformers spells it: resume_from_checkpoint=True
     ({"checkpoint": {"resume": True}}, "checkpoint.resume: true means the newest checkpoint here: write latest (or a "
@@ -123,3 +134,16 @@ def test_every_unknown_key_of_a_section_is_named_at_once():
         "config: learning_rate: unknown key; learning_rate is train.lr here (and 3 more unknown here: r is "
         "adapter.rank here; tokenzier (did you mean 'tokenizer'?); gradient_checkpointing is memory: "
         "[activation_checkpointing] (posttune-memory) here)")
+
+
+def test_axolotls_adapter_lora_is_lora_with_the_defaults():
+    assert validate({**RUN, "adapter": "lora"}).adapter == validate({**RUN, "adapter": {"kind": "lora"}}).adapter
+
+
+def test_axolotls_dataset_type_names_the_format_that_reads_it():
+    from posttune.errors import PosttuneError
+    from posttune.plugins import get_registry
+
+    with pytest.raises(PosttuneError, match=r"no dataset format 'sharegpt' is installed \(installed: .*\); sharegpt "
+                                            r"is 'chat' here$"):
+        get_registry().get("dataset_format", "sharegpt")

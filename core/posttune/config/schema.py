@@ -54,7 +54,15 @@ TRAINING_ARGUMENTS = {
     "lora_r": "adapter.rank", "lora_target_modules": "adapter.targets",
     "lora_target_linear": "adapter.targets: all-linear",
     "peft_use_dora": "adapter.kind: dora", "peft_use_rslora": "adapter.rslora", "lora_model_dir": "adapter.init_from",
-    "chat_template": "tokenizer.chat_template",
+    "chat_template": "tokenizer.chat_template (a .jinja file or the template's text)",
+    "chat_template_jinja": "tokenizer.chat_template", "merge_lora": "checkpoint.save_merged",
+    "cosine_min_lr_ratio": "train.min_lr_ratio", "default_system_message": "the dataset's system_prompt",
+    "auto_resume_from_checkpoints": "checkpoint.resume: latest", "evals_per_epoch": "train.eval_every: epoch",
+    "saves_per_epoch": "checkpoint.save_every: epoch", "eval_batch_size": "train.batch_size (evaluation's too)",
+    "model_type": "model.family (read from config.json's architectures)",
+    "special_tokens": "not here (no tokens are added: the tokenizer's own are used)",
+    "tokens": "not here (no tokens are added: the tokenizer's own are used)",
+    "lora_modules_to_save": "not here (an adapter trains its LoRA weights only; no adapter: full fine-tuning)",
     # torchtune's recipe keys
     "checkpointer": "model.path (its checkpoint_dir: the folder) and checkpoint.output_dir (its output_dir)",
     "dataset": "data.train (source or data_files: path; _component_: format)", "clip_grad_norm": "train.max_grad_norm",
@@ -101,6 +109,12 @@ class DatasetConfig:
         "conversation_column": "the dataset's column_map: {messages: COLUMN}",
         "new_system_prompt": "the dataset's system_prompt",
         "dataset_text_field": "the dataset's column_map: {text: COLUMN} (format: text)",
+        "type": "format (axolotl's chat_template and sharegpt: chat)",
+        "field_messages": "column_map: {messages: COLUMN} (ShareGPT from/value turns: {conversations: COLUMN})",
+        "roles_to_train": "not here (assistant turns train; a turn's weight: 0 mutes one, method.train_on_input "
+                          "trains every turn)",
+        "train_on_eos": "not here (an assistant turn's end-of-turn token trains with it)",
+        "message_property_mappings": "not here (turns are role/content or from/value)",
     }
     path: str  # a local json/jsonl/parquet/csv file or directory, or a hub dataset name
     # how a row reads: alpaca, chat, text, completion, preference, preference_text, prompt (`posttune ls datasets`)
@@ -202,6 +216,9 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class AdapterConfig:
+    FROM_STRING: ClassVar[str] = "kind"  # `adapter: lora`, as axolotl writes it: that kind with these defaults
+    KNOWN_VALUES: ClassVar[dict[str, dict[str, str]]] = {
+        "kind": {"qlora": "kind: lora with memory: [qlora_nf4] (posttune-torchao)"}}
     kind: Literal["lora", "dora"] = "lora"  # LoRA, or DoRA (LoRA on a weight's direction, plus its magnitude)
     rank: int = 8  # rank of the low-rank update
     alpha: float = 16.0  # the update is scaled by alpha / rank (alpha / sqrt(rank) with rslora)

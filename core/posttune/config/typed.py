@@ -31,6 +31,8 @@ def _known_as(cls: type, key: str) -> str:
     if moved:  # a key that was here once (``MOVED``: old name -> where it is now)
         return f"; moved: set {moved}"
     here = getattr(cls, "KNOWN_AS", {}).get(key) or ELSEWHERE.get(key)
+    if here and here.startswith("not here"):  # a setting with no counterpart: what stands in its place
+        return f"; {key} has no counterpart here{here.removeprefix('not here')}"
     return f"; {key} is {here} here" if here else ""
 
 
