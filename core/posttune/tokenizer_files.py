@@ -80,18 +80,32 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return value
 
 
+#: ChatML (``<|im_start|>role\ntext<|im_end|>``), the one template other tools name (axolotl's and unsloth's
+#: ``chatml``) that needs no model's own tokens but those two: ``tokenizer.chat_template: chatml``
+CHATML = ("{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] "
+          "or '') + '<|im_end|>\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}"
+          "{%- endif -%}")
+NAMED_TEMPLATES = {"chatml": CHATML}
+
+
 def chat_template_override(value: str, field: str = "tokenizer.chat_template") -> tuple[str, str]:
     """``tokenizer.chat_template``: (the template, where it came from). A value holding ``{%`` or ``{{`` is the
-    template itself; anything else names a file. Compiled here, so a syntax error is one line before launch."""
+    template itself, a name in ``NAMED_TEMPLATES`` that one; anything else names a file. Compiled here, so a
+    syntax error is one line before launch."""
     from posttune.chat_template import compile_template
     from posttune.errors import ConfigError
 
     if "{%" in value or "{{" in value:
         text, where = value, field
+    elif value in NAMED_TEMPLATES and not Path(value).is_file():
+        text, where = NAMED_TEMPLATES[value], f"the named template {value}"
     else:
         path = Path(value).expanduser()
+        if value == "tokenizer_default":
+            raise ConfigError(field, "leave it unset (null): the tokenizer's own template is the default")
         if not path.is_file():
-            raise ConfigError(field, f"no such file {value!r} (a .jinja file, or the template itself)")
+            raise ConfigError(field, f"no such file {value!r} (a .jinja file, the template itself, or a named "
+                                     f"one: {', '.join(NAMED_TEMPLATES)})")
         try:
             text, where = path.read_text(encoding="utf-8"), str(path)
         except UnicodeDecodeError:

@@ -76,9 +76,35 @@ def test_the_template_itself_may_stand_in_the_config(llama_sft, write_config, ba
     assert session.tokenizer.chat_template == template
 
 
+def test_chatml_by_name_renders_chatml_and_warns_where_the_vocabulary_splits_its_markers(
+        llama_sft, write_config, base_tokenizer, tmp_path, capsys):
+    """axolotl's and unsloth's ``chat_template: chatml``: the template by name. On a tokenizer without ChatML's
+    two tokens (the demo's is Llama 3's) it still trains, and says its markers are learnt as text."""
+    from posttune.tiny_tokenizer import save_tiny_tokenizer
+
+    chatml = ("<|im_start|>user\nReverse: ABC<|im_end|>\n<|im_start|>assistant\nCBA<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    folder, _ = base_tokenizer
+    session = session_for(write_config(tokenizer={"path": str(folder), "chat_template": "chatml"},
+                                       data={"max_seq_len": 256}))
+    assert session.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == chatml
+    warned = capsys.readouterr().err
+    assert "posttune: warning: tokenizer.chat_template writes <|im_end|>, which this tokenizer splits into" in warned
+    assert "writes <|im_start|>" in warned
+    tiny = save_tiny_tokenizer(tmp_path / "chatml_tokens", template="chatml")
+    session = session_for(write_config("own.yaml", tokenizer={"path": str(tiny), "chat_template": "chatml"},
+                                       data={"max_seq_len": 256}))
+    ids, mask = session.tokenizer.tokenize_messages(CHAT)
+    assert "warning" not in capsys.readouterr().err  # its two tokens are the tokenizer's own
+    trained = session.tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert trained == "CBA<|im_end|>"
+
+
 @pytest.mark.parametrize("value, message", [
-    ("missing.jinja", "config: tokenizer.chat_template: no such file 'missing.jinja' (a .jinja file, or the template "
-                      "itself)"),
+    ("missing.jinja", "config: tokenizer.chat_template: no such file 'missing.jinja' (a .jinja file, the template "
+                      "itself, or a named one: chatml)"),
+    ("tokenizer_default", "config: tokenizer.chat_template: leave it unset (null): the tokenizer's own template is "
+                          "the default"),
     ("{% for m in messages %}{{ m.content }}", "config: tokenizer.chat_template: chat template in "
                                                 "tokenizer.chat_template: line 1: Unexpected end of template."),
 ])

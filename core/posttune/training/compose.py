@@ -138,8 +138,23 @@ def load_tokenizer(session: Session) -> Any:
 
         tokenizer.chat_template, where = chat_template_override(session.config.tokenizer.chat_template)
         tokenizer.template_files[tokenizer.chat_template] = where
+        warn_split_markers(tokenizer)
     tokenizer.template_kwargs = dict(session.config.tokenizer.chat_template_kwargs)
     return tokenizer
+
+
+def warn_split_markers(tokenizer: Any) -> None:
+    """A template brought to a tokenizer (ChatML on a base model's) may write turn markers the vocabulary lacks:
+    each is then learnt as several text tokens, and generation does not stop at it. Not an error (it trains),
+    but not what the template's author meant."""
+    import re
+
+    for marker in sorted(set(re.findall(r"<\|[^|<>\s]+\|>", tokenizer.chat_template))):
+        pieces = len(tokenizer.encode(marker, add_special_tokens=False))
+        if pieces > 1 and distributed.is_main():
+            print(f"posttune: warning: tokenizer.chat_template writes {marker}, which this tokenizer "
+                  f"splits into {pieces} tokens (it is not one of its tokens): the model learns it as text and "
+                  f"generation does not stop at it; use a template of the tokenizer's own turn tokens", file=sys.stderr)
 
 
 # ---- models ------------------------------------------------------------------------------------
