@@ -37,3 +37,23 @@ def test_two_warmups_a_full_ratio_and_a_fractional_step_count_are_refused(train,
     with pytest.raises(ConfigError) as info:
         validate({**RUN, "train": train})
     assert str(info.value).startswith(f"config: {message}"), str(info.value)
+
+
+def test_a_warmup_as_long_as_the_run_warns_that_the_peak_is_never_reached(capsys):
+    """axolotl's ``warmup_steps: 10`` kept for a 7-step run: it trains, below train.lr throughout, and says so."""
+    import torch
+
+    from posttune.training.optim import build_scheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-4)
+    scheduler = build_scheduler(optimizer, TrainConfig(lr=2e-4, warmup_steps=10, scheduler="cosine"), 7)
+    rates = []
+    for _ in range(7):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert max(rates) < 2e-4
+    assert capsys.readouterr().err == (f"posttune: warning: train.warmup_steps: 10 warm-up steps in a run of 7: the "
+                                       f"learning rate never reaches train.lr (0.0002); it ends at {rates[-1]:.3g}\n")
+    build_scheduler(optimizer, TrainConfig(lr=2e-4, warmup_steps=6, scheduler="cosine"), 7)  # peak at the last step
+    assert capsys.readouterr().err == ""

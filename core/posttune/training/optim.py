@@ -136,9 +136,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, total_
     if train.scheduler not in SCHEDULES:
         raise ConfigError("train.scheduler", f"unknown schedule '{train.scheduler}' (known: {', '.join(SCHEDULES)}, "
                                              f"or a _component_ mapping){did_you_mean(train.scheduler, SCHEDULES)}")
-    decay = math.ceil((train.decay_ratio or DECAY_RATIO) * total_steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train.scheduler, warmup_steps(train, total_steps),
-                                                                  total_steps, train.min_lr_ratio, decay))
+    decay, warmup = math.ceil((train.decay_ratio or DECAY_RATIO) * total_steps), warmup_steps(train, total_steps)
+    if 0 < total_steps <= warmup:
+        from posttune.training.distributed import is_main
+
+        if is_main():  # a recipe's warmup_steps kept for a shorter run: the peak rate is never reached
+            field = "train.warmup_steps" if train.warmup_ratio is None else "train.warmup_ratio"
+            last = lr_lambda("constant", warmup, total_steps)(total_steps - 1) * train.lr
+            print(f"posttune: warning: {field}: {warmup} warm-up steps in a run of {total_steps}: the learning rate "
+                  f"never reaches train.lr ({train.lr:g}); it ends at {last:.3g}", file=sys.stderr)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train.scheduler, warmup, total_steps,
+                                                                  train.min_lr_ratio, decay))
 
 
 def warmup_steps(train: TrainConfig, total_steps: int) -> int:
