@@ -47,6 +47,10 @@ FAMILY_ONLY = [  # (family, fields, the family's one line)
                                       "(null: no window)"),
     ("gemma3", {"sliding_window": 0}, f"config.json: sliding_window: {WINDOW_0} the gemma3 family's attention "
                                       "(null: no window)"),
+    ("mistral", {"layer_types": ["full_attention", "sliding_attention"]},
+     "config.json: layer_types: the mistral family builds every layer as sliding_attention (sliding_window: 8), got "
+     "['full_attention', 'sliding_attention']; drop layer_types, or use a family that reads it per layer (qwen2, "
+     "qwen3)"),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 0, "layer_types": ["sliding_attention"] * 2},
      "config.json: sliding_window: use_sliding_window is true but the window is 0 tokens, which hides every "
      "position from attention"),
@@ -60,6 +64,11 @@ def test_what_only_the_family_cannot_build_is_its_one_line(family, fields, messa
     with pytest.raises(PosttuneError) as caught:
         FAMILIES[family].from_hf_config(config)
     assert str(caught.value) == message
+
+
+def test_mistral_layer_types_of_its_one_kind_build_as_without_them():
+    every = FAMILIES["mistral"].from_hf_config(config_json("mistral", layer_types=["sliding_attention"] * 2))
+    assert every == FAMILIES["mistral"].from_hf_config(config_json("mistral"))
 
 
 def test_a_disabled_qwen_window_of_0_is_no_window():

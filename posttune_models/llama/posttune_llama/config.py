@@ -51,6 +51,8 @@ def from_hf_config(config: Mapping[str, Any], family: str = "llama") -> dict[str
         return smollm3_kwargs(config)
     kwargs = decoder_kwargs(config, family, max_position_embeddings=2048, windowed=family != "llama")
     kwargs["activation"] = read_activation(config, family)
+    if family in ("mistral", "mixtral"):
+        check_layer_types(config, family)
     if family == "mixtral":
         return {**kwargs, **mixtral_defaults(config), **read_moe(config),
                 "sliding_window": config.get("sliding_window")}
@@ -59,6 +61,18 @@ def from_hf_config(config: Mapping[str, Any], family: str = "llama") -> dict[str
     if family == "mistral":
         kwargs["sliding_window"] = config.get("sliding_window")
     return kwargs
+
+
+def check_layer_types(config: Mapping[str, Any], family: str) -> None:
+    """Mistral and Mixtral build one kind of layer (every one slides when ``sliding_window`` is set); a config.json
+    whose ``layer_types`` mixes kinds is read per layer by transformers, so it is refused rather than built
+    otherwise."""
+    kinds, window = config.get("layer_types"), config.get("sliding_window")
+    built = "sliding_attention" if window else "full_attention"
+    if kinds is not None and (not isinstance(kinds, list) or any(kind != built for kind in kinds)):
+        raise PosttuneError(f"config.json: layer_types: the {family} family builds every layer as {built} "
+                            f"(sliding_window: {window}), got {kinds!r}; drop layer_types, or use a family that "
+                            "reads it per layer (qwen2, qwen3)")
 
 
 def smollm3_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
