@@ -15,22 +15,31 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from posttune_cp.shard import ContextParallel, attach, head_tail_order
-from posttune_llama.model import build
-from posttune_llama.sizes import LLAMA_SIZES
+
+if sys.argv[2:] == ["gemma2"]:  # soft-capped attention scores (no window: cp refuses one); a small cap that binds
+    from posttune_gemma.model import build
+    from posttune_gemma.sizes import GEMMA2_SIZES
+
+    SIZE = {**GEMMA2_SIZES["tiny"], "sliding_window": None, "layer_types": None, "attn_softcap": 0.5}
+else:
+    from posttune_llama.model import build
+    from posttune_llama.sizes import LLAMA_SIZES
+
+    SIZE = LLAMA_SIZES["tiny"]
 
 dist.init_process_group("gloo")
 cp = dist.get_world_size()
 mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
 torch.manual_seed(0)
 dtype = getattr(torch, sys.argv[1])  # float32: the training dtype; float64: kernel rounding out of the way
-model = build(**{**LLAMA_SIZES["tiny"], "vocab_size": 96}).to(dtype).eval()
+model = build(**{**SIZE, "vocab_size": 96}).to(dtype).eval()
 ids = torch.randint(0, 96, (2, 22), generator=torch.Generator().manual_seed(1))
 documents = torch.tensor([[0] * 9 + [1] * 7 + [2] * 6, [0] * 22])
 
 state = ContextParallel(mesh, multiple=2 * cp)
 # the same model and padding on one rank: flex attention over the whole sequence, nothing gathered
 torch.manual_seed(0)
-flex_model = build(**{**LLAMA_SIZES["tiny"], "vocab_size": 96}).to(dtype).eval()
+flex_model = build(**{**SIZE, "vocab_size": 96}).to(dtype).eval()
 one_rank = ContextParallel(SimpleNamespace(size=lambda: 1, get_local_rank=lambda: 0), multiple=2 * cp)
 one_rank.gather_kv = lambda k, v: (k, v)
 attach(flex_model, one_rank)

@@ -291,7 +291,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v)
         if isinstance(mask, FlexMask):  # hook: flex attention (modules/flex_attention.py), e.g. context parallel
-            out = mask.attend(q, k, v, scale=self.scale)
+            out = mask.attend(q, k, v, scale=self.scale, softcap=self.softcap)
         elif isinstance(mask, DocumentSpans):
             out = mask.attend(q, k, v, self.dense, window=self.sliding_window, softcap=self.softcap, scale=self.scale)
         else:

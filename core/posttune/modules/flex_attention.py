@@ -29,14 +29,20 @@ class FlexMask:
     block_mask: Any  # torch.nn.attention.flex_attention.BlockMask
     gather_kv: KVGather | None = None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
-               ) -> torch.Tensor:
-        """[batch, heads, q_len, head_dim] queries over (gathered) keys/values, GQA included."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """[batch, heads, q_len, head_dim] queries over (gathered) keys/values, GQA included; ``softcap`` bounds
+        the scaled scores as the dense path does (``cap * tanh(score / cap)``, Gemma 2's)."""
         from torch.nn.attention.flex_attention import flex_attention
 
         if self.gather_kv is not None:
             k, v = self.gather_kv(k, v)
-        return flex_attention(q, k, v, block_mask=self.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        score_mod = None
+        if softcap is not None:
+            def score_mod(score: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+                return torch.tanh(score / softcap) * softcap
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=self.block_mask, scale=scale,
+                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 def block_mask(mask_mod: Callable[..., torch.Tensor], *, batch: int | None, q_len: int, kv_len: int,
