@@ -173,3 +173,33 @@ def test_cp_refuses_a_batch_whose_documents_continue_a_shared_prefix():
     refuse_shared_prefixes(documents, torch.tensor([[0, 1, 2, 0, 1, 0]]))  # documents of their own: fine
     with pytest.raises(PosttuneError, match=r"^context parallelism: a document of this batch continues a shared"):
         refuse_shared_prefixes(documents, torch.tensor([[0, 1, 2, 2, 3, 0]]))
+
+
+@pytest.mark.parametrize(("scaling", "max_seq_len", "refused"), [
+    ({"rope_type": "dynamic", "factor": 2.0}, 128, "dynamic RoPE scaling past 64 positions (data.max_seq_len is 128)"),
+    ({"rope_type": "longrope", "original_max_position_embeddings": 32, "short_factor": [1.0] * 8,
+      "long_factor": [2.0] * 8}, 48, "longrope RoPE scaling past 32 positions (data.max_seq_len is 48)"),
+    ({"rope_type": "dynamic", "factor": 2.0}, 64, None),  # within the context: the frequencies never change
+    ({"rope_type": "linear", "factor": 2.0}, 128, None),
+])
+def test_cp_refuses_rope_whose_frequencies_follow_the_sequence_length(plugins, scaling, max_seq_len, refused):
+    """Each cp rank holds part of a sequence: dynamic NTK and LongRoPE would choose frequencies by the rank's own
+    longest position (measured: logits off by 2.4 and 9 against one process)."""
+    model = {"family": "llama", "size": "tiny", "build_overrides": {"rope_scaling": scaling,
+                                                                    "max_position_embeddings": 64}}
+    sections = {"model": model, "train": {"device": "cuda"}}
+    data = {"train": {"path": "unused.jsonl"}, "max_seq_len": max_seq_len}
+    if refused is None:
+        plan_for(2, {"plans": ["fsdp2", "cp"], "dims": {"cp": 2}}, data=data, **sections)
+        return
+    with pytest.raises(ConfigError) as caught:
+        plan_for(2, {"plans": ["fsdp2", "cp"], "dims": {"cp": 2}}, data=data, **sections)
+    assert str(caught.value) == (f"config: parallel.plans: cp does not support {refused}: each rank holds part of a "
+                                 "sequence and would choose its own frequencies; lower data.max_seq_len to that "
+                                 "length, or remove cp")
+
+
+def test_cps_rope_variants_are_the_cores_growing_ones():
+    from posttune.modules.rope import GROWING
+
+    assert posttune_cp.GROWING_ROPE == GROWING

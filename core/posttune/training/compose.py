@@ -176,6 +176,7 @@ def build_trained(session: Session, target: ModelTarget) -> nn.Module:
 
         check_fits(session.tokenizer, target.model, "tokenizer.path" if session.config.tokenizer.path else "model")
         warn_past_context(session, target.model)
+        warn_growing_rope(session, target.model)
     run_stage(session, "build", target)
     if session.config.adapter is not None:
         inject_adapters(session.config.adapter, target)
@@ -184,6 +185,24 @@ def build_trained(session: Session, target: ModelTarget) -> nn.Module:
     load_weights(session, target)
     run_stage(session, "load", target)
     return target.model
+
+
+def warn_growing_rope(session: Session, model: nn.Module) -> None:
+    """Dynamic NTK and LongRoPE choose their frequencies by a forward's longest position, so past their switch
+    length the documents that share a forward (a padded batch, as in transformers, or a packed or padding-free
+    row) all take the longest one's: a document's loss then depends on its batch-mates. A warning: that is how
+    these variants are defined, not a fault of the run."""
+    from posttune.modules.rope import GROWING
+
+    rope, length = getattr(model, "rope", None), session.config.data.max_seq_len
+    if getattr(rope, "rope_type", None) not in GROWING or not distributed.is_main():
+        return
+    after = rope.switch_length or rope.max_position_embeddings
+    if length > after:
+        print(f"posttune: warning: data.max_seq_len: {length} is past the {after} positions where the model's "
+              f"{rope.rope_type} RoPE scaling changes its frequencies: documents sharing a forward (a batch, a packed "
+              f"or padding-free row) all take those of the longest one (as transformers' padded batches do); "
+              f"train.batch_size 1 without packing keeps each document's own", file=sys.stderr)
 
 
 def warn_past_context(session: Session, model: nn.Module, whose: str = "the model's") -> None:

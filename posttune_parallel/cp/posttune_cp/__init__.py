@@ -41,8 +41,32 @@ def validate(config: RunConfig) -> None:
     if config.train.sample_prompts:
         raise ConfigError("train.sample_prompts", "cp cannot generate yet (one token at a time, split over the "
                                                   "sequence); drop the sample prompts (or cp)")
-    if model_kwargs(config).get("sliding_window"):
+    kwargs = model_kwargs(config)
+    if kwargs.get("sliding_window"):
         raise ConfigError("parallel.plans", "cp does not support sliding-window attention yet; remove cp")
+    grows = growing_rope(kwargs, config.data.max_seq_len)
+    if grows:
+        raise ConfigError("parallel.plans", f"cp does not support {grows}: each rank holds part of a sequence and "
+                                            "would choose its own frequencies; lower data.max_seq_len to that length, "
+                                            "or remove cp")
+
+
+#: RoPE variants whose frequencies follow a forward's longest position (posttune.modules.rope.GROWING)
+GROWING_ROPE = ("dynamic", "longrope")
+
+
+def growing_rope(kwargs: dict, max_seq_len: int) -> str | None:
+    """The model's RoPE scaling (any of its build kwargs that is a RoPE mapping) when its frequencies change
+    within ``max_seq_len`` positions: dynamic NTK past ``max_position_embeddings``, LongRoPE past its
+    ``original_max_position_embeddings``; else None."""
+    for value in kwargs.values():
+        kind = value.get("rope_type") if isinstance(value, dict) else None
+        if kind in GROWING_ROPE:
+            after = (value.get("original_max_position_embeddings") if kind == "longrope" else None) or kwargs.get(
+                "max_position_embeddings")
+            if after is None or max_seq_len > after:
+                return f"{kind} RoPE scaling past {after} positions (data.max_seq_len is {max_seq_len})"
+    return None
 
 
 def _cuda_available() -> bool:
