@@ -138,3 +138,15 @@ def test_padding_keeps_labels_ignored_and_documents_apart():
     assert batch["input_ids"].tolist() == [[5, 6, 7, 0]]
     assert batch["labels"].tolist() == [[6, 7, -100, -100]]
     assert batch["document_ids"].tolist() == [[0, 0, 1, 2]]
+
+
+def test_a_family_without_a_tp_plan_is_refused_rather_than_left_whole(tp_mesh):
+    """A third-party family that declares no ``tp_plan``: tp split nothing and every rank trained the whole model."""
+    from dataclasses import replace
+
+    from posttune.errors import PosttuneError
+
+    session = session_for(tiny(), tp_mesh)
+    session.target.family = replace(LLAMA, name="olmo2", tp_plan={})
+    with pytest.raises(PosttuneError, match=r"^tp: family 'olmo2' declares no tp_plan \(ModelFamily\.tp_plan"):
+        apply(session)

@@ -64,6 +64,10 @@ def apply_tp(session: Session, target: ModelTarget) -> None:
     if not options.sequence_parallel:  # the norms run whole on every rank; their weights stay DTensors like the rest
         plan = {pattern: "replicated" if style == "sequence_parallel" else style for pattern, style in plan.items()}
     styles = resolve(model, plan, options.styles, target.family.name)
+    if not styles:  # every rank would train the whole model and call it tensor parallel
+        raise PosttuneError(f"tp: family '{target.family.name}' declares no tp_plan (ModelFamily.tp_plan: module-name "
+                            f"pattern -> style), so nothing would split over the tp ranks; remove tp, or give the "
+                            f"family a plan (docs/plugins.md)")
     sequence_parallel = "sequence_parallel" in styles.values()
     ties = tie_groups(model)
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
