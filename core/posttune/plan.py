@@ -383,9 +383,13 @@ def _datasets(plan: Plan, registry: Registry) -> None:
         for where, source in dataset_sources(dataset, f"data.{split}"):
             fmt = _get(registry, "dataset_format", source.format, f"{where}.format")
             if fmt.descriptor.kind not in wanted:
-                method = plan.method.descriptor.name
+                method, given = plan.method.descriptor.name, sorted({f.descriptor.kind for f in
+                                                                      registry.items("dataset_format")})
+                unheard = "" if set(wanted) & set(given) else (  # a misspelt kind in the method's descriptor
+                    f" (no installed format gives them: they give {', '.join(given)}; the method is "
+                    f"{plan.method.provenance}){did_you_mean(wanted[0], given)}")
                 raise ConfigError(f"{where}.format", f"'{source.format}' gives {fmt.descriptor.kind} rows; method "
-                                                     f"'{method}' needs {' or '.join(wanted)} rows")
+                                                     f"'{method}' needs {' or '.join(wanted)} rows{unheard}")
             first = plan.datasets.setdefault(split, fmt)
             if fmt.descriptor.kind != first.descriptor.kind:  # one maker reads them all: one kind of row
                 raise ConfigError(f"{where}.format", f"'{source.format}' gives {fmt.descriptor.kind} rows and "

@@ -92,7 +92,8 @@ def descriptor_problem(descriptor: Any) -> str | None:
             return f"name {value!r}: letters, digits, '_', '.' and '-' only"
         if f.name == "roles":
             if not callable(value) and (isinstance(value, str) or not isinstance(value, (tuple, list))):
-                return f"roles: expected a tuple of roles (or a function of the config), got {value!r}"
+                comma = " (a 1-tuple needs its comma: ('x',))" if isinstance(value, str) else ""
+                return f"roles: expected a tuple of roles (or a function of the config), got {value!r}{comma}"
             continue
         if annotation == "tuple[str, ...]" and (isinstance(value, str) or not isinstance(value, (tuple, list))):
             return f"{f.name}: expected a tuple of strings, got {value!r} (a 1-tuple needs its comma: ('x',))"
@@ -174,6 +175,9 @@ class Registry:
         holders = self.duplicates.get((kind, name))
         if holders:
             both = " and ".join(sorted(str(h.provenance) for h in holders))  # sorted: discovery order varies
+            if len({str(h.provenance) for h in holders}) == 1:  # one plugin's hook registered it twice
+                return PluginError(f"{label} '{name}' is registered twice by {holders[0].provenance}; its "
+                                   "registration hook must register each name once")
             return PluginError(
                 f"{label} '{name}' is registered by both {both}; uninstall one, or pick one "
                 f"with POSTTUNE_DISABLE_PLUGINS"

@@ -45,6 +45,7 @@ class RolesPlugin:
                            ("twice", "critic")):
             register(Method(name, dict, "conversation", data=noop, loss=noop,
                             roles=(role, "critic") if name == "twice" else (role,)))
+        register(Method("misspelt", dict, "preferences", data=noop, loss=noop))  # no format gives that kind
 
     @hookimpl
     def posttune_register_datasets(self, register):
@@ -135,6 +136,16 @@ def test_a_method_may_read_several_kinds(registry):
         plan = resolve_plan(config(method="both", models={}, data={"train": {"path": "d.jsonl", "format": fmt}}),
                             registry)
         assert plan.datasets["train"].descriptor.name == fmt
+
+
+def test_a_kind_no_installed_format_gives_is_named_with_those_they_give(registry):
+    """A method's misspelt kind registers (a plugin not installed yet may bring that kind); a run says so."""
+    with pytest.raises(ConfigError) as caught:
+        resolve_plan(config(method="misspelt", models={}), registry)
+    assert str(caught.value).startswith(
+        "config: data.train.format: 'chat' gives conversation rows; method 'misspelt' needs preferences rows (no "
+        "installed format gives them: they give ")
+    assert str(caught.value).endswith("; the method is posttune-roles 1.0) (did you mean 'preference'?)")
 
 
 def test_the_old_kind_name_reads_as_the_new_one(registry):

@@ -138,6 +138,15 @@ def test_unknown_name_mentions_a_third_party_plugin_that_failed_to_load(fake_dis
                                      "(ImportError: needs acme-kernels)")
 
 
+def test_a_name_one_plugin_registers_twice_says_so(fake_distribution, installed):
+    twice = FAMILY_PLUGIN.format(name="twin", arch="A") + '    register(ModelFamily("twin", ("B",), dict, dict))\n'
+    fake_distribution("fake-one", "fake_one", twice, version="1.0")
+    with pytest.raises(PluginError) as caught:
+        installed().registry.get("model_family", "twin")
+    assert str(caught.value) == ("model family 'twin' is registered twice by fake-one 1.0; its registration hook must "
+                                 "register each name once")
+
+
 def test_duplicate_name_is_an_error_naming_both_distributions(fake_distribution, installed):
     fake_distribution("fake-one", "fake_one", FAMILY_PLUGIN.format(name="twin", arch="A"), version="1.0")
     fake_distribution("fake-two", "fake_two", FAMILY_PLUGIN.format(name="twin", arch="B"), version="2.0")
@@ -192,7 +201,8 @@ class NotADataclass:
     ("posttune_register_methods", lambda: Method("m", dict, "sft", data=None, loss=_noop),
      "Method 'm': data: expected a function, got None"),
     ("posttune_register_methods", lambda: Method("m", dict, "sft", data=_noop, loss=_noop, roles=("reference")),
-     "Method 'm': roles: expected a tuple of roles (or a function of the config), got 'reference'"),
+     "Method 'm': roles: expected a tuple of roles (or a function of the config), got 'reference' (a 1-tuple needs "
+     "its comma: ('x',))"),
     ("posttune_register_methods", lambda: Method("m", dict, 42, data=_noop, loss=_noop),
      "Method 'm': dataset_kind: expected a kind's name or a tuple of them, got 42"),
     ("posttune_register_methods", lambda: Method("m", {"beta": 1}, "sft", data=_noop, loss=_noop),
