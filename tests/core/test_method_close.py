@@ -35,10 +35,20 @@ def faulty(loss):
                 raise KeyboardInterrupt
             if kind == "float":  # not a LossOutput: the plugin's error, named
                 return 0.5
+            if kind == "text_metric":  # a metric that is no number
+                out = loss(session, batch)
+                return dataclasses.replace(out, metrics={**out.metrics, "x": "text"})
             os.kill(os.getpid(), signal.SIGTERM)  # the step completes, then the run saves and stops
         return loss(session, batch)
 
     return call
+
+
+def data(session, dataset, split):
+    return 42 if FAULT.get("data") else DATA[0](session, dataset, split)
+
+
+DATA: list = []  # SFT's data
 
 
 def setup(session):
@@ -60,7 +70,9 @@ class ClosingSFT:
         found = []
         posttune_sft.posttune_register_methods(found.append)
         sft = found[0]
-        register(dataclasses.replace(sft, name="closing_sft", loss=faulty(sft.loss), setup=setup, close=close))
+        DATA[:] = [sft.data]
+        register(dataclasses.replace(sft, name="closing_sft", loss=faulty(sft.loss), setup=setup, close=close,
+                                     data=data))
 
 
 @pytest.fixture
@@ -104,6 +116,21 @@ def test_a_loss_that_is_not_a_loss_output_is_one_line_naming_the_method(run):
     assert result.stderr.endswith("posttune: error: method 'closing_sft' (closing-sft 1): loss returned float, not a "
                                   "LossOutput(loss_sum, normaliser, ...)\n")
     assert CLOSED == [1]
+
+
+def test_a_metric_that_is_no_number_is_one_line_naming_the_method_and_metric(run):
+    result = run(kind="text_metric", step=2)
+    assert result.exit_code == 2
+    assert result.stderr.endswith("posttune: error: method 'closing_sft' (closing-sft 1): loss's metric 'x' is "
+                                  "'text', not a number, a scalar tensor or a (total, count) pair of them\n")
+
+
+def test_data_that_is_no_loader_is_one_line_naming_the_method(run):
+    """It said ``train.max_steps: required: method ... makes its batches as it goes`` (42 has no len)."""
+    result = run(data=True)
+    assert result.exit_code == 2
+    assert result.stderr.endswith("posttune: error: method 'closing_sft' (closing-sft 1): data returned int for "
+                                  "train, not an iterable of batches (a loader)\n")
 
 
 def test_a_bug_in_a_step_still_closes_the_method(run):

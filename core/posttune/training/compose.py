@@ -32,7 +32,7 @@ from posttune.checkpoint.origin import ModelOrigin, attach
 from posttune.checkpoint.score_head import add_score_head, checkpoint_labels
 from posttune.config.requires import device_for
 from posttune.config.schema import DataConfig
-from posttune.errors import ConfigError, PosttuneError, first_line
+from posttune.errors import ConfigError, PluginError, PosttuneError, first_line
 from posttune.plan import Plan, applies_to_frozen, build_kwargs
 from posttune.registry import Registered
 from posttune.session import ModelTarget, Session
@@ -487,11 +487,16 @@ def build_data(session: Session) -> None:
     by ``data.validation_split``) ``validation``."""
     from posttune.config.schema import held_out
 
-    method = session.plan.method.descriptor
+    method = session.plan.method
     train, validation = held_out(session.config.data, session.config.train.seed)
-    session.train_data = method.data(session, train, "train")
-    if validation is not None:
-        session.validation_data = method.data(session, validation, "validation")
+    for split, dataset in (("train", train), ("validation", validation)):
+        if dataset is None:
+            continue
+        loader = method.descriptor.data(session, dataset, split)
+        if not hasattr(loader, "__iter__"):  # the plugin's error: named here, not as a later TypeError
+            raise PluginError(f"method '{method.descriptor.name}' ({method.provenance}): data returned "
+                              f"{type(loader).__name__} for {split}, not an iterable of batches (a loader)")
+        setattr(session, f"{split}_data", loader)
 
 
 def total_steps(session: Session) -> int:

@@ -166,6 +166,12 @@ def loss_of(session: Session, batch: Any) -> LossOutput:
         method = session.plan.method
         raise PluginError(f"method '{method.descriptor.name}' ({method.provenance}): loss returned "
                           f"{type(out).__name__}, not a LossOutput(loss_sum, normaliser, ...)")
+    for key, value in out.metrics.items():
+        parts = value if isinstance(value, tuple) and len(value) == 2 else (value,)
+        if not all(isinstance(part, (int, float, torch.Tensor)) for part in parts):
+            method = session.plan.method
+            raise PluginError(f"method '{method.descriptor.name}' ({method.provenance}): loss's metric '{key}' is "
+                              f"{value!r:.80}, not a number, a scalar tensor or a (total, count) pair of them")
     return out
 
 
