@@ -44,6 +44,23 @@ def test_a_run_trains_on_the_rest_and_evaluates_on_the_held_out_rows(llama_sft, 
     assert "val_loss" in steps[-1]
 
 
+def test_a_list_of_datasets_holds_out_the_same_share_of_each(llama_sft, posttune_cli, tmp_path):
+    """axolotl's ``val_set_size`` over several ``datasets:``: each source gives its share (refused before)."""
+    config = sft_config(tmp_path, rows=20, train={"max_steps": 2, "eval_every": 2})
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text("".join(json.dumps({"instruction": f"Reverse: {w}", "input": "", "output": w[::-1]}) + "\n"
+                              for w in ("ABC", "XYZ", "QWER", "LMNO", "PQ", "RSTU", "VW", "KLM")))
+    config["data"] = {**config["data"], "validation_split": 0.25,
+                      "train": [config["data"]["train"], {"path": str(alpaca), "format": "alpaca"}]}
+    session = compose_run(config)
+    assert session.train_data.num_items == 15 + 6 and session.validation_data.num_items == 5 + 2
+    result = posttune_cli("train", str(write(tmp_path, config)))
+    assert result.exit_code == 0, result.stderr
+    steps = [json.loads(line) for line in (Path(config["checkpoint"]["output_dir"]) / "metrics.jsonl")
+             .read_text().splitlines()]
+    assert "val_loss" in steps[-1]
+
+
 @pytest.mark.parametrize(("data", "message"), [
     ({"validation_split": 1.5}, "data.validation_split: expected a number > 0 and < 1, or null (data.validation, if "
                                 "any, is the validation set), got 1.5"),

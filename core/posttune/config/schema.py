@@ -135,13 +135,20 @@ class DatasetConfig:
 
 def held_out(data: DataConfig, seed: int) -> tuple[DatasetConfig, DatasetConfig | None]:
     """(train, validation) datasets of ``data``: as written, or with ``validation_split`` the same dataset twice,
-    once for the rows held out and once for the rest (`posttune.data.build.holdout_rows` draws them)."""
+    once for the rows held out and once for the rest (`posttune.data.build.holdout_rows` draws them); of a list
+    of datasets, the same share of each."""
     if data.validation_split is None:
         return data.train, data.validation
-    train, validation = replace(data.train), replace(data.train)
-    object.__setattr__(train, "holdout", (data.validation_split, seed, False))
-    object.__setattr__(validation, "holdout", (data.validation_split, seed, True))
-    return train, validation
+
+    def part(dataset: DatasetConfig, held: bool) -> DatasetConfig:
+        split = replace(dataset)  # ``sources`` and ``holdout`` are not init fields: set on the copy
+        if dataset.sources:
+            object.__setattr__(split, "sources", tuple(part(source, held) for source in dataset.sources))
+        else:
+            object.__setattr__(split, "holdout", (data.validation_split, seed, held))
+        return split
+
+    return part(data.train, False), part(data.train, True)
 
 
 def mixture(sources: list[DatasetConfig], where: str) -> DatasetConfig:
@@ -444,10 +451,9 @@ def _check_validation_split(data: DataConfig) -> None:
         return
     if data.validation is not None:
         raise ConfigError("data.validation_split", "data.validation is given too; keep one")
-    if data.train.streaming or data.train.sources:
-        what = "is streamed (its rows are not all read first)" if data.train.streaming else "is a list of datasets"
-        raise ConfigError("data.validation_split", f"data.train {what}; give data.validation (a split may be "
-                                                   "sliced: split: train[95%:])")
+    if data.train.streaming:
+        raise ConfigError("data.validation_split", "data.train is streamed (its rows are not all read first); give "
+                                                   "data.validation (a split may be sliced: split: train[95%:])")
 
 
 def _check_grouping(data: DataConfig) -> None:
