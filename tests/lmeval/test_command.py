@@ -106,3 +106,18 @@ def test_a_checkpoint_without_a_chat_template_is_one_line_before_tasks_and_weigh
     result = eval_cli("--model", str(folder), "--tasks", "no_such_task", "--apply-chat-template")
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
     assert f"eval: --apply-chat-template: {folder} has no chat template" in result.stderr
+
+
+@pytest.mark.slow  # indexes lm-eval's ~15k task YAMLs
+def test_a_hub_task_whose_data_is_not_cached_is_one_line(eval_cli, register_plugin, tiny_checkpoint, monkeypatch):
+    """Offline (as these tests run), arc_easy's data cannot be fetched: lm-eval's ~40-line traceback and exit 1
+    before; one line and exit 2 now."""
+    import posttune_llama
+
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = eval_cli("--model", str(tiny_checkpoint), "--tasks", "arc_easy", "--limit", "2")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("posttune: error: eval: a task's dataset could not be read (")
+    assert result.stderr.endswith("a local task (--include-path) needs neither\n")

@@ -89,8 +89,16 @@ def run(args: argparse.Namespace) -> int:
         "random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")}
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
     chat_options = prompt_options(args)
-    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_fewshot,
-                              limit=limit, log_samples=args.log_samples, **chat_options, **seeds)
+    try:
+        results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_fewshot,
+                                  limit=limit, log_samples=args.log_samples, **chat_options, **seeds)
+    except Exception as exc:  # a hub task without its data in the cache: one line, not lm-eval's traceback
+        if not unreachable(exc):
+            raise
+        line = " ".join(str(exc).split())[:300]
+        raise PosttuneError(f"eval: a task's dataset could not be read ({type(exc).__name__}: {line}); a hub task "
+                            "runs only with its data in the datasets cache (run it once online) or network access; "
+                            "a local task (--include-path) needs neither") from None
     results.update(prompt_record(lm, chat_options))
     print(make_table(results))
     if results.get("groups"):
@@ -99,6 +107,14 @@ def run(args: argparse.Namespace) -> int:
         write_json(results, Path(args.output), samples=args.log_samples)
         print(f"results written to {args.output}")
     return 0
+
+
+def unreachable(exc: BaseException) -> bool:
+    """The hub could not be reached for a task's data (offline mode, no network): datasets', huggingface_hub's
+    and requests' spellings of it."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return isinstance(exc, ConnectionError) or bool(names & {"ConnectionError", "OfflineModeIsEnabled",
+                                                             "LocalEntryNotFoundError", "DatasetNotFoundError"})
 
 
 def check_arguments(args: argparse.Namespace) -> None:
