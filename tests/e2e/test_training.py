@@ -186,7 +186,8 @@ def test_max_seq_len_past_the_model_context_is_warned_of_once(llama_sft, posttun
     unset = posttune_cli("train", str(write_config("unset.yaml", model=model, train={"max_steps": 1},
                                                    checkpoint={"overwrite": True})), "~data.max_seq_len")
     assert unset.exit_code == 0, unset.stderr
-    assert "posttune: warning: data.max_seq_len: 2048 (the default) is past the model's context of 256" in unset.stderr
+    assert ("posttune: warning: data.max_seq_len: 2048 (the default when not set) is past the model's context of 256"
+            in unset.stderr)
 
 
 @pytest.mark.parametrize(("scaling", "max_seq_len", "after"), [

@@ -215,7 +215,7 @@ def warn_past_context(session: Session, model: nn.Module, whose: str = "the mode
     context, length = context_length(model), session.config.data.max_seq_len
     kinds = session.plan.method.descriptor.dataset_kinds
     if context is not None and length > context and "prompt" not in kinds and distributed.is_main():
-        default = " (the default)" if length == DataConfig.max_seq_len else ""
+        default = " (the default when not set)" if length == DataConfig.max_seq_len else ""
         print(f"posttune: warning: data.max_seq_len: {length}{default} is past {whose} context of {context} tokens "
               "(max_position_embeddings): longer samples use positions it was never trained on; lower it, or "
               "extend the context on purpose (rope scaling in the checkpoint's config)", file=sys.stderr)
