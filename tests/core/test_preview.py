@@ -41,6 +41,18 @@ def test_the_demo_rows_train_on_the_reversed_word_and_its_end_token_only(plugins
         assert re.match(r"\d+: \d+ tokens, \d+ trained \(marked by double brackets\) ==\n", row)
 
 
+def test_packed_rows_are_shown_as_their_samples_without_the_padding(plugins, posttune_cli):
+    """With packing and fixed-length rows the batch is said to hold its samples end to end, and a row's padding to
+    max_seq_len is not shown as a row of 0 trained tokens (axolotl trial)."""
+    result = posttune_cli("preview", "llama-demo-reverse", "--rows", "40", "--marks", "brackets",
+                          "method.packing=true", "method.padding_free=false")
+    assert result.exit_code == 0, result.stderr
+    head, *rows = result.stdout.split("== row ")
+    assert re.fullmatch(r"== the batch: 32 row\(s\) of 64 tokens, holding (\d+) samples end to end \(attention stays "
+                        r"within each\); each sample is shown below as a row ==\n", head)
+    assert len(rows) == int(re.search(r"holding (\d+) samples", head).group(1)) and " 0 trained" not in result.stdout
+
+
 def test_dpo_shows_the_rejected_response_after_the_shared_prompt(plugins, posttune_cli, tmp_path):
     result = posttune_cli("preview", write(tmp_path, dpo_config(tmp_path)), "--rows", "2", "--marks", "brackets")
     assert result.exit_code == 0, result.stderr

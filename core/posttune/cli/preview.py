@@ -58,6 +58,10 @@ def run(args: argparse.Namespace, resolve: Callable[[argparse.Namespace, int], A
                             "nothing to show")
     color = args.marks == "color" or (args.marks == "auto" and sys.stdout.isatty())
     pad = pad_id(session.tokenizer)
+    if batch.get("document_ids") is not None:  # packed or padding-free: the batch's rows hold samples end to end
+        shape = tuple(batch["input_ids"].shape)
+        print(f"== the batch: {shape[0]} row(s) of {shape[1]} tokens, holding {len(rows_of(batch, pad))} samples end "
+              f"to end (attention stays within each); each sample is shown below as a row ==")
     for number, (ids, labels, shared) in enumerate(rows_of(batch, pad)[:args.rows], 1):
         trained = [False] + [label != IGNORE_INDEX for label in labels[:-1]]
         after = ", after the prompt shown above (computed once)" if shared else ""
@@ -70,7 +74,8 @@ def run(args: argparse.Namespace, resolve: Callable[[argparse.Namespace, int], A
 def rows_of(batch: Mapping[str, Any], pad: int) -> list[tuple[list[int], list[int], bool]]:
     """(ids, labels, whether it continues a prompt shown before it) of each sample of a batch: a padded row less
     its padding, or each document of a row of documents end to end (packing, padding-free; a document whose
-    positions do not start at 0 continues a shared prompt, as DPO's rejected response does)."""
+    positions do not start at 0 continues a shared prompt, as DPO's rejected response does); a packed row's
+    padding to ``max_seq_len`` is no sample."""
     from posttune.plugin import IGNORE_INDEX as IGNORE
 
     ids, labels = batch["input_ids"].tolist(), batch.get("labels")
@@ -87,7 +92,10 @@ def rows_of(batch: Mapping[str, Any], pad: int) -> list[tuple[list[int], list[in
         for document in dict.fromkeys(owners):
             kept = [i for i, owner in enumerate(owners) if owner == document]
             shared = positions is not None and int(positions[index][kept[0]]) > 0
-            out.append(([row[i] for i in kept], [targets[i] for i in kept], shared))
+            sample, sample_targets = [row[i] for i in kept], [targets[i] for i in kept]
+            if set(sample) == {pad} and set(sample_targets) == {IGNORE}:  # a packed row's padding, no sample
+                continue
+            out.append((sample, sample_targets, shared))
     return out
 
 
