@@ -146,6 +146,28 @@ def test_a_bad_reference_is_one_line_before_launch(rewards_file, name, problem):
     assert str(error.value) == "config: " + problem.format(cwd=rewards_file.parent)
 
 
+def test_a_run_in_the_same_process_scores_with_the_function_as_it_is_then(rewards_file, monkeypatch):
+    """A notebook's next cell: an edited file, or a function of the script (``__main__``) defined again, is what the
+    next resolution scores with (a process-wide cache kept the first before); a resolved reward keeps its version."""
+    import sys
+    import types
+
+    first = resolve_rewards([RewardSpec("my_rewards.py:brevity")])
+    rewards_file.write_text(rewards_file.read_text().replace("1.0 / (1 + len(text))", "0.75"))
+    assert score(resolve_rewards([RewardSpec("my_rewards.py:brevity")]), ["p"], ["AB"], {}).total == [0.75]
+    assert score(first, ["p"], ["AB"], {}).total == [pytest.approx(1 / 3)]  # bound when resolved
+    script = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    for value in (0.25, 0.5):
+        exec(f"def score(completions, **kwargs):\n    return [{value}] * len(completions)\n", script.__dict__)
+        assert score(resolve_rewards([RewardSpec("__main__:score")]), ["p"], ["AB"], {}).total == [value]
+    with pytest.raises(ConfigError) as error:  # a worker process's __main__ is not the script
+        resolve_rewards([RewardSpec("__main__:score", timeout_s=5)])
+    assert str(error.value) == ("config: method.rewards[0].name: '__main__:score' is isolated by its time limit, so "
+                                "it runs in worker processes, whose __main__ is not this script; put the function in "
+                                "a file (file.py:function) or a module")
+
+
 def test_options_and_two_functions_of_one_name_are_refused(rewards_file, tmp_path):
     with pytest.raises(ConfigError, match=r"method.rewards\[0\].options: the Python function 'my_rewards.py:brevity' "
                                           "takes no options"):

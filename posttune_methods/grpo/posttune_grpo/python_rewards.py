@@ -22,7 +22,6 @@ legitimate. A module reference is not fingerprinted: its code is a package's, po
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import inspect
 import importlib
@@ -30,7 +29,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +42,26 @@ def is_reference(name: str) -> bool:
 @dataclass(frozen=True)
 class PythonReward:
     """The function ``reference`` names, read from ``cwd`` (the process that resolved it): what a worker process
-    or a Ray actor receives by pickle, and imports on its first call."""
+    or a Ray actor receives by pickle, and imports on its first call. In the process that resolved it, the
+    function as it was then (``bound``): a run scores with one version of it, and the next run in the same
+    process (a notebook's next cell) resolves it again, edits included."""
 
     reference: str
     cwd: str
+    bound: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
         return self.reference.rpartition(":")[2]
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[str], **fields: Any) -> Any:
-        result = load(self.reference, self.cwd)(prompts=prompts, completions=completions, **fields)
+        if self.bound is None:  # a worker process or an actor: imported there once
+            object.__setattr__(self, "bound", load(self.reference, self.cwd))
+        result = self.bound(prompts=prompts, completions=completions, **fields)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
+
+    def __getstate__(self) -> dict[str, Any]:  # the reference travels, not the function (its module is local)
+        return {"reference": self.reference, "cwd": self.cwd, "bound": None}
 
 
 #: what TRL passes a reward function beyond the rows' fields, and posttune does not
@@ -66,6 +73,7 @@ def python_reward(reference: str, cwd: str | None = None) -> PythonReward:
     one is a one-line error before launch (``ValueError``, naming what is missing)."""
     reward = PythonReward(reference, cwd or os.getcwd())
     function = load(reward.reference, reward.cwd)
+    object.__setattr__(reward, "bound", function)
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):  # a builtin or C callable: nothing to check
@@ -77,8 +85,8 @@ def python_reward(reference: str, cwd: str | None = None) -> PythonReward:
     return reward
 
 
-@functools.cache
 def load(reference: str, cwd: str) -> Callable[..., Any]:
+    """The function now: a file's as its content is (an edited file is read again), a module's as imported."""
     target, _, attribute = reference.rpartition(":")
     if not target or not attribute.isidentifier():
         raise ValueError(f"'{reference}' is not a Python function's reference: write path/to/file.py:function or "
@@ -101,8 +109,8 @@ def load(reference: str, cwd: str) -> Callable[..., Any]:
 def _from_file(path: Path) -> Any:
     if not path.is_file():
         raise ValueError(f"no file {path}")
-    # one module per file, under a name no import can clash with
-    name = "posttune_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    # one module per file and content, under a name no import can clash with
+    name = "posttune_reward_" + hashlib.sha1(str(path.resolve()).encode() + path.read_bytes()).hexdigest()[:12]
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)

@@ -198,6 +198,10 @@ def _resolve_python(spec: RewardSpec, at: str, cwd: str | None) -> ResolvedRewar
     provider = f"Python function {spec.name}"
     if spec.timeout_s is None and spec.budget_s is None:
         return ResolvedReward(fn.name, float(spec.weight), fn, None, provider)
+    if spec.name.startswith("__main__:"):
+        raise ConfigError(f"{at}.name", f"'{spec.name}' is isolated by its time limit, so it runs in worker "
+                                        "processes, whose __main__ is not this script; put the function in a file "
+                                        "(file.py:function) or a module")
     timeout_s, budget_s = _limits(spec, at)
     return ResolvedReward(fn.name, float(spec.weight), fn, None, provider, True, timeout_s, budget_s)
 
