@@ -259,3 +259,21 @@ def test_an_fp32_run_on_a_bf16_checkpoint_warns_that_it_saves_fp32(llama_sft, po
     kept = posttune_cli("train", str(tmp_path / "run.yaml"), "model.dtype=bf16", "checkpoint.overwrite=true")
     assert kept.exit_code == 0 and "is stored in" not in kept.stderr
     assert json.loads((tmp_path / "out" / "model" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_run_that_fails_while_composing_records_failed_in_run_json(llama_sft, posttune_cli, write_config, tmp_path):
+    """A checkpoint that fails to load (a truncated safetensors file): run.json said ``running`` afterwards, so a
+    watcher took the run for alive; it says ``failed`` with the error line, and no step (none ran)."""
+    import posttune
+
+    base = tmp_path / "base"
+    posttune.save_model(posttune.build_model("llama", "tiny", vocab_size=384), base)
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    path = write_config(model={"path": str(base), "family": None, "size": None, "build_overrides": {}},
+                        train={"max_steps": 1})
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 2, result.stderr
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert run["status"] == "failed" and "step" not in run
+    assert result.stderr.rstrip().endswith(run["error"])

@@ -30,21 +30,23 @@ def run(plan: Any) -> int:
     with output_dir.claimed(plan.config, main=main):
         if main:
             print(run_report.preparing(plan), flush=True)
-        session = compose(plan)  # closes the method itself if it fails after the method's setup
-        show = distributed.is_main()
-        out = Path(plan.config.checkpoint.output_dir)
+        out, show, session = Path(plan.config.checkpoint.output_dir), main, None
         try:
+            session = compose(plan)  # closes the method itself if it fails after the method's setup
+            show = distributed.is_main()
             return _run(session, show, out)
         except KeyboardInterrupt:  # run.json says how the run ended, for whoever watches the folder
             if show:
-                output_dir.record_status(out, "interrupted", step=session.step)
+                output_dir.record_status(out, "interrupted", **({"step": session.step} if session else {}))
             raise
-        except BaseException as exc:
+        except BaseException as exc:  # composing too: a checkpoint that fails to load
             if show:
-                output_dir.record_status(out, "failed", step=session.step, error=one_line(str(exc)))
+                output_dir.record_status(out, "failed", **({"step": session.step} if session else {}),
+                                         error=one_line(str(exc)))
             raise
         finally:  # success, an error, Ctrl-C, preemption: what the method opened is closed
-            close_method(session)
+            if session is not None:
+                close_method(session)
 
 
 def _run(session: Any, show: bool, out: Path) -> int:
