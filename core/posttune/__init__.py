@@ -1,6 +1,6 @@
 """posttune: PyTorch-native post-training of large language models, as a core plus plugins.
 
-The model API (``load_model``, ``save_model``, ``build_model``, ``load_tokenizer``) is
+The Python API (``train``, ``load_model``, ``save_model``, ``build_model``, ``load_tokenizer``) is
 exported lazily: ``import posttune`` (and ``posttune --version``) does not import torch.
 """
 
@@ -14,6 +14,7 @@ from posttune.plugins import PLUGIN_API, hookimpl
 from posttune.version import __version__
 
 _LAZY = {
+    "train": "posttune.api",
     "load_model": "posttune.api",
     "save_model": "posttune.api",
     "build_model": "posttune.api",

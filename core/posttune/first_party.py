@@ -99,6 +99,8 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 
+#: adapter.kind's values elsewhere (axolotl's ``adapter: qlora``) -> what they are here
+ADAPTER_KINDS = {"qlora": "kind: lora with memory: [qlora_nf4] (posttune-torchao)"}
 #: kind -> another tool's name for something registered here under another name (axolotl's dataset types)
 OTHER_NAMES: dict[str, dict[str, str]] = {
     "dataset_format": {"sharegpt": "chat", "chat_template": "chat", "conversation": "chat", "messages": "chat"},

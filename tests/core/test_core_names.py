@@ -28,6 +28,7 @@ COINCIDENCES = {
     ("cli/commands.py", "cp"): "the core's `posttune cp` command (copy a bundled config)",
     # PPO's roles `value` and `reward` are also plain words and attributes
     ("builtin/datasets.py", "value"): "ShareGPT rows' message key",
+    ("chat_messages.py", "value"): "ShareGPT rows' message key, in the hint for a turn of the other shape",
     ("cli/config_keys.py", "value"): "a parameter's name in a docstring",
     ("config/typed.py", "value"): "a parameter's name in a docstring",
     ("config/loader.py", "value"): "PyYAML nodes' attribute (a mapping node's pairs, a scalar's text)",

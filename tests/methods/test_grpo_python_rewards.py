@@ -168,6 +168,25 @@ def test_a_run_in_the_same_process_scores_with_the_function_as_it_is_then(reward
                                 "a file (file.py:function) or a module")
 
 
+def test_a_script_function_is_refused_in_ray_modes_before_launch(llama_grpo, rewards_file, tmp_path,  # noqa: F811
+                                                                  monkeypatch):
+    """Ray's reward actors import a reference in their own process, whose __main__ is not the script."""
+    import sys
+    import types
+
+    import posttune
+
+    script = types.ModuleType("__main__")
+    exec("def score(completions, **kwargs):\n    return [0.5] * len(completions)\n", script.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    config = grpo_config(tmp_path, method={"rewards": ["__main__:score"], "mode": "async"})
+    with pytest.raises(ConfigError) as error:
+        posttune.train(config)
+    assert str(error.value) == ("config: method.rewards[0].name: '__main__:score' is a function of this script, "
+                                "which Ray's reward actors cannot import; put it in a file (file.py:function) or a "
+                                "module")
+
+
 def test_options_and_two_functions_of_one_name_are_refused(rewards_file, tmp_path):
     with pytest.raises(ConfigError, match=r"method.rewards\[0\].options: the Python function 'my_rewards.py:brevity' "
                                           "takes no options"):

@@ -154,15 +154,21 @@ def _configure_config(parser: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace, world_size: int | None = 1):
     """Config file + overrides -> validated RunConfig -> Plan (no weights touched)."""
+    return resolve_run(args.config, args.overrides, world_size=world_size,
+                       runs=getattr(args, "command", None) in ("validate", "train"))
+
+
+def resolve_run(source: Any, overrides: list[str], *, world_size: int | None = 1, runs: bool = True) -> Any:
+    """A config (a file, a bundled name or a mapping) and overrides -> the checked Plan: every check `validate`
+    makes before any weight loads; ``runs``: those of a run too (its data read, its output directory's state)."""
     from posttune.config import load_config, validate
     from posttune.plan import resolve_plan
 
     from posttune.checkpoint.peft_config import check_init_from
     from posttune.config.data_checks import check_data
 
-    config = validate(load_config(args.config, args.overrides))
+    config = validate(load_config(source, overrides))
     plan = resolve_plan(config, get_registry(), world_size=world_size)
-    runs = getattr(args, "command", None) in ("validate", "train")
     check_data(plan, runs=runs)  # a missing data file, or a format that cannot read it: refused before any weight loads
     check_init_from(config.adapter)  # an adapter to start from that cannot be loaded: likewise
     if config.adapter is not None and config.adapter.targets:  # a listed target that matches no linear layer

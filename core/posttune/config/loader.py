@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -230,8 +232,8 @@ def _delete(config: dict[str, Any], parts: list[str]) -> None:
         raise ConfigError(".".join(parts), "no such key to delete")
 
 
-def load_config(source: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Raw config mapping from a file (or bundled config name) with overrides applied.
+def load_config(source: str | Path | Mapping[str, Any], overrides: list[str] | None = None) -> dict[str, Any]:
+    """Raw config mapping from a file (or bundled config name, or a mapping built in Python) with overrides applied.
 
     A first-party role's old top-level section (``first_party.ROLE_SECTIONS``) is read as
     `models.<role>` in the file and in an override alike, so either spelling overrides either.
@@ -239,7 +241,10 @@ def load_config(source: str | Path, overrides: list[str] | None = None) -> dict[
     from posttune.config.bundled import resolve_config_path, resolve_package_paths
     from posttune.config.schema import role_sections
 
-    data = role_sections(load_yaml(resolve_config_path(source)))
+    if isinstance(source, Mapping):  # a copy: the caller's mapping is left as it was
+        data = role_sections(copy.deepcopy(dict(source)))
+    else:
+        data = role_sections(load_yaml(resolve_config_path(source)))
     return resolve_package_paths(apply_overrides(data, [_new_spelling(o) for o in overrides or []]))
 
 

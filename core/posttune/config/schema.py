@@ -224,8 +224,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class AdapterConfig:
     FROM_STRING: ClassVar[str] = "kind"  # `adapter: lora`, as axolotl writes it: that kind with these defaults
-    KNOWN_VALUES: ClassVar[dict[str, dict[str, str]]] = {
-        "kind": {"qlora": "kind: lora with memory: [qlora_nf4] (posttune-torchao)"}}
+    KNOWN_VALUES: ClassVar[dict[str, dict[str, str]]] = {"kind": first_party.ADAPTER_KINDS}
     kind: Literal["lora", "dora"] = "lora"  # LoRA, or DoRA (LoRA on a weight's direction, plus its magnitude)
     rank: int = 8  # rank of the low-rank update
     alpha: float = 16.0  # the update is scaled by alpha / rank (alpha / sqrt(rank) with rslora)

@@ -283,6 +283,11 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
                                                                    "sequence parallelism cannot split over the TP "
                                                                    "ranks; set it to false")
     check_rewards(config, method.rewards)
+    script = [i for i, spec in enumerate(method.rewards) if spec.name.startswith("__main__:")]
+    if script and generation_of(method) != "local":
+        raise ConfigError(f"method.rewards[{script[0]}].name", f"'{method.rewards[script[0]].name}' is a function of "
+                                                               "this script, which Ray's reward actors cannot import; "
+                                                               "put it in a file (file.py:function) or a module")
     scored = [i for i, spec in enumerate(method.rewards) if spec.name == MODEL_REWARD]
     if scored and generation_of(method) != "local":
         raise ConfigError(f"method.rewards[{scored[0]}].name", f"'{MODEL_REWARD}' scores in the learner process; "
