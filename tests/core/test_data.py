@@ -113,6 +113,28 @@ def test_alpaca_rows_from_each_file_type_tokenize_with_the_chat_template(ext, tm
     assert int(batch["num_tokens"]) == sum(len(ids) for ids, _ in unpadded(batch))  # padding not counted
 
 
+def test_csv_cells_are_read_as_the_text_written(tmp_path, tokenizer, formats):
+    """pandas' guesses made "None", "N/A" and "nan" nulls (a "missing field") and "007" the number 7.0."""
+    rows = [{"instruction": "nan", "input": "", "output": "None"}, {"instruction": "What is 6*7?", "input": "N/A",
+                                                                    "output": "007"}]
+    path = tmp_path / "na.csv"
+    path.write_text("instruction,input,output\nnan,,None\nWhat is 6*7?,N/A,007\n")
+    (batch,) = all_batches(loader_for(path, tokenizer, formats, shuffle=False))
+    assert [ids for ids, _ in unpadded(batch)] == [expected_sample(tokenizer, alpaca_messages(row))[0] for row in rows]
+
+
+def test_a_utf8_bom_before_the_first_row_is_no_part_of_it(tmp_path, tokenizer, formats):
+    """A JSON Lines file saved with a byte-order mark (Windows editors): refused by the checks before, and its first
+    row dropped as invalid with skip_bad_rows."""
+    plain = write(tmp_path / "plain.jsonl", ALPACA[:3])
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    for skip in (False, True):
+        first, second = (all_batches(loader_for(p, tokenizer, formats, shuffle=False, skip_bad_rows=skip))
+                         for p in (plain, marked))
+        assert_same_batches(first, second)
+
+
 def test_labels_are_the_assistant_tokens_shifted_by_one(tmp_path, tokenizer, formats):
     path = write(tmp_path / "chat.jsonl", [{"messages": CHAT[1]}])
     (batch,) = all_batches(loader_for(path, tokenizer, formats, fmt="chat"))

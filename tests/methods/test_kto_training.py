@@ -264,3 +264,13 @@ def test_text_rows_are_encoded_as_trls_kto_trainer_encodes_them(llama_dpo, tmp_p
     with pytest.raises(ValueError, match="field 'prompt' must be text in format unpaired_text, got list "
                                          r"\(message lists: use format unpaired\)"):
         unpaired_text({"prompt": [{"role": "user", "content": "Hi"}], "completion": "Hello", "label": True})
+
+
+@pytest.mark.parametrize(("cell", "label"), [("True", True), ("false", False), (" TRUE ", True), (True, True)])
+def test_a_csv_label_read_as_text_is_the_boolean_it_spells(cell, label):
+    """CSV cells are read as written (text): the label column's ``True``/``False`` are its two values."""
+    from posttune_dpo.kto import _label
+
+    assert _label({"prompt": "p", "completion": "c", "label": cell}) is label
+    with pytest.raises(ValueError, match="field 'label' must be true"):
+        _label({"prompt": "p", "completion": "c", "label": "yes"})

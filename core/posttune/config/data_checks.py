@@ -196,15 +196,20 @@ def first_jsonl_row(path: Path | str, where: str, *, strict: bool = True) -> dic
             else:
                 problem = line_problem(line)
             if problem is None:
-                return json.loads(line)
+                return json.loads(line.removeprefix(BOM))
             if strict:
                 raise ConfigError(where, f"{path}: line {number}: {problem}")
             return None
     raise ConfigError(where, f"{path}: the file is empty (no rows)")
 
 
+#: the mark some editors (Windows') put before a UTF-8 file's first line: `datasets` reads past it, and so do the checks
+BOM = "\ufeff"
+
+
 def line_problem(line: str) -> str | None:
     """Why one line of a JSON Lines file is not a row, or None (blank lines are skipped, as `datasets` does)."""
+    line = line.removeprefix(BOM)
     if not line.strip():
         return None
     try:

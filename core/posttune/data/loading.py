@@ -36,11 +36,24 @@ def load_rows(config: DatasetConfig, *, where: str = "data.train", skip_bad_rows
             skipped.bad_rows += dropped
         split = local_split(config.split, where)
         return _load(where, str(path), builder, data_files=files, split=split, streaming=config.streaming,
-                     explain=lambda: explain_failure(files, builder))
+                     explain=lambda: explain_failure(files, builder), **(_as_text(files) if builder == "csv" else {}))
     if not hub.offline_requested(datasets=True) and not hub.reachable():  # else retries for half a minute
         raise hub.unreachable(config.path, f"config: {where}.path", local="a local file or folder", cache_tried=False)
     return _load(where, config.path, config.path, name=config.subset, split=config.split,
                  streaming=config.streaming, hint="; no local file or directory has that name either")
+
+
+def _as_text(files: list[str]) -> dict[str, Any]:
+    """CSV cells read as written: pandas would make "None", "N/A" and "nan" nulls and "007" the number 7.0, so a
+    row's text turned into a missing field or a float. Every column is a string (the header names them)."""
+    import csv
+
+    import datasets
+
+    with open(files[0], encoding="utf-8-sig", newline="") as handle:
+        columns = next(csv.reader(handle), [])
+    return {"keep_default_na": False, "features": datasets.Features({name: datasets.Value("string")
+                                                                     for name in columns})}
 
 
 def _from_disk(config: DatasetConfig, path: Path, where: str) -> Any:

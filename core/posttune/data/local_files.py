@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from posttune.config.data_checks import json_kind, line_problem
+from posttune.config.data_checks import BOM, json_kind, line_problem
 from posttune.errors import ConfigError, PosttuneError, first_line
 
 CHUNK = 1 << 24  # bytes read at a time when checking that a file is UTF-8
@@ -102,7 +102,7 @@ def _json_layout(path: Path, where: str, skip_bad_rows: bool = False) -> str:
     """``"lines"`` (JSON Lines) or ``"document"`` (one JSON list over the file); one object is refused,
     and so is a first line that is no object unless ``skip_bad_rows`` drops it."""
     with path.open(encoding="utf-8", errors="replace") as handle:
-        first = next((line for line in handle if line.strip()), "")
+        first = next((line for line in handle if line.strip()), "").removeprefix(BOM)
         second = next((line for line in handle if line.strip()), None)
     if first.lstrip().startswith("["):
         return "document"
@@ -110,7 +110,7 @@ def _json_layout(path: Path, where: str, skip_bad_rows: bool = False) -> str:
         value = json.loads(first)
     except json.JSONDecodeError:
         try:
-            value = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+            value = json.loads(path.read_text(encoding="utf-8", errors="replace").removeprefix(BOM))
         except json.JSONDecodeError:
             return "lines"  # broken either way: `datasets` fails and `explain_failure` names the line
         if isinstance(value, dict):
@@ -137,7 +137,7 @@ def _one_object(path: Path, value: dict[str, Any], how: str) -> str:
 
 
 def _json_problem(path: Path) -> str | None:
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = path.read_text(encoding="utf-8", errors="replace").removeprefix(BOM)
     if text.lstrip().startswith("["):
         try:
             value = json.loads(text)

@@ -70,6 +70,8 @@ def _label(row: Mapping[str, Any]) -> bool:
         if row.get(field) is None:
             raise KeyError(field)
     label = row["label"]
+    if isinstance(label, str) and label.strip().lower() in ("true", "false"):  # a CSV's cell, read as text
+        label = label.strip().lower() == "true"
     if not isinstance(label, bool):
         raise ValueError(f"field 'label' must be true (desirable) or false (undesirable), got {label!r}")
     return label
