@@ -60,6 +60,7 @@ class SkipCounts:
     untrained: int = 0
     truncated: int = 0  # kept, but cut to max_seq_len: their end does not train (not a skip: not in ``total``)
     upto: int = 0
+    first_bad: str = ""  # the first bad row skipped and why, as the error would have said it (not checkpointed)
 
     def record(self, kind: str, row: int) -> None:
         if row >= self.upto:
@@ -71,7 +72,7 @@ class SkipCounts:
         return self.bad_rows + self.untrained
 
     def state_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key != "first_bad"}
 
 
 def shift_labels(ids: Sequence[int], trained: Sequence[bool]) -> list[int]:
@@ -188,6 +189,7 @@ class SampleMaker:
             raise PosttuneError(f"{self.where}: row {index - self.first_row}: {problem} "
                                 f"(set data.skip_bad_rows: true to skip such rows)")
         self.skipped.record("bad_rows", index)
+        self.skipped.first_bad = self.skipped.first_bad or f"{self.where}: row {index - self.first_row}: {problem}"
         return None
 
     def samples(self, rows: Iterable[Mapping[str, Any]], *, start: int = 0) -> Iterable[Sample]:

@@ -230,12 +230,15 @@ def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], befor
               "skipped_untrained": getattr(skipped, "untrained", 0),
               "truncated_samples": getattr(skipped, "truncated", 0)}
     summary.update({key: value for key, value in counts.items() if value})  # for summary.json and the trackers
+    if getattr(skipped, "first_bad", ""):  # which row, and why: what the error would have said without the skip
+        summary["first_skipped_row"] = skipped.first_bad
     outputs = {**outputs, "summary": str(save_summary(Path(session.config.checkpoint.output_dir), summary))}
     print("\n== summary ==")
     print("\n".join(summary_lines(summary)))
     if skipped is not None and skipped.total:
-        print(f"data: skipped {skipped.bad_rows} bad row(s) and {skipped.untrained} sample(s) with no token to "
-              "train on (no response to learn, or all of it past data.max_seq_len)")
+        first = f" (the first: {skipped.first_bad})" if getattr(skipped, "first_bad", "") else ""
+        print(f"data: skipped {skipped.bad_rows} bad row(s){first} and {skipped.untrained} sample(s) with no token "
+              "to train on (no response to learn, or all of it past data.max_seq_len)")
     if skipped is not None and getattr(skipped, "truncated", 0):
         print(f"data: {skipped.truncated} sample(s) cut to data.max_seq_len ({session.config.data.max_seq_len}): "
               "their ends did not train")
