@@ -74,8 +74,9 @@ def chat_message(turn: Any, where: str, roles: Mapping[str, str] | None = None, 
 
 
 def _text_of_parts(parts: list[Any], where: str) -> str:
-    """OpenAI's content parts joined, as its API reads them: the text parts in order. Another kind (an image, a
-    file) is refused: the models here read text."""
+    """OpenAI's content parts as one text: the text parts in order, joined by newlines as vLLM's OpenAI server joins
+    them (joined end to end, "What is" and "this?" ran together). Another kind (an image, a file) is refused: the
+    models here read text."""
     texts = []
     for index, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, Mapping) else None
@@ -84,7 +85,7 @@ def _text_of_parts(parts: list[Any], where: str) -> str:
             raise ValueError(f"field '{where}[{index}]': only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
                              f"read, got {shown}")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def row_tools(row: Mapping[str, Any]) -> list[dict[str, Any]] | None:

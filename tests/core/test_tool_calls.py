@@ -168,11 +168,11 @@ def test_a_bad_tool_field_names_the_row_and_the_field(folder, chat_format, row, 
 
 
 def test_openai_content_parts_read_as_their_joined_text(tmp_path, folder, chat_format):
-    """OpenAI's messages may hold a list of parts; text parts joined are what its API reads (also through Arrow,
-    which gives every part the union of the parts' keys)."""
+    """OpenAI's messages may hold a list of parts; text parts joined by newlines are what vLLM's server reads (also
+    through Arrow, which gives every part the union of the parts' keys)."""
     make = SampleMaker(chat_format, load_tokenizer(folder), max_seq_len=512)
-    plain = {"messages": [{"role": "user", "content": "Reverse: ABC"}, {"role": "assistant", "content": "CBA"}]}
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Reverse: "},
+    plain = {"messages": [{"role": "user", "content": "Reverse:\nABC"}, {"role": "assistant", "content": "CBA"}]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Reverse:"},
                                                        {"type": "text", "text": "ABC"}]},
                           {"role": "assistant", "content": [{"type": "text", "text": "CBA"}]}]}
     want = make(plain, 0)

@@ -168,7 +168,8 @@ def streamed_groups(dataset: DatasetConfig, parts: list[tuple[Any, Any]], start_
     if len(parts) == 1:
         ((rows, make),) = parts
         shard = rows.skip(start_row) if start_row else rows
-        yield from make.groups(guarded(shard, where, start_row), start=start_row)
+        yield from make.groups(guarded(shard, where, start_row, getattr(rows, "posttune_explain", None)),
+                               start=start_row)
         return
     weights = [1.0 if source.weight is None else source.weight for _, source in dataset_sources(dataset, "")]
     streams = [iter(guarded(rows, maker.where)) for rows, maker in parts]

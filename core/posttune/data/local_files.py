@@ -62,17 +62,22 @@ def explain_failure(files: list[str], builder: str) -> str | None:
     return None
 
 
-def guarded(rows: Iterable[Any], where: str, start: int = 0) -> Iterator[Any]:
+def guarded(rows: Iterable[Any], where: str, start: int = 0, explain: Any = None) -> Iterator[Any]:
     """``rows``, with a failure to *read* them (undecodable text in a hub or parquet dataset, a bad line
     of a streamed file) raised as one line instead of a traceback. Readers fail a block at a time, so
-    the count of rows read before is what is known for sure; the reader's own message may say more."""
+    the count of rows read before is what is known for sure; the reader's own message may say more, and a local
+    stream's files (``explain``, else the rows' ``posttune_explain``: `explain_failure`) name the file and line."""
     iterator, index = iter(rows), start
+    explain = explain or getattr(rows, "posttune_explain", None)
     while True:
         try:
             row = next(iterator)
         except StopIteration:
             return
         except Exception as exc:  # noqa: BLE001 - whatever the reader raises, it is this row's data
+            found = explain() if explain is not None else None
+            if found is not None:
+                raise PosttuneError(f"{where}: {found}") from None
             raise PosttuneError(f"{where}: reading the dataset failed after {index} row(s): {type(exc).__name__}: "
                                 f"{first_line(str(exc)) or 'no message'}") from None
         yield row
