@@ -245,7 +245,8 @@ def test_skip_bad_rows_skips_and_counts_them(streaming, tmp_path, tokenizer, for
     assert [ids for ids, _ in unpadded(batch)] == [
         expected_sample(tokenizer, alpaca_messages(rows[i]))[0] for i in (0, 2, 3, 5)]
     assert (loader.skipped.bad_rows, loader.skipped.untrained) == (2, 0)
-    assert loader.skipped.first_bad == "data.train: row 1: missing field 'output'"  # which, and why (the summary's)
+    # which, and why (the summary's)
+    assert loader.skipped.first_bad == "data.train: row 1: missing field 'output' (absent or null)"
     assert "first_bad" not in loader.skipped.state_dict()  # a checkpoint's counts stay numbers
     all_batches(loader)  # a second epoch reads the rows again without counting them twice
     assert loader.skipped.total == 2

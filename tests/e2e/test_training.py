@@ -147,10 +147,11 @@ def test_bad_row_is_named_in_one_line(llama_sft, posttune_cli, write_config, tmp
     assert result.stderr.count("\n") == 1
     skipped = posttune_cli("train", str(path), "data.skip_bad_rows=true", "train.max_steps=1")
     assert skipped.exit_code == 0, skipped.stderr
-    assert "skipped 1 bad row(s) (the first: data.train: row 5: missing field 'messages')" in skipped.stdout
+    assert ("skipped 1 bad row(s) (the first: data.train: row 5: missing field 'messages' (absent or null))"
+            in skipped.stdout)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["skipped_bad_rows"] == 1 and "truncated_samples" not in summary  # counts, where there are any
-    assert summary["first_skipped_row"] == "data.train: row 5: missing field 'messages'"
+    assert summary["first_skipped_row"] == "data.train: row 5: missing field 'messages' (absent or null)"
 
 
 def test_plot_writes_a_png_of_the_losses(llama_sft, posttune_cli, write_config, tmp_path):

@@ -27,9 +27,9 @@ def test_unpaired_rows_read_strings_and_messages():
 
 
 @pytest.mark.parametrize("row, message", [
-    ({"prompt": "Reverse: AB", "completion": "BA"}, "data.train: row 1: missing field 'label'"),
-    ({"prompt": "Reverse: AB", "label": True}, "data.train: row 1: missing field 'completion'"),
-    ({"completion": "BA", "label": True}, "data.train: row 1: missing field 'prompt'"),
+    ({"prompt": "Reverse: AB", "completion": "BA"}, "data.train: row 1: missing field 'label' (absent or null)"),
+    ({"prompt": "Reverse: AB", "label": True}, "data.train: row 1: missing field 'completion' (absent or null)"),
+    ({"completion": "BA", "label": True}, "data.train: row 1: missing field 'prompt' (absent or null)"),
     ({"prompt": "Reverse: AB", "completion": "BA", "label": "yes"},
      "data.train: row 1: field 'label' must be true (desirable) or false (undesirable), got 'yes'"),
     ({"prompt": "Reverse: AB", "completion": "BA", "label": 1},

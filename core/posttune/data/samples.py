@@ -129,7 +129,7 @@ class SampleMaker:
             self.tools = row_tools(row)  # the row's `tools` reach the chat template with its messages
             made = self.make(self.fmt.transform(row))
         except (KeyError, ValueError) as exc:
-            return self._bad(index, self._problem(exc))
+            return self._bad(index, self._problem(exc, row))
         except TemplateLimitError as exc:  # the template is at fault, not the row: skipping rows would not help
             raise TemplateLimitError(f"{self.where}: row {index - self.first_row}: {exc}") from None
         except PosttuneError as exc:  # the chat template refused these messages
@@ -177,11 +177,13 @@ class SampleMaker:
             trained = [flag and i >= prompt for i, flag in enumerate(trained)]
         return ids, trained
 
-    def _problem(self, exc: KeyError | ValueError) -> str:
+    def _problem(self, exc: KeyError | ValueError, row: Mapping[str, Any]) -> str:
         if isinstance(exc, KeyError):
             field = exc.args[0] if exc.args else "?"
             column = self.column_map.get(field)
-            return f"missing field '{field}'" + (f" (column '{column}' in column_map)" if column else "")
+            # a row read through Arrow holds every field of the file, absent ones as null: which of the two is unknown
+            null = " (absent or null)" if isinstance(row, Mapping) and field in row else ""
+            return f"missing field '{field}'{null}" + (f" (column '{column}' in column_map)" if column else "")
         return str(exc)
 
     def _bad(self, index: int, problem: str) -> None:
