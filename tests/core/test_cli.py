@@ -171,16 +171,20 @@ def test_plan_prints_stages_in_order_with_providers(fake, posttune_cli, config_f
     assert lines[1].endswith("[posttune-fake 9.9]")
 
 
-def test_plan_of_one_process_says_when_the_config_sizes_a_larger_launch(fake, posttune_cli, config_file):
-    """A config written for 2 TP ranks planned without --nproc-per-node shows one process, and says so."""
-    result = posttune_cli("plan", str(config_file), "parallel.plans=[fsdp,tensor]", "parallel.dims.tp=2",
-                          "--no-estimate")
+@pytest.mark.parametrize("command", ["plan", "validate"])
+def test_one_process_says_when_the_config_sizes_a_larger_launch(fake, posttune_cli, config_file, command):
+    """A config written for 2 TP ranks planned or validated without --nproc-per-node is checked for one process
+    (its plans' own checks, cp's included, not run), and says so."""
+    options = ["--no-estimate"] if command == "plan" else []
+    result = posttune_cli(command, str(config_file), "parallel.plans=[fsdp,tensor]", "parallel.dims.tp=2", *options)
     assert result.exit_code == 0, result.stderr
-    assert result.stdout.split()[:2] == ["distributed", "1"]
-    assert result.stderr == ("posttune: warning: parallel.dims asks for 2 processes; this plan is for 1 (its parallel "
-                             "plans inactive): posttune plan --nproc-per-node 2 ... shows that launch's\n")
-    launched = posttune_cli("plan", str(config_file), "parallel.plans=[fsdp,tensor]", "parallel.dims.tp=2",
-                            "--nproc-per-node", "2", "--no-estimate")
+    if command == "plan":
+        assert result.stdout.split()[:2] == ["distributed", "1"]
+    assert result.stderr == (f"posttune: warning: parallel.dims asks for 2 processes; this {command} is for 1 (its "
+                             f"parallel plans inactive and unchecked): posttune {command} --nproc-per-node 2 ... "
+                             "checks that launch\n")
+    launched = posttune_cli(command, str(config_file), "parallel.plans=[fsdp,tensor]", "parallel.dims.tp=2",
+                            "--nproc-per-node", "2", *options)
     assert launched.exit_code == 0 and "warning" not in launched.stderr
 
 

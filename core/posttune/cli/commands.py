@@ -221,18 +221,24 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
 
 def _run_validate(args: argparse.Namespace) -> int:
     plan = resolve(args, launch.world_size(args))
+    _warn_unlaunched(plan, "validate")
     print(f"{args.config}: valid ({plan.method.descriptor.name} on {plan.family.descriptor.name}, "
           f"{plan.world_size} process(es))")
     _print_components(plan)
     return 0
 
 
+def _warn_unlaunched(plan: Any, command: str) -> None:
+    """A config sized for several processes, resolved for one: its parallel plans were not checked for them."""
+    sized = math.prod(degree for degree in plan.config.parallel.dims.values() if degree > 0)
+    if plan.world_size == 1 and sized > 1:  # the config is for a launch this command is not checking
+        warn([f"parallel.dims asks for {sized} processes; this {command} is for 1 (its parallel plans inactive and "
+              f"unchecked): posttune {command} --nproc-per-node {sized} ... checks that launch"])
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     plan = resolve(args, launch.world_size(args))
-    sized = math.prod(degree for degree in plan.config.parallel.dims.values() if degree > 0)
-    if plan.world_size == 1 and sized > 1:  # the config is for a launch this plan is not showing
-        warn([f"parallel.dims asks for {sized} processes; this plan is for 1 (its parallel plans inactive): "
-              f"posttune plan --nproc-per-node {sized} ... shows that launch's"])
+    _warn_unlaunched(plan, "plan")
     width = max(len(step.stage) for step in plan.steps)
     what = max(len(step.what) for step in plan.steps)
     for step in plan.steps:
