@@ -155,4 +155,27 @@ def test_a_self_referencing_or_exploding_yaml_is_one_line(posttune_cli, tmp_path
     laughs = tmp_path / "laughs.yaml"
     laughs.write_text("\n".join(levels) + "\nmodel: {family: llama, size: tiny}\nmethod: sft\n")
     assert one_line(posttune_cli("validate", str(laughs))) == (
-        f"posttune: error: {laughs}: invalid YAML: its aliases (*name) expand to more than 100,000 values\n")
+        f"posttune: error: {laughs}: invalid YAML: its aliases (*name) expand to more than 100,000 values (a string "
+        "counts one per 64 characters)\n")
+    # one 10 kB string aliased 10,000 times (a 50 kB file that expanded to 100 MB in config.yaml before)
+    strings = tmp_path / "strings.yaml"
+    strings.write_text("model: {family: llama, size: tiny}\nmethod: sft\ntokenizer:\n  chat_template_kwargs:\n"
+                       "    a: &s " + "x" * 10_000 + "\n    b: [" + ", ".join(["*s"] * 10_000) + "]\n")
+    assert one_line(posttune_cli("validate", str(strings))) == (
+        f"posttune: error: {strings}: invalid YAML: its aliases (*name) expand to more than 100,000 values (a string "
+        "counts one per 64 characters)\n")
+
+
+def test_a_row_nested_too_deeply_is_one_line_not_a_traceback(tmp_path):
+    """json's RecursionError (and Arrow's reader, which may crash on such a row) never meets it: named before."""
+    deep = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+    file = tmp_path / "rows.jsonl"
+    file.write_bytes(deep + b'{"text": "a"}\n')
+    with pytest.raises(ConfigError) as error:
+        load_rows(DatasetConfig(str(file)))
+    assert str(error.value) == (f"config: data.train.path: {file}: line 1: nested too deeply to read (thousands of "
+                                "levels)")
+    skipped = SkipCounts()
+    rows = load_rows(DatasetConfig(str(file)), skip_bad_rows=True, skipped=skipped)
+    assert list(rows) == [{"text": "a"}] and skipped.bad_rows == 1
+

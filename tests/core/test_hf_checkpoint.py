@@ -439,3 +439,33 @@ def test_a_converter_answer_outside_the_contract_is_one_line(answer, message):
     with pytest.raises(PosttuneError) as caught:
         list(Joiner(lambda key, tensor, config: answer(tensor), {})("x", torch.zeros(2)))
     assert str(caught.value) == message
+
+
+def _header_file(path: Path, header: dict, data: bytes) -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+@pytest.mark.parametrize(("header", "problem"), [
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2],
+                                                                        "data_offsets": [4, 12]}},
+     "corrupt safetensors header: tensors 'a' and 'b' overlap"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}},
+     "corrupt safetensors header: tensor 'a' has offsets [-8, 0] and shape [2]"),
+    ({"a": {"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}},
+     "corrupt safetensors header: tensor 'a' has offsets [0, 8] and shape [-2, -1]"),
+])
+def test_a_crafted_safetensors_header_is_refused(tmp_path, header, problem):
+    """Overlapping tensors and negative offsets loaded silently (bytes of the header read as weights); a negative
+    shape was a raw RuntimeError."""
+    from posttune.checkpoint.safetensors_io import read_header
+
+    path = _header_file(tmp_path / "model.safetensors", header, b"\0" * 16)
+    with pytest.raises(PosttuneError) as caught:
+        read_header(path)
+    assert str(caught.value) == f"{path}: {problem}"
+    fine = _header_file(tmp_path / "fine.safetensors", {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                                                        "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}},
+                        b"\0" * 16)
+    assert [entry.name for entry in read_header(fine)] == ["a", "b"]

@@ -91,6 +91,11 @@ def test_a_manifest_catches_damage_and_an_older_checkpoint_without_one_is_accept
     assert state.checkpoint_damage(checkpoint) is None
     (checkpoint / "model" / "model.safetensors").write_bytes(b"x" * 64)
     assert state.checkpoint_damage(checkpoint) == "model/model.safetensors does not match its checksum"
+    written = json.loads((checkpoint / manifest.MANIFEST).read_text())
+    for outside in ("../../data/train.jsonl", str(tmp_path / "elsewhere")):  # a crafted manifest stats nothing else
+        (checkpoint / manifest.MANIFEST).write_text(json.dumps({"files": {outside: {"size": 1, "sha256": "0"}}}))
+        assert manifest.damage(checkpoint) == f"{manifest.MANIFEST} names {outside!r}, outside the checkpoint"
+    (checkpoint / manifest.MANIFEST).write_text(json.dumps(written))
     (checkpoint / manifest.MANIFEST).unlink()  # as written before manifests existed: accepted unverified
     assert state.checkpoint_damage(checkpoint) is None
     (checkpoint / state.STATE_FILE).write_text("{")

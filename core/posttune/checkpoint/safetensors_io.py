@@ -79,7 +79,12 @@ def read_header(path: Path) -> list[Entry]:
     end = max((e.begin + e.nbytes for e in entries), default=8 + length)
     if end > size:
         raise PosttuneError(f"{path}: truncated (header says {end} bytes, file has {size})")
-    return sorted(entries, key=lambda e: e.begin)
+    entries.sort(key=lambda e: e.begin)
+    for before, after in zip(entries, entries[1:]):  # two tensors sharing bytes: the file is not what it says
+        if before.begin + before.nbytes > after.begin:
+            raise PosttuneError(f"{path}: corrupt safetensors header: tensors '{before.name}' and '{after.name}' "
+                                "overlap")
+    return entries
 
 
 def _entry(path: Path, name: str, info: dict, data_start: int) -> Entry:
@@ -88,6 +93,9 @@ def _entry(path: Path, name: str, info: dict, data_start: int) -> Entry:
         raise PosttuneError(f"{path}: tensor '{name}' has unsupported dtype {info.get('dtype')!r}")
     shape = tuple(int(n) for n in info["shape"])
     begin, end = (int(n) for n in info["data_offsets"])
+    if begin < 0 or any(n < 0 for n in shape):  # a crafted header: bytes read from before the data, or no shape
+        raise PosttuneError(f"{path}: corrupt safetensors header: tensor '{name}' has offsets {[begin, end]} and "
+                            f"shape {list(shape)}")
     nbytes = math.prod(shape) * dtype.itemsize
     if end - begin != nbytes:
         raise PosttuneError(f"{path}: tensor '{name}' holds {end - begin} bytes; "

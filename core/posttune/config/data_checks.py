@@ -216,6 +216,8 @@ def line_problem(line: str) -> str | None:
         value = json.loads(line)
     except json.JSONDecodeError as exc:
         return f"invalid JSON: {exc.msg} (column {exc.colno})"
+    except RecursionError:  # a row nested thousands of levels deep (Arrow's reader may crash on it too)
+        return "nested too deeply to read (thousands of levels)"
     return None if isinstance(value, dict) else f"expected a JSON object (one row), got {json_kind(value)}"
 
 

@@ -97,6 +97,7 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
 
 #: values a config may expand to through YAML aliases (a "billion laughs" document is tiny on disk)
 MAX_VALUES = 100_000
+CHARS_PER_VALUE = 64
 
 
 def _refuse_cycles(data: Any, source: str) -> None:
@@ -107,6 +108,8 @@ def _refuse_cycles(data: Any, source: str) -> None:
     sizes: dict[int, int] = {}
 
     def size(node: Any, inside: frozenset[int]) -> int:
+        if isinstance(node, str):  # a long string aliased many times expands too: one value per 64 characters
+            return 1 + len(node) // CHARS_PER_VALUE
         if not isinstance(node, (dict, list)):
             return 1
         if id(node) in inside:
@@ -117,7 +120,7 @@ def _refuse_cycles(data: Any, source: str) -> None:
             sizes[id(node)] = 1 + sum(size(child, inside | {id(node)}) for child in children)
             if sizes[id(node)] > MAX_VALUES:
                 raise PosttuneError(f"{source}: invalid YAML: its aliases (*name) expand to more than "
-                                    f"{MAX_VALUES:,} values")
+                                    f"{MAX_VALUES:,} values (a string counts one per {CHARS_PER_VALUE} characters)")
         return sizes[id(node)]
 
     size(data, frozenset())

@@ -113,6 +113,12 @@ def _json_layout(path: Path, where: str, skip_bad_rows: bool = False) -> str:
         return "document"
     try:
         value = json.loads(first)
+    except RecursionError:  # refused here: Arrow's JSON reader may crash the process on it
+        if skip_bad_rows:
+            return "lines"  # `_clean_copy` drops it (`line_problem` names it)
+        number = next(i for i, line in enumerate(_lines(path), 1) if line.strip())
+        raise ConfigError(f"{where}.path", f"{path}: line {number}: nested too deeply to read (thousands of "
+                                           "levels)") from None
     except json.JSONDecodeError:
         try:
             value = json.loads(path.read_text(encoding="utf-8", errors="replace").removeprefix(BOM))
@@ -148,6 +154,8 @@ def _json_problem(path: Path) -> str | None:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
             return f"{path}: line {exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
+        except RecursionError:
+            return f"{path}: nested too deeply to read (thousands of levels)"
         if isinstance(value, list) and not any(value):
             return f"{path}: holds no rows (an empty list, or only empty objects)"
         bad = next((i for i, item in enumerate(value) if not isinstance(item, dict)), None) \

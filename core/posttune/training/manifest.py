@@ -36,6 +36,8 @@ def damage(directory: Path) -> str | None:
         return f"{MANIFEST} is unreadable"
     for rel, expected in sorted(files.items()):
         file = directory / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:  # a manifest names files of its own checkpoint only
+            return f"{MANIFEST} names {rel!r}, outside the checkpoint"
         if not file.is_file():
             return f"{rel} is missing"
         size = file.stat().st_size
