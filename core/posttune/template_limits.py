@@ -62,7 +62,8 @@ _BAD_ARGUMENTS = (TypeError, ValueError, LookupError, AttributeError, OverflowEr
 class TemplateLimitError(PosttuneError):
     """A chat template went past a rendering limit.
 
-    The template is at fault, not the row it rendered: callers that skip bad rows let this through.
+    The template is at fault, not the row it rendered: callers that skip bad rows let this through, but for a row
+    whose own text is half the character budget (`posttune.data.samples`).
     """
 
 

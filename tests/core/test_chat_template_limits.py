@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -159,6 +160,25 @@ def test_training_data_preparation_stops_at_a_hostile_template_even_when_skippin
     assert str(error).startswith(f"data.train: row 0: chat template in {folder / 'tokenizer_config.json'}: "
                                  "rendering ran past 0.5 s")
     assert maker.skipped.bad_rows == 0
+
+
+def test_a_row_too_long_for_the_render_budget_is_the_rows_fault(tmp_path, monkeypatch):
+    """A 90 MB row from an untrusted dataset stopped the run even with skip_bad_rows (the limit was taken for the
+    template's fault); a row whose text alone is half the budget is skipped and counted instead."""
+    from posttune.plugin import SampleMaker
+
+    monkeypatch.setenv(MAX_CHARS_ENV, "10000")
+    folder = save_tiny_tokenizer(tmp_path / "ckpt", template="chatml")
+    chat = new_plugin_set().registry.get("dataset_format", "chat")
+    maker = SampleMaker(chat, load_tokenizer(folder), max_seq_len=64, skip_bad_rows=True)
+    huge = {"messages": [{"role": "user", "content": "x" * 6000}, {"role": "assistant", "content": "y"}]}
+    assert maker(huge, 0) is None and maker.skipped.bad_rows == 1
+    assert re.match(r"data\.train: row 0: its text \(6,0\d\d characters\) is too long for the chat template's "
+                    r"render budget \(chat template in .*: rendering built more than 10,000 characters",
+                    maker.skipped.first_bad)
+    strict = SampleMaker(chat, load_tokenizer(folder), max_seq_len=64)
+    with pytest.raises(PosttuneError, match=r"row 0: its text \(6,0\d\d characters\) is too long"):
+        strict(huge, 0)
 
 
 def test_generate_chat_with_a_hostile_template_exits_2_with_one_line(tmp_path):

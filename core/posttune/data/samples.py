@@ -75,6 +75,17 @@ class SkipCounts:
         return {key: value for key, value in asdict(self).items() if key != "first_bad"}
 
 
+def _text_size(value: Any) -> int:
+    """The characters of a row's strings, at every depth."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_text_size(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_size(item) for item in value)
+    return 0
+
+
 def shift_labels(ids: Sequence[int], trained: Sequence[bool]) -> list[int]:
     """``labels[t] = ids[t + 1]`` where token t+1 is trained on, else IGNORE_INDEX; the last is ignored."""
     labels = [ids[t + 1] if trained[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)]
@@ -131,6 +142,10 @@ class SampleMaker:
         except (KeyError, ValueError) as exc:
             return self._bad(index, self._problem(exc, row))
         except TemplateLimitError as exc:  # the template is at fault, not the row: skipping rows would not help
+            limit = getattr(getattr(self.tokenizer, "render_limits", None), "max_chars", None)
+            if limit is not None and _text_size(row) * 2 > limit:  # unless the row alone is half the budget
+                return self._bad(index, f"its text ({_text_size(row):,} characters) is too long for the chat "
+                                        f"template's render budget ({exc})")
             raise TemplateLimitError(f"{self.where}: row {index - self.first_row}: {exc}") from None
         except PosttuneError as exc:  # the chat template refused these messages
             if getattr(self.tokenizer, "chat_template", True) is None:
