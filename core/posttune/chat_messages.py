@@ -37,7 +37,10 @@ def chat_message(turn: Any, where: str, roles: Mapping[str, str] | None = None, 
         raise ValueError(f"field '{where}' must be an object with '{role_key}' and '{content_key}'")
     role, content = turn.get(role_key), turn.get(content_key)
     if role_key not in turn:
-        raise ValueError(f"field '{where}' has no '{role_key}' (its fields: {', '.join(map(str, turn))}){_shape(turn)}")
+        fields = [key if isinstance(key, str) and key.isprintable() and key.strip() == key else repr(key)
+                  for key in list(turn)[:8]]  # one line, whatever the keys hold
+        more = ", ..." if len(turn) > 8 else ""
+        raise ValueError(f"field '{where}' has no '{role_key}' (its fields: {', '.join(fields)}{more}){_shape(turn)}")
     if not isinstance(role, str) or (roles is not None and role not in roles):
         expected = f" (expected one of {', '.join(sorted(roles))})" if roles is not None else ""
         raise ValueError(f"field '{where}.{role_key}': unknown role {role!r}{expected}")
