@@ -42,7 +42,8 @@ model.train()
 gen = torch.Generator().manual_seed(0)
 batch = {"input_ids": torch.randint(0, spec["model"]["vocab_size"], (spec["batch"], spec["seq"]), generator=gen)}
 batch["labels"] = torch.randint(0, spec["model"]["vocab_size"], (spec["batch"], spec["seq"]), generator=gen)
-session = SimpleNamespace(model=model, device=torch.device("cpu"), plan=SimpleNamespace(memory_options={}),
+session = SimpleNamespace(model=model, trainable=model, device=torch.device("cpu"),
+                          plan=SimpleNamespace(memory_options={}),
                           loss_kernel=None, before_backward=[], clip_gradients=None, mesh=None)
 target = SimpleNamespace(model=model, role="policy", trainable=True)
 technique = spec.get("technique")

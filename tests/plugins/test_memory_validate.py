@@ -87,6 +87,20 @@ def test_memory_options_are_checked_against_the_techniques_dataclass(plugins, po
     assert "memory_options.activation_checkpointing.every: expected a positive integer" in zero.stderr
 
 
+@pytest.mark.parametrize("head", ["lm_head", "output"])
+def test_chunked_loss_with_a_dropout_adapter_on_the_head_is_refused_before_launch(plugins, posttune_cli, tmp_path,
+                                                                                  head):
+    """It passed validate and plan, and train refused it once the model was built (naming `output` only)."""
+    adapter = {"rank": 2, "alpha": 4, "dropout": 0.1, "targets": ["q_proj", head]}
+    result = validate(posttune_cli, tmp_path, memory=["chunked_cross_entropy"], adapter=adapter)
+    assert result.exit_code == 2 and result.stderr == (
+        "posttune: error: config: adapter.dropout: chunked_cross_entropy folds the output head's adapter into one "
+        "weight, which dropout (0.1) does not allow; set adapter.dropout to 0, or leave the head (lm_head) out of "
+        "adapter.targets\n")
+    ok = validate(posttune_cli, tmp_path, memory=["chunked_cross_entropy"], adapter={**adapter, "dropout": 0.0})
+    assert ok.exit_code == 0, ok.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_offloading_gives_the_same_gradients_on_cuda(monkeypatch):
     from memory_support import batch, fake_session, grads, twin

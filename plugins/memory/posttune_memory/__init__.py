@@ -140,6 +140,12 @@ def validate_chunked_cross_entropy(config: Any) -> None:
     size = config.memory_options.get("chunked_cross_entropy", {}).get("chunk_size", 1)
     if isinstance(size, int) and size < 1:
         raise ConfigError("memory_options.chunked_cross_entropy.chunk_size", f"expected a positive integer, got {size}")
+    adapter = config.adapter  # the head's adapter, named as either spelling, is folded into one weight
+    if adapter is not None and adapter.dropout > 0 and isinstance(adapter.targets, list) and (
+            {"output", "lm_head"} & set(adapter.targets)):
+        raise ConfigError("adapter.dropout", f"chunked_cross_entropy folds the output head's adapter into one weight, "
+                                             f"which dropout ({adapter.dropout:g}) does not allow; set adapter.dropout "
+                                             "to 0, or leave the head (lm_head) out of adapter.targets")
 
 
 def validate_compile(config: Any) -> None:

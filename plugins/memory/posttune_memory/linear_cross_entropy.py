@@ -58,7 +58,7 @@ def check_head(head: torch.nn.Module) -> None:
     if isinstance(head, LoRALinear) and head.dropout_p > 0:
         raise PosttuneError("memory: chunked_cross_entropy folds the output head's adapter into one weight, "
                             f"which dropout ({head.dropout_p}) does not allow; set adapter.dropout to 0 or "
-                            "leave `output` out of adapter.targets")
+                            "leave the head (lm_head, natively `output`) out of adapter.targets")
 
 
 def token_loss(model: Any, batch: dict[str, torch.Tensor], *, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
