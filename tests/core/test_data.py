@@ -121,6 +121,10 @@ def test_csv_cells_are_read_as_the_text_written(tmp_path, tokenizer, formats):
     path.write_text("instruction,input,output\nnan,,None\nWhat is 6*7?,N/A,007\n")
     (batch,) = all_batches(loader_for(path, tokenizer, formats, shuffle=False))
     assert [ids for ids, _ in unpadded(batch)] == [expected_sample(tokenizer, alpaca_messages(row))[0] for row in rows]
+    marked = tmp_path / "marked.csv"  # saved with a byte-order mark (Excel's "CSV UTF-8")
+    marked.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    (again,) = all_batches(loader_for(marked, tokenizer, formats, shuffle=False))
+    assert torch.equal(again["input_ids"], batch["input_ids"])
 
 
 def test_a_utf8_bom_before_the_first_row_is_no_part_of_it(tmp_path, tokenizer, formats):

@@ -55,8 +55,8 @@ def _as_text(files: list[str]) -> dict[str, Any]:
 
     with open(files[0], encoding="utf-8-sig", newline="") as handle:
         columns = next(csv.reader(handle), [])
-    return {"keep_default_na": False, "features": datasets.Features({name: datasets.Value("string")
-                                                                     for name in columns})}
+    return {"keep_default_na": False, "encoding": "utf-8-sig",  # a BOM is no part of the first column's name
+            "features": datasets.Features({name: datasets.Value("string") for name in columns})}
 
 
 def _from_disk(config: DatasetConfig, path: Path, where: str) -> Any:
