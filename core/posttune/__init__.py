@@ -14,7 +14,7 @@ from posttune.plugins import PLUGIN_API, hookimpl
 from posttune.version import __version__
 
 _LAZY = {
-    "train": "posttune.api",
+    "train": "posttune.runs",
     "load_model": "posttune.api",
     "save_model": "posttune.api",
     "build_model": "posttune.api",

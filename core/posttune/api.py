@@ -1,8 +1,7 @@
-"""The Python API: train, load, build and save models, load tokenizers.
+"""The Python API: load, build and save models, load tokenizers (``posttune.train``: `posttune.runs`).
 
     import posttune
 
-    summary = posttune.train("my.yaml", "train.lr=1e-4")  # as `posttune train my.yaml train.lr=1e-4`
     model = posttune.load_model("meta-llama/Llama-3.2-1B", dtype="bfloat16")  # or a local dir
     tokenizer = posttune.load_tokenizer("meta-llama/Llama-3.2-1B")
     posttune.save_model(model, "out/llama-sft", tokenizer=tokenizer)  # transformers loads it
@@ -16,7 +15,6 @@ config it came from (``posttune.checkpoint.origin``), which is all ``save_model`
 from __future__ import annotations
 
 from pathlib import Path
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from posttune.errors import UnknownNameError, did_you_mean
@@ -79,31 +77,3 @@ def load_tokenizer(path_or_id: str | Path) -> Any:
 
     return load(path_or_id)
 
-
-def train(config: str | Path | Mapping[str, Any], *overrides: str) -> dict[str, Any]:
-    """Train in this process, as ``posttune train CONFIG OVERRIDES...`` does; returns the run's summary.
-
-    ``config`` is a YAML file, a bundled config's name or a mapping of the same keys (copied, not changed);
-    ``overrides`` are the command's ``key=value`` words. The same checks run before anything loads, a mistake
-    raises the command's one-line ``PosttuneError`` (``ConfigError`` for a config's), and Ctrl-C raises
-    ``KeyboardInterrupt``. The result holds summary.json's values (``final_step``, ``tokens``, ``val_loss``, ...),
-    ``status`` (run.json's: ``finished``, or ``preempted`` after a SIGTERM) and ``output_dir``. A second call
-    trains afresh in the same process (a notebook's next cell). One process here; several are torchrun's
-    (``posttune train --nproc-per-node N``).
-    """
-    import json
-    import os
-
-    from posttune import training
-    from posttune.cli.commands import resolve_run
-
-    plan = resolve_run(config, list(overrides), world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    training.run(plan)
-    out = Path(plan.config.checkpoint.output_dir)
-    found = {}
-    for name in ("summary.json", "run.json"):
-        try:
-            found[name] = json.loads((out / name).read_text())
-        except (OSError, ValueError):  # a preempted run writes no summary
-            found[name] = {}
-    return {**found["summary.json"], "status": found["run.json"].get("status"), "output_dir": str(out)}

@@ -61,7 +61,6 @@ TRAINING_ARGUMENTS = {
     "saves_per_epoch": "checkpoint.save_every: epoch", "eval_batch_size": "train.batch_size (evaluation's too)",
     "model_type": "model.family (read from config.json's architectures)",
     "special_tokens": "not here (no tokens are added: the tokenizer's own are used)",
-    "tokens": "not here (no tokens are added: the tokenizer's own are used)",
     "lora_modules_to_save": "not here (an adapter trains its LoRA weights only; no adapter: full fine-tuning)",
     # torchtune's recipe keys
     "checkpointer": "model.path (its checkpoint_dir: the folder) and checkpoint.output_dir (its output_dir)",
