@@ -76,4 +76,3 @@ def load_tokenizer(path_or_id: str | Path) -> Any:
     from posttune.tokenizer import load_tokenizer as load
 
     return load(path_or_id)
-

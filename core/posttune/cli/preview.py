@@ -57,12 +57,12 @@ def run(args: argparse.Namespace, resolve: Callable[[argparse.Namespace, int], A
         raise PosttuneError(f"preview: method '{plan.method.descriptor.name}' gives batches without input_ids; "
                             "nothing to show")
     color = args.marks == "color" or (args.marks == "auto" and sys.stdout.isatty())
-    pad = pad_id(session.tokenizer)
+    samples = rows_of(batch, pad_id(session.tokenizer))
     if batch.get("document_ids") is not None:  # packed or padding-free: the batch's rows hold samples end to end
         shape = tuple(batch["input_ids"].shape)
-        print(f"== the batch: {shape[0]} row(s) of {shape[1]} tokens, holding {len(rows_of(batch, pad))} samples end "
+        print(f"== the batch: {shape[0]} row(s) of {shape[1]} tokens, holding {len(samples)} samples end "
               f"to end (attention stays within each); each sample is shown below as a row ==")
-    for number, (ids, labels, shared) in enumerate(rows_of(batch, pad)[:args.rows], 1):
+    for number, (ids, labels, shared) in enumerate(samples[:args.rows], 1):
         trained = [False] + [label != IGNORE_INDEX for label in labels[:-1]]
         after = ", after the prompt shown above (computed once)" if shared else ""
         print(f"== row {number}: {len(ids)} tokens{after}, {sum(trained)} trained "

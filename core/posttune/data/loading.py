@@ -35,10 +35,13 @@ def load_rows(config: DatasetConfig, *, where: str = "data.train", skip_bad_rows
         if dropped and skipped is not None:
             skipped.bad_rows += dropped
         split = local_split(config.split, where)
+        def explain() -> str | None:
+            return explain_failure(files, builder)
+
         rows = _load(where, str(path), builder, data_files=files, split=split, streaming=config.streaming,
-                     explain=lambda: explain_failure(files, builder), **(_as_text(files) if builder == "csv" else {}))
+                     explain=explain, **(_as_text(files) if builder == "csv" else {}))
         if config.streaming:  # a bad line is met mid-run: `guarded` names its file and line through this
-            rows.posttune_explain = lambda: explain_failure(files, builder)
+            rows.posttune_explain = explain
         return rows
     if not hub.offline_requested(datasets=True) and not hub.reachable():  # else retries for half a minute
         raise hub.unreachable(config.path, f"config: {where}.path", local="a local file or folder", cache_tried=False)

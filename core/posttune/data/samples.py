@@ -143,9 +143,10 @@ class SampleMaker:
             return self._bad(index, self._problem(exc, row))
         except TemplateLimitError as exc:  # the template is at fault, not the row: skipping rows would not help
             limit = getattr(getattr(self.tokenizer, "render_limits", None), "max_chars", None)
-            if limit is not None and _text_size(row) * 2 > limit:  # unless the row alone is half the budget
-                return self._bad(index, f"its text ({_text_size(row):,} characters) is too long for the chat "
-                                        f"template's render budget ({exc})")
+            size = _text_size(row)
+            if limit is not None and size * 2 > limit:  # unless the row alone is half the budget
+                return self._bad(index, f"its text ({size:,} characters) is too long for the chat template's "
+                                        f"render budget ({exc})")
             raise TemplateLimitError(f"{self.where}: row {index - self.first_row}: {exc}") from None
         except PosttuneError as exc:  # the chat template refused these messages
             if getattr(self.tokenizer, "chat_template", True) is None:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from posttune.modules.softcap import soft_cap
+
 KVGather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -40,7 +42,7 @@ class FlexMask:
         score_mod = None
         if softcap is not None:
             def score_mod(score: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
-                return torch.tanh(score / softcap) * softcap
+                return soft_cap(score, softcap)
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=self.block_mask, scale=scale,
                               enable_gqa=q.shape[1] != k.shape[1])
 
