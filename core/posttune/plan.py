@@ -21,7 +21,7 @@ from posttune.config.mixture import dataset_sources
 from posttune.config.schema import DatasetConfig, ModelConfig, RunConfig
 from posttune.config.typed import from_dict
 from posttune.descriptors import STAGES, MeshDim, ModelRole, ParallelPlan
-from posttune.errors import ConfigError, PosttuneError, UnknownNameError, did_you_mean
+from posttune.errors import ConfigError, PluginError, PosttuneError, UnknownNameError, did_you_mean, first_line
 from posttune.registry import Registered, Registry
 
 CHECKPOINT_FORMAT = "hf"
@@ -102,14 +102,26 @@ def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | Non
     # Plans and techniques see the degrees this launch resolved (a -1 replaced by the rest of the world).
     resolved = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dims=dict(plan.mesh)))
     _check_frozen(plan)
-    if method.descriptor.validate is not None:
-        method.descriptor.validate(config, plan.method_config)
+    _validate_with(method, config, plan.method_config)
     for item in [*plan.parallel, *plan.memory]:
-        if item.descriptor.validate is not None:
-            item.descriptor.validate(resolved)
+        _validate_with(item, resolved)
     plan.steps = _steps(plan)
     plan.components = components
     return plan
+
+
+def _validate_with(item: Registered, *args: Any) -> None:
+    """``item``'s own ``validate``, if any. It should refuse a config with `ConfigError` (docs/plugins.md); any other
+    exception still reaches the user as one line naming the plugin and its distribution (``--debug``: the traceback)."""
+    if item.descriptor.validate is None:
+        return
+    try:
+        item.descriptor.validate(*args)
+    except PosttuneError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a third party's check: whatever it raises, name who raised it
+        raise PluginError(f"{type(item.descriptor).__name__} '{item.descriptor.name}' ({item.provenance}) refused the "
+                          f"config with {type(exc).__name__}: {first_line(str(exc)) or 'no message'}") from exc
 
 
 def model_kwargs(config: RunConfig, registry: Registry | None = None) -> dict[str, Any]:

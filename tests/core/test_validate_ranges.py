@@ -10,7 +10,9 @@ import pytest
 
 from posttune.config import schema, validate
 from posttune.config.ranges import RANGES
-from posttune.errors import ConfigError
+from posttune import hookimpl
+from posttune.descriptors import Method
+from posttune.errors import ConfigError, PluginError
 
 BASE = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"train": {"path": "d.jsonl"}}}
 
@@ -176,3 +178,29 @@ def test_the_names_validate_accepts_are_the_ones_training_builds():
     from posttune.training import optim
 
     assert tuple(optim.OPTIMIZERS) == schema.OPTIMIZER_NAMES and optim.SCHEDULES == schema.SCHEDULE_NAMES
+
+
+class StrictMethodPlugin:
+    """A third party's method whose check raises ValueError instead of the documented ConfigError."""
+
+    POSTTUNE_PLUGIN_API = 2
+
+    @hookimpl
+    def posttune_register_methods(self, register):
+        def refuse(config, method_config):
+            raise ValueError("strict needs data.max_seq_len <= 64\nsecond line")
+
+        register(Method("strict", dict, "sft", data=lambda *a: None, loss=lambda *a: None, validate=refuse))
+
+
+def test_a_plugin_check_raising_another_exception_is_one_line_naming_the_plugin(fake_plugin, register_plugin,
+                                                                               posttune_cli, tmp_path):
+    register_plugin(StrictMethodPlugin(), name="strict", distribution="acme-strict", version="0.3")
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG.replace("method: fsft", "method: strict"))
+    result = posttune_cli("validate", str(path))
+    assert (result.exit_code, result.stderr) == (2, "posttune: error: Method 'strict' (acme-strict 0.3) refused the "
+                                                    "config with ValueError: strict needs data.max_seq_len <= 64\n")
+    with pytest.raises(PluginError) as debug:  # --debug: the traceback, with the plugin's own exception as cause
+        posttune_cli("--debug", "validate", str(path))
+    assert isinstance(debug.value.__cause__, ValueError)
