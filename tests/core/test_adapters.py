@@ -139,6 +139,26 @@ def test_merge_folds_adapters_into_plain_linear_layers(kind):
     assert torch.allclose(logits(model), adapted, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_a_bf16_merge_does_not_depend_on_the_adapters_dtype(kind):
+    """A bf16 run's adapters train in bf16; loaded for a merge they are fp32 (as PEFT loads them). The same values
+    merge to the same weight either way: the update is computed and added in fp32, rounded to bf16 once."""
+    torch.manual_seed(0)
+    base = nn.Linear(64, 48).to(torch.bfloat16)
+    layers = [LoRALinear(base, rank=4, alpha=8, kind=kind, dtype=dtype) for dtype in (torch.bfloat16, torch.float32)]
+    for tensor in (layers[0].lora_B.weight, *([layers[0].magnitude] if kind == "dora" else [])):
+        nn.init.normal_(tensor)
+    with torch.no_grad():
+        for name, tensor in layers[0].named_parameters():
+            if not name.startswith("base."):
+                layers[1].get_parameter(name).copy_(tensor)
+    merged = [layer.merged_weight() for layer in layers]
+    assert merged[0].dtype == torch.bfloat16 and torch.equal(merged[0], merged[1])
+    exact = base.weight.float() + 2 * layers[1].lora_B.weight @ layers[1].lora_A.weight
+    if kind == "lora":
+        assert torch.equal(merged[0], exact.to(torch.bfloat16))
+
+
 def test_dora_layer_computes_with_its_merged_weight():
     torch.manual_seed(0)
     layer = LoRALinear(nn.Linear(6, 5), rank=2, alpha=3, kind="dora")

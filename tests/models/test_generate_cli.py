@@ -64,7 +64,8 @@ def test_generate_on_a_folder_without_config_is_one_line(tmp_path, posttune_cli)
 
 
 def test_a_folder_that_is_no_language_model_is_named_with_what_to_pass(checkpoint, posttune_cli, tmp_path):
-    """The usual slips: an adapter, a run's output folder, a reward model (its one-value head generated '')."""
+    """The usual slips: an adapter, a run's output folder or checkpoint, a reward model (its one-value head
+    generated '')."""
     path, _ = checkpoint
     run = tmp_path / "run"
     (run / "adapter").mkdir(parents=True)
@@ -74,13 +75,21 @@ def test_a_folder_that_is_no_language_model_is_named_with_what_to_pass(checkpoin
     config = json.loads((Path(path) / "config.json").read_text())
     (reward / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"],
                                                     "num_labels": 1}))
+    step = run / "checkpoints" / "step-00000010"  # a LoRA run's checkpoint keeps its adapter in model/
+    (step / "model").mkdir(parents=True)
+    (step / "model" / "adapter_config.json").write_text("{}")
     expected = {run / "adapter": "is a PEFT adapter (adapter_config.json); pass it as --adapter",
-                run: f"is a run's output folder; pass its adapter: --adapter {run / 'adapter'}",
+                run: f"holds an adapter; it is in {run / 'adapter'}: pass that as --adapter",
+                step: f"holds an adapter; it is in {step / 'model'}: pass that as --adapter",
                 reward: "is a sequence classifier (a reward or value model): it scores text and generates none; "
                         "give a causal language model"}
     for folder, words in expected.items():
         result = posttune_cli("generate", "--model", str(folder), "--prompt", "x")
         assert (result.exit_code, result.stderr) == (2, f"posttune: error: generate: --model {folder} {words}\n")
+    for command in (["generate", "--prompt", "x"], ["merge", "-o", str(tmp_path / "merged")]):
+        result = posttune_cli(*command, "--adapter", str(step))  # the summary's best_checkpoint, as it is named
+        assert (result.exit_code, result.stderr) == (2, f"posttune: error: {command[0]}: --adapter {step}: no "
+                                                        f"adapter_config.json there; it is in {step / 'model'}\n")
 
 
 def test_several_prompts_print_each_completion_under_a_header_in_order(checkpoint, posttune_cli):

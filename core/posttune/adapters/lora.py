@@ -100,9 +100,9 @@ class LoRALinear(nn.Module):
         if self.magnitude is not None:
             self.magnitude.copy_(row_norm(self.base.weight, self.lora_delta()))
 
-    def lora_delta(self) -> torch.Tensor:
-        """``s * B @ A`` in the adapter's dtype: the update to the base weight, shape [out, in]."""
-        return self.scaling * (self.lora_B.weight @ self.lora_A.weight)
+    def lora_delta(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``s * B @ A`` in the adapter's dtype (or ``dtype``): the update to the base weight, shape [out, in]."""
+        return self.scaling * (self.lora_B.weight.to(dtype) @ self.lora_A.weight.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
@@ -131,10 +131,10 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """The single weight this layer computes with (dropout aside), in the base dtype."""
+        """The single weight this layer computes with (dropout aside), in the base dtype: the update computed and
+        added in fp32 and rounded once, as PEFT's ``merge_and_unload`` does (a bf16 merge is bitwise PEFT's)."""
         weight = self.base.weight
-        delta = self.lora_delta().to(weight.dtype)
-        merged = weight.float() + delta.float()
+        merged = weight.float() + self.lora_delta(torch.float32)
         if self.magnitude is not None:
             merged = merged * (self.magnitude.float() / merged.norm(dim=1)).unsqueeze(1)
         return merged.to(weight.dtype)

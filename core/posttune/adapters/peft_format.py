@@ -158,10 +158,11 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     layers = adapted_modules(model)
     if layers:  # resuming: a fused layer's adapter may cover parts the model leaves unadapted (zero blocks)
         targets = [name for name in targets if name in layers or hf_names[name] not in fused]
-    else:
+    else:  # fp32 adapters on a half-precision base, as PEFT's autocast_adapter_dtype (its merge is then ours)
+        half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
         apply_adapters(model, targets=targets, rank=settings["rank"], alpha=settings["alpha"],
-                       dropout=settings["dropout_p"], kind=settings["kind"],
-                       rslora=settings["rslora"])  # exact native names
+                       dropout=settings["dropout_p"], kind=settings["kind"], rslora=settings["rslora"],
+                       dtype=torch.float32 if half else None)  # exact native names
         layers = adapted_modules(model)
     _check_same(directory, layers, targets, settings)
     _copy_tensors(model, directory, layers, hf_names, converter.to_native, hf_config, fused, ranks)

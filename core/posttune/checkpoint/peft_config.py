@@ -24,13 +24,23 @@ UNSUPPORTED: dict[str, Any] = {"bias": "none", "fan_in_fan_out": False, "lora_bi
 PATTERNS = ("rank_pattern", "alpha_pattern")
 
 
+def inside(folder: str | Path, file: str) -> str:
+    """``"; it is in X"``: where a run's output folder or a checkpoint holds ``file`` one level down (``adapter/``,
+    ``model/``: a LoRA run's checkpoint keeps its adapter in ``model/``), for a path given one level too high."""
+    for sub in ("adapter", "model"):
+        if (Path(folder).expanduser() / sub / file).is_file():
+            return f"; it is in {Path(folder) / sub}"
+    return ""
+
+
 def read_config(directory: Path) -> dict[str, Any]:
     """``adapter_config.json`` of a folder posttune can load (LoRA/DoRA, safetensors weights present)."""
     path = directory / ADAPTER_CONFIG
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise PosttuneError(f"{directory}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)") from None
+        raise PosttuneError(f"{directory}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)"
+                            f"{inside(directory, ADAPTER_CONFIG)}") from None
     except (OSError, ValueError) as exc:
         raise PosttuneError(f"{path}: unreadable: {type(exc).__name__}: {exc}") from None
     if config.get("peft_type") != "LORA":
@@ -84,6 +94,9 @@ def adapter_base(adapter_dir: str | Path, command: str) -> str:
     config = Path(adapter_dir) / ADAPTER_CONFIG
     try:
         base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except FileNotFoundError:
+        raise PosttuneError(f"{command}: --adapter {adapter_dir}: no {config.name} there"
+                            f"{inside(adapter_dir, config.name)}") from None
     except (OSError, ValueError) as exc:
         raise PosttuneError(f"{command}: --adapter {adapter_dir}: cannot read {config.name} ({exc})") from None
     if not base:

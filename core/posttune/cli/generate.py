@@ -51,7 +51,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling, P in (0, 1]")
     parser.add_argument("--min-p", type=float, default=None, help="with --temperature: keep tokens with p >= MIN_P x "
                                                                   "the top p, MIN_P in [0, 1]")
-    parser.add_argument("--seed", type=int, default=None, help="with --temperature: the run seed (any integer)")
+    parser.add_argument("--seed", type=int, default=None, help="with --temperature: the run seed (any integer); each prompt draws from its own "
+                        "stream, seeded by this and its place in the list (as a training run's rows)")
     parser.add_argument("--dtype", default=None, help="bf16, bfloat16, fp16, fp32 ... (default: the checkpoint's own)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1 ...")
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
@@ -206,7 +207,7 @@ def check_causal(base: str) -> None:
     its one-value head would generate nothing)."""
     from pathlib import Path
 
-    from posttune.checkpoint.peft_config import ADAPTER_CONFIG
+    from posttune.checkpoint.peft_config import ADAPTER_CONFIG, inside
     from posttune.checkpoint.score_head import checkpoint_labels
     from posttune.checkpoint.source import read_hf_config
     from posttune.errors import PosttuneError
@@ -217,9 +218,8 @@ def check_causal(base: str) -> None:
             raise PosttuneError(f"generate: --model {base} is a PEFT adapter ({ADAPTER_CONFIG}); pass it as --adapter")
         if (folder / "model" / "config.json").is_file():
             raise PosttuneError(f"generate: --model {base} is a run's output folder; its model is {folder / 'model'}")
-        if (folder / "adapter" / ADAPTER_CONFIG).is_file():
-            raise PosttuneError(f"generate: --model {base} is a run's output folder; pass its adapter: --adapter "
-                                f"{folder / 'adapter'}")
+        if hint := inside(folder, ADAPTER_CONFIG):
+            raise PosttuneError(f"generate: --model {base} holds an adapter{hint}: pass that as --adapter")
     if checkpoint_labels(read_hf_config(base)) is not None:
         raise PosttuneError(f"generate: --model {base} is a sequence classifier (a reward or value model): it scores "
                             "text and generates none; give a causal language model")

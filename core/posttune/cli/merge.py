@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posttune.checkpoint.peft_config import ADAPTER_CONFIG, warn_of_other_base
+from posttune.checkpoint.peft_config import ADAPTER_CONFIG, inside, warn_of_other_base
 from posttune.descriptors import Command
 from posttune.errors import PosttuneError, one_line
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PosttuneError(f"merge: -o {out} exists and is not an empty directory; choose a new one")
     if not (Path(args.adapter) / ADAPTER_CONFIG).is_file():
-        raise PosttuneError(f"merge: --adapter {args.adapter}: no {ADAPTER_CONFIG} there")
+        raise PosttuneError(f"merge: --adapter {args.adapter}: no {ADAPTER_CONFIG} there{inside(args.adapter, ADAPTER_CONFIG)}")
     base = args.model or adapter_base(args.adapter, "merge")
     if args.model:
         warn_of_other_base("merge", args.adapter, args.model, "; the merged model is that base plus this update")

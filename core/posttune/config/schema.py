@@ -216,7 +216,8 @@ class TrainConfig:
     # needs data.validation
     eval_every: int | Literal["epoch"] | None = None
     early_stopping_patience: int | None = None  # stop after N evaluations without a better checkpoint.best_metric
-    sample_prompts: list[str] = field(default_factory=list)  # greedy completions shown before and after
+    # greedy completions shown before and after, each a user turn of the chat template (plain text without one)
+    sample_prompts: list[str] = field(default_factory=list)
     sample_max_new_tokens: int = 32  # tokens generated for each of sample_prompts
 
 
