@@ -121,7 +121,8 @@ def _validate_with(item: Registered, *args: Any) -> None:
         raise
     except Exception as exc:  # noqa: BLE001 - a third party's check: whatever it raises, name who raised it
         raise PluginError(f"{type(item.descriptor).__name__} '{item.descriptor.name}' ({item.provenance}) refused the "
-                          f"config with {type(exc).__name__}: {first_line(str(exc)) or 'no message'} (--debug: where)") from exc
+                          f"config with {type(exc).__name__}: {first_line(str(exc)) or 'no message'} "
+                          "(--debug: where)") from exc
 
 
 def model_kwargs(config: RunConfig, registry: Registry | None = None) -> dict[str, Any]:

@@ -200,7 +200,8 @@ def test_a_plugin_check_raising_another_exception_is_one_line_naming_the_plugin(
     path.write_text(CONFIG.replace("method: fsft", "method: strict"))
     result = posttune_cli("validate", str(path))
     assert (result.exit_code, result.stderr) == (2, "posttune: error: Method 'strict' (acme-strict 0.3) refused the "
-                                                    "config with ValueError: strict needs data.max_seq_len <= 64 (--debug: where)\n")
+                                                    "config with ValueError: strict needs data.max_seq_len <= 64 "
+                                                    "(--debug: where)\n")
     with pytest.raises(PluginError) as debug:  # --debug: the traceback, with the plugin's own exception as cause
         posttune_cli("--debug", "validate", str(path))
     assert isinstance(debug.value.__cause__, ValueError)

@@ -51,8 +51,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling, P in (0, 1]")
     parser.add_argument("--min-p", type=float, default=None, help="with --temperature: keep tokens with p >= MIN_P x "
                                                                   "the top p, MIN_P in [0, 1]")
-    parser.add_argument("--seed", type=int, default=None, help="with --temperature: the run seed (any integer); each prompt draws from its own "
-                        "stream, seeded by this and its place in the list (as a training run's rows)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="with --temperature: the run seed (any integer); each prompt draws from its own stream, "
+                             "seeded by this and its place in the list (as a training run's rows)")
     parser.add_argument("--dtype", default=None, help="bf16, bfloat16, fp16, fp32 ... (default: the checkpoint's own)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1 ...")
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")

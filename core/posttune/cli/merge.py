@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PosttuneError(f"merge: -o {out} exists and is not an empty directory; choose a new one")
     if not (Path(args.adapter) / ADAPTER_CONFIG).is_file():
-        raise PosttuneError(f"merge: --adapter {args.adapter}: no {ADAPTER_CONFIG} there{inside(args.adapter, ADAPTER_CONFIG)}")
+        raise PosttuneError(f"merge: --adapter {args.adapter}: no {ADAPTER_CONFIG} there"
+                            f"{inside(args.adapter, ADAPTER_CONFIG)}")
     base = args.model or adapter_base(args.adapter, "merge")
     if args.model:
         warn_of_other_base("merge", args.adapter, args.model, "; the merged model is that base plus this update")
