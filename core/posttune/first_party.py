@@ -26,6 +26,7 @@ NAMES: dict[str, dict[str, str]] = {
     "method": {
         "sft": "posttune-sft",
         "dpo": "posttune-dpo",
+        "kto": "posttune-dpo",
         "reward_model": "posttune-rm",
         "grpo": "posttune-grpo",
         "kd": "posttune-kd",
@@ -43,6 +44,11 @@ NAMES: dict[str, dict[str, str]] = {
         "exact_answer": "posttune-grpo",
         "format": "posttune-grpo",
         "length": "posttune-grpo",
+        "reward_model": "posttune-grpo",
+    },
+    "dataset_format": {
+        "unpaired": "posttune-dpo",
+        "unpaired_text": "posttune-dpo",
     },
     "quantized_format": {
         "torchao": "posttune-torchao",
@@ -72,6 +78,23 @@ NAMES: dict[str, dict[str, str]] = {
         "tensorboard": "posttune-tensorboard",
         "mlflow": "posttune-mlflow",
         "trackio": "posttune-trackio",
+    },
+    "config": {  # bundled configs
+        **dict.fromkeys(["dpo-tiny-reverse", "kto-tiny-reverse", "llama3.2-1b-dpo-lora", "qwen2.5-0.5b-dpo"],
+                        "posttune-dpo"),
+        **dict.fromkeys(["gemma-7b-lora", "gemma2-2b-sft", "gemma2-9b-lora", "gemma3-1b-lora", "gemma3-1b-sft"],
+                        "posttune-gemma"),
+        **dict.fromkeys(["grpo-tiny-reverse", "qwen2.5-1.5b-grpo-gsm8k", "qwen3-0.6b-grpo-gsm8k"], "posttune-grpo"),
+        **dict.fromkeys(["kd-tiny-reverse", "llama3.1-8b-to-3.2-1b-kd-lora", "qwen2.5-1.5b-to-0.5b-kd"], "posttune-kd"),
+        **dict.fromkeys(["llama-demo-reverse", "llama3.1-8b-lora", "llama3.2-1b-lora", "llama3.2-1b-sft",
+                         "llama3.2-3b-lora", "mistral-7b-lora", "mixtral-8x7b-qlora", "mixtral-tiny-reverse",
+                         "smollm2-135m-sft", "smollm3-3b-lora"], "posttune-llama"),
+        **dict.fromkeys(["phi4-mini-lora", "phi4-mini-sft"], "posttune-phi3"),
+        **dict.fromkeys(["ppo-tiny-reverse", "qwen2.5-1.5b-ppo"], "posttune-ppo"),
+        **dict.fromkeys(["qwen2.5-0.5b-lora", "qwen2.5-0.5b-sft", "qwen2.5-1.5b-lora", "qwen2.5-1.5b-sft",
+                         "qwen2.5-7b-lora", "qwen2.5-7b-sft", "qwen3-0.6b-lora", "qwen3-0.6b-sft",
+                         "qwen3-30b-a3b-lora", "qwen3-8b-lora", "qwen3-8b-sft"], "posttune-qwen"),
+        **dict.fromkeys(["qwen2.5-1.5b-rm", "rm-tiny-reverse"], "posttune-rm"),
     },
 }
 

@@ -24,6 +24,7 @@ import pluggy
 
 from posttune import hookspecs
 from posttune.errors import did_you_mean, first_line, one_line
+from posttune.version import __version__
 from posttune.registry import (HOOK_ARG, KINDS, DescriptorError, Provenance, Register, Registered, Registry,
                                duplicate_messages)
 
@@ -57,6 +58,7 @@ class PluginInfo:
     hooks: list[str] = field(default_factory=list)
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
+    other_core: str | None = None  # the posttune it requires, when this one is not (`other_core`)
 
 
 @dataclass
@@ -242,6 +244,24 @@ def load_entry_points(plugins: PluginSet, eps: list[metadata.EntryPoint] | None 
             continue
         info = plugins.register(plugin, name=ep.name, distribution=dist, version=provenance.version)
         info.module = ep.value
+        info.other_core = other_core(ep.dist)
+
+
+def other_core(dist: metadata.Distribution | None) -> str | None:
+    """A warning when ``dist`` requires another posttune than this one: pip refuses to install it so, but
+    ``--no-deps`` does, and so does upgrading the core under installed plugins."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    for text in (dist.requires or []) if dist is not None else []:
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement:
+            continue
+        applies = requirement.marker is None or requirement.marker.evaluate({"extra": ""})
+        if requirement.name == "posttune" and applies and not requirement.specifier.contains(__version__,
+                                                                                            prereleases=True):
+            return str(requirement.specifier)
+    return None
 
 
 def build_registry(plugins: PluginSet) -> Registry:
@@ -265,10 +285,15 @@ def failure(info: PluginInfo) -> str:
 
 
 def problems(plugins: PluginSet, kinds: Iterable[str] | None = None) -> list[str]:
-    """Every plugin that failed to load, then every name two plugins registered (of ``kinds``, default
-    all), one line each: `posttune plugins` reports them, `ls` and `--help` warn about them."""
+    """Every plugin that failed to load or requires another posttune, then every name two plugins registered (of
+    ``kinds``, default all), one line each: `posttune plugins` reports them, `ls` and `--help` warn about them."""
     registry = plugins.registry  # first: building it records the registration failures
-    return [failure(info) for info in plugins.plugins.values() if info.error] + duplicate_messages(registry, kinds)
+    return ([failure(info) for info in plugins.plugins.values() if info.error]
+            + [f"plugin {info.provenance.plugin} from {info.provenance} requires posttune{info.other_core}, but "
+               f"posttune {__version__} is installed: it may fail; install a version of "
+               f"{info.provenance.distribution} that matches" for info in plugins.plugins.values()
+               if info.other_core and not info.error]
+            + duplicate_messages(registry, kinds))
 
 
 def _registrations(pm: pluggy.PluginManager, plugin: Any, provenance: Provenance) -> list[tuple[str, Registered]]:

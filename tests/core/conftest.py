@@ -38,7 +38,7 @@ def datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
-    """``fake_distribution(dist, module, source, version="1.0")`` installs a plugin distribution.
+    """``fake_distribution(dist, module, source, version="1.0", requires=())`` installs a plugin distribution.
 
     It writes ``MODULE.py`` and a ``.dist-info`` with a ``posttune`` entry point into a folder on
     ``sys.path``, so ``importlib.metadata`` discovers it exactly as it would a pip-installed one.
@@ -47,11 +47,13 @@ def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callab
     root.mkdir()
     monkeypatch.syspath_prepend(str(root))
 
-    def make(dist: str, module: str, source: str, version: str = "1.0", entry: str | None = None) -> str:
+    def make(dist: str, module: str, source: str, version: str = "1.0", entry: str | None = None,
+             requires: tuple[str, ...] = ()) -> str:
         (root / f"{module}.py").write_text(textwrap.dedent(source))
         info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        requirements = "".join(f"Requires-Dist: {text}\n" for text in requires)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n{requirements}")
         (info / "entry_points.txt").write_text(f"[posttune]\n{entry or module} = {module}\n")
         sys.modules.pop(module, None)
         make.made.add(dist)

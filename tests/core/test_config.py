@@ -294,9 +294,22 @@ def test_requires_names_what_is_missing(requirement, message):
     assert str(error.value) == message
 
 
+def test_requires_names_everything_missing_in_one_pip_install_line():
+    """The bundled mixtral-8x7b-qlora requires posttune-memory and posttune-torchao: both named at once."""
+    with pytest.raises(PosttuneError) as error:
+        check_requires(["posttune-nonexistent>=0.1", "pyyaml", "posttune>=99", "posttune-absent"])
+    assert str(error.value) == ("config requires posttune-nonexistent>=0.1, which is not installed; and posttune>=99, "
+                                "but posttune 0.1.0 is installed; and posttune-absent, which is not installed — "
+                                "pip install 'posttune-nonexistent>=0.1' 'posttune>=99' 'posttune-absent'")
+
+
 def test_requires_rejects_an_invalid_specifier():
     with pytest.raises(ConfigError, match=r"config: requires\[1\]: invalid requirement 'posttune>>1'"):
         check_requires(["posttune", "posttune>>1"])
+    with pytest.raises(ConfigError) as error:  # packaging's caret diagram of the text is left out
+        check_requires(["posttune-llama>=>0.1"])
+    assert str(error.value) == ("config: requires[0]: invalid requirement 'posttune-llama>=>0.1': Expected semicolon "
+                                "(after name with no version specifier) or end")
 
 
 def test_package_paths_resolve_inside_installed_packages():

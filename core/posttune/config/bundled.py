@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from posttune import first_party
 from posttune.errors import PosttuneError, did_you_mean
 
 
@@ -24,12 +25,18 @@ def resolve_config_path(source: str | Path) -> Path:
 
     registry = get_registry()
     found = registry.entries["config"].get(str(source))
-    if found is None:
-        names = registry.names("config")
-        raise PosttuneError(
-            f"no config file or bundled config named '{source}'{did_you_mean(str(source), names)}"
-            " (see `posttune ls configs`)"
-        )
+    if found is None:  # a first-party distribution's that is not installed is named with its pip install line
+        name, theirs = str(source), first_party.NAMES["config"]
+        message = f"no config file or bundled config named '{name}'"
+        distribution = theirs.get(name)
+        if distribution is not None:
+            message += f": {distribution} bundles it"
+        else:
+            suggestion = did_you_mean(name, [*registry.names("config"), *theirs])
+            message += suggestion
+            close = suggestion.split("'")[1] if suggestion else None
+            distribution = None if close in registry.entries["config"] else theirs.get(close)
+        raise PosttuneError(message + (first_party.install_hint(distribution) or " (see `posttune ls configs`)"))
     return found.descriptor.path
 
 

@@ -13,22 +13,23 @@ from posttune.errors import ConfigError, PosttuneError, first_line
 
 
 def check_requires(requirements: list[str]) -> None:
+    """Every requirement met, or one line naming all that are not, with one ``pip install`` line for them."""
+    unmet: dict[str, str] = {}  # requirement -> why it is unmet
     for index, text in enumerate(requirements):
         try:
             requirement = Requirement(text)
-        except InvalidRequirement as exc:
-            raise ConfigError(f"requires[{index}]", f"invalid requirement {text!r}: {exc}") from None
+        except InvalidRequirement as exc:  # packaging's message goes on with a caret diagram of the text
+            raise ConfigError(f"requires[{index}]", f"invalid requirement {text!r}: {first_line(str(exc))}") from None
         try:
             installed = metadata.version(requirement.name)
         except metadata.PackageNotFoundError:
-            raise PosttuneError(
-                f"config requires {text}, which is not installed — pip install '{text}'"
-            ) from None
+            unmet[text] = "which is not installed"
+            continue
         if requirement.specifier and not requirement.specifier.contains(installed, prereleases=True):
-            raise PosttuneError(
-                f"config requires {text}, but {requirement.name} {installed} is installed"
-                f" — pip install '{text}'"
-            )
+            unmet[text] = f"but {requirement.name} {installed} is installed"
+    if unmet:
+        raise PosttuneError(f"config requires {'; and '.join(f'{text}, {why}' for text, why in unmet.items())} — "
+                            f"pip install {' '.join(repr(text) for text in unmet)}")
 
 
 def require_cuda(config: Any, technique: str, why: str) -> None:
