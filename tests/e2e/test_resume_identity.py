@@ -1,5 +1,5 @@
 """A resume refuses a config that would read its checkpoint as another run's: another base model
-(family, architecture, weight shapes), method, adapter or model role; the documented safe changes
+(family, architecture, weight shapes), method, adapter, optimizer or model role; the documented safe changes
 (max_steps, cadence, logging, the learning rate) still resume."""
 
 from __future__ import annotations
@@ -112,6 +112,10 @@ def test_removing_the_adapter_says_so(runs, tmp_path):
     (["adapter.loraplus_lr_ratio=16"], "adapter.loraplus_lr_ratio",
      "its adapter has loraplus_lr_ratio null, this run's 16"),
     (["adapter.rslora=true"], "adapter.rslora", "its adapter has rslora null, this run's true"),
+    # the optimizer state: validate said valid, then SGD's step failed on AdamW's state (KeyError: 'momentum')
+    (["train.optimizer=sgd"], "train.optimizer", "its optimizer state is adamw's, this run's optimizer is sgd"),
+    (["memory=[adamw_8bit]"], "train.optimizer", "its optimizer state is adamw's, this run's optimizer is adamw + "
+                                                 "adamw_8bit"),
 ])
 def test_another_adapter_is_refused(runs, tmp_path, overrides, field, words):
     line = outcome(tmp_path, runs["lora"], *overrides)[0]

@@ -39,9 +39,19 @@ def of(plan: Any) -> dict[str, Any]:
                 **({"loraplus_lr_ratio": adapter.loraplus_lr_ratio} if adapter.loraplus_lr_ratio is not None else {}),
                 **({"rslora": True} if adapter.rslora else {})},
             "models": models,
+            "optimizer": optimizer_of(plan),
         }
         plan.identity = json.loads(json.dumps(identity, default=str))  # as it reads back from the file
     return plan.identity
+
+
+def optimizer_of(plan: Any) -> str:
+    """What the optimizer state is: the optimizer's name or ``_component_``, and the techniques of the optimizer
+    stage that replace or split it (a low-bit optimizer, optimizer-in-backward), each with a state of its own."""
+    optimizer = plan.config.train.optimizer
+    name = optimizer.get("_component_") if isinstance(optimizer, dict) else optimizer
+    return " + ".join([str(name), *(item.descriptor.name for item in plan.memory
+                                    if item.descriptor.stage == "optimizer")])
 
 
 def _targets(targets: str | list[str]) -> str | list[str]:
@@ -110,6 +120,9 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any], plan: Any) -> I
     if old.get("method") != new["method"]:
         yield "method", f"it was trained by method '{old.get('method')}', this run's method is '{new['method']}'"
     yield from _adapter(old.get("adapter"), new["adapter"])
+    if "optimizer" in old and old["optimizer"] != new["optimizer"]:  # recorded since 2026-12: older ones match
+        yield "train.optimizer", (f"its optimizer state is {old['optimizer']}'s, this run's optimizer is "
+                                  f"{new['optimizer']}")
     sections = {"policy": "model", **{name: role.section for name, role in plan.roles.items()}}
     saved_models, models = old.get("models") or {}, new["models"]
     for role in [*models, *(r for r in saved_models if r not in models)]:
