@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,11 +223,57 @@ def _check_overrides(model: ModelConfig, family: Registered, section: str) -> No
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
-    for key in model.build_overrides:
+    hints = {key: _annotation(family.descriptor.build, key) for key in model.build_overrides}
+    for key, value in model.build_overrides.items():
         if key not in parameters:
             raise ConfigError(f"{section}.build_overrides.{key}",
                               f"family '{family.descriptor.name}' ({family.provenance}) builds with no argument "
                               f"'{key}'{did_you_mean(key, parameters)} (arguments: {', '.join(parameters)})")
+        if not _fits(value, hints[key]):
+            raise ConfigError(f"{section}.build_overrides.{key}", f"family '{family.descriptor.name}' builds with "
+                                                                  f"{key}: {_name(hints[key])}, got {value!r}")
+
+
+def _annotation(function: Any, key: str) -> Any:
+    """``function``'s annotation of argument ``key``, evaluated alone (the return type may name a class imported
+    only for type checkers); ``Any`` when there is none or it does not resolve."""
+    annotation = getattr(function, "__annotations__", {}).get(key, Any)
+    if isinstance(annotation, str):
+        try:
+            annotation = eval(annotation, getattr(function, "__globals__", {}))  # noqa: S307 - the plugin's own code
+        except Exception:  # noqa: BLE001 - whatever it names, the value is left to the build
+            return Any
+    return annotation
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a YAML value can be a builder argument annotated ``hint`` (an integer is no bool and not negative:
+    a size; an unknown annotation takes anything); the family's build checks the rest (that heads divide)."""
+    origin, arguments = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any or hint is None or hint is type(None):
+        return hint is Any or value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, argument) for argument in arguments)
+    simple = {int: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+              bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str)}
+    if hint in simple:
+        return simple[hint](value)
+    if (origin or hint) in (dict, Mapping):
+        return isinstance(value, dict)
+    if (origin or hint) in (list, tuple, Sequence):
+        return isinstance(value, list)
+    return True
+
+
+def _name(hint: Any) -> str:
+    """``int | None`` as a user reads it: "a non-negative integer or null"."""
+    names = {int: "a non-negative integer", float: "a number", bool: "true or false", str: "a string",
+             type(None): "null"}
+    parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return " or ".join(names.get(part, "a mapping" if (typing.get_origin(part) or part) in (dict, Mapping)
+                                 else "a list" if (typing.get_origin(part) or part) in (list, tuple, Sequence)
+                                 else getattr(part, "__name__", str(part))) for part in parts)
 
 
 def _converter(model: ModelConfig, family: Registered, registry: Registry, section: str) -> Registered | None:

@@ -305,3 +305,17 @@ def test_the_opt_in_still_lets_anything_through(posttune_plugins, monkeypatch):
         sys.modules["torch.utils.collect_env"].run
     assert import_dotted("torch.nn.Linear", "train.optimizer._component_") is torch.nn.Linear
 
+
+
+def test_a_module_beside_the_config_is_found_as_python_m_finds_it(posttune_plugins, monkeypatch, tmp_path):
+    """The console script's sys.path has no working directory: `mycomp.MySGD` needed PYTHONPATH=$PWD."""
+    (tmp_path / "beside_optim.py").write_text("import torch\n\n\nclass MySGD(torch.optim.SGD):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "beside_optim", raising=False)
+    with pytest.raises(ConfigError, match=f"refusing 'beside_optim.MySGD': .*{OPT_IN}"):  # the gate still holds
+        import_dotted("beside_optim.MySGD", "train.optimizer._component_")
+    assert "beside_optim" not in sys.modules  # refused before its code ran
+    monkeypatch.setenv(TRUST_ENV, "1")
+    assert import_dotted("beside_optim.MySGD", "train.optimizer._component_").__name__ == "MySGD"
+    assert sys.path[-1] == str(tmp_path)  # after the installed packages: it shadows none of them

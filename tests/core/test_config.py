@@ -41,6 +41,8 @@ def test_overrides_set_nested_keys_creating_mappings():
 def test_overrides_index_into_lists():
     config = apply_overrides({"items": [{"a": 1}, {"a": 2}]}, ["items.1.a=5", "~items.0"])
     assert config == {"items": [{"a": 5}]}
+    config = apply_overrides({"items": [{"a": 1}, {"a": 2}]}, ["items[1].a=5", "~items[0]"])  # as errors write it
+    assert config == {"items": [{"a": 5}]}
 
 
 def test_override_value_keeps_equals_signs():
@@ -77,12 +79,47 @@ def test_a_dotted_override_under_a_short_form_method_writes_its_long_form(overri
     assert apply_overrides({"method": {"name": "dpo"}}, overrides) == {"method": expected}  # as the long form
 
 
-def test_only_a_name_short_form_is_promoted():
-    """`train.optimizer: adamw` is a built-in's name, not `{name: adamw}`; a nested `method` is no section."""
-    with pytest.raises(ConfigError, match="^config: train.optimizer: is str 'adamw', not a mapping$"):
+def test_adapter_lora_as_axolotl_writes_it_takes_dotted_keys():
+    assert apply_overrides({"adapter": "lora"}, ["adapter.rank=16"]) == {"adapter": {"kind": "lora", "rank": 16}}
+
+
+def test_a_component_replaces_a_built_in_optimizer_or_schedule_by_name():
+    """`optimizer: adamw` is a built-in's name, not `{name: adamw}`: a `_component_` takes its place (config.md's
+    own example, on a file that names one), and a component's argument before it is refused saying so."""
+    config = apply_overrides({"train": {"optimizer": "adamw", "scheduler": "cosine"}},
+                             ["train.optimizer._component_=torch.optim.SGD", "train.optimizer.momentum=0.9",
+                              "train.scheduler._component_=torch.optim.lr_scheduler.StepLR"])
+    assert config == {"train": {"optimizer": {"_component_": "torch.optim.SGD", "momentum": 0.9},
+                                "scheduler": {"_component_": "torch.optim.lr_scheduler.StepLR"}}}
+    with pytest.raises(ConfigError) as error:
         apply_overrides({"train": {"optimizer": "adamw"}}, ["train.optimizer.lr=1"])
+    assert str(error.value) == ("config: train.optimizer: is the built-in 'adamw', which takes no lr; a component's "
+                                "arguments follow its train.optimizer._component_=... override (e.g. "
+                                "torch.optim.AdamW)")
     with pytest.raises(ConfigError, match="^config: x.method: is str 'a', not a mapping$"):
-        apply_overrides({"x": {"method": "a"}}, ["x.method.k=1"])
+        apply_overrides({"x": {"method": "a"}}, ["x.method.k=1"])  # a nested `method` is no section
+
+
+def test_top_level_x_keys_hold_anchors_and_are_left_out(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("x-data: &ds {path: d.jsonl, format: chat}\nmodel: {family: llama}\nmethod: sft\n"
+                    "data: {train: *ds, validation: {<<: *ds, split: 'train[:10%]'}}\n")
+    config = load_config(path)
+    assert "x-data" not in config and config["data"]["validation"] == {"path": "d.jsonl", "format": "chat",
+                                                                       "split": "train[:10%]"}
+
+
+@pytest.mark.parametrize("override", ["checkpoint.output_dir=${oc.env:OUT}/a", "data.train.path=${data_dir}/x.jsonl"])
+def test_a_variable_in_a_path_is_refused_not_taken_as_a_folder_name(tmp_path, override):
+    """torchtune's `${output_dir}` and OmegaConf's `${oc.env:...}`: nothing fills them in here."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {family: llama}\nmethod: sft\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path, [override])
+    key, variable = override.split("=")[0], override.split("=")[1].split("/")[0]
+    assert str(error.value) == (f"config: {key}: {variable} is not filled in (a config has no variables); let the "
+                                f"shell expand one: {key}=$OUT/run")
+    assert load_config(path, ["train.sample_prompts=['cost: ${price}']"])["train"]["sample_prompts"]  # not a path
 
 
 def test_deleting_under_a_short_form_method_finds_no_such_key():
@@ -244,14 +281,16 @@ def test_component_accepts_a_class_attribute_path(monkeypatch):
     ({"_component_": "torch.optim.Adamx"},
      "config: optimizer._component_: cannot import 'torch.optim.Adamx': 'torch.optim' has no attribute 'Adamx'"),
     ({"_component_": "nopackage_xyz.Thing"},
-     "config: optimizer._component_: cannot import 'nopackage_xyz.Thing': no module named 'nopackage_xyz'"),
+     "config: optimizer._component_: cannot import 'nopackage_xyz.Thing': no module named 'nopackage_xyz' "
+     "(installed, or in the working directory)"),
     ({"_component_": "torch.optim.SGD.not here"},
      "config: optimizer._component_: expected a dotted path like 'torch.optim.AdamW', got 'torch.optim.SGD.not here'"),
     ({"_component_": "torch.float32"}, "config: optimizer._component_: 'torch.float32' is a dtype, not callable"),
     ({"_component_": "torch.optim.SGD", "lrr": 1},
      "config: optimizer: torch.optim.SGD: SGD.__init__() got an unexpected keyword argument 'lrr'"),
     ({"_component_": "torch.nn.ModuleDict", "x": {"_component_": "nope_mod.f"}},
-     "config: optimizer.x._component_: cannot import 'nope_mod.f': no module named 'nope_mod'"),
+     "config: optimizer.x._component_: cannot import 'nope_mod.f': no module named 'nope_mod' (installed, or "
+     "in the working directory)"),
 ])
 def test_component_errors_are_one_line_naming_the_field(node, message):
     with pytest.raises(ConfigError) as error:

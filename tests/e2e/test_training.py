@@ -136,6 +136,29 @@ def test_an_unknown_build_override_is_named_in_one_line(llama_sft, posttune_cli,
                                         "'hidden_size'?) (arguments: vocab_size, hidden_size, ")
 
 
+@pytest.mark.parametrize("value, words", [
+    ("two", "builds with num_layers: a non-negative integer, got 'two'"),  # a TypeError traceback from the build
+    (2.5, "builds with num_layers: a non-negative integer, got 2.5"),
+    (-1, "builds with num_layers: a non-negative integer, got -1"),
+])
+def test_a_build_override_of_the_wrong_type_is_refused_by_validate(llama_sft, posttune_cli, write_config, value,
+                                                                   words):
+    path = write_config(model={"build_overrides": {"vocab_size": 384, "num_layers": value}})
+    result = posttune_cli("validate", str(path))
+    assert (result.exit_code, result.stderr) == (2, "posttune: error: config: model.build_overrides.num_layers: "
+                                                    f"family 'llama' {words}\n")
+
+
+def test_a_build_override_only_the_build_can_refuse_is_one_line(llama_sft, posttune_cli, write_config, tmp_path):
+    path = write_config(model={"build_overrides": {"vocab_size": 384, "num_heads": 5}})
+    assert posttune_cli("validate", str(path)).exit_code == 0  # heads dividing the width: the family's to know
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr == ("posttune: error: config: model.build_overrides: family 'llama' cannot build with "
+                             "num_heads=5, vocab_size=384: ValueError: num_heads (5) must be a multiple of "
+                             "num_kv_heads (2)\n")
+
+
 def test_bad_row_is_named_in_one_line(llama_sft, posttune_cli, write_config, tmp_path):
     path = write_config()
     rows = (tmp_path / "train.jsonl").read_text().splitlines()

@@ -22,9 +22,11 @@ loads; ``instantiate`` gates the whole tree again before it calls anything.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import os
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, is_dataclass
@@ -185,8 +187,12 @@ def import_dotted(path: str, where: str) -> Callable[..., Any]:
         spec = importlib.util.find_spec(parts[0])  # finding a top-level module runs none of its code
     except (ImportError, ValueError):
         spec = None
+    if spec is None and importlib.machinery.PathFinder.find_spec(parts[0], [os.getcwd()]) is not None:
+        sys.path.append(os.getcwd())  # a module beside the config, as `python -m` finds it (after installed ones)
+        spec = importlib.util.find_spec(parts[0])
     if spec is None:
-        raise ConfigError(where, f"cannot import '{path}': no module named '{parts[0]}'")
+        raise ConfigError(where, f"cannot import '{path}': no module named '{parts[0]}' (installed, or in the working "
+                                 "directory)")
     check_path(path, where)
     for split in range(len(parts), 0, -1):
         module_name = ".".join(parts[:split])

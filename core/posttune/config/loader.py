@@ -172,7 +172,7 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
 
 
 def _split(key: str, override: str) -> list[str]:
-    parts = key.strip().split(".")
+    parts = _INDEX.sub(r".\1", key.strip()).split(".")  # data.train[1].format, as errors write it: data.train.1
     if not all(parts):
         raise ConfigError("", f"override '{override}': empty key in '{key}'")
     return parts
@@ -191,21 +191,37 @@ def _walk(config: dict[str, Any], parts: list[str], *, create: bool) -> dict[str
         elif part not in node:
             raise ConfigError(where, "no such key")
         else:
-            child = node[part] = _long_form(where, node[part])
+            child = node[part] = _long_form(where, node[part], parts[depth + 1])
         if not isinstance(child, (dict, list)):
             raise ConfigError(where, f"is {type(child).__name__} {child!r}, not a mapping")
         node = child
     return node
 
 
-#: sections whose string value is short for ``{name: value}`` (``RunConfig.method``): a dotted key
-#: under one writes the long form, as it would under the mapping the string stands for
-NAME_SHORT_FORMS = ("method",)
+#: sections whose string value is short for ``{field: value}`` (``method: dpo``, ``adapter: lora``): a dotted
+#: key under one writes the long form, as it would under the mapping the string stands for
+NAME_SHORT_FORMS = {"method": "name", "adapter": "kind"}
+#: fields whose string value names a built-in and whose mapping is a ``_component_`` (one for example): a built-in
+#: name stands for no mapping
+COMPONENT_FIELDS = {"train.optimizer": "torch.optim.AdamW", "train.scheduler": "torch.optim.lr_scheduler.StepLR"}
 
 
-def _long_form(where: str, given: Any) -> Any:
-    """``given`` as the mapping it stands for where a string is a name's short form; else as is."""
-    return {"name": given} if where in NAME_SHORT_FORMS and isinstance(given, str) else given
+def _long_form(where: str, given: Any, key: str) -> Any:
+    """``given`` as the mapping it stands for where a string is a name's short form (``key`` goes under it);
+    else as is."""
+    if not isinstance(given, str):
+        return given
+    if where in NAME_SHORT_FORMS:
+        return {NAME_SHORT_FORMS[where]: given}
+    if where in COMPONENT_FIELDS:
+        if key == "_component_":  # the built-in name gives way to a component
+            return {}
+        raise ConfigError(where, f"is the built-in {given!r}, which takes no {key}; a component's arguments follow "
+                                 f"its {where}._component_=... override (e.g. {COMPONENT_FIELDS[where]})")
+    return given
+
+
+_INDEX = re.compile(r"\[(-?\d+)\]")
 
 
 def _index(node: list[Any], part: str, where: str) -> int:
@@ -248,7 +264,28 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: list[str] | N
         data = role_sections(copy.deepcopy(dict(source)))
     else:
         data = role_sections(load_yaml(resolve_config_path(source)))
-    return resolve_package_paths(apply_overrides(data, [_new_spelling(o) for o in overrides or []]))
+    if isinstance(data, dict):  # top-level x-* keys hold YAML anchors for the rest (docker compose's convention)
+        data = {key: value for key, value in data.items() if not (isinstance(key, str) and key.startswith("x-"))}
+    data = apply_overrides(data, [_new_spelling(o) for o in overrides or []])
+    _refuse_interpolation(data, "")
+    return resolve_package_paths(data)
+
+
+#: a ``${...}`` variable (torchtune's and OmegaConf's ``${output_dir}``, ``${oc.env:HOME}``), and the keys of paths
+_VARIABLE = re.compile(r"\$\{[^}]*\}")
+_PATH_KEYS = ("path", "dir", "init_from", "resume")
+
+
+def _refuse_interpolation(node: Any, where: str) -> None:
+    """A path holding ``${...}``: no variable is filled in here, and the path would be taken as written (a folder
+    named ``${oc.env:OUT}``), so it is refused, pointing to the shell, which expands ``$OUT`` in an override."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        path = f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"
+        if isinstance(value, str) and str(key).endswith(_PATH_KEYS) and (found := _VARIABLE.search(value)):
+            raise ConfigError(path.lstrip("."), f"{found.group()} is not filled in (a config has no variables); "
+                                                f"let the shell expand one: {path.lstrip('.')}=$OUT/run")
+        _refuse_interpolation(value, path)
 
 
 def _new_spelling(override: str) -> str:

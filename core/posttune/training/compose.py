@@ -295,16 +295,17 @@ def build_model(target: ModelTarget) -> nn.Module:
     section = "model" if target.role == "policy" else f"models.{target.role}"
     try:
         model = mat.build(family.build, kwargs, DTYPES[config.dtype], "meta")
-    except TypeError as exc:  # a builder argument the family does not take: name the override
-        unknown = [key for key in config.build_overrides if f"'{key}'" in str(exc)]
-        if not unknown:
+    except (TypeError, ValueError, RuntimeError, ZeroDivisionError, AssertionError) as exc:
+        if not config.build_overrides:  # config.json's values were checked: a failure here is the family's
             raise
-        raise ConfigError(f"{section}.build_overrides.{unknown[0]}",
-                          f"family '{family.name}' builds with no argument '{unknown[0]}'") from None
-    except ValueError as exc:  # a value the blocks refuse (an MoE's top_k past its experts): one line
-        if not config.build_overrides:
-            raise
-        raise ConfigError(f"{section}.build_overrides", f"family '{family.name}': {exc}") from None
+        unknown = [key for key in config.build_overrides if f"argument '{key}'" in str(exc)]
+        if unknown:  # a builder argument the family does not take (validate names it too)
+            raise ConfigError(f"{section}.build_overrides.{unknown[0]}",
+                              f"family '{family.name}' builds with no argument '{unknown[0]}'") from None
+        # a value the blocks refuse (heads that do not divide the width, an MoE's top_k past its experts)
+        shown = ", ".join(f"{key}={value!r}" for key, value in config.build_overrides.items())
+        raise ConfigError(f"{section}.build_overrides", f"family '{family.name}' cannot build with {shown}: "
+                                                        f"{type(exc).__name__}: {first_line(str(exc))}") from None
     attach(model, ModelOrigin(family.name, kwargs, hf_config, generation, source=config.path))
     stored = str((hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype"))
     if target.trainable and config.dtype == "fp32" and stored in ("bfloat16", "float16") and distributed.is_main():
