@@ -127,3 +127,12 @@ def test_a_resume_path_that_does_not_exist_is_named_so(finished_run, posttune_cl
     assert (gone.exit_code, gone.stderr) == (2, f"posttune: error: config: checkpoint.resume: {missing} does not "
                                                 "exist; name a checkpoint directory (OUTPUT_DIR/checkpoints/step-N) "
                                                 "or 'latest'\n")
+
+
+def test_overwrite_says_what_it_removes(finished_run, posttune_cli, tmp_path):
+    path = tmp_path / "other.yaml"  # the finished run's own config, again, starting afresh
+    result = posttune_cli("train", str(path), "checkpoint.overwrite=true", "train.max_steps=1")
+    assert result.exit_code == 0, result.stderr
+    assert (f"posttune: checkpoint.overwrite: removing the previous run's checkpoints, metrics.jsonl, loss.png, "
+            f"summary.json from {finished_run}\n") in result.stdout
+    assert [path.name for path in (finished_run / "checkpoints").iterdir()] == ["step-00000001"]

@@ -178,7 +178,10 @@ def clean_leftovers(out: Path) -> None:
 def clear_results(out: Path) -> None:
     """``checkpoint.overwrite``: each old result is renamed aside first, so a crash midway leaves a
     leftover that the next start removes, never a half-deleted checkpoint directory."""
-    for name in CLEARED:
+    found = [name for name in CLEARED if (out / name).exists()]
+    if found:
+        print(f"posttune: checkpoint.overwrite: removing the previous run's {', '.join(found)} from {out}")
+    for name in found:
         path = out / name
         if path.exists():
             aside = out / f".{name}.old-{uuid.uuid4().hex[:8]}"
