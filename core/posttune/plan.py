@@ -496,7 +496,8 @@ def _parallel_options(config: RunConfig, plans: list[Registered]) -> dict[str, A
     for name in config.parallel.options:
         if name not in active:
             listed = ", ".join(active) or "none"
-            raise ConfigError(f"parallel.options.{name}", f"'{name}' is not in parallel.plans (listed: {listed})")
+            raise ConfigError(f"parallel.options.{name}", f"'{name}' is not in parallel.plans (listed: {listed})"
+                                                          f"{did_you_mean(name, active)}")
         if active[name].descriptor.config is None:
             raise ConfigError(f"parallel.options.{name}", f"plan '{name}' ({active[name].provenance}) takes no options")
     options = {name: dict(config.parallel.options.get(name, {})) for name in active}
@@ -529,7 +530,8 @@ def _memory_options(config: RunConfig, techniques: list[Registered]) -> dict[str
     for name in config.memory_options:
         if name not in active:
             listed = ", ".join(active) or "none"
-            raise ConfigError(f"memory_options.{name}", f"'{name}' is not in memory (listed: {listed})")
+            raise ConfigError(f"memory_options.{name}", f"'{name}' is not in memory (listed: {listed})"
+                                                        f"{did_you_mean(name, active)}")
         if active[name].descriptor.config is None:
             raise ConfigError(f"memory_options.{name}", f"memory technique '{name}' ({active[name].provenance}) "
                                                         "takes no options")

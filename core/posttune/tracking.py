@@ -24,7 +24,7 @@ from typing import Any
 
 from posttune.config.typed import from_dict
 from posttune.descriptors import MetricLogger, TrackerRun
-from posttune.errors import ConfigError, PosttuneError, UnknownNameError, first_line
+from posttune.errors import ConfigError, PosttuneError, UnknownNameError, did_you_mean, first_line
 from posttune.registry import Registered, Registry
 
 KIND = "metric_logger"
@@ -45,7 +45,8 @@ def resolve(config: Any, registry: Registry) -> tuple[list[Registered], dict[str
     for name in config.logging_options:
         where = f"logging_options.{name}"
         if name not in active:
-            raise ConfigError(where, f"'{name}' is not in logging (listed: {', '.join(active) or 'none'})")
+            raise ConfigError(where, f"'{name}' is not in logging (listed: {', '.join(active) or 'none'})"
+                                     f"{did_you_mean(name, active)}")
         if active[name].descriptor.config is None:
             raise ConfigError(where, f"tracker '{name}' ({active[name].provenance}) takes no options")
     options = {name: from_dict(item.descriptor.config, config.logging_options.get(name, {}), f"logging_options.{name}")

@@ -141,6 +141,8 @@ def test_a_run_that_stops_with_an_error_closes_its_trackers_without_a_summary(re
                                                  "(did you mean 'label'?)"),
     (["recorder"], {"recorder": {"label": 3}}, "config: logging_options.recorder.label: expected a string, got 3"),
     ([], {"recorder": {}}, "config: logging_options.recorder: 'recorder' is not in logging (listed: none)"),
+    (["recorder"], {"recordr": {}}, "config: logging_options.recordr: 'recordr' is not in logging (listed: "
+                                    "recorder) (did you mean 'recorder'?)"),
     ("recorder", None, "config: logging: expected a list, got 'recorder'"),
 ])
 def test_validate_refuses_bad_logging_in_one_line(recorder, llama_sft, posttune_cli, tmp_path, logging, options,
