@@ -3,6 +3,8 @@ logs the same per-step losses as the uninterrupted run, bitwise, on CPU fp32."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from kill_support import losses, run, together
@@ -64,3 +66,25 @@ def test_resume_from_a_path_that_is_not_a_checkpoint_is_one_line(tmp_path, make_
     assert result.returncode == 2
     assert result.stderr.strip().endswith(f"checkpoint.resume: {tmp_path} is not a posttune checkpoint "
                                           "(no trainer_state.json)")
+
+
+def test_a_checkpoint_at_an_epoch_ending_in_a_partial_step_resumes_the_next_epoch(tmp_path, make_config):
+    """26 rows, batch 2 x accumulation 3: 13 micro-batches, 5 steps an epoch, the last partial. Its checkpoint was
+    written after the loader had moved to the next epoch: resumed, epoch 1 was logged as 0 and trained twice, and
+    the last epoch's data never."""
+    sections = {"train": {"epochs": 3, "batch_size": 2, "grad_accum_steps": 3, "lr": 3e-3},
+                "checkpoint": {"save_every": "epoch", "keep_last": 5}}
+    paths = {}
+    for name in ("straight", "killed"):
+        config = make_config(tmp_path, rows=26, **sections)
+        config["checkpoint"]["output_dir"] = str(tmp_path / name)
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(config))
+    straight, killed = together(lambda: run(str(paths["straight"])),
+                                lambda: run(str(paths["killed"]), killer=("step", 7)))  # last checkpoint: step 5
+    assert (straight.returncode, killed.returncode) == (0, -9), straight.stderr
+    resumed = run(str(paths["killed"]), "checkpoint.resume=latest")
+    assert resumed.returncode == 0, resumed.stderr
+    records = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["epoch"]) for r in records] == [(s, (s - 1) // 5) for s in range(1, 16)]
+    assert losses(tmp_path / "killed") == losses(tmp_path / "straight")

@@ -259,7 +259,10 @@ def load_trainer_state(session: Session, path: Path) -> None:
         if saved:  # none: the method kept nothing (its state_dict returned None)
             method.load_state_dict(session, torch.load(mine, weights_only=True))
     session.step = meta["step"]
-    session.epoch = meta["epoch"]
+    # A step that ended an epoch with a partial accumulation was saved after the loader had moved on to the next
+    # epoch, before the loop counted it: the loader's epoch is the one to continue (else it is trained twice).
+    loader_epoch = (meta.get("data") or {}).get("epoch") if isinstance(meta.get("data"), dict) else None
+    session.epoch = max(meta["epoch"], loader_epoch) if isinstance(loader_epoch, int) else meta["epoch"]
     session.skipped_nonfinite = int(meta.get("skipped_nonfinite", 0))
     session.log_window[:] = meta.get("log_window", [])  # the steps a log_every record will average in
     set_rng_state(torch.load(path / "rng.pt", weights_only=True))
