@@ -144,8 +144,9 @@ class LossOutput:
     The trainer sums ``loss_sum`` and ``normaliser`` over the micro-batches of a step and over
     the ranks that hold different data, and divides once, so a method never normalises by
     itself: SFT's normaliser is its labelled tokens, DPO's its preference pairs (``unit`` names
-    it in the logs). ``tokens`` is what the forward passes processed, padding excluded: the
-    logged ``tokens`` and ``tokens_per_s`` count it.
+    it in the logs). ``tokens`` is the non-padding tokens of the rows the step trained on, each
+    response with its prompt (a prompt the forward shares, DPO's or GRPO's ``share_prompt``, counts once per
+    response, as unshared): the logged ``tokens`` and ``tokens_per_s`` count it, comparable across settings.
 
     ``metrics``: a plain number is averaged over micro-batches and ranks; a pair
     ``(total, count)`` is reported as ``sum(total) / sum(count)`` over all of them (e.g. a

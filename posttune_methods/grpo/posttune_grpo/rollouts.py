@@ -66,7 +66,7 @@ class Rollouts:
                                      if getattr(self, name) is not None}
             batch["per_reward"] = {name: values[part] for name, values in self.per_reward.items()}
             batch["prompt_lengths"] = self.prompt_lengths[part]  # a padding-free forward's documents
-            # what the forward processes: prompt and completion tokens of the rows that are real
+            # each real row's prompt and completion tokens (a shared prompt once per completion, as unshared)
             real = (self.weights[part] > 0).long()
             batch["num_tokens"] = ((self.prompt_lengths[part] + self.lengths[part]) * real).sum()
             out.append(batch)
