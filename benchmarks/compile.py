@@ -92,7 +92,7 @@ sync()
 seconds = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"tokens_per_s": tokens / seconds, "seconds": seconds, "compile_seconds": compile_seconds,
-                  "peak_rss": peak}))
+                  "peak_rss": peak, "threads": torch.get_num_threads()}))
 '''
 
 FULL = {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408, "num_layers": 8,
@@ -119,6 +119,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--prompt-fraction", type=float, default=0.0,
                         help="the share of each row whose labels are ignored, as a prompt's are (default 0)")
     parser.add_argument("--backend", default="inductor")
+    # false: the batches come in a few padded lengths (data.pad_to_multiple_of), one graph each; the technique's
+    # own default (none) is for padding-free rows, whose every length differs
     parser.add_argument("--dynamic", choices=["false", "true", "none"], default="false")
     parser.add_argument("--out", default=None, help="also write the JSON report here")
     return parser.parse_args()
@@ -128,7 +130,9 @@ def summary(results: list[dict]) -> dict:
     return {
         "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in results), 1),
         "peak_rss_mib_median": round(statistics.median(r["peak_rss"] for r in results) / MIB, 1),
-        "compile_seconds_median": round(statistics.median(r["compile_seconds"] for r in results), 2),
+        # the warm-up steps' time: compilation and all, for the compiled runs; the first steps' own cost for eager
+        "warmup_seconds_median": round(statistics.median(r["compile_seconds"] for r in results), 2),
+        "threads": sorted({r["threads"] for r in results}),
         "runs": [{"tokens_per_s": round(r["tokens_per_s"], 1), "peak_rss_mib": round(r["peak_rss"] / MIB, 1),
                   "warmup_seconds": round(r["compile_seconds"], 2)} for r in results],
     }

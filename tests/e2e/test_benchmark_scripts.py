@@ -113,3 +113,4 @@ def test_compile_quick_trains_eager_and_compiled(tmp_path):
     for mode in ("eager", "compiled"):
         assert report[mode]["tokens_per_s_median"] > 0 and report[mode]["peak_rss_mib_median"] > 0, mode
     assert report["ratio_tokens_per_s"] > 0 and report["runs_per_mode"] == 1
+    assert report["compiled"]["warmup_seconds_median"] > 0 and report["compiled"]["threads"][0] >= 1
