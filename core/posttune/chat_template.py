@@ -239,7 +239,8 @@ def assistant_spans(render_prefix: Callable[[list[dict[str, Any]], bool], str | 
     on, which is how the model learns to stop, while the newline before the next header is not.
 
     Some templates render a turn differently once more turns follow (Qwen3 drops reasoning of
-    earlier turns); then the turn ends after its content, found in the text, plus the one token of
+    earlier turns, given as ``reasoning_content`` or inline in ``<think>``); then the turn ends after its content
+    (its answer, for inline reasoning), found in the text, plus the one token of
     ``end_tokens`` (the tokenizer's added tokens) that follows it. ``render_prefix(messages,
     add_generation_prompt)`` returns None when a template cannot render a prefix (e.g. an empty one).
     """
@@ -269,9 +270,15 @@ def _agreement(text: str, prefix: str | None) -> int:
 
 
 def _content_end(text: str, content: Any, start: int) -> int:
-    needle = content.strip() if isinstance(content, str) else ""
-    found = text.find(needle, start) if needle else -1
-    return found + len(needle) if found >= 0 else start
+    """Where the turn's content ends in ``text``: the whole content, or (reasoning written inline, ``<think>...
+    </think>answer``, which Qwen3's and DeepSeek-R1's templates drop from earlier turns) the answer after it."""
+    if not isinstance(content, str):
+        return start
+    for needle in dict.fromkeys([content.strip(), content.rpartition("</think>")[2].strip()]):
+        found = text.find(needle, start) if needle else -1
+        if found >= 0:
+            return found + len(needle)
+    return start
 
 
 def _after_end_token(text: str, position: int, end_tokens: Sequence[str]) -> int:

@@ -276,6 +276,23 @@ def test_mask_when_earlier_turns_render_differently(folders, tmp_path):
                                                "<think>\n\n</think>\n\nOK<|im_end|>"]
 
 
+def test_mask_when_earlier_turns_drop_inline_reasoning(folders, tmp_path):
+    """Qwen3's template splits content on </think> and keeps earlier turns' answers only: such a turn, written
+    with its reasoning inline (as many reasoning datasets are), trained on nothing."""
+    folder = copy_of(folders["chatml"], tmp_path)
+    source = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% set c = m.content %}"
+              "{% if m.role == 'assistant' and not loop.last %}{% set c = c.split('</think>')[-1].lstrip('\\n') %}"
+              "{% endif %}{{ c }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+              "{% endif %}")
+    edit_config(folder, chat_template=source)
+    ours, theirs = both(folder)
+    chat = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nHi!"},
+            {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}]
+    ids, mask = ours.tokenize_messages(chat)
+    assert ids == theirs.apply_chat_template(chat, return_dict=False)
+    assert trained_pieces(ours, ids, mask) == ["Hi!<|im_end|>", "<think>\nadd\n</think>\n\n4<|im_end|>"]
+
+
 def test_mask_covers_tool_calls_of_an_assistant_turn_without_content(folders, tmp_path):
     folder = copy_of(folders["chatml"], tmp_path)
     (folder / "chat_template.jinja").write_text(
