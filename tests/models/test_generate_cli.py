@@ -196,3 +196,20 @@ def test_tools_reach_the_chat_template_as_transformers_renders_them(checkpoint, 
     assert f"--tools {tmp_path / 'bad.json'}: field 'tools' must be a non-empty list" in bad.stderr
     plain = posttune_cli("generate", "--model", str(path), "--prompt", "hi", "--tools", str(tmp_path / "tools.json"))
     assert plain.exit_code == 2 and "--tools needs --chat" in plain.stderr
+
+
+def test_a_model_built_from_a_size_saves_the_tokenizers_stop_tokens(tmp_path, register_plugin):
+    """A run from random init (the README demo's) wrote no token ids: transformers' generate fell back to
+    LlamaConfig's eos 2 (another token here) and ran to max_new_tokens; the tokenizer's second stop token was lost."""
+    from posttune.api import build_model, save_model
+
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    save_tiny_tokenizer(tmp_path / "tok", template="llama3")
+    (tmp_path / "tok" / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 1]}))
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    save_model(build_model("llama", "tiny", vocab_size=tokenizer.vocab_size), tmp_path / "out", tokenizer=tokenizer)
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
+    assert (config.bos_token_id, config.eos_token_id, generation.bos_token_id, generation.eos_token_id) == (
+        tokenizer.bos_id, [4, 1], tokenizer.bos_id, [4, 1])
+    assert config.pad_token_id is None  # the tokenizer has no pad token: none is made up

@@ -57,6 +57,8 @@ def save_hf(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None,
     converter: CheckpointConverter = registry.get("checkpoint_converter", f"{origin.family}:{FORMAT}")
     tensors = native_tensors(model, state_dict)
     config = hf_config_for(origin, family, tensors.values())
+    if origin.hf_config is None and tokenizer is not None:  # built from a size: the run's tokenizer has the ids
+        config = {**config, **{key: value for key, value in _token_ids(tokenizer).items() if config.get(key) is None}}
     labels = origin.extra.get(score_head.LABELS)
     if labels is not None:  # a reward or value model: saved as transformers' sequence classifier
         converter = score_head.score_converter(converter)
@@ -211,6 +213,16 @@ def _index(shards: list[list[Planned]], names: list[str]) -> dict[str, Any]:
     total = sum(item.nbytes for shard in shards for item in shard)
     weight_map = {item.name: name for name, shard in zip(names, shards, strict=True) for item in shard}
     return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def _token_ids(tokenizer: Any) -> dict[str, Any]:
+    """config.json's bos/eos/pad ids from a posttune tokenizer (every stop token: Llama 3's ``[eos, eot]``), so that
+    transformers' ``generate`` stops where ``posttune generate`` does (LlamaConfig's defaults are 1 and 2)."""
+    eos = list(getattr(tokenizer, "eos_ids", []) or [])
+    token_id = getattr(tokenizer, "token_id", lambda name: None)
+    ids = {"bos_token_id": getattr(tokenizer, "bos_id", None), "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
+           "pad_token_id": token_id("pad_token")}
+    return {key: value for key, value in ids.items() if value is not None}
 
 
 def _pad_id(tokenizer: Any) -> int | None:
