@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 import transformers
 import yaml
 from memory_support import compose_run, sft_config
@@ -68,6 +69,20 @@ def test_qlora_stores_base_weights_as_nf4_and_trains_the_adapters(plugins, tmp_p
     with torch.no_grad():
         logits = merged(ids).logits
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_qlora_saves_its_adapter_without_dequantising_the_base(plugins, tmp_path):
+    """The whole base went back to the training dtype before every final save, asked to merge or not: on one
+    GPU, Mixtral's dense copy is past the memory the 4-bit run fits in."""
+    session = compose_run(sft_config(tmp_path, adapter={"rank": 4, "alpha": 8}, memory=["qlora_nf4"],
+                                     train={"max_steps": 1}))
+    train(session)
+    quantized = len(nf4_weights(session.model))
+    save_final(session)
+    assert quantized and len(nf4_weights(session.model)) == quantized  # still NF4 after the save
+    saved = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
+    trained = {n: p for n, p in session.model.named_parameters() if p.requires_grad and "lora_B" in n}
+    assert len([key for key in saved if "lora_B" in key]) == len(trained) > 0
 
 
 # both are torchao's low-bit AdamW behind one wrapper: tox -e extended runs the 8-bit one too

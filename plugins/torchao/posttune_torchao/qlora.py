@@ -12,9 +12,10 @@ The embedding and the output head stay in the training dtype, as in the QLoRA pa
 torchao's NF4 linear dequantises per matmul; gradients flow to the activations and the
 bf16/fp32 adapters, never to the NF4 weights.
 
-At the end of training (``session.before_final_save``) the policy's base weights are
-dequantised back to the training dtype, so the adapter merges into exactly the weights it was
-trained against and the merged export is an ordinary HF checkpoint. Resuming reloads the base
+At the end of training, with ``checkpoint.save_merged`` (``session.before_final_save``), the policy's base
+weights are dequantised back to the training dtype, so the adapter merges into exactly the weights it was
+trained against and the merged export is an ordinary HF checkpoint; without it the adapter is saved from the
+NF4 model as it is (a dense copy of the whole base would be the run's peak, beyond a one-GPU model's memory). Resuming reloads the base
 from ``model.path`` and quantises it again: NF4 is deterministic, so the same codes result.
 """
 
@@ -40,7 +41,7 @@ def apply(session: Session, target: ModelTarget) -> None:
     if not quantized:
         raise PosttuneError(f"memory: qlora_nf4 found no frozen linear layer in the {target.role}'s model.layers "
                             "to quantise")
-    if target.trainable:
+    if target.trainable and session.config.checkpoint.save_merged:  # the adapter alone is saved from the NF4 model
         session.before_final_save.append(lambda s: dequantize(s.model))
 
 
