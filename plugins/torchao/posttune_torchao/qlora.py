@@ -15,8 +15,9 @@ bf16/fp32 adapters, never to the NF4 weights.
 At the end of training, with ``checkpoint.save_merged`` (``session.before_final_save``), the policy's base
 weights are dequantised back to the training dtype, so the adapter merges into exactly the weights it was
 trained against and the merged export is an ordinary HF checkpoint; without it the adapter is saved from the
-NF4 model as it is (a dense copy of the whole base would be the run's peak, beyond a one-GPU model's memory). Resuming reloads the base
-from ``model.path`` and quantises it again: NF4 is deterministic, so the same codes result.
+NF4 model as it is (a dense copy of the whole base would be the run's peak, beyond a one-GPU model's memory).
+Resuming reloads the base from ``model.path`` and quantises it again: NF4 is deterministic, so the same codes
+result.
 """
 
 from __future__ import annotations
