@@ -48,6 +48,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     choices = list(choices)
     same = [choice for choice in choices if choice.lower() == word.lower()]
     close = same or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    starts = [choice for choice in choices if len(word) >= 3 and choice.lower().startswith(word.lower())]
+    close = close or (starts if len(starts) == 1 else [])  # a name cut short: `int4` for `int4_weight_only`
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

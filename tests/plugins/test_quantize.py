@@ -165,6 +165,8 @@ def test_an_adapter_is_merged_before_quantizing(exports, plugins, tmp_path):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--scheme", "int3_weight_only"], "--scheme 'int3_weight_only': expected one of int8_weight_only, "
                                        "int4_weight_only (did you mean 'int8_weight_only'?)"),
+    (["--scheme", "int4"], "--scheme 'int4': expected one of int8_weight_only, int4_weight_only (did you mean "
+                           "'int4_weight_only'?)"),  # a name cut short
     (["--scheme", "int4_weight_only", "--group-size", "48"],
      "--group-size 48 does not divide the 64 input features of 'model.layers.0.self_attn.q_proj'"),
     (["--group-size", "0"], "--group-size 0: expected a positive number of input features"),
