@@ -118,15 +118,25 @@ def chat_template_override(value: str, field: str = "tokenizer.chat_template") -
 
 
 def id_count(folder: str | Path | None) -> int | None:
-    """1 + the largest token id ``folder``'s tokenizer.json defines, added tokens included (the least embedding a
-    model reading it needs); None without a local tokenizer.json or with an unknown layout."""
+    """1 + the largest token id ``folder``'s tokenizer.json defines, added tokens included, plus the tokens its
+    tokenizer_config.json names that tokenizer.json lacks (loading adds each, as transformers does): the least
+    embedding a model reading it needs; None without a local tokenizer.json or with an unknown layout."""
     data = _tokenizer_json(folder)
     ids = None if data is None else _model_vocabulary(data)
     if ids is None:
         return None
-    added = data.get("added_tokens") or []
-    added_ids = [entry["id"] for entry in added if isinstance(entry, dict) and isinstance(entry.get("id"), int)]
-    return max([*ids, *added_ids], default=-1) + 1
+    added = [entry for entry in data.get("added_tokens") or [] if isinstance(entry, dict)]
+    added_ids = [entry["id"] for entry in added if isinstance(entry.get("id"), int)]
+    config = read_json(Path(str(folder)).expanduser() / "tokenizer_config.json") or {}
+    decoder = config.get("added_tokens_decoder")
+    named = [*(decoder.values() if isinstance(decoder, dict) else ()),
+             *_special_token_values(Path(str(folder)).expanduser(), config).values()]
+    extras = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    named += extras if isinstance(extras, list) else []
+    wanted = {value if isinstance(value, str) else value["content"] for value in named
+              if isinstance(value, str) or _is_serialised_token(value)}
+    new = wanted - set(ids.values()) - {entry.get("content") for entry in added}
+    return max([*ids, *added_ids], default=-1) + 1 + len(new)
 
 
 def vocabulary(folder: str | Path | None) -> dict[int, str] | None:

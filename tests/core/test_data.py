@@ -177,6 +177,15 @@ def test_text_rows_train_on_every_token_and_end_with_eos(tmp_path, tokenizer, fo
     assert batch["labels"][0].tolist() == ids[1:] + [IGNORE_INDEX]
 
 
+def test_text_that_already_ends_with_eos_gets_no_second_one(tmp_path, tokenizer, formats):
+    """TRL's rule: EOS is appended unless the last id is EOS (the text wrote it, or the tokenizer's post-processor
+    added it: `$A </s>`); it was appended twice."""
+    eos_text = tokenizer.special_tokens["eos_token"]
+    path = write(tmp_path / "text.jsonl", [{"text": "The quick brown fox." + eos_text}])
+    (batch,) = all_batches(loader_for(path, tokenizer, formats, fmt="text"))
+    assert batch["input_ids"][0].tolist() == tokenizer.encode("The quick brown fox.") + [tokenizer.eos_id]
+
+
 def test_a_folder_of_files_loads_them_all_in_name_order(tmp_path, tokenizer, formats):
     write(tmp_path / "data" / "part-1.jsonl", ALPACA[:2])
     write(tmp_path / "data" / "part-2.jsonl", ALPACA[2:5])

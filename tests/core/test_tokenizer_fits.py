@@ -71,3 +71,24 @@ def test_generate_refuses_it_in_one_line(plugins, posttune_cli, tmp_path):
     small = small_checkpoint(tmp_path / "small")
     result = posttune_cli("generate", "--model", str(small), "--prompt", "Reverse: ABC")
     assert (result.exit_code, result.stderr) == (2, f"posttune: error: --model: {TOO_MANY}\n")
+
+
+def test_validate_counts_the_tokens_tokenizer_config_adds(plugins, posttune_cli, tmp_path):
+    """Tokens that tokenizer_config.json names and tokenizer.json lacks get ids on load (as transformers adds them):
+    validate read tokenizer.json alone, said valid, and training refused at build time."""
+    import json
+
+    folder = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    decoder = config.get("added_tokens_decoder") or {}
+    for index, text in enumerate(["<think>", "</think>"]):  # new tokens, and one the file already has
+        decoder[str(384 + index)] = {"content": text, "special": False}
+    config["added_tokens_decoder"] = decoder
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(folder).vocab_size == 386
+    run = sft_config(tmp_path, tokenizer={"path": str(folder)}, model={"build_overrides": {"vocab_size": 384}})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    result = posttune_cli("validate", str(tmp_path / "run.yaml"))
+    assert result.exit_code == 2 and "the tokenizer has 386 token ids and the model's embedding 384 rows" in \
+        result.stderr, result.stderr

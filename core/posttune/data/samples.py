@@ -171,9 +171,10 @@ class SampleMaker:
     def _tokenize(self, content: Any) -> tuple[list[int], list[bool]]:
         if isinstance(content, PromptCompletion):
             return self._prompt_completion(content)
-        if isinstance(content, str):  # completion-style text: every token is trained on
-            eos = self.tokenizer.eos_id
-            ids = list(self.tokenizer.encode(content)) + ([] if eos is None else [eos])
+        if isinstance(content, str):  # completion-style text: every token is trained on, then one EOS
+            eos, ids = self.tokenizer.eos_id, list(self.tokenizer.encode(content))
+            if eos is not None and ids[-1:] != [eos]:  # TRL's rule: not twice, if the text or the tokenizer put one
+                ids.append(eos)
             return ids, [True] * len(ids)
         ids, trained = self.tokenizer.tokenize_messages(self.with_system(content), train_on_input=self.train_on_input,
                                                         tools=self.tools)
