@@ -8,7 +8,8 @@
 ``tokenizer_config.json`` supplies the special tokens and the chat template (also read from
 ``chat_template.jinja`` and ``additional_chat_templates/``, as transformers 5 saves them), and
 ``generation_config.json`` the extra stop tokens. The ids equal ``AutoTokenizer``'s on the same
-files, so training data matches what the model sees at inference. No transformers at run time.
+files, so training data matches what the model sees at inference (but for transformers 5's rebuilt
+pipeline of sentencepiece-style ``LlamaTokenizer`` files: docs/training.md). No transformers at run time.
 """
 
 from __future__ import annotations
