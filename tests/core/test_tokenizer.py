@@ -54,6 +54,13 @@ def both(folder: Path) -> tuple[Tokenizer, object]:
     return load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
 
 
+def chatml_with(folders, tmp_path, template: str):
+    """The chatml tokenizer with ``template`` as its chat template: (ours, transformers')."""
+    folder = copy_of(folders["chatml"], tmp_path)
+    edit_config(folder, chat_template=template)
+    return both(folder)
+
+
 def copy_of(folder: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(folder, tmp_path / "copy"))
 
@@ -189,13 +196,11 @@ def test_tools_and_template_kwargs_match_transformers(folders, style):
 
 
 def test_template_helpers_match_transformers(folders, tmp_path):
-    folder = copy_of(folders["chatml"], tmp_path)
-    source = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
-              "{{ ns.n }} {{ strftime_now('%Y') }} {{ {'k': '<é>'} | tojson }} {{ dict(a=1) | tojson }}"
-              "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
-              "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}{{ eos_token }}")
-    edit_config(folder, chat_template=source)
-    ours, theirs = both(folder)
+    ours, theirs = chatml_with(folders, tmp_path, (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+        "{{ ns.n }} {{ strftime_now('%Y') }} {{ {'k': '<é>'} | tojson }} {{ dict(a=1) | tojson }}"
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}{{ eos_token }}"))
     assert ours.apply_chat_template(PLAIN_CHAT, tokenize=False) == theirs.apply_chat_template(
         PLAIN_CHAT, tokenize=False)
 
@@ -279,13 +284,11 @@ def test_mask_when_earlier_turns_render_differently(folders, tmp_path):
 def test_mask_when_earlier_turns_drop_inline_reasoning(folders, tmp_path):
     """Qwen3's template splits content on </think> and keeps earlier turns' answers only: such a turn, written
     with its reasoning inline (as many reasoning datasets are), trained on nothing."""
-    folder = copy_of(folders["chatml"], tmp_path)
-    source = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% set c = m.content %}"
-              "{% if m.role == 'assistant' and not loop.last %}{% set c = c.split('</think>')[-1].lstrip('\\n') %}"
-              "{% endif %}{{ c }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-              "{% endif %}")
-    edit_config(folder, chat_template=source)
-    ours, theirs = both(folder)
+    ours, theirs = chatml_with(folders, tmp_path, (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% set c = m.content %}"
+        "{% if m.role == 'assistant' and not loop.last %}{% set c = c.split('</think>')[-1].lstrip('\\n') %}"
+        "{% endif %}{{ c }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% endif %}"))
     chat = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nHi!"},
             {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}]
     ids, mask = ours.tokenize_messages(chat)

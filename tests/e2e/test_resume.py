@@ -18,13 +18,18 @@ def configs(request, tmp_path, make_config):
     sections = {"train": {"epochs": 2, "lr": 3e-3}, "checkpoint": {"save_every": 3, "keep_last": 2}}
     if request.param == "lora":
         sections["adapter"] = {"rank": 4, "alpha": 8, "dropout": 0.1}  # dropout: the RNG state must resume too
+    return twin_configs(tmp_path, make_config, 40, sections), tmp_path
+
+
+def twin_configs(tmp_path, make_config, rows: int, sections: dict) -> dict:
+    """The same run twice, ``straight`` and ``killed``, each with its own output directory: name -> config path."""
     paths = {}
     for name in ("straight", "killed"):
-        config = make_config(tmp_path, rows=40, **sections)
+        config = make_config(tmp_path, rows=rows, **sections)
         config["checkpoint"]["output_dir"] = str(tmp_path / name)
         paths[name] = tmp_path / f"{name}.yaml"
         paths[name].write_text(yaml.safe_dump(config))
-    return paths, tmp_path
+    return paths
 
 
 def test_sigkill_mid_epoch_then_resume_matches_the_uninterrupted_run(configs):
@@ -74,12 +79,7 @@ def test_a_checkpoint_at_an_epoch_ending_in_a_partial_step_resumes_the_next_epoc
     the last epoch's data never."""
     sections = {"train": {"epochs": 3, "batch_size": 2, "grad_accum_steps": 3, "lr": 3e-3},
                 "checkpoint": {"save_every": "epoch", "keep_last": 5}}
-    paths = {}
-    for name in ("straight", "killed"):
-        config = make_config(tmp_path, rows=26, **sections)
-        config["checkpoint"]["output_dir"] = str(tmp_path / name)
-        paths[name] = tmp_path / f"{name}.yaml"
-        paths[name].write_text(yaml.safe_dump(config))
+    paths = twin_configs(tmp_path, make_config, 26, sections)
     straight, killed = together(lambda: run(str(paths["straight"])),
                                 lambda: run(str(paths["killed"]), killer=("step", 7)))  # last checkpoint: step 5
     assert (straight.returncode, killed.returncode) == (0, -9), straight.stderr
