@@ -40,6 +40,24 @@ def test_a_finished_run_extends_to_the_losses_of_a_longer_one(llama_sft, posttun
     assert (summary["steps_run"], summary["final_step"]) == (2, 6)
 
 
+def test_an_extended_cosine_run_continues_on_the_longer_schedule(llama_sft, posttune_cli, tmp_path):
+    """The first extra step trained at the finished schedule's last rate (0 for cosine): the optimizer's rate was
+    restored, not the longer schedule's value at that step."""
+    rates = {}
+    for name, steps in (("straight", 6), ("extended", 4)):
+        config = sft_config(tmp_path / name, train={"max_steps": steps, "scheduler": "cosine", "lr": 1e-3},
+                            checkpoint={"save_every": 2})
+        (tmp_path / name / "run.yaml").write_text(yaml.safe_dump(config))
+        assert posttune_cli("train", str(tmp_path / name / "run.yaml")).exit_code == 0
+    extended = posttune_cli("train", str(tmp_path / "extended" / "run.yaml"), "train.max_steps=6",
+                            "checkpoint.resume=latest")
+    assert extended.exit_code == 0, extended.stderr
+    for name in ("straight", "extended"):
+        records = (tmp_path / name / "out" / "metrics.jsonl").read_text().splitlines()
+        rates[name] = [json.loads(line)["lr"] for line in records]
+    assert rates["extended"][4:] == rates["straight"][4:] and rates["extended"][4] > 0
+
+
 def adapter_config(tmp_path, **adapter):
     return sft_config(tmp_path, train={"max_steps": 3, "lr": 1e-2}, adapter={"rank": 4, "alpha": 8, **adapter})
 

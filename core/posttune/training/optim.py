@@ -157,6 +157,26 @@ def warmup_steps(train: TrainConfig, total_steps: int) -> int:
     return math.ceil(train.warmup_ratio * total_steps)
 
 
+def resync_lr(optimizer: Any, scheduler: Any) -> None:
+    """Set each group's rate to what the run's own schedule gives at the restored step.
+
+    The checkpoint's optimizer holds the rate its run's schedule set last; a resume of a longer run (more
+    ``max_steps`` or ``epochs``) has a schedule of another length, whose value at that step differs (a finished
+    cosine run's last rate is 0: the first extra step did not train). The same schedule gives the same value."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    if not isinstance(inner, torch.optim.lr_scheduler.LambdaLR):  # a _component_ schedule: its own state is its own
+        return
+    rates = [base * factor(inner.last_epoch) for base, factor in zip(inner.base_lrs, inner.lr_lambdas, strict=True)]
+    for group, rate in zip(inner.optimizer.param_groups, rates, strict=True):  # the groups the schedule drives
+        if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers keep a tensor LR
+            group["lr"].fill_(rate)
+        else:
+            group["lr"] = rate
+    inner._last_lr = rates
+    if callable(getattr(optimizer, "sync_lr", None)):
+        optimizer.sync_lr()
+
+
 def rescale_lr(optimizer: Any, scheduler: Any, ratio: float) -> None:
     """Multiply every learning rate the optimizer and its schedule hold by ``ratio``.
 

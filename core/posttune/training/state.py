@@ -241,6 +241,9 @@ def load_trainer_state(session: Session, path: Path) -> None:
         session.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         shard_optimizer_state(session.optimizer)
     session.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    from posttune.training.optim import resync_lr
+
+    resync_lr(session.optimizer, session.scheduler)  # a longer run's schedule, at the restored step
     saved_lr, lr = meta.get("lr"), session.config.train.lr
     if isinstance(saved_lr, (int, float)) and saved_lr > 0 and saved_lr != lr:  # train.lr changed: it applies
         from posttune.training.optim import rescale_lr
