@@ -112,12 +112,15 @@ def init_distributed(session: Session) -> None:
             torch.cuda.set_device(session.device)
         if not dist.is_initialized():
             timeout = session.config.parallel.timeout_s
-            dist.init_process_group("nccl" if cuda else "gloo",
+            # NCCL serves CUDA tensors only; gloo takes the CPU ones (FSDP2's cpu_offload keeps shards there)
+            dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout) if timeout is not None else None)
         dims = session.plan.mesh
         session.mesh = init_device_mesh(session.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     else:
         session.device = torch.device(wanted)
+        if cuda and session.device.index is not None:  # cuda:1: what allocates on "cuda" (an engine) goes there too
+            torch.cuda.set_device(session.device)
 
 
 def seed_everything(seed: int) -> None:

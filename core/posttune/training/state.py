@@ -238,9 +238,11 @@ def load_trainer_state(session: Session, path: Path) -> None:
     if sharded_state.is_sharded_checkpoint(path):  # written by ranks with a sharded model: any layout reads it
         sharded_state.load(session, path)
     else:
-        session.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        # on the CPU: load_state_dict moves each state to its parameter's device (rank r's, not cuda:0 where it was
+        # saved; and a GPU run's checkpoint resumes on a machine without one)
+        session.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
         shard_optimizer_state(session.optimizer)
-    session.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    session.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True, map_location="cpu"))
     from posttune.training.optim import resync_lr
 
     resync_lr(session.optimizer, session.scheduler)  # a longer run's schedule, at the restored step

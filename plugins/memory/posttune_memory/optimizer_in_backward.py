@@ -63,7 +63,7 @@ class InBackwardOptimizer:
                 self.optimizers[name] = type(holder)([{"params": [param], **settings}])
                 self.group_of[name] = index
                 param.register_post_accumulate_grad_hook(self._stepper(name))
-        self._grad_sq = torch.zeros((), dtype=torch.float32)
+        self._grad_sq: torch.Tensor | None = None  # on the gradients' device: no host sync per parameter
 
     def _stepper(self, name: str) -> Any:
         optimizer = self.optimizers[name]
@@ -72,7 +72,7 @@ class InBackwardOptimizer:
             grad = param.grad.detach()
             grad.mul_(self.grad_scale)
             norm_sq = full_value(torch.linalg.vector_norm(grad, dtype=torch.float32)).pow(2)
-            self._grad_sq = self._grad_sq + norm_sq.to(self._grad_sq.device)
+            self._grad_sq = norm_sq if self._grad_sq is None else self._grad_sq + norm_sq
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)  # the memory this technique exists to free
 
@@ -97,11 +97,11 @@ class InBackwardOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are already freed; reset the norm the trainer logs for the next step."""
-        self._grad_sq = torch.zeros((), dtype=torch.float32)
+        self._grad_sq = None
 
     def consumed_grad_norm(self) -> torch.Tensor:
         """The global gradient norm of this step's gradients, measured before each was freed."""
-        return self._grad_sq.sqrt()
+        return torch.zeros((), dtype=torch.float32) if self._grad_sq is None else self._grad_sq.sqrt()
 
     def sync_lr(self) -> None:
         for name, optimizer in self.optimizers.items():

@@ -23,9 +23,12 @@ def apply(session: Session, target: ModelTarget) -> None:
     if torch.cuda.get_device_capability(device) < (8, 9):
         raise PosttuneError(f"memory: 'fp8' needs compute capability 8.9 or newer; "
                             f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}")
-    from torchao.float8 import convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    convert_to_float8_training(target.model, module_filter_fn=float8_eligible)
+    # pad_inner_dim: the weight gradient's matmul runs over batch x sequence, which _scaled_mm needs to be a
+    # multiple of 16; padded or padding-free batches are of any length
+    convert_to_float8_training(target.model, config=Float8LinearConfig(pad_inner_dim=True),
+                               module_filter_fn=float8_eligible)
 
 
 def float8_eligible(module: nn.Module, name: str) -> bool:

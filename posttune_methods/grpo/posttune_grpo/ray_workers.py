@@ -31,7 +31,8 @@ class EngineActor:
         self.tokenizer = load_tokenizer(spec["tokenizer"])
         self.engine = start_engine(spec["engine"], spec["engine_options"],
                                    EnginePolicy(spec["family"], spec["build_kwargs"], source=spec["source"],
-                                                version=-1),
+                                                version=-1,  # Ray shows an actor the GPUs it was given, or none
+                                                device="cuda" if torch.cuda.is_available() else None),
                                    sampling=rollout_sampling(spec, self.tokenizer))
         self.idle_since = time.perf_counter()
 
