@@ -159,6 +159,24 @@ def test_a_build_override_only_the_build_can_refuse_is_one_line(llama_sft, postt
                              "num_kv_heads (2)\n")
 
 
+def test_empty_responses_are_counted_and_said(llama_sft, posttune_cli, write_config, tmp_path):
+    """A CSV's empty answer cell is "" (not a missing field): such a row trains only its end token, teaching the
+    model to answer with nothing. It still trains, as in TRL, but the banner and the summary say how many."""
+    path = write_config(train={"max_steps": 1})
+    rows = (tmp_path / "train.jsonl").read_text().splitlines()
+    for index in (2, 7):
+        row = json.loads(rows[index])
+        row["messages"][1]["content"] = " " if index == 7 else ""
+        rows[index] = json.dumps(row)
+    (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    assert "(2 samples with an empty response)" in result.stdout
+    assert ("data: 2 sample(s) with an empty response trained only its end token (they teach the model to answer "
+            "with nothing): drop or fill those rows") in result.stdout
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["empty_responses"] == 2
+
+
 def test_bad_row_is_named_in_one_line(llama_sft, posttune_cli, write_config, tmp_path):
     path = write_config()
     rows = (tmp_path / "train.jsonl").read_text().splitlines()

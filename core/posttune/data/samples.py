@@ -59,6 +59,7 @@ class SkipCounts:
     bad_rows: int = 0
     untrained: int = 0
     truncated: int = 0  # kept, but cut to max_seq_len: their end does not train (not a skip: not in ``total``)
+    empty: int = 0  # kept, but the response is empty: only the end token trains (a CSV's empty cell is "")
     upto: int = 0
     first_bad: str = ""  # the first bad row skipped and why, as the error would have said it (not checkpointed)
 
@@ -73,6 +74,19 @@ class SkipCounts:
 
     def state_dict(self) -> dict[str, int]:
         return {key: value for key, value in asdict(self).items() if key != "first_bad"}
+
+
+def _empty_response(content: Any) -> bool:
+    """Whether what trains in ``content`` is empty text: every trained assistant turn (or the completion, or the
+    text) blank, with no tool call. TRL trains such rows too (the end token only); they are counted, not dropped."""
+    if isinstance(content, PromptCompletion):
+        content = content.completion
+    if isinstance(content, str):
+        return not content.strip()
+    turns = [turn for turn in content if isinstance(turn, Mapping) and turn.get("role") == "assistant"
+             and turn.get("weight", 1) != 0] if isinstance(content, list) else []
+    return bool(turns) and all(isinstance(turn.get("content") or "", str) and not (turn.get("content") or "").strip()
+                               and not turn.get("tool_calls") for turn in turns)
 
 
 def _text_size(value: Any) -> int:
@@ -138,7 +152,8 @@ class SampleMaker:
         try:
             row = rename(row, self.column_map)
             self.tools = row_tools(row)  # the row's `tools` reach the chat template with its messages
-            made = self.make(self.fmt.transform(row))
+            content = self.fmt.transform(row)
+            made = self.make(content)
         except (KeyError, ValueError) as exc:
             return self._bad(index, self._problem(exc, row))
         except TemplateLimitError as exc:  # the template is at fault, not the row: skipping rows would not help
@@ -156,6 +171,8 @@ class SampleMaker:
             self.skipped.record("untrained", index)
         elif self.cut:
             self.skipped.record("truncated", index)
+        elif _empty_response(content):
+            self.skipped.record("empty", index)
         return made
 
     def make(self, content: Any) -> tuple[list[int], list[int]] | None:

@@ -228,7 +228,8 @@ def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], befor
     skipped = getattr(session.train_data, "skipped", None)
     counts = {"skipped_bad_rows": getattr(skipped, "bad_rows", 0),
               "skipped_untrained": getattr(skipped, "untrained", 0),
-              "truncated_samples": getattr(skipped, "truncated", 0)}
+              "truncated_samples": getattr(skipped, "truncated", 0),
+              "empty_responses": getattr(skipped, "empty", 0)}
     summary.update({key: value for key, value in counts.items() if value})  # for summary.json and the trackers
     if getattr(skipped, "first_bad", ""):  # which row, and why: what the error would have said without the skip
         summary["first_skipped_row"] = skipped.first_bad
@@ -242,6 +243,9 @@ def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], befor
     if skipped is not None and getattr(skipped, "truncated", 0):
         print(f"data: {skipped.truncated} sample(s) cut to data.max_seq_len ({session.config.data.max_seq_len}): "
               "their ends did not train")
+    if skipped is not None and getattr(skipped, "empty", 0):
+        print(f"data: {skipped.empty} sample(s) with an empty response trained only its end token (they teach the "
+              "model to answer with nothing): drop or fill those rows")
     for key, value in outputs.items():
         print(f"{key}: {value}")
     for (prompt, old), (_, new) in zip(before, after, strict=True):
