@@ -25,6 +25,17 @@ def alpaca_rows_as_chat(tmp_path) -> dict:
     return config
 
 
+def support_csv(tmp_path, format_: str = "chat", column_map: dict | None = None, text: str = "") -> dict:
+    """A question/answer CSV (commas, quotes and a newline inside cells), read with ``format_``."""
+    config = sft_config(tmp_path)
+    rows = tmp_path / "support.csv"
+    rows.write_text(text or 'question,answer\n"Where, exactly, is my ""invoice""?","Under Billing.\nThen Invoices."\n',
+                    encoding="utf-8")
+    config["data"]["train"] = {"path": str(rows), "format": format_, **({"column_map": column_map} if column_map
+                                                                         else {})}
+    return config
+
+
 def without_train_path(tmp_path) -> dict:
     config = sft_config(tmp_path)
     del config["data"]["train"]["path"]
@@ -88,6 +99,12 @@ def starting_from(tmp_path, folder) -> dict:
     (lambda tmp: sft_config(tmp, tokenizer={"path": str(tmp / "nowhere")}), "tokenizer.path", "no such folder"),
     (lambda tmp: sft_config(tmp, tokenizer={"path": str(tmp)}), "tokenizer.path", "has no tokenizer.json"),
     (alpaca_rows_as_chat, "data.train.format", "cannot read the first row"),
+    (support_csv, "data.train.format", "cannot read the first row of"),  # validate read only .jsonl rows
+    (lambda tmp: support_csv(tmp, "alpaca"), "data.train.format", "the row has 'question', 'answer'"),
+    (lambda tmp: support_csv(tmp, "alpaca", {"instruction": "Question", "output": "answer"}),
+     "data.train.column_map.instruction", "the dataset has no column 'Question' (columns: question, answer)"),
+    (lambda tmp: support_csv(tmp, "alpaca", text="question,answer\n"), "data.train.path",
+     "support.csv: the file has no rows under its header"),
     (lambda tmp: train_file(tmp, b"\n  \n"), "data.train.path", "rows.jsonl: the file is empty (no rows)"),
     (lambda tmp: train_file(tmp, b"\n{'messages': []}\n"), "data.train.path",
      "rows.jsonl: line 2: invalid JSON: Expecting property name enclosed in double quotes (column 2)"),
@@ -106,7 +123,8 @@ def starting_from(tmp_path, folder) -> dict:
 ], ids=["scheduler", "low-bit-optimizer", "missing-path", "missing-train-file", "missing-validation-file",
         "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "empty-file", "invalid-json",
         "not-utf8", "not-an-object", "empty-file-skipping-bad-rows", "missing-column", "local-split-name",
-        "init-from-missing", "init-from-other-rank"])
+        "init-from-missing", "init-from-other-rank", "csv-format-vs-rows", "csv-unmapped-columns", "csv-missing-column",
+        "csv-header-only"])
 def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, tmp_path, make, field, words):
     result = validate(posttune_cli, tmp_path, make(tmp_path))
     lines = result.stderr.strip().splitlines()
@@ -117,6 +135,24 @@ def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, 
 def test_a_format_that_reads_the_rows_is_valid(llama_sft, posttune_cli, tmp_path):
     result = validate(posttune_cli, tmp_path, sft_config(tmp_path))
     assert result.exit_code == 0, result.stderr
+    mapped = support_csv(tmp_path, "alpaca", {"instruction": "question", "output": "answer"})
+    result = validate(posttune_cli, tmp_path, mapped)
+    assert result.exit_code == 0, result.stderr
+
+
+def test_a_column_the_first_row_lacks_names_the_rows_fields_not_skip_bad_rows(llama_sft, posttune_cli, tmp_path):
+    """The loader's error when a file's columns are named otherwise (a .json file: validate peeks only at .jsonl
+    and .csv rows): it advised skip_bad_rows, which skipped every row, then failed with no usable samples."""
+    config = support_csv(tmp_path, "alpaca")
+    rows = tmp_path / "support.json"
+    rows.write_text(json.dumps([{"question": "Where is my invoice?", "answer": "Under Billing."}] * 3))
+    config["data"]["train"]["path"] = str(rows)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = posttune_cli("preview", str(path))
+    assert (result.exit_code, result.stderr) == (2, "posttune: error: data.train: row 0: missing field 'instruction' "
+                                                    "(the row's fields: question, answer; data.train.column_map: "
+                                                    "{instruction: <one of them>} names the column to read)\n")
 
 
 def test_a_slice_of_a_local_file_is_read(llama_sft, tmp_path):

@@ -3,13 +3,14 @@
 ``posttune validate`` (and ``train``, before composing) calls ``check_data``: a local path that
 does not exist, a folder with no data files (or of mixed types), and a format that cannot read the
 first row (``format: chat`` on alpaca rows, a missing column) are refused in one line naming the
-field, instead of after the model was built. Only a local ``.jsonl`` file's first row is peeked at
+field, instead of after the model was built. Only a local ``.jsonl`` or ``.csv`` file's first row is peeked at
 (one line, no `datasets` import); hub datasets are reached when the run loads them. Torch-free:
 the loader (``posttune.data.loading``) uses the same path rules.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 from collections.abc import Mapping
@@ -133,12 +134,13 @@ def _extensions() -> list[str]:
 
 
 def check_first_rows(plan: Any) -> str | None:
-    """Each split's local ``.jsonl`` file has a row, its first line is one (unless bad rows are to be
+    """Each split's local ``.jsonl`` (or ``.csv``) file has a row, its first line is one (unless bad rows are to be
     skipped: the first may be one of them), and the format reads it; returns the first data section whose first
     row became chat messages (a chat template renders them), or None."""
     skip, chats = plan.config.data.skip_bad_rows, None
     for where, (dataset, fmt) in plan.sources.items():
-        row = first_jsonl_row(Path(dataset.path).expanduser(), f"{where}.path", strict=not skip)
+        path = Path(dataset.path).expanduser()
+        row = first_jsonl_row(path, f"{where}.path", strict=not skip) or first_csv_row(path, f"{where}.path")
         if row is None or skip:
             continue
         renamed = dict(row)
@@ -176,6 +178,21 @@ def _messages_in(item: Any) -> bool:
     if is_dataclass(item) and not isinstance(item, type):
         return any(_messages_in(getattr(item, f.name)) for f in fields(item))
     return False
+
+
+def first_csv_row(path: Path, where: str) -> dict[str, str] | None:
+    """A ``.csv`` file's first row under its header, every cell text as the loader reads it (an empty cell is "");
+    None for other files, or one the csv module cannot read (the loader says why)."""
+    if path.suffix != ".csv" or not path.is_file():
+        return None
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as handle:
+            row = next(csv.DictReader(handle), None)
+    except (csv.Error, UnicodeDecodeError, OSError):
+        return None
+    if row is None:
+        raise ConfigError(where, f"{path}: the file has no rows under its header")
+    return {key: value for key, value in row.items() if key is not None}
 
 
 def first_jsonl_row(path: Path | str, where: str, *, strict: bool = True) -> dict[str, Any] | None:

@@ -155,7 +155,7 @@ class SampleMaker:
             content = self.fmt.transform(row)
             made = self.make(content)
         except (KeyError, ValueError) as exc:
-            return self._bad(index, self._problem(exc, row))
+            return self._bad(index, self._problem(exc, row, index))
         except TemplateLimitError as exc:  # the template is at fault, not the row: skipping rows would not help
             limit = getattr(getattr(self.tokenizer, "render_limits", None), "max_chars", None)
             size = _text_size(row)
@@ -211,19 +211,23 @@ class SampleMaker:
             trained = [flag and i >= prompt for i, flag in enumerate(trained)]
         return ids, trained
 
-    def _problem(self, exc: KeyError | ValueError, row: Mapping[str, Any]) -> str:
+    def _problem(self, exc: KeyError | ValueError, row: Mapping[str, Any], index: int) -> str:
         if isinstance(exc, KeyError):
             field = exc.args[0] if exc.args else "?"
             column = self.column_map.get(field)
             # a row read through Arrow holds every field of the file, absent ones as null: which of the two is unknown
             null = " (absent or null)" if isinstance(row, Mapping) and field in row else ""
+            if isinstance(row, Mapping) and field not in row and column is None and index == self.first_row:
+                # the file's first row lacks it: its columns have other names, not a bad row to skip
+                return (f"missing field '{field}' (the row's fields: {', '.join(map(str, row)) or 'none'}; "
+                        f"{self.where}.column_map: {{{field}: <one of them>}} names the column to read)")
             return f"missing field '{field}'{null}" + (f" (column '{column}' in column_map)" if column else "")
         return str(exc)
 
     def _bad(self, index: int, problem: str) -> None:
-        if not self.skip_bad_rows:
-            raise PosttuneError(f"{self.where}: row {index - self.first_row}: {problem} "
-                                f"(set data.skip_bad_rows: true to skip such rows)")
+        if not self.skip_bad_rows:  # a column named otherwise is no bad row: skipping it would skip them all
+            advice = "" if "column_map: {" in problem else " (set data.skip_bad_rows: true to skip such rows)"
+            raise PosttuneError(f"{self.where}: row {index - self.first_row}: {problem}{advice}")
         self.skipped.record("bad_rows", index)
         self.skipped.first_bad = self.skipped.first_bad or f"{self.where}: row {index - self.first_row}: {problem}"
         return None
