@@ -51,6 +51,10 @@ def test_packed_rows_are_shown_as_their_samples_without_the_padding(plugins, pos
     assert re.fullmatch(r"== the batch: 32 row\(s\) of 64 tokens, holding (\d+) samples end to end \(attention stays "
                         r"within each\); each sample is shown below as a row ==\n", head)
     assert len(rows) == int(re.search(r"holding (\d+) samples", head).group(1)) and " 0 trained" not in result.stdout
+    # fewer samples than --rows asked for: said, not silent
+    assert rows[-1].endswith(f"== the first batch holds {len(rows)} samples (--rows 40 asks for more): "
+                             "train.batch_size sets how many; posttune train's banner and summary count the whole "
+                             "dataset ==\n")
 
 
 def test_dpo_shows_the_rejected_response_after_the_shared_prompt(plugins, posttune_cli, tmp_path):

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = None
         print(f"merge: no tokenizer copied ({one_line(str(exc))})")
     save_model(model, out, tokenizer=tokenizer, max_shard_size=args.max_shard_size)
-    print(f"merged {args.adapter} ({len(merged)} adapted layers) into {base}: wrote {out}")
+    print(f"merged {args.adapter} ({len(merged)} adapted layers) with its base {base} (left as it was): wrote {out}")
     return 0
 
 

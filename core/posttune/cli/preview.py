@@ -68,6 +68,9 @@ def run(args: argparse.Namespace, resolve: Callable[[argparse.Namespace, int], A
         print(f"== row {number}: {len(ids)} tokens{after}, {sum(trained)} trained "
               f"({'marked green' if color else 'marked by double brackets'}) ==")
         print(marked(session.tokenizer, ids, trained, color))
+    if args.rows > len(samples):  # a preview shows the first batch; the run's data summary counts all of it
+        print(f"== the first batch holds {len(samples)} samples (--rows {args.rows} asks for more): train.batch_size "
+              "sets how many; posttune train's banner and summary count the whole dataset ==")
     return 0
 
 

@@ -213,7 +213,7 @@ class TrainConfig:
     device: str = "auto"  # auto (CUDA if available, else CPU), or a torch device: cpu, cuda, cuda:1
     log_every: int = 1  # write a metrics record every N optimizer steps (and the last), averaging those steps
     # evaluate (val_loss, or the method's val_* metrics) every N optimizer steps, or at every epoch's end (epoch);
-    # needs data.validation
+    # needs data.validation or data.validation_split
     eval_every: int | Literal["epoch"] | None = None
     early_stopping_patience: int | None = None  # stop after N evaluations without a better checkpoint.best_metric
     # greedy completions shown before and after, each a user turn of the chat template (plain text without one)
