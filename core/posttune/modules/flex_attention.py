@@ -8,11 +8,14 @@ values first (context parallelism all-gathers them over its ranks, so each rank'
 the whole sequence).
 
 torch 2.13 on CPU runs flex attention forward in eager mode (its unfused reference path); its
-backward needs a GPU, so plans that train through it are GPU-only.
+backward needs a GPU, so plans that train through it are GPU-only. On a GPU the call is compiled (once per
+shape) and so is the block mask: eager flex attention materialises the whole [batch, heads, q, kv] score
+matrix, which at the lengths context parallelism exists for does not fit.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,17 +42,33 @@ class FlexMask:
 
         if self.gather_kv is not None:
             k, v = self.gather_kv(k, v)
-        score_mod = None
-        if softcap is not None:
-            def score_mod(score: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
-                return soft_cap(score, softcap)
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=self.block_mask, scale=scale,
-                              enable_gqa=q.shape[1] != k.shape[1])
+        attention = _compiled() if q.is_cuda else flex_attention
+        return attention(q, k, v, score_mod=None if softcap is None else _capped(softcap), block_mask=self.block_mask,
+                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@functools.cache
+def _compiled() -> Callable[..., torch.Tensor]:
+    """flex attention compiled into fused kernels (a GPU's): one per shape, as torchtitan compiles it."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.cache
+def _capped(cap: float) -> Callable[..., torch.Tensor]:
+    """Gemma 2's soft-cap as a score_mod: one function per cap, so a compiled call is not traced again per layer."""
+    def score_mod(score: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        return soft_cap(score, cap)
+
+    return score_mod
 
 
 def block_mask(mask_mod: Callable[..., torch.Tensor], *, batch: int | None, q_len: int, kv_len: int,
                device: torch.device | str) -> Any:
-    """``create_block_mask`` without compiling (small masks, and CPU machines without a compiler)."""
+    """``create_block_mask``, compiled on a GPU (a long sequence's mask is built in its kernels), not on the CPU
+    (small masks, and CPU machines without a compiler)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device, _compile=False)
+    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device,
+                             _compile=torch.device(device).type == "cuda")
