@@ -177,6 +177,14 @@ def test_empty_responses_are_counted_and_said(llama_sft, posttune_cli, write_con
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["empty_responses"] == 2
 
 
+def test_training_in_fp16_warns_that_nothing_scales_the_loss(llama_sft, posttune_cli, write_config):
+    result = posttune_cli("train", str(write_config(model={"dtype": "fp16"}, train={"max_steps": 1})))
+    assert result.exit_code == 0, result.stderr
+    assert ("posttune: warning: model.dtype is fp16: its weights train in fp16 with no loss scaling, so small "
+            "gradients underflow and updates round away; use bf16 (fp32's range), or fp32 on a GPU without bf16\n"
+            ) in result.stderr
+
+
 def test_bad_row_is_named_in_one_line(llama_sft, posttune_cli, write_config, tmp_path):
     path = write_config()
     rows = (tmp_path / "train.jsonl").read_text().splitlines()

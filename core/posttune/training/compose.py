@@ -310,6 +310,10 @@ def build_model(target: ModelTarget) -> nn.Module:
         raise ConfigError(f"{section}.build_overrides", f"family '{family.name}' cannot build with {shown}: "
                                                         f"{type(exc).__name__}: {first_line(str(exc))}") from None
     attach(model, ModelOrigin(family.name, kwargs, hf_config, generation, source=config.path))
+    if target.trainable and config.dtype == "fp16" and distributed.is_main():  # no loss scaling here
+        print(f"posttune: warning: {section}.dtype is fp16: its weights train in fp16 with no loss scaling, so small "
+              "gradients underflow and updates round away; use bf16 (fp32's range), or fp32 on a GPU without bf16",
+              file=sys.stderr)
     stored = str((hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype"))
     if target.trainable and config.dtype == "fp32" and stored in ("bfloat16", "float16") and distributed.is_main():
         print(f"posttune: warning: {section}.dtype is fp32 and {config.path} is stored in {stored}: the model trains "
