@@ -59,7 +59,8 @@ def test_one_process_runs_the_same_config_with_plans_inactive(registry):
      "config: train.grad_accum_steps: opt_bwd cannot accumulate gradients; set it to 1"),
     # the fakes alone: the core registers no technique
     ({"memory": ["chunked"]}, 1, "config: memory[0]: no memory technique 'chunked' is installed "
-                                 "(installed: ckpt, offload, opt_bwd)"),
+                                 "(installed: ckpt, offload, opt_bwd) (did you mean 'chunked_cross_entropy'?) — pip "
+                                 "install posttune-memory"),  # a name cut short: the one it begins
     ({"memory": ["chunked_cross_entropy"]}, 1, "config: memory[0]: no memory technique 'chunked_cross_entropy' is "
                                                "installed (installed: ckpt, offload, opt_bwd) — pip install "
                                                "posttune-memory"),

@@ -128,6 +128,7 @@ class SampleMaker:
         self.tools: list[dict[str, Any]] | None = None  # the current row's tool definitions (`row_tools`)
         self.first_row = 0  # the number of this dataset's first row among all the run reads (a mixture's)
         self.cut = False  # whether the current row ran past max_seq_len (set by `make`, counted by `__call__`)
+        self.unmapped = False  # whether the current row's problem is a column named otherwise (`_problem`)
 
     def for_source(self, dataset: Any, fmt: DatasetFormat, where: str, first_row: int) -> SampleMaker:
         """This maker reading another dataset of a mixture (``data.train[i]``): its format, ``column_map``
@@ -149,6 +150,7 @@ class SampleMaker:
     def __call__(self, row: Mapping[str, Any], index: int) -> Any:
         """What a row becomes (here: ``(ids, labels)``), or None when it is skipped (and counted)."""
         self.cut = False  # set by `make` when the row's tokens ran past max_seq_len
+        self.unmapped = False  # set by `_problem` when the first row names the format's fields otherwise
         try:
             row = rename(row, self.column_map)
             self.tools = row_tools(row)  # the row's `tools` reach the chat template with its messages
@@ -217,8 +219,9 @@ class SampleMaker:
             column = self.column_map.get(field)
             # a row read through Arrow holds every field of the file, absent ones as null: which of the two is unknown
             null = " (absent or null)" if isinstance(row, Mapping) and field in row else ""
-            if isinstance(row, Mapping) and field not in row and column is None and index == self.first_row:
-                # the file's first row lacks it: its columns have other names, not a bad row to skip
+            if isinstance(row, Mapping) and field not in row and column is None and index == self.first_row \
+                    and field in self.fmt.columns:  # the file's first row lacks a format's field: named otherwise
+                self.unmapped = True
                 return (f"missing field '{field}' (the row's fields: {', '.join(map(str, row)) or 'none'}; "
                         f"{self.where}.column_map: {{{field}: <one of them>}} names the column to read)")
             return f"missing field '{field}'{null}" + (f" (column '{column}' in column_map)" if column else "")
@@ -226,7 +229,7 @@ class SampleMaker:
 
     def _bad(self, index: int, problem: str) -> None:
         if not self.skip_bad_rows:  # a column named otherwise is no bad row: skipping it would skip them all
-            advice = "" if "column_map: {" in problem else " (set data.skip_bad_rows: true to skip such rows)"
+            advice = "" if self.unmapped else " (set data.skip_bad_rows: true to skip such rows)"
             raise PosttuneError(f"{self.where}: row {index - self.first_row}: {problem}{advice}")
         self.skipped.record("bad_rows", index)
         self.skipped.first_bad = self.skipped.first_bad or f"{self.where}: row {index - self.first_row}: {problem}"

@@ -305,8 +305,9 @@ def build_model(target: ModelTarget) -> nn.Module:
         if unknown:  # a builder argument the family does not take (validate names it too)
             raise ConfigError(f"{section}.build_overrides.{unknown[0]}",
                               f"family '{family.name}' builds with no argument '{unknown[0]}'") from None
-        # a value the blocks refuse (heads that do not divide the width, an MoE's top_k past its experts)
-        shown = ", ".join(f"{key}={value!r}" for key, value in config.build_overrides.items())
+        if isinstance(exc, ValueError):  # a value the blocks refuse, saying why (an MoE's top_k past its experts)
+            raise ConfigError(f"{section}.build_overrides", f"family '{family.name}': {first_line(str(exc))}") from None
+        shown = ", ".join(f"{key}={value!r}" for key, value in config.build_overrides.items())  # what failed deeper
         raise ConfigError(f"{section}.build_overrides", f"family '{family.name}' cannot build with {shown}: "
                                                         f"{type(exc).__name__}: {first_line(str(exc))}") from None
     attach(model, ModelOrigin(family.name, kwargs, hf_config, generation, source=config.path))
