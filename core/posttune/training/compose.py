@@ -112,7 +112,7 @@ def init_distributed(session: Session) -> None:
             torch.cuda.set_device(session.device)
         if not dist.is_initialized():
             timeout = session.config.parallel.timeout_s
-            # NCCL serves CUDA tensors only; gloo takes the CPU ones (FSDP2's cpu_offload keeps shards there)
+            # NCCL serves CUDA tensors only; gloo takes the CPU ones (a plan may keep its shards in CPU memory)
             dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout) if timeout is not None else None)
         dims = session.plan.mesh
