@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from posttune.config.components import check_components
 from posttune.config.requires import check_requires, device_for
 from posttune.config.mixture import dataset_sources
 from posttune.config.schema import DatasetConfig, ModelConfig, RunConfig
-from posttune.config.typed import from_dict
+from posttune.config.typed import convert, from_dict
 from posttune.descriptors import STAGES, MeshDim, ModelRole, ParallelPlan
 from posttune.errors import ConfigError, PluginError, PosttuneError, UnknownNameError, did_you_mean, first_line
 from posttune.registry import Registered, Registry
@@ -223,15 +222,20 @@ def _check_overrides(model: ModelConfig, family: Registered, section: str) -> No
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
-    hints = {key: _annotation(family.descriptor.build, key) for key in model.build_overrides}
     for key, value in model.build_overrides.items():
+        path = f"{section}.build_overrides.{key}"
         if key not in parameters:
-            raise ConfigError(f"{section}.build_overrides.{key}",
-                              f"family '{family.descriptor.name}' ({family.provenance}) builds with no argument "
-                              f"'{key}'{did_you_mean(key, parameters)} (arguments: {', '.join(parameters)})")
-        if not _fits(value, hints[key]):
-            raise ConfigError(f"{section}.build_overrides.{key}", f"family '{family.descriptor.name}' builds with "
-                                                                  f"{key}: {_name(hints[key])}, got {value!r}")
+            raise ConfigError(path, f"family '{family.descriptor.name}' ({family.provenance}) builds with no argument "
+                                    f"'{key}'{did_you_mean(key, parameters)} (arguments: {', '.join(parameters)})")
+        hint = _annotation(family.descriptor.build, key)
+        try:  # the YAML value against the builder's annotation, as a config field's; then a size is not negative
+            model.build_overrides[key] = convert(hint, value, path)
+            if isinstance(value, int) and value < 0 and int in (hint, *typing.get_args(hint)):
+                raise ConfigError(path, f"expected a non-negative integer, got {value}")
+        except TypeError:  # an annotation no YAML value spells (a Sequence, a class): the build checks it
+            continue
+        except ConfigError as exc:
+            raise ConfigError(path, f"family '{family.descriptor.name}' builds with {key}: {exc.problem}") from None
 
 
 def _annotation(function: Any, key: str) -> Any:
@@ -244,36 +248,6 @@ def _annotation(function: Any, key: str) -> Any:
         except Exception:  # noqa: BLE001 - whatever it names, the value is left to the build
             return Any
     return annotation
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a YAML value can be a builder argument annotated ``hint`` (an integer is no bool and not negative:
-    a size; an unknown annotation takes anything); the family's build checks the rest (that heads divide)."""
-    origin, arguments = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any or hint is None or hint is type(None):
-        return hint is Any or value is None
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, argument) for argument in arguments)
-    simple = {int: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-              bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str)}
-    if hint in simple:
-        return simple[hint](value)
-    if (origin or hint) in (dict, Mapping):
-        return isinstance(value, dict)
-    if (origin or hint) in (list, tuple, Sequence):
-        return isinstance(value, list)
-    return True
-
-
-def _name(hint: Any) -> str:
-    """``int | None`` as a user reads it: "a non-negative integer or null"."""
-    names = {int: "a non-negative integer", float: "a number", bool: "true or false", str: "a string",
-             type(None): "null"}
-    parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    return " or ".join(names.get(part, "a mapping" if (typing.get_origin(part) or part) in (dict, Mapping)
-                                 else "a list" if (typing.get_origin(part) or part) in (list, tuple, Sequence)
-                                 else getattr(part, "__name__", str(part))) for part in parts)
 
 
 def _converter(model: ModelConfig, family: Registered, registry: Registry, section: str) -> Registered | None:

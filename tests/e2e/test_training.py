@@ -137,9 +137,9 @@ def test_an_unknown_build_override_is_named_in_one_line(llama_sft, posttune_cli,
 
 
 @pytest.mark.parametrize("value, words", [
-    ("two", "builds with num_layers: a non-negative integer, got 'two'"),  # a TypeError traceback from the build
-    (2.5, "builds with num_layers: a non-negative integer, got 2.5"),
-    (-1, "builds with num_layers: a non-negative integer, got -1"),
+    ("two", "builds with num_layers: expected an integer, got 'two'"),  # a TypeError traceback from the build
+    (2.5, "builds with num_layers: expected an integer, got 2.5"),
+    (-1, "builds with num_layers: expected a non-negative integer, got -1"),
 ])
 def test_a_build_override_of_the_wrong_type_is_refused_by_validate(llama_sft, posttune_cli, write_config, value,
                                                                    words):
@@ -147,6 +147,13 @@ def test_a_build_override_of_the_wrong_type_is_refused_by_validate(llama_sft, po
     result = posttune_cli("validate", str(path))
     assert (result.exit_code, result.stderr) == (2, "posttune: error: config: model.build_overrides.num_layers: "
                                                     f"family 'llama' {words}\n")
+
+
+def test_a_whole_float_build_override_reaches_the_build_as_an_integer(llama_sft, posttune_cli, write_config):
+    """YAML's ``1.0`` for a layer count is read as a config field's integer is, not passed on to ``range``."""
+    path = write_config(model={"build_overrides": {"vocab_size": 384, "num_layers": 1.0}}, train={"max_steps": 1})
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
 
 
 def test_a_build_override_only_the_build_can_refuse_is_one_line(llama_sft, posttune_cli, write_config, tmp_path):
