@@ -66,8 +66,10 @@ def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callab
 
 
 @pytest.fixture
-def installed(fake_distribution):
-    """A plugin set (built-ins plus the fake distributions' entry points), active for the test."""
+def installed(fake_distribution, posttune_plugins):
+    """A plugin set (built-ins plus the fake distributions' entry points), active for the test. It asks for
+    ``posttune_plugins`` so that its swap is undone first, whatever other fixture the test asks for (with
+    ``posttune_cli`` alone, the isolated set was restored over the process's and stayed for later tests)."""
     from posttune.plugins import entry_points, load_entry_points, new_plugin_set, set_plugins
 
     made = []
