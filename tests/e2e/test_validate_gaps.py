@@ -36,6 +36,20 @@ def support_csv(tmp_path, format_: str = "chat", column_map: dict | None = None,
     return config
 
 
+def documents_parquet(tmp_path, column_map: dict | None = None, rows: list | None = None) -> dict:
+    """Documents in a Parquet file's ``content`` column, read with format ``text`` (which reads ``text``)."""
+    import pyarrow
+    import pyarrow.parquet
+
+    config = sft_config(tmp_path)
+    table = pyarrow.table({"content": ["A first document.", "A second."] if rows is None else rows},
+                          schema=pyarrow.schema([("content", pyarrow.string())]))
+    pyarrow.parquet.write_table(table, tmp_path / "documents.parquet")
+    config["data"]["train"] = {"path": str(tmp_path / "documents.parquet"), "format": "text",
+                               **({"column_map": column_map} if column_map else {})}
+    return config
+
+
 def without_train_path(tmp_path) -> dict:
     config = sft_config(tmp_path)
     del config["data"]["train"]["path"]
@@ -120,11 +134,13 @@ def starting_from(tmp_path, folder) -> dict:
     (lambda tmp: starting_from(tmp, tmp / "nowhere"), "adapter.init_from", "no adapter_config.json"),
     (lambda tmp: starting_from(tmp, saved_adapter(tmp, rank=8)), "adapter.init_from",
      "rank 8 (saved) vs 4 (adapter.rank)"),
+    (documents_parquet, "data.train.format", "'text' cannot read the first row of"),  # validate read no Parquet
+    (lambda tmp: documents_parquet(tmp, rows=[]), "data.train.path", "documents.parquet: the file has no rows"),
 ], ids=["scheduler", "low-bit-optimizer", "missing-path", "missing-train-file", "missing-validation-file",
-        "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "empty-file", "invalid-json",
-        "not-utf8", "not-an-object", "empty-file-skipping-bad-rows", "missing-column", "local-split-name",
-        "init-from-missing", "init-from-other-rank", "csv-format-vs-rows", "csv-unmapped-columns", "csv-missing-column",
-        "csv-header-only"])
+        "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "csv-format-vs-rows",
+        "csv-unmapped-columns", "csv-missing-column", "csv-header-only", "empty-file", "invalid-json", "not-utf8",
+        "not-an-object", "empty-file-skipping-bad-rows", "missing-column", "local-split-name", "init-from-missing",
+        "init-from-other-rank", "parquet-format-vs-rows", "parquet-no-rows"])
 def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, tmp_path, make, field, words):
     result = validate(posttune_cli, tmp_path, make(tmp_path))
     lines = result.stderr.strip().splitlines()
@@ -137,6 +153,8 @@ def test_a_format_that_reads_the_rows_is_valid(llama_sft, posttune_cli, tmp_path
     assert result.exit_code == 0, result.stderr
     mapped = support_csv(tmp_path, "alpaca", {"instruction": "question", "output": "answer"})
     result = validate(posttune_cli, tmp_path, mapped)
+    assert result.exit_code == 0, result.stderr
+    result = validate(posttune_cli, tmp_path, documents_parquet(tmp_path, {"text": "content"}))
     assert result.exit_code == 0, result.stderr
 
 

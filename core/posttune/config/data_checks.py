@@ -134,13 +134,14 @@ def _extensions() -> list[str]:
 
 
 def check_first_rows(plan: Any) -> str | None:
-    """Each split's local ``.jsonl`` (or ``.csv``) file has a row, its first line is one (unless bad rows are to be
-    skipped: the first may be one of them), and the format reads it; returns the first data section whose first
-    row became chat messages (a chat template renders them), or None."""
+    """Each split's local ``.jsonl`` (or ``.csv``, ``.parquet``) file has a row, its first line is one (unless bad
+    rows are to be skipped: the first may be one of them), and the format reads it; returns the first data section
+    whose first row became chat messages (a chat template renders them), or None."""
     skip, chats = plan.config.data.skip_bad_rows, None
     for where, (dataset, fmt) in plan.sources.items():
         path = Path(dataset.path).expanduser()
-        row = first_jsonl_row(path, f"{where}.path", strict=not skip) or first_csv_row(path, f"{where}.path")
+        row = (first_jsonl_row(path, f"{where}.path", strict=not skip) or first_csv_row(path, f"{where}.path")
+               or first_parquet_row(path, f"{where}.path"))
         if row is None or skip:
             continue
         renamed = dict(row)
@@ -193,6 +194,22 @@ def first_csv_row(path: Path, where: str) -> dict[str, str] | None:
     if row is None:
         raise ConfigError(where, f"{path}: the file has no rows under its header")
     return {key: value for key, value in row.items() if key is not None}
+
+
+def first_parquet_row(path: Path, where: str) -> dict[str, Any] | None:
+    """A ``.parquet`` file's first row, read alone (pyarrow, which `datasets` reads it with); None for other
+    files, or one pyarrow cannot read (the loader says why)."""
+    if path.suffix != ".parquet" or not path.is_file():
+        return None
+    try:
+        import pyarrow.parquet
+
+        batch = next(pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=1), None)
+    except Exception:  # noqa: BLE001 - not a Parquet file pyarrow reads: the loader's message is the one to give
+        return None
+    if batch is None or batch.num_rows == 0:
+        raise ConfigError(where, f"{path}: the file has no rows")
+    return batch.to_pylist()[0]
 
 
 def first_jsonl_row(path: Path | str, where: str, *, strict: bool = True) -> dict[str, Any] | None:
