@@ -149,6 +149,7 @@ KNOWN_AS: dict[str, str] = {
     "quantize_base": "memory: [qlora_nf4] with an adapter section (posttune-torchao)",
     "use_liger_kernel": "memory: [chunked_cross_entropy] (posttune-memory)",
     "packing": "method.packing (sft)", "sample_packing": "method.packing (sft)", "packed": "method.packing (sft)",
+    "split_across_pack": "method.long_samples: split (sft)", "packing_strategy": "method.packing (sft)",
     "train_on_input": "method.train_on_input (sft)",
     "train_on_inputs": "method.train_on_input (sft)", "neftune_noise_alpha": "method.neftune_alpha (sft)",
     "beta": "method.beta",

@@ -55,12 +55,13 @@ def write(path: Path, rows: list[dict]) -> Path:
 
 
 def loader_for(path, tokenizer, formats, *, fmt="alpaca", batch_size=4, seed=0, shuffle=True, rank=0,
-               world_size=1, train_on_input=False, streaming=False, column_map=None, packing=False, **data):
+               world_size=1, train_on_input=False, streaming=False, column_map=None, packing=False, split_long=False,
+               **data):
     dataset = DatasetConfig(path=str(path), format=fmt, streaming=streaming, column_map=column_map or {})
     config = DataConfig(train=dataset, **{"max_seq_len": 128, **data})
     return build_sft_loader(dataset, data=config, fmt=formats[fmt], tokenizer=tokenizer, batch_size=batch_size,
                             seed=seed, shuffle=shuffle, train_on_input=train_on_input, packing=packing,
-                            padding_free=False, rank=rank, world_size=world_size)
+                            padding_free=False, rank=rank, world_size=world_size, split_long=split_long)
 
 
 def unpadded(batch, pad_id=0) -> list[tuple[list[int], list[int]]]:
@@ -279,6 +280,34 @@ def test_truncation_and_samples_left_with_nothing_to_train_on(tmp_path, tokenize
     from posttune.training.run_report import describe_data
 
     assert describe_data(loader).endswith("(1 row skipped) (1 sample cut to data.max_seq_len)")
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_split_long_samples_train_every_token_once_in_pieces(packing, tmp_path, tokenizer, formats):
+    """``method.long_samples: split``: a document past max_seq_len is its pieces, in order; each piece's last label
+    is the next piece's first token, so the labels of all pieces are the whole document's, each once."""
+    texts = ["word " * 70, "short one", "   \n\t ", "", "x " * 24]
+    path = write(tmp_path / "text.jsonl", [{"text": text} for text in texts])
+    loader = loader_for(path, tokenizer, formats, fmt="text", shuffle=False, packing=packing, split_long=True,
+                        max_seq_len=16, batch_size=64)
+    (batch,) = all_batches(loader)
+    if packing:  # each row's documents, as the document ids mark them
+        got = [([i for i, d in zip(ids, docs) if d == doc], [t for t, d in zip(labels, docs) if d == doc])
+               for ids, labels, docs in zip(*(batch[k].tolist() for k in ("input_ids", "labels", "document_ids")))
+               for doc in dict.fromkeys(docs)]
+        got = [(ids, labels) for ids, labels in got if set(ids) != {tokenizer.pad_id}]
+    else:
+        got = unpadded(batch)
+    assert all(0 < len(ids) <= 16 for ids, _ in got)
+    whole = [tokenizer.encode(text) + [tokenizer.eos_id] for text in texts if text.strip()]  # blank: no sample
+    assert [t for _, labels in got for t in labels if t != IGNORE_INDEX] == [t for ids in whole for t in ids[1:]]
+    pieces = [(ids[i:i + 16], [*ids[1:], IGNORE_INDEX][i:i + 16]) for ids in whole for i in range(0, len(ids), 16)]
+    assert got == [(ids, labels) for ids, labels in pieces if set(labels) != {IGNORE_INDEX}]  # a lone end: no piece
+    assert len(whole[0]) > 16 and len(whole[2]) > 16  # both split; the blank rows are skipped as untrained
+    assert (loader.skipped.split, loader.skipped.truncated, loader.skipped.untrained) == (2, 0, 2)
+    from posttune.training.run_report import describe_data
+
+    assert describe_data(loader).endswith("(2 rows skipped) (2 samples split into pieces of data.max_seq_len)")
 
 
 # -- batching --------------------------------------------------------------------------------------

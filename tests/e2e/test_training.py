@@ -178,9 +178,28 @@ def test_empty_responses_are_counted_and_said(llama_sft, posttune_cli, write_con
     result = posttune_cli("train", str(path))
     assert result.exit_code == 0, result.stderr
     assert "(2 samples with an empty response)" in result.stdout
-    assert ("data: 2 sample(s) with an empty response trained only its end token (they teach the model to answer "
-            "with nothing): drop or fill those rows") in result.stdout
+    assert ("data: 2 sample(s) with an empty or blank response trained little more than the end token (they teach "
+            "the model to answer with nothing): drop or fill those rows") in result.stdout
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["empty_responses"] == 2
+
+
+def test_long_documents_split_into_pieces_train_and_are_counted(llama_sft, posttune_cli, write_config, tmp_path):
+    """Continued pretraining: ``method.long_samples: split`` keeps a long document whole, in pieces (the data
+    toolkit's test checks the tokens); a streamed dataset is refused before launch, naming the dataset."""
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": "lorem ipsum " * n}) + "\n" for n in (1, 40, 2)))
+    data = {"train": {"path": str(tmp_path / "docs.jsonl"), "format": "text"}, "max_seq_len": 32}
+    path = write_config(data=data, method={"name": "sft", "packing": True, "long_samples": "split"},
+                        train={"max_steps": 1})
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    assert "(1 sample split into pieces of data.max_seq_len)" in result.stdout
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["split_samples"] == 1
+    streamed = write_config("streamed.yaml", data={**data, "train": {**data["train"], "streaming": True}},
+                            method={"name": "sft", "long_samples": "split"}, train={"max_steps": 1})
+    result = posttune_cli("validate", str(streamed))
+    assert (result.exit_code, result.stderr) == (2, "posttune: error: config: method.long_samples: split needs "
+                                                    "map-style data: data.train is streamed (a streamed row's "
+                                                    "pieces could straddle a checkpoint)\n")
 
 
 def test_training_in_fp16_warns_that_nothing_scales_the_loss(llama_sft, posttune_cli, write_config):

@@ -59,6 +59,7 @@ class SkipCounts:
     bad_rows: int = 0
     untrained: int = 0
     truncated: int = 0  # kept, but cut to max_seq_len: their end does not train (not a skip: not in ``total``)
+    split: int = 0  # kept whole, in pieces of max_seq_len (``split_long``): every token trains
     empty: int = 0  # kept, but the response is empty: only the end token trains (a CSV's empty cell is "")
     upto: int = 0
     first_bad: str = ""  # the first bad row skipped and why, as the error would have said it (not checkpointed)
@@ -116,7 +117,8 @@ class SampleMaker:
 
     def __init__(self, fmt: DatasetFormat, tokenizer: Any, *, max_seq_len: int, train_on_input: bool = False,
                  skip_bad_rows: bool = False, column_map: Mapping[str, str] | None = None,
-                 where: str = "data.train", skipped: SkipCounts | None = None, system_prompt: str | None = None):
+                 where: str = "data.train", skipped: SkipCounts | None = None, system_prompt: str | None = None,
+                 split_long: bool = False):
         if fmt.kind != self.kind:
             raise PosttuneError(f"{where}: format '{fmt.name}' gives {fmt.kind} rows; this data needs a "
                                 f"{self.kind} format")
@@ -125,6 +127,11 @@ class SampleMaker:
         self.skip_bad_rows, self.column_map, self.where = skip_bad_rows, dict(column_map or {}), where
         self.skipped = skipped if skipped is not None else SkipCounts()
         self.system_prompt = system_prompt
+        # a sample past max_seq_len becomes consecutive pieces of max_seq_len tokens, each its own group (continued
+        # pretraining on long documents): the labels are shifted before the cut, so each piece's last position
+        # predicts the next piece's first token and every trained token trains exactly once (torchtune's
+        # split_across_pack keeps the tail the same way); a piece's attention starts at its own first token
+        self.split_long = split_long
         self.tools: list[dict[str, Any]] | None = None  # the current row's tool definitions (`row_tools`)
         self.first_row = 0  # the number of this dataset's first row among all the run reads (a mixture's)
         self.cut = False  # whether the current row ran past max_seq_len (set by `make`, counted by `__call__`)
@@ -171,17 +178,26 @@ class SampleMaker:
             return self._bad(index, str(exc))
         if made is None:  # no token left to train on
             self.skipped.record("untrained", index)
+        elif self.cut and self.split_long:
+            self.skipped.record("split", index)
         elif self.cut:
             self.skipped.record("truncated", index)
         elif _empty_response(content):
             self.skipped.record("empty", index)
         return made
 
-    def make(self, content: Any) -> tuple[list[int], list[int]] | None:
-        """(ids, pre-shifted labels) of one transformed row, cut to ``max_seq_len``; None when no token is trained
-        on."""
+    def make(self, content: Any) -> tuple[list[int], list[int]] | list[list[tuple[list[int], list[int]]]] | None:
+        """(ids, pre-shifted labels) of one transformed row, cut to ``max_seq_len`` (or, ``split_long``, its pieces:
+        one group each); None when no token is trained on."""
+        if isinstance(content, str) and not content.strip():  # a blank document (a .txt file's empty line)
+            return None
         ids, trained = self._tokenize(content)
         self.cut = len(ids) > self.max_seq_len
+        if self.cut and self.split_long:
+            labels, size = shift_labels(ids, trained), self.max_seq_len
+            pieces = [[(ids[i:i + size], labels[i:i + size])] for i in range(0, len(ids), size)
+                      if any(label != IGNORE_INDEX for label in labels[i:i + size])]
+            return pieces or None
         ids, trained = ids[: self.max_seq_len], trained[: self.max_seq_len]
         if not any(trained[1:]):  # the first token is never a target
             return None
@@ -243,10 +259,19 @@ class SampleMaker:
     def groups(self, rows: Iterable[Mapping[str, Any]], *, start: int = 0) -> Iterable[list[Sample]]:
         """Lazily: each kept row's samples (a group), numbered from ``start`` (for streaming datasets)."""
         for index, row in enumerate(rows, start):
-            made = self(row, index)
-            if made is not None:
+            for group in made_groups(self(row, index)):
                 yield [Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long), index)
-                       for ids, labels in ([made] if isinstance(made, tuple) else made)]
+                       for ids, labels in group]
+
+
+def made_groups(made: Any) -> list[list[tuple[Sequence[int], Sequence[int]]]]:
+    """What a maker returned for one row, as groups of (ids, labels): ``(ids, labels)`` is one group of one sample,
+    a list of such pairs one group (a preference pair), a list of such lists several groups (a row in pieces)."""
+    if made is None:
+        return []
+    if isinstance(made, tuple):
+        return [[made]]
+    return made if made and isinstance(made[0], list) else [made]
 
 
 class SampleStore:
@@ -266,19 +291,17 @@ class SampleStore:
 
     @classmethod
     def build(cls, rows: Iterable[Mapping[str, Any]], make: Any) -> SampleStore:
-        """Tokenize every row with ``make(row, index)``: ``(ids, labels)``, a list of such pairs
-        (a group), or None for a skipped row."""
+        """Tokenize every row with ``make(row, index)``: ``(ids, labels)``, a list of such pairs (a group), a list
+        of groups (a row in pieces) or None for a skipped row (`made_groups`)."""
         ids, labels, offsets, kept, groups = array("i"), array("i"), array("q", [0]), array("q"), array("q", [0])
         for index, row in enumerate(rows):
-            made = make(row, index)
-            if made is None:
-                continue
-            for sample_ids, sample_labels in ([made] if isinstance(made, tuple) else made):
-                ids.extend(sample_ids)
-                labels.extend(sample_labels)
-                offsets.append(len(ids))
-            kept.append(index)
-            groups.append(len(offsets) - 1)
+            for group in made_groups(make(row, index)):
+                for sample_ids, sample_labels in group:
+                    ids.extend(sample_ids)
+                    labels.extend(sample_labels)
+                    offsets.append(len(ids))
+                kept.append(index)
+                groups.append(len(offsets) - 1)
         return cls(_tensor(ids, torch.int32), _tensor(labels, torch.int32), _tensor(offsets, torch.int64),
                    _tensor(kept, torch.int64), _tensor(groups, torch.int64))
 

@@ -229,6 +229,7 @@ def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], befor
     counts = {"skipped_bad_rows": getattr(skipped, "bad_rows", 0),
               "skipped_untrained": getattr(skipped, "untrained", 0),
               "truncated_samples": getattr(skipped, "truncated", 0),
+              "split_samples": getattr(skipped, "split", 0),
               "empty_responses": getattr(skipped, "empty", 0)}
     summary.update({key: value for key, value in counts.items() if value})  # for summary.json and the trackers
     if getattr(skipped, "first_bad", ""):  # which row, and why: what the error would have said without the skip
@@ -239,13 +240,13 @@ def report(session: Any, summary: dict[str, Any], outputs: dict[str, str], befor
     if skipped is not None and skipped.total:
         first = f" (the first: {skipped.first_bad})" if getattr(skipped, "first_bad", "") else ""
         print(f"data: skipped {skipped.bad_rows} bad row(s){first} and {skipped.untrained} sample(s) with no token "
-              "to train on (no response to learn, or all of it past data.max_seq_len)")
+              "to train on (no response to learn, blank text, or all of it past data.max_seq_len)")
     if skipped is not None and getattr(skipped, "truncated", 0):
         print(f"data: {skipped.truncated} sample(s) cut to data.max_seq_len ({session.config.data.max_seq_len}): "
               "their ends did not train")
     if skipped is not None and getattr(skipped, "empty", 0):
-        print(f"data: {skipped.empty} sample(s) with an empty response trained only its end token (they teach the "
-              "model to answer with nothing): drop or fill those rows")
+        print(f"data: {skipped.empty} sample(s) with an empty or blank response trained little more than the end "
+              "token (they teach the model to answer with nothing): drop or fill those rows")
     for key, value in outputs.items():
         print(f"{key}: {value}")
     for (prompt, old), (_, new) in zip(before, after, strict=True):

@@ -204,6 +204,8 @@ def describe_data(loader: Any) -> str:
         text += f" ({count(skipped.total, 'row')} skipped)"
     if skipped is not None and getattr(skipped, "truncated", 0):  # their ends do not train: max_seq_len may be short
         text += f" ({count(skipped.truncated, 'sample')} cut to data.max_seq_len)"
+    if skipped is not None and getattr(skipped, "split", 0):  # method.long_samples: split: every token trains
+        text += f" ({count(skipped.split, 'sample')} split into pieces of data.max_seq_len)"
     if skipped is not None and getattr(skipped, "empty", 0):  # a CSV's empty answers: only the end token trains
         text += f" ({count(skipped.empty, 'sample')} with an empty response)"
     shares = getattr(loader, "shares", None)  # a mixture: what each of its datasets gave

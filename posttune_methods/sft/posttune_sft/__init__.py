@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, Literal
 
-from posttune.plugin import ConfigError, DatasetConfig, LossOutput, Method, RunConfig, Session, hookimpl
+from posttune.plugin import (ConfigError, DatasetConfig, LossOutput, Method, RunConfig, Session, dataset_sources,
+                             hookimpl)
 
 POSTTUNE_PLUGIN_API = 2
 
@@ -24,12 +25,19 @@ POSTTUNE_PLUGIN_API = 2
 class SFTConfig:
     KNOWN_AS: ClassVar[dict[str, str]] = {  # TRL's SFTConfig -> here
         "max_length": "data.max_seq_len", "max_seq_length": "data.max_seq_len",
-        "completion_only_loss": "method.train_on_input: false (the default: only responses train)",
-        "assistant_only_loss": "method.train_on_input: false (the default: only assistant turns train)",
+        "completion_only_loss": "method.train_on_input negated (only responses train by default; TRL's false is "
+                                "train_on_input: true)",
+        "assistant_only_loss": "method.train_on_input negated (only assistant turns train by default; TRL's false "
+                               "is train_on_input: true)",
+        "packing_strategy": "method.packing (in order, greedy) with method.long_samples: split (long samples in "
+                            "pieces, none cut)",
         "neftune_noise_alpha": "method.neftune_alpha", "dataset_text_field": "data.train.column_map",
     }
     train_on_input: bool = False  # also learn the prompt (user/system) tokens
     packing: bool = False  # concatenate samples into rows of data.max_seq_len tokens (docs/training.md)
+    # a sample longer than data.max_seq_len: truncate (its end does not train), or split into pieces of
+    # max_seq_len tokens, each a sample, so every token trains (continued pretraining on long documents)
+    long_samples: Literal["truncate", "split"] = "truncate"
     # the batch's samples (or its packed rows' samples) end to end in one row, no padding computed
     # (the padded batch's loss); false: padded rows (packed: rows of exactly max_seq_len, fixed shapes)
     padding_free: bool = True
@@ -44,6 +52,13 @@ class SFTConfig:
 def validate(config: RunConfig, method: SFTConfig) -> None:
     if method.neftune_alpha is not None and not method.neftune_alpha > 0:
         raise ConfigError("method.neftune_alpha", f"expected a number > 0 (typical: 5), got {method.neftune_alpha!r}")
+    if method.long_samples == "split":
+        sections = [(f"data.{name}", getattr(config.data, name)) for name in ("train", "validation")]
+        streamed = [at for where, dataset in sections if dataset is not None
+                    for at, source in dataset_sources(dataset, where) if source.streaming]
+        if streamed:
+            raise ConfigError("method.long_samples", f"split needs map-style data: {streamed[0]} is streamed (a "
+                                                     "streamed row's pieces could straddle a checkpoint)")
     if method.packing and config.data.group_by_length:
         raise ConfigError("data.group_by_length", "packed rows are already full and need no grouping; set "
                                                   "method.packing or data.group_by_length, not both")
@@ -58,19 +73,20 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
     return sft_loader(dataset, data=session.config.data, fmt=dataset_format(session, split),
                       tokenizer=session.tokenizer, batch_size=train.batch_size, seed=train.seed,
                       shuffle=split == "train", train_on_input=method.train_on_input, packing=method.packing,
-                      padding_free=method.padding_free, rank=rank, world_size=world, where=f"data.{split}")
+                      padding_free=method.padding_free, rank=rank, world_size=world, where=f"data.{split}",
+                      split_long=method.long_samples == "split")
 
 
 def sft_loader(dataset: Any, *, data: Any, fmt: Any, tokenizer: Any, batch_size: int, seed: int = 0,
                shuffle: bool = True, train_on_input: bool = False, packing: bool = False, padding_free: bool = True,
-               rank: int = 0, world_size: int = 1, where: str = "data.train") -> Any:
+               rank: int = 0, world_size: int = 1, where: str = "data.train", split_long: bool = False) -> Any:
     """SFT's loader from explicit settings (``data`` is the run's `data:` section; ``packing`` and
     ``padding_free`` SFT's own): what ``data`` builds for a run, callable without one (tests, tools)."""
     from posttune.plugin import SampleMaker, flat_batch, make_loader, pad_id, packed_batch, padded_batch
 
     make = SampleMaker(fmt, tokenizer, max_seq_len=data.max_seq_len, train_on_input=train_on_input,
                        skip_bad_rows=data.skip_bad_rows, column_map=dataset.column_map, where=where,
-                       system_prompt=dataset.system_prompt)
+                       system_prompt=dataset.system_prompt, split_long=split_long)
     pad = pad_id(tokenizer)
     if packing and not padding_free:  # rows of exactly max_seq_len, their tails padding
         collate = partial(packed_batch, pad_id=pad, max_seq_len=data.max_seq_len)
