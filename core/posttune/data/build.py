@@ -32,9 +32,10 @@ def build_loader(session: Any, dataset: DatasetConfig, split: str, *, make: Any,
                  collate: Callable[[list[list[Sample]]], dict[str, Any]], packing: bool = False) -> BatchLoader:
     """The loader of one split of the run (``"train"`` shuffled per epoch, anything else in order).
 
-    ``make(row, index)`` returns ``(ids, labels)``, a list of them (a group), or None, and keeps
-    ``make.skipped`` (``SampleMaker`` does all of that). Sharded by the data-parallel coordinate:
-    the TP/CP ranks of one group read the same batches. ``data.group_by_length`` applies here.
+    ``make(row, index)`` returns ``(ids, labels)``, a list of them (a group), a list of groups (a row in
+    pieces), or None (`made_groups`), and keeps ``make.skipped`` (``SampleMaker`` does all of that). Sharded by
+    the data-parallel coordinate: the TP/CP ranks of one group read the same batches. ``data.group_by_length``
+    applies here.
     """
     from posttune.training.distributed import data_rank
 
