@@ -64,3 +64,27 @@ def test_a_resumed_run_continues_the_same_mlflow_run(mlflow_plugin, train, tmp_p
     assert [step for step, _ in history(client, run.info.run_id, "loss")] == [1, 2, 3]
     assert run.data.params["train.max_steps"] == "2"  # MLflow parameters keep their first value
     assert run.info.status == "FINISHED"
+
+
+def test_a_server_that_refuses_connections_stops_the_start_in_seconds(mlflow_plugin, llama_sft, posttune_cli,
+                                                                      tmp_path, monkeypatch):
+    """MLflow retries a refused connection 7 times with a doubling backoff: the run sat silent for minutes. The
+    first request is capped (the user's own MLFLOW_HTTP_REQUEST_* settings win), and the variables are restored."""
+    import os
+    import socket
+    import time
+
+    for key in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(key, raising=False)
+    with socket.socket() as probe:  # a port nothing listens on once it is closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    path = tracked_config(tmp_path, ["mlflow"], {"mlflow": {"tracking_uri": f"http://127.0.0.1:{port}"}})
+    began = time.monotonic()
+    result = posttune_cli("train", str(path))
+    assert time.monotonic() - began < 60
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("posttune: error: logging: tracker 'mlflow' (posttune-mlflow 0.1.0) failed to "
+                                    "start: MlflowException: API request to ")
+    assert "Connection refused" in result.stderr
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ

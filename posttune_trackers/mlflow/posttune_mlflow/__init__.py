@@ -27,7 +27,8 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ LINEAGE_TAG = "posttune.run_id"
 RUN_FILES = ("config", "summary", "metrics", "plot")
 #: MLflow's limits: characters of a parameter value, and entries of one ``log_batch``
 MAX_PARAM_CHARS, BATCH = 6000, 100
+#: the first request to a tracking server: retries and seconds to wait for an answer (`_impatient`)
+START_RETRIES, START_TIMEOUT = 1, 15
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ def start(run: TrackerRun) -> Opened:
     uri = options.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     local = uri is None
     client = MlflowClient(local_store(run.output_dir) if local else uri)
-    experiment = client.get_experiment_by_name(options.experiment)
+    with _impatient():  # the first request: a server that does not answer fails the start, not hangs it
+        experiment = client.get_experiment_by_name(options.experiment)
     if experiment is not None:
         experiment_id = experiment.experiment_id
     else:
@@ -92,6 +96,22 @@ def start(run: TrackerRun) -> Opened:
     params = {key: value for key, value in _params(run.config).items() if key not in logged}
     _log_params(client, run_id, params)
     return Opened(client, run_id, options)
+
+
+@contextmanager
+def _impatient() -> Iterator[None]:
+    """MLflow's HTTP retries, capped for the duration (unless the user set them): by default it retries a refused
+    connection 7 times with a doubling backoff, minutes of silence before the start fails (docs/trackers.md says
+    an unreachable server stops the run before its first step, in one line). Later requests keep MLflow's
+    patience: a server that answered once and then blinks should not stop a run."""
+    limits = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(START_RETRIES), "MLFLOW_HTTP_REQUEST_TIMEOUT": str(START_TIMEOUT)}
+    chosen = {key: value for key, value in limits.items() if key not in os.environ}
+    os.environ.update(chosen)
+    try:
+        yield
+    finally:
+        for key in chosen:
+            os.environ.pop(key, None)
 
 
 def _resumed_run(client: Any, experiment_id: str, run: TrackerRun) -> Any:
