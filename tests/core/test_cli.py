@@ -217,6 +217,29 @@ def test_train_launch_checks_mesh_against_the_world_before_launching(fake, postt
     assert result.stderr == "posttune: error: config: parallel.dims: tp=4 does not fit the 2 processes launched\n"
 
 
+@pytest.mark.parametrize(("option", "value", "expected"), [
+    ("--nproc-per-node", "abc", "expected an integer >= 1 or auto or cpu or gpu or xpu, got 'abc'"),
+    ("--nproc-per-node", "0", "expected an integer >= 1 or auto or cpu or gpu or xpu, got '0'"),
+    ("--nnodes", "x", "expected a number of nodes >= 1, or MIN:MAX, got 'x'"),
+    ("--nnodes", "4:2", "expected a number of nodes >= 1, or MIN:MAX, got '4:2'"),
+    ("--master-port", "99999999", "expected an integer from 1 to 65535, got '99999999'"),
+    ("--node-rank", "-1", "expected an integer >= 0, got '-1'"),
+])
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_launch_option_torchrun_cannot_read_is_refused_as_the_command_is_read(
+        fake, posttune_cli, config_file, monkeypatch, command, option, value, expected):
+    """validate said valid and train died in a traceback from torchrun (``Unsupported nproc_per_node value``)."""
+    import torch.distributed.run as torchrun
+
+    monkeypatch.setattr(torchrun, "main", lambda args: pytest.fail("launched"))
+    result = posttune_cli(command, str(config_file), f"{option}={value}")
+    assert result.exit_code == 2
+    underscored = "--" + option[2:].replace("-", "_")
+    named = option if underscored == option else f"{option}/{underscored}"
+    assert result.stderr.splitlines()[-1] == f"posttune {command}: error: argument {named}: {expected}", result.stderr
+    assert posttune_cli("validate", str(config_file), "--nnodes", "1:2", "--nproc-per-node", "auto").exit_code == 0
+
+
 def test_download_fetches_weights_config_and_tokenizer_only(posttune_cli, monkeypatch, tmp_path):
     import huggingface_hub
 

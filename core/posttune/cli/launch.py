@@ -12,17 +12,41 @@ from posttune.errors import PosttuneError, RetryableError
 #: set for the workers of `posttune train`'s launch: the launcher prints a user error, once
 REPORTS = "POSTTUNE_LAUNCHER_REPORTS"
 
+def _count(low: int, high: int | None = None, words: tuple[str, ...] = ()) -> Any:
+    """An argparse type: an integer in [low, high] (or one of ``words``), kept as the text torchrun reads, so
+    that a typo is refused when the command is read, not in a traceback from torchrun (`validate` too)."""
+
+    def read(text: str) -> str:
+        if text in words or (text.isdigit() and low <= int(text) <= (high if high is not None else int(text))):
+            return text
+        bound = f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}"
+        raise argparse.ArgumentTypeError(f"expected {bound}{''.join(f' or {w}' for w in words)}, got {text!r}")
+
+    return read
+
+
+def _nodes(text: str) -> str:
+    """``--nnodes``: M, or MIN:MAX for an elastic job."""
+    low, colon, high = text.partition(":")
+    if low.isdigit() and int(low) >= 1 and (not colon or (high.isdigit() and int(high) >= int(low))):
+        return text
+    raise argparse.ArgumentTypeError(f"expected a number of nodes >= 1, or MIN:MAX, got {text!r}")
+
+
 #: torchrun options `posttune train` accepts, with the argparse settings for each.
 TORCHRUN_OPTIONS: dict[str, dict] = {
-    "--nproc-per-node": {"metavar": "N", "help": "processes per node (torchrun)"},
-    "--nnodes": {"metavar": "M or MIN:MAX", "help": "number of nodes (torchrun)"},
-    "--node-rank": {"metavar": "R", "help": "this node's rank (torchrun)"},
+    "--nproc-per-node": {"metavar": "N", "help": "processes per node (torchrun)",
+                         "type": _count(1, words=("auto", "cpu", "gpu", "xpu"))},
+    "--nnodes": {"metavar": "M or MIN:MAX", "help": "number of nodes (torchrun)", "type": _nodes},
+    "--node-rank": {"metavar": "R", "help": "this node's rank, for static rendezvous (torchrun; c10d assigns ranks)",
+                    "type": _count(0)},
     "--rdzv-endpoint": {"metavar": "HOST:PORT", "help": "rendezvous endpoint (torchrun)"},
     "--rdzv-backend": {"metavar": "NAME", "help": "rendezvous backend, e.g. c10d (torchrun)"},
     "--rdzv-id": {"metavar": "ID", "help": "rendezvous job id (torchrun)"},
     "--master-addr": {"metavar": "HOST", "help": "master address for static rendezvous (torchrun)"},
-    "--master-port": {"metavar": "PORT", "help": "master port for static rendezvous (torchrun)"},
-    "--max-restarts": {"metavar": "K", "help": "worker group restarts on failure (torchrun)"},
+    "--master-port": {"metavar": "PORT", "help": "master port for static rendezvous (torchrun)",
+                      "type": _count(1, 65535)},
+    "--max-restarts": {"metavar": "K", "help": "worker group restarts on failure (torchrun)", "type": _count(0)},
 }
 
 
