@@ -238,3 +238,32 @@ def test_workers_whose_launcher_is_killed_stop_with_a_checkpoint_and_resume(tmp_
 
     resumed = train(config, "checkpoint.resume=latest", f"train.max_steps={logged[-1]['step'] + 2}", nproc=2)
     assert f"resumed from step {logged[-1]['step']}" in resumed.stdout
+
+
+#: Rank 1 works in a folder of its own: a relative output_dir is then another folder there, as a node-local disk
+#: mounted at the same path on another node would be.
+ELSEWHERE_WORKER = textwrap.dedent("""
+    import os, sys
+    from posttune.training import worker
+
+    if os.environ["RANK"] == "1":
+        os.makedirs("elsewhere", exist_ok=True)
+        os.chdir("elsewhere")
+    sys.exit(worker.run(sys.argv[1:]))
+""")
+
+
+def test_an_output_dir_that_is_not_one_folder_for_every_rank_is_refused_before_the_model(tmp_path):
+    """Each rank writes its shards of a checkpoint into the directory rank 0 names: on node-local disks rank 0's
+    checkpoints lacked rank 1's shards, passed their manifest (what rank 0 could see) and could not resume."""
+    config = write_config(tmp_path, batch_size=4, parallel={"plans": ["fsdp2"]}, checkpoint={"save_every": 1})
+    script = tmp_path / "elsewhere_worker.py"
+    script.write_text(ELSEWHERE_WORKER)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(script), str(config), "checkpoint.output_dir=out"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env(), cwd=tmp_path)
+    assert result.returncode != 0
+    assert ("checkpoint.output_dir: out is not one folder for every rank: rank 1 (") in result.stderr, result.stderr
+    assert not (tmp_path / "out" / "checkpoints").exists()  # refused before training: nothing saved
+    assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".posttune-probe-")]
+

@@ -61,6 +61,34 @@ def test_a_sharded_checkpoint_exports_as_a_model_on_one_process(runs, tmp_path):
                            posttune.load_model(straight / "model").state_dict()["embed.weight"])  # step 2, not 4
 
 
+def test_a_sharded_checkpoint_missing_a_rank_s_shard_is_named_not_a_traceback(runs, tmp_path):
+    """As rank 0 saved it on node-local disks (before `check_shared` refused that layout): rank 1's shard absent
+    and the manifest listing what rank 0 could see. Named, it is refused in one line (`latest` skips a checkpoint
+    this check finds damaged, as it skips any other)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import env
+
+    straight = runs("fsdp2_saving", nproc=2, batch_size=4, parallel={"plans": ["fsdp2"]},
+                    checkpoint={"save_every": 2})
+    checkpoint = tmp_path / "step-00000002"
+    shutil.copytree(straight / "checkpoints" / "step-00000002", checkpoint)
+    (checkpoint / "sharded" / "__1_0.distcp").unlink()
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    del manifest["files"]["sharded/__1_0.distcp"]
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    command = [sys.executable, "-m", "posttune.cli.main", "train", str(straight / "config.yaml"),
+               f"checkpoint.resume={checkpoint}", f"checkpoint.output_dir={tmp_path / 'resumed'}",
+               "train.batch_size=8", "~parallel"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env())
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"posttune: error: checkpoint.resume: {checkpoint} is damaged (sharded/__1_0.distcp is missing (written "
+        "where rank 0 could not see it?)); name another checkpoint or use checkpoint.resume=latest")
+
+
 def test_the_best_sharded_checkpoint_is_kept_named_and_resumes(tmp_path):
     """2 FSDP2 ranks, ``keep_last: 1``, the best by ``val_loss`` judged higher-is-better (so an early step, which
     pruning alone would delete): it is kept beside the last, the summary names it (a ``sharded/`` checkpoint),

@@ -115,6 +115,9 @@ def init_distributed(session: Session) -> None:
             # NCCL serves CUDA tensors only; gloo takes the CPU ones (a plan may keep its shards in CPU memory)
             dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout) if timeout is not None else None)
+        from posttune.training.sharded_state import check_shared
+
+        check_shared(Path(session.config.checkpoint.output_dir).expanduser())
         dims = session.plan.mesh
         session.mesh = init_device_mesh(session.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     else:

@@ -18,6 +18,7 @@ trainer state and renames it into place once all ranks are done.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from posttune.checkpoint.atomic import atomic_dir
+from posttune.errors import PosttuneError
 from posttune.session import Session
 from posttune.training import distributed
 
@@ -60,6 +62,53 @@ def save(session: Session, target: Path, write_rest: Any, replaceable: tuple[str
             write_rest(tmp)
     if distributed.active():
         dist.barrier()  # the checkpoint is in place on return, on every rank
+
+
+def check_shared(out: Path) -> None:
+    """Under torchrun, every rank sees the output directory rank 0 holds: checkpoint shards are written by every
+    rank into the directory rank 0 names and then renames. On node-local disks each node kept its own shards, and
+    rank 0's checkpoint, saved and verified against a manifest of what it could see, lacked the others' and could
+    never be resumed. Checked as the process group starts, before the model is built."""
+    import socket
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    main, name = dist.get_rank() == 0, [None]
+    if main:
+        handle, probe = tempfile.mkstemp(prefix=".posttune-probe-", dir=out)  # a leftover start checks allow
+        os.close(handle)
+        name = [Path(probe).name]
+    dist.broadcast_object_list(name, src=0)
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, ((out / name[0]).is_file(), socket.gethostname()))
+    if main:
+        (out / name[0]).unlink(missing_ok=True)
+    blind = [f"rank {rank} ({host})" for rank, (found, host) in enumerate(seen) if not found]
+    if blind:
+        raise PosttuneError(f"checkpoint.output_dir: {out} is not one folder for every rank: {', '.join(blind[:4])} "
+                            f"cannot see what rank 0 ({seen[0][1]}) writes there; every rank writes its shards of "
+                            "each checkpoint into it, so put it on a filesystem every node mounts (NFS, Lustre, ...) "
+                            "at the same path")
+
+
+def missing_shards(path: Path) -> str | None:
+    """The first file a sharded checkpoint's ``.metadata`` names that is not there (a checkpoint saved before
+    `check_shared`, on node-local disks, or copied without every rank's shards), or None."""
+    import torch.distributed.checkpoint as dcp
+
+    if not is_sharded_checkpoint(path) or not (path / SHARDED / ".metadata").is_file():
+        return None
+    try:
+        storage = dcp.FileSystemReader(path / SHARDED).read_metadata().storage_data
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the checkpoint cannot be read
+        return f"{SHARDED}/.metadata is unreadable ({type(exc).__name__})"
+    for info in (storage or {}).values():
+        if not (path / SHARDED / info.relative_path).is_file():
+            return f"{SHARDED}/{info.relative_path} is missing (written where rank 0 could not see it?)"
+    return None
 
 
 def load(session: Session, path: Path) -> None:

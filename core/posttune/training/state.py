@@ -210,6 +210,10 @@ def checkpoint_damage(path: Path) -> str | None:
     problem = damage(path)
     if problem is None and run_id_of(path) is None:
         problem = f"{STATE_FILE} is unreadable"
+    if problem is None:
+        from posttune.training.sharded_state import missing_shards
+
+        problem = missing_shards(path)
     return problem
 
 
