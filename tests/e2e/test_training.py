@@ -202,6 +202,17 @@ def test_long_documents_split_into_pieces_train_and_are_counted(llama_sft, postt
                                                     "pieces could straddle a checkpoint)\n")
 
 
+def test_a_log_file_gets_no_bar_frame_per_evaluation(llama_sft, posttune_cli, write_config, tmp_path):
+    """Off a terminal the bar draws a frame every 30 s: an evaluation's forced refresh and its line (tqdm.write
+    redraws the bar below it) added two frames each, hundreds in a batch job's log with a frequent eval_every."""
+    path = write_config(data={"validation": {"path": str(tmp_path / "train.jsonl"), "format": "chat"}},
+                        train={"max_steps": 6, "eval_every": 1})
+    result = posttune_cli("train", str(path))
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.count("val_loss") >= 6  # each evaluation's line, on stdout
+    assert "eval:" not in result.stderr and result.stderr.count("train:") <= 2, result.stderr
+
+
 def test_training_in_fp16_warns_that_nothing_scales_the_loss(llama_sft, posttune_cli, write_config):
     result = posttune_cli("train", str(write_config(model={"dtype": "fp16"}, train={"max_steps": 1})))
     assert result.exit_code == 0, result.stderr

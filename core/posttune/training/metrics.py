@@ -81,14 +81,15 @@ class MetricsLog:
         self.pending: list[dict[str, Any]] = pending if pending is not None else []
         self.postfix: dict[str, str] = {}
         self.bar = None
+        self.live = False  # the bar is on a terminal: redrawn in place (else each redraw is a line of a log)
         if enabled:
             from tqdm.auto import tqdm
 
             output_dir.mkdir(parents=True, exist_ok=True)
             # into a log file (a batch job's stderr) a frame every 30 s, not ten a second; TQDM_DISABLE=1: none
-            interval = 0.1 if sys.stderr.isatty() else 30.0
+            self.live = sys.stderr.isatty()
             self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stderr, mininterval=interval)
+                            file=sys.stderr, mininterval=0.1 if self.live else 30.0)
 
     def due(self, record: dict[str, Any]) -> bool:
         """Whether step ``record`` is written: a multiple of log_every, the last step, an eval or a skip."""
@@ -133,7 +134,7 @@ class MetricsLog:
     def evaluating(self) -> Iterator[None]:
         """Say on the bar that the run evaluates, so a long evaluation does not look like a hang."""
         if self.bar is not None:
-            self.bar.set_description("eval", refresh=True)
+            self.bar.set_description("eval", refresh=self.live)
         try:
             yield
         finally:
@@ -142,7 +143,8 @@ class MetricsLog:
 
     def note(self, text: str) -> None:
         if self.enabled:
-            (self.bar.write if self.bar is not None else print)(text)
+            # on a terminal above the bar; in a log file as a plain line (tqdm.write redraws the bar after it)
+            (self.bar.write if self.bar is not None and self.live else print)(text)
 
     def close(self) -> None:
         if self.bar is not None:
