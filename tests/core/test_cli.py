@@ -95,6 +95,20 @@ def test_ls_json_gives_each_name_with_its_distribution(fake, posttune_cli):
     assert set(only) == {"methods"} and set(only["methods"]) == {"fdpo", "fsft"}
 
 
+def test_ls_help_and_the_readme_name_every_kind_it_lists(capsys):
+    from posttune.cli.commands import LS_KINDS
+    from posttune.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["ls", "--help"])
+    summary = capsys.readouterr().out.split("\n\n")[1]
+    assert summary.strip().endswith(f": {', '.join(LS_KINDS)}"), summary
+    assert {"engines", "loggers", "quantized"} <= set(LS_KINDS)
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    entry = " ".join(readme.partition("    posttune ls ")[2].partition("\n    posttune cp")[0].split())
+    assert entry.endswith(f": {', '.join(LS_KINDS)}"), entry
+
+
 def test_ls_says_when_nothing_is_installed(posttune_cli):
     assert posttune_cli("ls", "families").stdout.strip() == "(no model family installed)"
 
@@ -113,6 +127,51 @@ def test_cp_copies_a_bundled_config_and_refuses_to_overwrite(register_plugin, po
     missing = posttune_cli("cp", "fam-sf", str(dest))
     assert missing.stderr == ("posttune: error: no bundled config 'fam-sf' (did you mean 'fam-sft'?) "
                               "(see `posttune ls configs`)\n")
+
+
+def test_cp_that_cannot_write_its_destination_is_one_line_naming_it(register_plugin, posttune_cli, tmp_path,
+                                                                    config_file):
+    """A destination under a file, or on a file system that refuses it: one line, not an OSError's traceback."""
+    register_plugin(module_plugin("cfgs", posttune_register_configs=lambda register: register(
+        BundledConfig("fam-sft", config_file, "fam sft"))))
+    (tmp_path / "base.yaml").write_text("")
+    under_a_file = tmp_path / "base.yaml" / "x.yaml"
+    result = posttune_cli("cp", "fam-sft", str(under_a_file))
+    assert (result.exit_code, result.stderr) == (2, f"posttune: error: cannot write {under_a_file}: Not a directory\n")
+
+
+def _metrics(run: Path) -> Path:
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "loss": 2.0 / step, "labelled_tokens": 4})
+                                               + "\n" for step in (1, 2, 3)))
+    return run
+
+
+@pytest.mark.parametrize("option", ["-o", "--output", "--out"])
+@pytest.mark.parametrize("given, written", [("curve", "curve.png"), ("curve.svg", "curve.svg"),
+                                            ("adir", "adir/loss.png"), ("curve.v2", "curve.v2.png")])
+def test_plot_prints_the_file_it_wrote(posttune_cli, tmp_path, monkeypatch, option, given, written):
+    """matplotlib adds .png to a name without an image suffix, and would write adir.png beside a directory: what
+    `plot` prints is the file that is there. -o/--output as every command spells it; --out, its first spelling."""
+    pytest.importorskip("matplotlib", reason="posttune plot needs the optional matplotlib extra")
+    monkeypatch.chdir(tmp_path)
+    _metrics(tmp_path / "run")
+    (tmp_path / "adir").mkdir()
+    result = posttune_cli("plot", "run", option, given)
+    assert (result.exit_code, result.stdout, result.stderr) == (0, f"{Path(written)}\n", "")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == sorted(
+        ["run/metrics.jsonl", written])
+
+
+def test_plot_that_cannot_write_is_one_line_naming_the_file(posttune_cli, tmp_path):
+    pytest.importorskip("matplotlib", reason="posttune plot needs the optional matplotlib extra")
+    run = _metrics(tmp_path / "run")
+    (tmp_path / "afile").write_text("")
+    for out, why in ((tmp_path / "missing" / "x.png", "No such file or directory"),
+                     (tmp_path / "afile" / "x.png", "Not a directory")):
+        result = posttune_cli("plot", str(run), "-o", str(out))
+        assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"posttune: error: cannot write {out}: "
+                                                                           f"{why}\n")
 
 
 def test_validate_accepts_a_good_config_with_overrides(fake, posttune_cli, config_file):
@@ -201,11 +260,12 @@ def test_train_passes_torchrun_arguments_through(fake, posttune_cli, config_file
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     result = posttune_cli("train", str(config_file), "train.seed=3", "parallel.plans=[fsdp]", "--nproc-per-node", "2",
-                          "--rdzv-endpoint", "host:29400", "--nnodes", "2", "--rdzv-backend", "c10d")
+                          "--rdzv-endpoint", "host:29400", "--nnodes", "2", "--rdzv-backend", "c10d",
+                          "--rdzv-conf", "join_timeout=120")
     assert result.exit_code == 0, result.stderr
     assert calls == [["--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "host:29400",
-                      "--rdzv-backend", "c10d", "-m", "posttune.training.worker", str(config_file),
-                      "train.seed=3", "parallel.plans=[fsdp]"]]
+                      "--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=120", "-m", "posttune.training.worker",
+                      str(config_file), "train.seed=3", "parallel.plans=[fsdp]"]]
 
 
 def test_train_launch_checks_mesh_against_the_world_before_launching(fake, posttune_cli, config_file, monkeypatch):
@@ -238,6 +298,28 @@ def test_a_launch_option_torchrun_cannot_read_is_refused_as_the_command_is_read(
     named = option if underscored == option else f"{option}/{underscored}"
     assert result.stderr.splitlines()[-1] == f"posttune {command}: error: argument {named}: {expected}", result.stderr
     assert posttune_cli("validate", str(config_file), "--nnodes", "1:2", "--nproc-per-node", "auto").exit_code == 0
+
+
+@pytest.mark.parametrize(("tasks", "launch", "refused"), [
+    ("8", [], True), ("2", ["--nproc-per-node", "4", "--standalone"], True), ("1", [], False),
+    ("2", ["--nnodes", "2", "--nproc-per-node", "4"], False), ("4", ["--nnodes", "2:4"], False),
+])
+def test_an_srun_step_of_more_tasks_than_nodes_is_refused(fake, posttune_cli, config_file, monkeypatch, tasks,
+                                                          launch, refused):
+    """`srun -n 8 posttune train`: eight copies of the run, each alone (on one output directory all but one exit
+    75, which a requeue script retries). One task per node, each launching its processes, is what works."""
+    import torch.distributed.run as torchrun
+
+    monkeypatch.setattr(torchrun, "main", lambda args: None)
+    for key in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", tasks)
+    result = posttune_cli("train", str(config_file), "train.max_steps=1", "parallel.plans=[fsdp]", *launch)
+    if refused:
+        assert result.exit_code == 2 and result.stderr.startswith(f"posttune: error: srun started {tasks} tasks "
+                                                                  "(SLURM_STEP_NUM_TASKS) and this launch spans ")
+    else:
+        assert "SLURM_STEP_NUM_TASKS" not in result.stderr, result.stderr
 
 
 def test_download_fetches_weights_config_and_tokenizer_only(posttune_cli, monkeypatch, tmp_path):

@@ -119,6 +119,11 @@ def _print_ls(args: argparse.Namespace, registry) -> None:
 
 # ---- posttune cp -----------------------------------------------------------------------------
 
+def cannot_write(path: Path, exc: OSError) -> PosttuneError:
+    """The one-line error for a file a command could not write, naming it (not an OSError's traceback)."""
+    return PosttuneError(f"cannot write {path}: {exc.strerror or exc}")
+
+
 def _configure_cp(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a bundled config name (see `posttune ls configs`)")
     parser.add_argument("dest", help="file or directory to copy it to")
@@ -139,7 +144,10 @@ def _run_cp(args: argparse.Namespace) -> int:
         raise PosttuneError(f"{dest} exists; pass --force to overwrite it")
     if not dest.parent.exists():
         raise PosttuneError(f"{dest.parent}: no such directory")
-    shutil.copyfile(source, dest)
+    try:
+        shutil.copyfile(source, dest)
+    except OSError as exc:  # a parent that is a file, a read-only or virtual file system (/proc)
+        raise cannot_write(dest, exc) from None
     print(f"copied {args.config} to {dest}")
     return 0
 
@@ -255,6 +263,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    launch.check_slurm_tasks(args)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else launch.world_size(args)
     plan = resolve(args, world)
     from posttune import training
@@ -311,13 +320,44 @@ def _run_download(args: argparse.Namespace) -> int:
 
 def _configure_plot(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output_dir", help="a run's output directory (holds metrics.jsonl)")
-    parser.add_argument("--out", help="PNG to write (default: OUTPUT_DIR/loss.png)")
+    parser.add_argument("-o", "--output", dest="out", metavar="PATH",
+                        help="the image to write: a file (no suffix: .png added) or a directory (DIR/loss.png); "
+                             "default: OUTPUT_DIR/loss.png")
+    parser.add_argument("--out", dest="out", help=argparse.SUPPRESS)  # its first spelling, kept working
+
+
+def plot_path(output_dir: str | Path, out: str | Path | None) -> Path:
+    """The file `plot` writes, as it will be printed. matplotlib itself would write ``foo.png`` for ``foo`` and
+    ``adir.png`` beside an existing directory ``adir``: both are settled here, so the path shown is the file."""
+    if out is None:
+        return Path(output_dir) / "loss.png"
+    path = Path(out)
+    if path.is_dir():
+        return path / "loss.png"
+    if path.suffix.lower().lstrip(".") not in _image_formats():
+        return path.with_name(f"{path.name}.png")
+    return path
+
+
+def _image_formats() -> set[str]:
+    """The suffixes matplotlib writes (png, svg, pdf, ...); just png where matplotlib is missing (plot says so)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return {"png"}
+    return set(FigureCanvasBase.get_supported_filetypes())
 
 
 def _run_plot(args: argparse.Namespace) -> int:
     from posttune.training.plot import plot_losses
 
-    print(plot_losses(args.output_dir, args.out))
+    path = plot_path(args.output_dir, args.out)
+    try:
+        print(plot_losses(args.output_dir, path))
+    except OSError as exc:  # a missing folder, a parent that is a file, no permission
+        if exc.filename is not None and Path(exc.filename) != path:  # metrics.jsonl unreadable, say
+            raise PosttuneError(f"{exc.filename}: {exc.strerror or exc}") from None
+        raise cannot_write(path, exc) from None
     return 0
 
 
@@ -330,7 +370,7 @@ EXAMPLES = {
     "validate": ("posttune validate my-run.yaml", "posttune validate llama-demo-reverse train.max_steps=10"),
     "plan": ("posttune plan my-run.yaml", "posttune plan --nproc-per-node 8 my-run.yaml train.batch_size=4"),
     "train": ("posttune train llama-demo-reverse", "posttune train --nproc-per-node 2 my-run.yaml train.lr=1e-4"),
-    "plot": ("posttune plot runs/demo", "posttune plot runs/demo --out loss.png"),
+    "plot": ("posttune plot runs/demo", "posttune plot runs/demo -o loss.png"),
     "download": ("posttune download Qwen/Qwen2.5-0.5B-Instruct",
                  "posttune download meta-llama/Llama-3.2-1B --output models/llama-1b  # gated: HF_TOKEN"),
     "generate": ('posttune generate --model runs/demo/model --chat --prompt "Reverse: KERNEL"',
@@ -345,8 +385,8 @@ def _command(name: str, help: str, configure: Any, run: Any) -> Command:
 @hookimpl
 def posttune_register_commands(cli):
     cli(_command("plugins", "list installed plugins and what they register", _configure_plugins, _run_plugins))
-    cli(_command("ls", "list installed families, methods, plans, memory techniques, datasets, configs",
-                _configure_ls, _run_ls))
+    cli(_command("ls", f"list what the installed plugins register: {', '.join(LS_KINDS)}", _configure_ls,
+                _run_ls))
     cli(_command("cp", "copy a bundled config to edit", _configure_cp, _run_cp))
     cli(_command("config", "list every config key with its default (keys), or print a resolved config (show)",
                 _configure_config_command, _run_config_command))

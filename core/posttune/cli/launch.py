@@ -43,6 +43,8 @@ TORCHRUN_OPTIONS: dict[str, dict] = {
     "--rdzv-endpoint": {"metavar": "HOST:PORT", "help": "rendezvous endpoint (torchrun)"},
     "--rdzv-backend": {"metavar": "NAME", "help": "rendezvous backend, e.g. c10d (torchrun)"},
     "--rdzv-id": {"metavar": "ID", "help": "rendezvous job id (torchrun)"},
+    "--rdzv-conf": {"metavar": "KEY=VALUE,...", "help": "rendezvous settings, e.g. join_timeout=120: how long "
+                                                        "nodes wait for the others to join (torchrun; default 600)"},
     "--master-addr": {"metavar": "HOST", "help": "master address for static rendezvous (torchrun)"},
     "--master-port": {"metavar": "PORT", "help": "master port for static rendezvous (torchrun)",
                       "type": _count(1, 65535)},
@@ -82,6 +84,21 @@ def world_size(args: argparse.Namespace) -> int | None:
     except ValueError:
         return None
     return nproc * nnodes
+
+
+def check_slurm_tasks(args: argparse.Namespace) -> None:
+    """Refuse `srun -n N posttune train` with fewer nodes launched than SLURM tasks: each task would train the whole
+    run alone (N copies; on one output directory all but one stop with status 75, which a requeue script
+    retries). posttune launches the processes itself: one SLURM task per node (docs/parallel.md)."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")  # srun's step, not the batch script (its SLURM_NTASKS)
+    if "WORLD_SIZE" in os.environ or not tasks.isdigit() or int(tasks) <= 1:
+        return
+    nodes = args.nnodes or "1"
+    if nodes.isdigit() and int(nodes) < int(tasks):
+        raise PosttuneError(f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS) and this launch spans {nodes} "
+                            "node(s): each task would train the whole run alone; start one task per node (srun "
+                            "--ntasks-per-node 1) and give posttune --nproc-per-node, with --nnodes and --rdzv-* "
+                            "across nodes")
 
 
 def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) -> int:
