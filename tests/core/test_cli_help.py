@@ -27,6 +27,21 @@ def test_each_command_shows_two_examples_that_parse(name, capsys):
     assert "examples:" in shown and all(example in shown for example in command.examples)
 
 
+@pytest.mark.parametrize("action", ["keys", "show"])
+def test_config_keys_and_show_show_two_examples_that_parse(action, capsys):
+    """docs/config.md: every command's --help ends with two examples; `config`'s actions have their own --help."""
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["config", action, "--help"])
+    shown = capsys.readouterr().out
+    examples = shown.partition("\nexamples:\n")[2].splitlines()
+    assert len(examples) == 2, shown
+    for example in examples:
+        words = shlex.split(example)
+        assert words[:3] == ["posttune", "config", action]
+        assert parser.parse_args(words[1:]).config_action == action
+
+
 def test_torchrun_flags_appear_once_each(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])

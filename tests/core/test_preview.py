@@ -93,3 +93,56 @@ def test_overrides_may_follow_the_options(plugins, posttune_cli, tmp_path):
 def test_bad_arguments_are_one_line(plugins, posttune_cli, argv, error):
     result = posttune_cli("preview", "llama-demo-reverse", *argv)
     assert (result.exit_code, result.stderr) == (2, error)
+
+
+class _Stream:
+    def __init__(self, tty: bool) -> None:
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize(("marks", "tty", "no_color", "colored"), [
+    ("auto", True, None, True), ("auto", False, None, False),
+    ("auto", True, "1", False), ("auto", True, "", True),  # NO_COLOR counts when present and not empty
+    ("color", True, "1", True), ("color", False, None, True),  # an explicit option wins over NO_COLOR
+    ("brackets", True, None, False),
+])
+def test_marks_are_green_on_a_terminal_unless_no_color_is_set(monkeypatch, marks, tty, no_color, colored):
+    from posttune.cli.preview import use_color
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    if no_color is not None:
+        monkeypatch.setenv("NO_COLOR", no_color)
+    assert use_color(marks, _Stream(tty)) is colored
+
+
+def test_no_color_keeps_escape_codes_off_a_terminal(tmp_path):
+    """The user's check: `NO_COLOR=1 posttune preview ...` on a terminal (a pseudo-terminal here) prints no ANSI
+    colour, and marks the trained tokens by brackets instead."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    leader, follower = pty.openpty()
+    env = {**os.environ, "NO_COLOR": "1"}
+    with subprocess.Popen([sys.executable, "-m", "posttune", "preview", "llama-demo-reverse", "--rows", "1"],
+                          stdout=follower, stderr=subprocess.PIPE, cwd=tmp_path, env=env) as process:
+        os.close(follower)
+        shown = b""
+        while chunk := _read(leader):
+            shown += chunk
+        assert process.wait() == 0, process.stderr.read()
+    os.close(leader)
+    assert b"\x1b[" not in shown and b"[[" in shown
+
+
+def _read(fd: int) -> bytes:
+    import os
+
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # EIO: the child closed the terminal
+        return b""

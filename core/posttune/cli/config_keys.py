@@ -380,14 +380,27 @@ def configure(parser: argparse.ArgumentParser, show_arguments: Callable[[argpars
     actions = parser.add_subparsers(dest="config_action", metavar="ACTION", required=True)
     keys = actions.add_parser("keys", help="every config key with its type, default and meaning",
                               description="every config key with its type, default and meaning, "
-                                          "including the installed plugins' settings")
+                                          "including the installed plugins' settings", **_examples("keys"))
     keys.add_argument("section", nargs="?", help="only this top-level section (e.g. train, method, memory_options)")
     keys.add_argument("--markdown", action="store_true",
                       help="print docs/config.md's Reference section (the core and first-party plugins)")
     show = actions.add_parser("show", help="print a config fully resolved, every default filled in (YAML)",
                               description="load, override and validate a config as `posttune train` does, "
-                                          "then print it with every default filled in, as YAML")
+                                          "then print it with every default filled in, as YAML", **_examples("show"))
     show_arguments(show)
+
+
+#: two command lines per action, shown under "examples:" in its --help, as every command's are
+EXAMPLES = {
+    "keys": ("posttune config keys train", "posttune config keys --markdown"),
+    "show": ("posttune config show llama-demo-reverse", "posttune config show my-run.yaml train.lr=1e-3 ~adapter"),
+}
+
+
+def _examples(action: str) -> dict[str, Any]:
+    """The epilog (and the formatter that keeps its lines) the top-level parser gives each command's --help."""
+    lines = "\n".join(f"  {line}" for line in EXAMPLES[action])
+    return {"epilog": f"examples:\n{lines}", "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 def run(args: argparse.Namespace, resolve: Callable[[argparse.Namespace], Any]) -> int:

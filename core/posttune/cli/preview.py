@@ -11,6 +11,7 @@ packing and truncation), so what is shown is what trains; no model is built. Lab
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,7 +29,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", choices=("train", "validation"), default="train",
                         help="which data to read (default: train, whose first batch is shuffled by train.seed)")
     parser.add_argument("--marks", choices=("auto", "color", "brackets"), default="auto",
-                        help="how trained tokens are marked: green, or between [[ ]] (default: green on a terminal)")
+                        help="how trained tokens are marked: green, or between [[ ]] (default: green on a terminal, "
+                             "unless the NO_COLOR environment variable is set)")
+
+
+def use_color(marks: str, stream: Any = None) -> bool:
+    """``--marks``: ``color`` always colours; ``auto`` only on a terminal and where NO_COLOR (https://no-color.org)
+    is absent or empty. An explicit option wins over NO_COLOR, as that convention asks."""
+    stream = sys.stdout if stream is None else stream
+    if marks != "auto":
+        return marks == "color"
+    return not os.environ.get("NO_COLOR") and stream.isatty()
 
 
 def run(args: argparse.Namespace, resolve: Callable[[argparse.Namespace, int], Any]) -> int:
@@ -56,7 +67,7 @@ def run(args: argparse.Namespace, resolve: Callable[[argparse.Namespace, int], A
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise PosttuneError(f"preview: method '{plan.method.descriptor.name}' gives batches without input_ids; "
                             "nothing to show")
-    color = args.marks == "color" or (args.marks == "auto" and sys.stdout.isatty())
+    color = use_color(args.marks)
     samples = rows_of(batch, pad_id(session.tokenizer))
     if batch.get("document_ids") is not None:  # packed or padding-free: the batch's rows hold samples end to end
         shape = tuple(batch["input_ids"].shape)
