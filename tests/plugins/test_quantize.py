@@ -179,6 +179,29 @@ def test_bad_settings_are_refused_in_one_line(exports, plugins, tmp_path, argv, 
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+@pytest.mark.parametrize(("argv", "config", "message"), [
+    (["--scheme", "int3"], "{}", "quantize: --scheme 'int3': expected one of int8_weight_only, int4_weight_only"),
+    (["--group-size", "0"], "{}", "quantize: --group-size 0: expected a positive number of input features"),
+    ([], "{bad", "{model}/config.json: unreadable config.json: JSONDecodeError: Expecting property name enclosed "
+                 "in double quotes: line 1 column 2 (char 1)"),
+])
+def test_what_is_refused_before_quantizing_is_refused_before_importing_torchao(tmp_path, argv, config, message):
+    """torchao's import prints lines of its own (a kernel library it cannot load, deprecations): a bad argument or
+    an unreadable checkpoint is refused before it, so the error is the one line printed. A fresh process: the
+    installed plugins, torchao not imported yet."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(config)
+    code = ("import sys\nfrom posttune.cli.main import main\nstatus = main(sys.argv[1:])\n"
+            "print('torchao' in sys.modules, status)")
+    done = subprocess.run([sys.executable, "-c", code, "quantize", "--model", str(model), "-o", str(tmp_path / "out"),
+                           "--device", "cpu", *argv], capture_output=True, text=True, check=False)
+    assert (done.stdout, done.stderr) == ("False 2\n", f"posttune: error: {message.format(model=model)}\n")
+
+
 def test_missing_directories_and_outputs_in_use_are_refused(exports, plugins, tmp_path):
     cases = {
         ("--model", str(tmp_path / "nope")): f"--model {tmp_path / 'nope'}: no such directory",

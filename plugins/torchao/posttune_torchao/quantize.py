@@ -60,6 +60,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_settings(args.scheme, args.group_size)
     out = Path(args.output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PosttuneError(f"quantize: -o {out} exists and is not an empty directory; choose a new one")
@@ -67,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
     device = device_for(args.device, "quantize: --device")
     if device != "cpu" and not device.startswith("cuda"):
         raise PosttuneError(f"quantize: --device {device}: torchao's weight-only exports run on cpu or cuda")
-    config = quant_config(args.scheme, args.group_size, device)
-    written = export(base, adapter, out, config, device)
+    written = export(base, adapter, out, args.scheme, args.group_size, device)
     print(f"wrote {args.scheme} export ({_size(written)} of weights) to {out}")
     return 0
 
@@ -96,17 +96,24 @@ def _existing(path: str, option: str, marker: str) -> Path:
     return directory
 
 
-def quant_config(scheme: str, group_size: int | None, device: str) -> Any:
-    """The torchao config for ``scheme`` on ``device`` (see the module docstring for why int4 differs)."""
-    import torch
-    from torchao.quantization import (Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup,
-                                      PerRow)
-
+def check_settings(scheme: str, group_size: int | None) -> None:
+    """Refuse a bad ``--scheme`` or ``--group-size`` before torchao is imported: its import prints lines of its
+    own (kernels it cannot load, deprecations), which would bury the one-line error. Whether the group size
+    divides each layer's inputs is known only once the model is loaded (quantized_state)."""
     if scheme not in SCHEMES:
         raise PosttuneError(f"quantize: --scheme {scheme!r}: expected one of {', '.join(SCHEMES)}"
                             f"{did_you_mean(scheme, SCHEMES)}")
     if group_size is not None and group_size <= 0:
         raise PosttuneError(f"quantize: --group-size {group_size}: expected a positive number of input features")
+
+
+def quant_config(scheme: str, group_size: int | None, device: str) -> Any:
+    """The torchao config for ``scheme`` on ``device`` (see the module docstring for why int4 differs)."""
+    check_settings(scheme, group_size)
+    import torch
+    from torchao.quantization import (Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup,
+                                      PerRow)
+
     if scheme == "int8_weight_only":
         return Int8WeightOnlyConfig(granularity=PerRow() if group_size is None else PerGroup(group_size))
     group_size = group_size or INT4_GROUP_SIZE
@@ -115,8 +122,9 @@ def quant_config(scheme: str, group_size: int | None, device: str) -> Any:
     return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
 
 
-def export(base: Path, adapter: Path | None, out: Path, config: Any, device: str) -> int:
-    """Load, merge, quantize and write; returns the bytes of model.safetensors."""
+def export(base: Path, adapter: Path | None, out: Path, scheme: str, group_size: int | None, device: str) -> int:
+    """Load, merge, quantize and write; returns the bytes of model.safetensors. The model loads before torchao is
+    imported (quant_config), so a checkpoint or adapter it cannot read is refused without torchao's import noise."""
     import torch
 
     import posttune
@@ -126,6 +134,7 @@ def export(base: Path, adapter: Path | None, out: Path, config: Any, device: str
     if adapter is not None:
         load_peft_adapter(model, adapter)
         merge_adapters(model)
+    config = quant_config(scheme, group_size, device)
     if type(config).__name__ == "Int4WeightOnlyConfig":  # the tinygemm layout computes in bfloat16
         model.to(torch.bfloat16)
     hf_config = json.loads((base / "config.json").read_text(encoding="utf-8"))
