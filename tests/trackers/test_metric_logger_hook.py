@@ -69,7 +69,8 @@ def test_a_tracker_is_told_the_start_every_record_and_the_end_in_order(recorder,
     assert run.options == RecorderOptions(label="mine")
     assert run.config == yaml.safe_load((out / "config.yaml").read_text())  # the resolved config
     assert run.config["logging"] == ["recorder"] and run.config["method"] == {"name": "sft", "train_on_input": False,
-                                                                          "packing": False, "padding_free": True,
+                                                                          "packing": False, "long_samples": "truncate",
+                                                                          "padding_free": True,
                                                                           "neftune_alpha": None, "loss_type": "nll"}
     assert (run.output_dir, run.name, run.resumed_step, run.total_steps) == (out, "out", None, 3)
     assert run.run_id == json.loads((out / "run.json").read_text())["run_id"]

@@ -76,3 +76,23 @@ def test_a_resumed_run_continues_the_same_trackio_run(tmp_path):
     assert len(runs) == 1  # one Trackio run for the whole lineage
     (only,) = runs.values()
     assert logged(only["logs"], "loss") == series(metrics(out), "loss")
+
+
+TRACK = """
+from pathlib import Path
+import posttune_trackio as tracker
+from posttune.plugin import TrackerRun
+run = TrackerRun("out", Path("out"), {"train": {"lr": 0.1}}, tracker.TrackioOptions(project="once"), "lineage", None, 1)
+tracked = tracker.start(run)
+tracker.log(tracked, {"step": 1, "loss": 1.5})
+tracker.finish(tracked, {"final_step": 1, "loss": 1.5}, {})
+"""
+
+
+def test_a_run_is_finished_once(tmp_path):
+    """finish() ends trackio's current run, so trackio's own atexit hook does not finish it again: one
+    "Run finished" line per run, not two, and what was logged is stored."""
+    result = subprocess.run([sys.executable, "-c", TRACK], capture_output=True, text=True, timeout=120,
+                            env=environment(tmp_path), check=True)
+    assert result.stdout.count("* Run finished.") == 1, result.stdout
+    assert logged(stored(tmp_path, "once")["out-lineage"]["logs"], "loss") == [(1, 1.5)]

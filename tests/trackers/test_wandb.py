@@ -68,8 +68,10 @@ def test_the_offline_run_holds_every_metric_the_config_and_the_summary(wandb_plu
     assert {key: summary(found)[f"summary/{key}"] for key in expected} == expected
     assert summary(found)["loss"] == logged[-1]["loss"]  # W&B's own: each history key's last value
     assert [r["exit"].get("exit_code", 0) for r in found if r["type"] == "exit"] == [0]
-    for name in ("config.yaml", "summary.json", "metrics.jsonl"):  # kept with the run's files
-        assert (run_dir / "files" / name).read_bytes() == (out / name).read_bytes()
+    kept = {"posttune_config.yaml": "config.yaml", "summary.json": "summary.json", "metrics.jsonl": "metrics.jsonl"}
+    for name, written in kept.items():  # kept with the run's files; config.yaml is W&B's own name there
+        assert (run_dir / "files" / name).read_bytes() == (out / written).read_bytes()
+    assert not (run_dir / "files" / "config.yaml").exists()  # left to W&B, which writes the run's config there
 
 
 def test_a_resumed_run_continues_the_same_wandb_run(wandb_plugin, train, tmp_path):

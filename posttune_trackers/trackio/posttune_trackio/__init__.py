@@ -60,7 +60,14 @@ def finish(tracked: Any, summary: Mapping[str, Any] | None, artefacts: Mapping[s
     if summary is not None:
         numbers = {f"summary/{key}": value for key, value in scalar_metrics(summary).items()}
         tracked.log(numbers, step=int(summary.get("final_step", 0)))
-    tracked.finish()
+    import trackio
+
+    # trackio.finish(), not the run's own finish(): it also clears trackio's current run, which trackio's atexit
+    # hook would otherwise finish a second time (a second "* Run finished. Uploading logs ..." line)
+    if trackio.context_vars.current_run.get() is tracked:
+        trackio.finish()
+    else:  # no longer trackio's current run (another init since): nothing left for its atexit hook to finish
+        tracked.finish()
 
 
 @hookimpl

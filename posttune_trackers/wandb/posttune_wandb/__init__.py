@@ -6,8 +6,8 @@
 
 What W&B receives (docs/trackers.md): the resolved config as the run's config (nested, as
 config.yaml holds it); each metrics record's numbers at its ``step``; at the end summary.json's
-values in the run summary as ``summary/<key>``, and config.yaml, summary.json, metrics.jsonl and
-loss.png as run files (the final model or adapter as an artifact with ``log_model: true``).
+values in the run summary as ``summary/<key>``, and config.yaml (as ``posttune_config.yaml``), summary.json,
+metrics.jsonl and loss.png as run files (the final model or adapter as an artifact with ``log_model: true``).
 
 The W&B run id is posttune's lineage id, with ``resume="allow"``: a resumed posttune run
 continues the same W&B run. W&B drops history rows whose step is not above the last it holds,
@@ -30,8 +30,10 @@ from posttune.plugin import MetricLogger, TrackerRun, hookimpl, scalar_metrics
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
 
-#: files of a finished run saved with the W&B run (the model is an artifact, and only when asked)
-RUN_FILES = ("config", "summary", "metrics", "plot")
+#: files of a finished run saved with the W&B run (the model is an artifact, and only when asked): artefact -> the
+#: name it gets there, None for its own. Not config.yaml: W&B writes the run's config under that name in the same
+#: folder (wandb.sdk.lib.filenames.CONFIG_FNAME, one of its own files), so one would overwrite the other.
+RUN_FILES = {"config": "posttune_config.yaml", "summary": None, "metrics": None, "plot": None}
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,9 @@ def finish(opened: Opened, summary: Mapping[str, Any] | None, artefacts: Mapping
         # step), and at finish that would overwrite the run's own totals of the same name.
         wb.summary.update({f"summary/{key}": value for key, value in summary.items()})
         files = Path(wb.dir)  # absent when W&B is disabled (mode or WANDB_MODE): nothing to keep then
-        for key in RUN_FILES:  # files in the run's directory are kept with the run (uploaded at finish)
+        for key, name in RUN_FILES.items():  # files in the run's directory are kept with the run (uploaded at finish)
             if key in artefacts and files.is_dir():
-                shutil.copy2(artefacts[key], files / artefacts[key].name)
+                shutil.copy2(artefacts[key], files / (name or artefacts[key].name))
         model = artefacts.get("adapter") or artefacts.get("model")
         if opened.options.log_model and model is not None and files.is_dir():
             import wandb
