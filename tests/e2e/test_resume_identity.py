@@ -176,3 +176,31 @@ def test_the_documented_safe_changes_still_resume(runs, tmp_path):
                      "train.eval_every=5", "checkpoint.save_every=3", "checkpoint.keep_last=2", "train.lr=5e-4")
     assert result.exit_code == 0, result.stderr
     assert "resumed from step 2" in result.stdout
+
+
+def test_an_adapter_resumed_on_other_weights_of_the_same_shapes_is_refused(runs, tmp_path):
+    """A LoRA run resumed with model.path at another checkpoint of the same architecture (a fine-tuned or merged
+    base): it trained on, the adapter learning a second base and its adapter_config naming the new one."""
+    config = runs["lora"]
+    other = save_hf_teacher(tmp_path / "other", seed=1)  # the same shapes, other values
+    line = outcome(tmp_path, config, f"model.path={other}")[0]
+    assert line == (f"posttune: error: config: model.path: cannot resume {step2(config)}: its policy model had other "
+                    "weights than this run's model.path holds (their safetensors differ; a moved copy of the same "
+                    "files is accepted)" + HINT)
+
+
+@pytest.mark.parametrize("name", ["lora", "full"])
+def test_a_moved_copy_of_the_base_resumes(runs, bases, tmp_path, name):
+    """The same files elsewhere resume; so does a full fine-tuning run from other weights (it resumes its own)."""
+    import shutil
+
+    config = json.loads(json.dumps(runs[name]))
+    config["checkpoint"]["output_dir"] = str(tmp_path / "copy")
+    shutil.copytree(runs[name]["checkpoint"]["output_dir"], tmp_path / "copy")
+    moved = shutil.copytree(bases["llama"], tmp_path / "moved")
+    if name == "full":
+        moved = save_hf_teacher(tmp_path / "other", seed=1)
+    result = run_cli("train", str(write(tmp_path, config)), "checkpoint.resume=latest", "train.max_steps=3",
+                     f"model.path={moved}")
+    assert result.exit_code == 0, result.stderr
+    assert "resumed from step 2" in result.stdout

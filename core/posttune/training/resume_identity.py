@@ -27,7 +27,9 @@ def of(plan: Any) -> dict[str, Any]:
     if plan.identity is None:
         config, family = plan.config, plan.family.descriptor
         adapter = config.adapter
-        models = {"policy": _model(config.model, family)}
+        # the weights a resume reads from model.path: an adapter's base, a frozen role's own (a fully fine-tuned
+        # policy's come from the checkpoint)
+        models = {"policy": _model(config.model, family, weights=adapter is not None)}
         for name, role in plan.roles.items():
             models[name] = SHARES_POLICY if role.shares_policy else _model(role.config, role.family.descriptor)
         identity = {
@@ -59,13 +61,45 @@ def _targets(targets: str | list[str]) -> str | list[str]:
     return targets if isinstance(targets, str) else sorted(targets)
 
 
-def _model(model: Any, family: Any) -> dict[str, Any]:
+def _model(model: Any, family: Any, *, weights: bool = True) -> dict[str, Any]:
     from posttune.checkpoint.source import read_hf_config
     from posttune.plan import build_kwargs
 
     hf_config = read_hf_config(model.path) if model.path is not None else None
-    return {"family": family.name, "architectures": list((hf_config or {}).get("architectures") or []),
-            "build": build_kwargs(model, family, hf_config)}
+    found = {"family": family.name, "architectures": list((hf_config or {}).get("architectures") or []),
+             "build": build_kwargs(model, family, hf_config)}
+    fingerprint = weights_fingerprint(Path(model.path).expanduser()) if weights and model.path is not None else None
+    return {**found, "weights": fingerprint} if fingerprint is not None else found
+
+
+#: bytes read from each safetensors file for its fingerprint: this many evenly spaced pieces of this size
+PIECES, PIECE = 64, 16 * 1024
+
+
+def weights_fingerprint(folder: Path) -> str | None:
+    """A cheap fingerprint of a local checkpoint's weights, to tell a moved copy (accepted on resume) from other
+    weights (a fine-tuned or merged model of the same shapes, refused): every safetensors file's header and
+    ``PIECES`` evenly spaced pieces of its data (the whole of a small file), about 1 MiB a file at most. None
+    for a hub id or a folder without safetensors files (nothing to compare)."""
+    import hashlib
+
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as handle:
+            size = file.stat().st_size
+            if size <= PIECES * PIECE:
+                digest.update(handle.read())
+                continue
+            header = int.from_bytes(handle.read(8), "little")
+            digest.update(handle.read(min(header, size - 8)))
+            start, span = 8 + header, max(0, size - 8 - header - PIECE)
+            for index in range(PIECES):
+                handle.seek(start + span * index // max(1, PIECES - 1))
+                digest.update(handle.read(PIECE))
+    return digest.hexdigest()[:16]
 
 
 def saved(checkpoint: Path) -> Mapping[str, Any] | None:
@@ -141,6 +175,9 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any], plan: Any) -> I
                 if before["build"][key] != now["build"][key]:
                     yield section, (f"its {role} model has {key} {_show(before['build'][key])}, this run's has "
                                     f"{_show(now['build'][key])}")
+            if before.get("weights") not in (None, now.get("weights")) and now.get("weights") is not None:
+                yield f"{section}.path", (f"its {role} model had other weights than this run's {section}.path holds "
+                                          "(their safetensors differ; a moved copy of the same files is accepted)")
 
 
 def _adapter(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> Iterator[tuple[str, str]]:
