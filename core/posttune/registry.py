@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import typing
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -102,6 +103,11 @@ def descriptor_problem(descriptor: Any) -> str | None:
             return f"dataset_kind: expected a kind's name or a tuple of them, got {value!r}"
         if annotation.startswith("Callable") and not callable(value):
             return f"{f.name}: expected a function, got {value!r}"
+        choices = _literal_values(annotation)  # a stage, what a technique does to frozen roles, a split
+        if choices and value not in choices:
+            return f"{f.name}: expected one of {', '.join(map(repr, choices))}, got {value!r}"
+        if annotation == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"{f.name}: expected an integer, got {value!r}"
         if f.name == "config" and annotation.startswith("type"):
             if not (isinstance(value, type) and (is_dataclass(value) or issubclass(value, dict))):
                 return f"config: expected a dataclass (the class itself), got {value!r}"
@@ -109,6 +115,14 @@ def descriptor_problem(descriptor: Any) -> str | None:
             if problem is not None:
                 return f"config field {problem}"
     return None
+
+
+def _literal_values(annotation: str) -> tuple[Any, ...]:
+    """The values of the ``Literal`` a descriptor field's annotation names (``Stage``, ``FrozenModels``), else ()."""
+    from posttune import descriptors
+
+    alias = getattr(descriptors, annotation, None)
+    return typing.get_args(alias) if typing.get_origin(alias) is typing.Literal else ()
 
 
 class Register:
@@ -154,7 +168,15 @@ class Registry:
         self.entries[kind][name] = item
 
     def names(self, kind: str) -> list[str]:
-        return sorted(self.entries[kind])
+        return sorted(self._of(kind))
+
+    def _of(self, kind: str) -> dict[str, Registered]:
+        """The entries of ``kind``; an unknown kind (``posttune ls``'s plural, say) is one line naming the kinds."""
+        if kind not in self.entries:
+            plural = {k.plural: k.key for k in KINDS.values()}.get(kind)
+            hint = f" (did you mean '{plural}'?)" if plural else did_you_mean(kind, KINDS)
+            raise PluginError(f"no registry kind '{kind}'{hint}; the kinds: {', '.join(KINDS)}")
+        return self.entries[kind]
 
     def items(self, kind: str) -> Iterator[Registered]:
         for name in self.names(kind):
@@ -165,7 +187,7 @@ class Registry:
         return self.lookup(kind, name).descriptor
 
     def lookup(self, kind: str, name: str) -> Registered:
-        found = self.entries[kind].get(name)
+        found = self._of(kind).get(name)
         if found is not None:
             return found
         raise self.unknown(kind, name)
@@ -178,6 +200,11 @@ class Registry:
             if len({str(h.provenance) for h in holders}) == 1:  # one plugin's hook registered it twice
                 return PluginError(f"{label} '{name}' is registered twice by {holders[0].provenance}; its "
                                    "registration hook must register each name once")
+            core = [h for h in holders if h.provenance.distribution == "posttune"]
+            if kind == "command" and core:  # the CLI keeps the core's: the plugin's is the one to rename
+                others = " and ".join(sorted(str(h.provenance) for h in holders if h not in core))
+                return PluginError(f"command '{name}' is registered by both {both}; posttune's own is the one run: "
+                                   f"{others} must name its command otherwise")
             return PluginError(
                 f"{label} '{name}' is registered by both {both}; uninstall one, or pick one "
                 f"with POSTTUNE_DISABLE_PLUGINS"

@@ -189,7 +189,7 @@ def test_a_plugin_command_named_like_a_core_one_does_not_displace_it(fake_distri
     fake_distribution("acme-cmd", "acme_cmd", COMMAND.format(name="ls", configure="pass"))
     monkeypatch.setenv("POSTTUNE_LOAD_PLUGINS", "acme-cmd")
     clash = ("command 'ls' is registered by both acme-cmd 1.0 and posttune " + __version__
-             + "; uninstall one, or pick one with POSTTUNE_DISABLE_PLUGINS")
+             + "; posttune's own is the one run: acme-cmd 1.0 must name its command otherwise")
     listed = cli("ls", "datasets")  # the core's ls, not the plugin's (which would print "ran")
     assert (listed.exit_code, listed.stdout.split()[0]) == (0, "alpaca")
     report = cli("plugins", "--json")

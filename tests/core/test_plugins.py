@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from posttune.descriptors import DatasetFormat, Method, ModelFamily, RewardFunction
+from posttune.descriptors import DatasetFormat, MemoryTechnique, Method, ModelFamily, RewardFunction
 from posttune.errors import PluginError, PosttuneError, UnknownNameError
 from posttune.plugins import get_plugins, module_plugin, problems
 from posttune.testing import run_cli
@@ -229,6 +229,13 @@ class NotADataclass:
      "RewardFunction 'Bad Name!': name 'Bad Name!': letters, digits, '_', '.' and '-' only"),
     ("posttune_register_reward_functions", lambda: RewardFunction("mine", "not callable"),
      "RewardFunction 'mine': fn: expected a function, got 'not callable'"),
+    ("posttune_register_memory_techniques", lambda: MemoryTechnique("mine", "nostage", _noop),  # plan: a KeyError
+     "MemoryTechnique 'mine': stage: expected one of 'build', 'adapt', 'quantize', 'parallelize', 'load', "
+     "'optimizer', 'loss', got 'nostage'"),
+    ("posttune_register_memory_techniques", lambda: MemoryTechnique("mine", "loss", _noop, frozen="bogus"),
+     "MemoryTechnique 'mine': frozen: expected one of 'apply', 'skip', 'refuse', got 'bogus'"),
+    ("posttune_register_memory_techniques", lambda: MemoryTechnique("mine", "loss", _noop, order="first"),
+     "MemoryTechnique 'mine': order: expected an integer, got 'first'"),
 ])
 def test_a_descriptor_with_an_unusable_field_fails_its_plugin_at_registration(register_plugin, posttune_plugins,
                                                                                hook, descriptor, problem):
@@ -340,3 +347,14 @@ def test_register_plugin_fails_the_test_on_a_plugin_that_does_not_load(tmp_path)
     assert "1 failed, 1 passed" in result.stdout, result.stdout
     assert ("plugin mine failed to load: RuntimeError in posttune_register_model_families: forgot an argument"
             in result.stdout)
+
+
+def test_an_unknown_registry_kind_names_the_kinds(posttune_plugins):
+    """``lookup("engines", ...)`` (posttune ls's plural) was a bare KeyError('engines')."""
+    from posttune.errors import PluginError
+
+    with pytest.raises(PluginError, match=r"^no registry kind 'engines' \(did you mean 'generation_engine'\?\); "
+                                          r"the kinds: model_family, "):
+        posttune_plugins.registry.get("engines", "builtin")
+    with pytest.raises(PluginError, match=r"^no registry kind 'methd' \(did you mean 'method'\?\)"):
+        posttune_plugins.registry.names("methd")
