@@ -204,3 +204,23 @@ def test_a_moved_copy_of_the_base_resumes(runs, bases, tmp_path, name):
                      f"model.path={moved}")
     assert result.exit_code == 0, result.stderr
     assert "resumed from step 2" in result.stdout
+
+
+def test_an_adapter_started_on_another_base_is_said_once(runs, bases, tmp_path):
+    """``adapter.init_from`` on a model other than its base (the merged model of its own run, say: its update
+    then counts twice) trains, with one warning; a moved copy of its base has the same weights and none."""
+    import shutil
+
+    config = json.loads(json.dumps(runs["lora"]))
+    config["checkpoint"]["output_dir"] = str(tmp_path / "new")
+    adapter = Path(runs["lora"]["checkpoint"]["output_dir"]) / "adapter"
+    other = save_hf_teacher(tmp_path / "other", seed=1)
+    moved = shutil.copytree(bases["llama"], tmp_path / "moved")
+    path = write(tmp_path, config)
+    for model, warned in ((other, True), (moved, False)):
+        result = run_cli("validate", str(path), f"adapter.init_from={adapter}", f"model.path={model}")
+        assert result.exit_code == 0, result.stderr
+        expected = (f"posttune: warning: adapter.init_from: {adapter} was trained on {bases['llama']}, not on "
+                    f"model.path {model}: its update is added to other weights (to a model it was merged into, a "
+                    "second time)\n")
+        assert result.stderr == (expected if warned else ""), result.stderr

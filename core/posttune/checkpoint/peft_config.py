@@ -136,6 +136,28 @@ def warn_of_other_base(command: str, adapter_dir: str | Path, model: str, conseq
               file=sys.stderr)
 
 
+def warn_of_init_from_base(config: Any) -> None:
+    """``adapter.init_from`` trained on another local base than ``model.path`` (unless it holds the same weights, a
+    moved copy): one warning line. On a model the adapter was merged into, its update counts twice; on another,
+    it computes something it never learned. PEFT allows both, as `posttune merge` and `generate` do with a warning."""
+    import sys
+
+    from posttune.training.resume_identity import weights_fingerprint
+
+    adapter, model = config.adapter, config.model.path
+    if adapter is None or adapter.init_from is None or model is None:
+        return
+    trained_on = other_base(adapter.init_from, model)
+    if trained_on is None:
+        return
+    theirs = weights_fingerprint(Path(trained_on).expanduser())
+    if theirs is not None and theirs == weights_fingerprint(Path(model).expanduser()):
+        return
+    print(f"posttune: warning: adapter.init_from: {adapter.init_from} was trained on {trained_on}, not on model.path "
+          f"{model}: its update is added to other weights (to a model it was merged into, a second time)",
+          file=sys.stderr)
+
+
 def tokenizer_source(base: str, adapter_dir: str | Path | None = None) -> str:
     """Where a command given ``--adapter`` reads the tokenizer: the adapter's folder when a run saved one
     there (with the run's chat template, which may not be the base's), else the base model's."""

@@ -172,13 +172,15 @@ def resolve_run(source: Any, overrides: list[str], *, world_size: int | None = 1
     from posttune.config import load_config, validate
     from posttune.plan import resolve_plan
 
-    from posttune.checkpoint.peft_config import check_init_from
+    from posttune.checkpoint.peft_config import check_init_from, warn_of_init_from_base
     from posttune.config.data_checks import check_data
 
     config = validate(load_config(source, overrides))
     plan = resolve_plan(config, get_registry(), world_size=world_size)
     check_data(plan, runs=runs)  # a missing data file, or a format that cannot read it: refused before any weight loads
     check_init_from(config.adapter)  # an adapter to start from that cannot be loaded: likewise
+    if os.environ.get("RANK", "0") == "0":
+        warn_of_init_from_base(config)  # one on another base: allowed, said
     if config.adapter is not None and config.adapter.targets:  # a listed target that matches no linear layer
         from posttune.training.compose import check_adapter_targets  # (torch: the model is built on meta)
 

@@ -244,7 +244,7 @@ def build_roles(session: Session) -> None:
             session.models[name] = AdaptersOff(session.model)
             if session.config.adapter.init_from is not None and distributed.is_main():
                 print(f"posttune: warning: adapter.init_from: the {name} model is the policy with its adapters off, "
-                      "the base model before that adapter's training (as TRL's reference of a PEFT model); to stay "
+                      "model.path's weights without the adapter (as TRL's reference of a PEFT model); to stay "
                       "near the adapter's model, merge it (posttune merge) and train a fresh adapter on that, or set "
                       f"models.{name}.path", file=sys.stderr)
             continue
