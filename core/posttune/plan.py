@@ -208,7 +208,10 @@ def _hf_config(model: ModelConfig, section: str) -> dict[str, Any]:
     if not local.is_dir() and not is_hub_id(str(model.path)):
         raise ConfigError(f"{section}.path", no_directory(model.path))
     if local.is_dir() and not (local / "config.json").is_file():
-        raise ConfigError(f"{section}.path", f"{model.path}: not a Hugging Face checkpoint (no config.json)")
+        from posttune.checkpoint.peft_config import what_folder
+
+        raise ConfigError(f"{section}.path", f"{model.path}: not a Hugging Face checkpoint (no config.json)"
+                                             f"{what_folder(local)}")
     return read_hf_config(model.path)
 
 

@@ -224,3 +224,21 @@ def test_an_adapter_started_on_another_base_is_said_once(runs, bases, tmp_path):
                     f"model.path {model}: its update is added to other weights (to a model it was merged into, a "
                     "second time)\n")
         assert result.stderr == (expected if warned else ""), result.stderr
+
+
+@pytest.mark.parametrize(("name", "given", "words"), [
+    ("full", "", "; it is a run's output folder: its model is {out}/model"),
+    ("lora", "", "; it holds an adapter; it is in {out}/adapter: its base model goes here, the adapter in "
+                 "adapter.init_from"),
+    ("lora", "adapter", "; it is a PEFT adapter (adapter_config.json): its base model goes here, the adapter in "
+                        "adapter.init_from"),
+])
+def test_a_run_folder_or_an_adapter_given_as_the_model_says_what_it_is(runs, tmp_path, name, given, words):
+    """`generate` and `merge` named these slips; `train` and `validate` said only "no config.json"."""
+    out = runs[name]["checkpoint"]["output_dir"]
+    config = json.loads(json.dumps(runs["full"]))
+    config["checkpoint"]["output_dir"] = str(tmp_path / "new")
+    given_path = f"{out}/{given}" if given else out
+    result = run_cli("validate", str(write(tmp_path, config)), f"model.path={given_path}")
+    assert refused(result) == (f"posttune: error: config: model.path: {given_path}: not a Hugging Face checkpoint "
+                               f"(no config.json)" + words.format(out=out))

@@ -33,6 +33,19 @@ def inside(folder: str | Path, file: str) -> str:
     return ""
 
 
+def what_folder(folder: str | Path) -> str:
+    """``"; it is ..."``: what a folder given as a model but without config.json is, when it is one of the usual
+    slips (a PEFT adapter, a run's output folder, a LoRA run's folder or checkpoint): "" otherwise."""
+    path = Path(folder).expanduser()
+    if (path / ADAPTER_CONFIG).is_file():
+        return f"; it is a PEFT adapter ({ADAPTER_CONFIG}): its base model goes here, the adapter in adapter.init_from"
+    if (path / "model" / "config.json").is_file():
+        return f"; it is a run's output folder: its model is {Path(folder) / 'model'}"
+    if hint := inside(folder, ADAPTER_CONFIG):
+        return f"; it holds an adapter{hint}: its base model goes here, the adapter in adapter.init_from"
+    return ""
+
+
 def read_config(directory: Path) -> dict[str, Any]:
     """``adapter_config.json`` of a folder posttune can load (LoRA/DoRA, safetensors weights present)."""
     path = directory / ADAPTER_CONFIG
