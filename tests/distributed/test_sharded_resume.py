@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import metrics, train, write_config
+from conftest import env, metrics, train, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -68,8 +68,6 @@ def test_a_sharded_checkpoint_missing_a_rank_s_shard_is_named_not_a_traceback(ru
     import shutil
     import subprocess
     import sys
-
-    from conftest import env
 
     straight = runs("fsdp2_saving", nproc=2, batch_size=4, parallel={"plans": ["fsdp2"]},
                     checkpoint={"save_every": 2})

@@ -42,7 +42,8 @@ def options(parser):
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 found |= options(sub)
-        found |= {o for o in action.option_strings if o.startswith("--") and o != "--help"}
+        if action.help != argparse.SUPPRESS:  # an old spelling kept working, not shown (plot's --out)
+            found |= {o for o in action.option_strings if o.startswith("--") and o != "--help"}
     return {o for o in found if "_" not in o or o.replace("_", "-") not in found}  # --nproc_per_node: an alias
 
 parser = build_parser()

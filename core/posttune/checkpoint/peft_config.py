@@ -155,7 +155,7 @@ def warn_of_init_from_base(config: Any) -> None:
     it computes something it never learned. PEFT allows both, as `posttune merge` and `generate` do with a warning."""
     import sys
 
-    from posttune.training.resume_identity import weights_fingerprint
+    from posttune.checkpoint.source import weights_fingerprint
 
     adapter, model = config.adapter, config.model.path
     if adapter is None or adapter.init_from is None or model is None:

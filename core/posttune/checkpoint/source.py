@@ -142,3 +142,33 @@ def quant_method(hf_config: Mapping[str, Any], where: str) -> str | None:
     if not isinstance(method, str) or not method:
         raise PosttuneError(f"{where}: config.json quantization_config names no quant_method")
     return method
+
+
+#: bytes read from each safetensors file for its fingerprint: this many evenly spaced pieces of this size
+PIECES, PIECE = 64, 16 * 1024
+
+
+def weights_fingerprint(folder: Path) -> str | None:
+    """A cheap fingerprint of a local checkpoint's weights, to tell a moved copy (accepted on resume) from other
+    weights (a fine-tuned or merged model of the same shapes, refused): every safetensors file's header and
+    ``PIECES`` evenly spaced pieces of its data (the whole of a small file), about 1 MiB a file at most. None
+    for a hub id or a folder without safetensors files (nothing to compare)."""
+    import hashlib
+
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as handle:
+            size = file.stat().st_size
+            if size <= PIECES * PIECE:
+                digest.update(handle.read())
+                continue
+            header = int.from_bytes(handle.read(8), "little")
+            digest.update(handle.read(min(header, size - 8)))
+            start, span = 8 + header, max(0, size - 8 - header - PIECE)
+            for index in range(PIECES):
+                handle.seek(start + span * index // max(1, PIECES - 1))
+                digest.update(handle.read(PIECE))
+    return digest.hexdigest()[:16]

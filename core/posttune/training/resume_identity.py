@@ -62,7 +62,7 @@ def _targets(targets: str | list[str]) -> str | list[str]:
 
 
 def _model(model: Any, family: Any, *, weights: bool = True) -> dict[str, Any]:
-    from posttune.checkpoint.source import read_hf_config
+    from posttune.checkpoint.source import read_hf_config, weights_fingerprint
     from posttune.plan import build_kwargs
 
     hf_config = read_hf_config(model.path) if model.path is not None else None
@@ -70,36 +70,6 @@ def _model(model: Any, family: Any, *, weights: bool = True) -> dict[str, Any]:
              "build": build_kwargs(model, family, hf_config)}
     fingerprint = weights_fingerprint(Path(model.path).expanduser()) if weights and model.path is not None else None
     return {**found, "weights": fingerprint} if fingerprint is not None else found
-
-
-#: bytes read from each safetensors file for its fingerprint: this many evenly spaced pieces of this size
-PIECES, PIECE = 64, 16 * 1024
-
-
-def weights_fingerprint(folder: Path) -> str | None:
-    """A cheap fingerprint of a local checkpoint's weights, to tell a moved copy (accepted on resume) from other
-    weights (a fine-tuned or merged model of the same shapes, refused): every safetensors file's header and
-    ``PIECES`` evenly spaced pieces of its data (the whole of a small file), about 1 MiB a file at most. None
-    for a hub id or a folder without safetensors files (nothing to compare)."""
-    import hashlib
-
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for file in files:
-        with file.open("rb") as handle:
-            size = file.stat().st_size
-            if size <= PIECES * PIECE:
-                digest.update(handle.read())
-                continue
-            header = int.from_bytes(handle.read(8), "little")
-            digest.update(handle.read(min(header, size - 8)))
-            start, span = 8 + header, max(0, size - 8 - header - PIECE)
-            for index in range(PIECES):
-                handle.seek(start + span * index // max(1, PIECES - 1))
-                digest.update(handle.read(PIECE))
-    return digest.hexdigest()[:16]
 
 
 def saved(checkpoint: Path) -> Mapping[str, Any] | None:

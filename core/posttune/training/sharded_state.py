@@ -78,10 +78,16 @@ def check_shared(out: Path) -> None:
         return
     main, name = dist.get_rank() == 0, [None]
     if main:
-        handle, probe = tempfile.mkstemp(prefix=".posttune-probe-", dir=out)  # a leftover start checks allow
-        os.close(handle)
-        name = [Path(probe).name]
+        try:  # a run has claimed the folder by now; a script composing a session itself may not have
+            out.mkdir(parents=True, exist_ok=True)
+            handle, probe = tempfile.mkstemp(prefix=".posttune-probe-", dir=out)  # a leftover start checks allow
+            os.close(handle)
+            name = [Path(probe).name]
+        except OSError:  # not writable: the first write there says so, naming the path
+            pass
     dist.broadcast_object_list(name, src=0)
+    if name[0] is None:
+        return
     seen: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(seen, ((out / name[0]).is_file(), socket.gethostname()))
     if main:
