@@ -89,7 +89,7 @@ def check_shared(out: Path) -> None:
     if name[0] is None:
         return
     seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, ((out / name[0]).is_file(), socket.gethostname()))
+    dist.all_gather_object(seen, (_sees(out / name[0]), socket.gethostname()))
     if main:
         (out / name[0]).unlink(missing_ok=True)
     blind = [f"rank {rank} ({host})" for rank, (found, host) in enumerate(seen) if not found]
@@ -98,6 +98,18 @@ def check_shared(out: Path) -> None:
                             f"cannot see what rank 0 ({seen[0][1]}) writes there; every rank writes its shards of "
                             "each checkpoint into it, so put it on a filesystem every node mounts (NFS, Lustre, ...) "
                             "at the same path")
+
+
+def _sees(path: Path) -> bool:
+    """Whether ``path`` is there, looked for a few times over ~4 s: a network filesystem may show another node's
+    new file a moment late."""
+    import time
+
+    for wait in (0.0, 0.25, 0.5, 1.0, 2.0):
+        time.sleep(wait)
+        if path.is_file():
+            return True
+    return False
 
 
 def missing_shards(path: Path) -> str | None:
