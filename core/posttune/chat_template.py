@@ -238,25 +238,62 @@ def assistant_spans(render_prefix: Callable[[list[dict[str, Any]], bool], str | 
     template writes after the content (``<|eot_id|>``, ``<|im_end|>``, ``<end_of_turn>``) is trained
     on, which is how the model learns to stop, while the newline before the next header is not.
 
-    Some templates render a turn differently once more turns follow (Qwen3 drops reasoning of
-    earlier turns, given as ``reasoning_content`` or inline in ``<think>``); then the turn ends after its content
-    (its answer, for inline reasoning), found in the text, plus the one token of
+    Some templates render a turn differently once more turns follow (Qwen3 drops earlier turns' reasoning, given
+    as ``reasoning_content`` or inline in ``<think>``, and gives only the last turn an empty think block). Where a
+    prefix so disagrees with the whole chat, the turn is found by the template's own markers, learnt from this
+    chat: it starts after the next generation prompt (``<|im_start|>assistant\n``) and ends with the first
+    end-of-turn token after its content (tool calls included), as the template's ``{% generation %}`` blocks
+    would mark it; without markers, after its content (its answer, for inline reasoning) and the one token of
     ``end_tokens`` (the tokenizer's added tokens) that follows it. ``render_prefix(messages,
     add_generation_prompt)`` returns None when a template cannot render a prefix (e.g. an empty one).
     """
     spans: list[Span] = []
-    cursor = 0
+    cursor, markers = 0, None
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = max(cursor, _agreement(text, render_prefix(messages[:index], True)))
-        end = len(text[:_agreement(text, render_prefix(messages[:index + 1], False))].rstrip())
+        prompt = render_prefix(messages[:index], True)
+        start = _agreement(text, prompt)
+        if prompt is not None and start < len(prompt):  # an earlier turn renders otherwise once this one follows
+            markers = markers or _turn_markers(render_prefix, messages, index, end_tokens)
+            found = text.find(markers[0], cursor) if markers[0] else -1
+            start = found + len(markers[0]) if found >= 0 else start
+        start = max(cursor, start)
+        whole = render_prefix(messages[:index + 1], False)
+        agreed = _agreement(text, whole)
+        end = len(text[:agreed].rstrip())
         content_end = _content_end(text, message.get("content"), start)
+        if whole is not None and agreed < len(whole.rstrip()):  # this turn renders otherwise once more follow
+            markers = markers or _turn_markers(render_prefix, messages, index, end_tokens)
+            header, closing = markers
+            found = text.find(closing, max(start, content_end)) if closing else -1
+            following = text.find(header, start) if header else -1
+            if found >= 0 and (following < 0 or found < following):
+                end = found + len(closing)
         if end < content_end:
             end = _after_end_token(text, content_end, end_tokens)
         spans.append((start, max(start, end)))
         cursor = max(start, end)
     return spans
+
+
+#: an assistant turn's text that no template changes, for learning its markers (`_turn_markers`)
+_PROBE = "posttune probe 7f3a"
+
+
+def _turn_markers(render_prefix: Callable[[list[dict[str, Any]], bool], str | None], messages: list[dict[str, Any]],
+                  index: int, end_tokens: Sequence[str]) -> tuple[str, str]:
+    """(the generation prompt, the end-of-turn token): what this template writes before and after an assistant
+    turn, from the conversation before turn ``index`` rendered with and without the prompt, and with a probe
+    turn after it; "" for what cannot be learnt (the turn is then found as the docstring above says)."""
+    before, prompted = render_prefix(messages[:index], False), render_prefix(messages[:index], True)
+    header = prompted[len(before):] if before is not None and prompted and prompted.startswith(before) else ""
+    probe = render_prefix([*messages[:index], {"role": "assistant", "content": _PROBE}], False) or ""
+    if _PROBE not in probe:
+        return header, ""
+    content_end = probe.index(_PROBE) + len(_PROBE)
+    token_start = len(probe) - len(probe[content_end:].lstrip())
+    return header, probe[token_start:_after_end_token(probe, content_end, end_tokens)]
 
 
 def _agreement(text: str, prefix: str | None) -> int:

@@ -312,6 +312,63 @@ def test_mask_covers_tool_calls_of_an_assistant_turn_without_content(folders, tm
         '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><|im_end|>', "It is 1.<|im_end|>"]
 
 
+#: Qwen3's way with agent turns, cut down: reasoning shown only after the last user query (and an empty think block
+#: on the last turn), tool calls after the content, tool results as user turns. GEN marks each assistant turn's
+#: text and end token with {% generation %}, for transformers' assistant mask.
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}{{ '<|im_start|>assistant\\n' }}GEN_START"
+    "{%- set reasoning = m.reasoning_content | default('', true) -%}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}"
+    "{{ '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- if m.content %}{{ m.content }}{% endif -%}"
+    "{%- for call in m.tool_calls | default([], true) -%}"
+    "{{ '\\n<tool_call>\\n' + (call.function | tojson) + '\\n</tool_call>' }}{%- endfor -%}"
+    "{{ '<|im_end|>' }}GEN_END{{ '\\n' }}"
+    "{%- elif m.role == 'tool' -%}{{ '<|im_start|>user\\n<tool_response>\\n' + m.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}")
+
+
+def _call(city: str) -> dict:
+    return {"type": "function", "function": {"name": "weather", "arguments": {"city": city}}}
+
+
+@pytest.mark.parametrize("chat", [
+    [{"role": "user", "content": "Paris?"}, {"role": "assistant", "content": None, "tool_calls": [_call("Paris")]},
+     {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}],
+    [{"role": "user", "content": "Paris?"},
+     {"role": "assistant", "content": "Let me check.", "tool_calls": [_call("Paris"), _call("Lyon")]},
+     {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "rain"},
+     {"role": "assistant", "content": "Sun, then rain."}],
+    [{"role": "user", "content": "Paris?"},
+     {"role": "assistant", "content": None, "reasoning_content": "use tool", "tool_calls": [_call("Paris")]},
+     {"role": "tool", "content": "sunny"}, {"role": "assistant", "reasoning_content": "reply", "content": "Sunny."},
+     {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "Bye."}],
+], ids=["call-without-content", "content-and-parallel-calls", "reasoning-dropped-before-the-last-query"])
+def test_agent_turns_of_a_template_that_rewrites_earlier_turns_are_masked_as_its_generation_blocks(
+        folders, tmp_path, chat):
+    """Qwen3-style templates render an assistant turn otherwise once more turns follow. Middle turns' tool calls
+    trained one character of their call (the rest and the end token untrained), and a turn after a dropped
+    reasoning trace took in the tool's result and the next header. The plain template now masks what transformers
+    masks on the same template with {% generation %} blocks."""
+    plain = copy_of(folders["chatml"], tmp_path)
+    edit_config(plain, chat_template=QWEN3_LIKE.replace("GEN_START", "").replace("GEN_END", ""))
+    marked = Path(shutil.copytree(folders["chatml"], tmp_path / "marked"))
+    edit_config(marked, chat_template=QWEN3_LIKE.replace("GEN_START", "{% generation %}")
+                .replace("GEN_END", "{% endgeneration %}"))
+    ours = load_tokenizer(plain)
+    expected = AutoTokenizer.from_pretrained(marked).apply_chat_template(
+        chat, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = ours.tokenize_messages(chat)
+    assert ids == expected["input_ids"]
+    assert [int(m) for m in mask] == expected["assistant_masks"], trained_pieces(ours, ids, mask)
+
+
 def test_assistant_text_repeated_from_the_prompt_is_masked_only_in_the_answer(folders):
     ours = load_tokenizer(folders["chatml"])
     chat = [{"role": "user", "content": "assistant OK"}, {"role": "assistant", "content": "OK"}]
