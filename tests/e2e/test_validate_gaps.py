@@ -135,12 +135,16 @@ def starting_from(tmp_path, folder) -> dict:
     (lambda tmp: starting_from(tmp, saved_adapter(tmp, rank=8)), "adapter.init_from",
      "rank 8 (saved) vs 4 (adapter.rank)"),
     (documents_parquet, "data.train.format", "'text' cannot read the first row of"),  # validate read no Parquet
+    (lambda tmp: train_file(tmp, b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content":'
+                                 b' null, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '
+                                 b'"{oops"}}]}]}\n'), "data.train.format",
+     "is a string but not JSON (expected an object)); fix the row, or choose the format that matches the data"),
     (lambda tmp: documents_parquet(tmp, rows=[]), "data.train.path", "documents.parquet: the file has no rows"),
 ], ids=["scheduler", "low-bit-optimizer", "missing-path", "missing-train-file", "missing-validation-file",
         "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "csv-format-vs-rows",
         "csv-unmapped-columns", "csv-missing-column", "csv-header-only", "empty-file", "invalid-json", "not-utf8",
         "not-an-object", "empty-file-skipping-bad-rows", "missing-column", "local-split-name", "init-from-missing",
-        "init-from-other-rank", "parquet-format-vs-rows", "parquet-no-rows"])
+        "init-from-other-rank", "parquet-format-vs-rows", "parquet-no-rows", "bad-value-in-first-row"])
 def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, tmp_path, make, field, words):
     result = validate(posttune_cli, tmp_path, make(tmp_path))
     lines = result.stderr.strip().splitlines()
