@@ -226,6 +226,8 @@ class Method:
       its rows from its own settings (GRPO's completions).
     - ``batch_text(config, method_config) -> str``: with ``batches``, what ``train.batch_size`` counts and what
       one rank's micro-batches hold, for the run's banner (GRPO: prompts, their completions).
+    - ``estimate(est, plan) -> Estimate``: the method's memory-estimate term, applied after the family's (a loss
+      that holds other than three fp32 ``[tokens, vocab]`` tensors at its peak: KD's two heads, chunked).
     - ``score_head``: the policy returns one value per token instead of logits (a reward model):
       a fresh head replaces a causal checkpoint's, and it saves as a sequence classifier.
     - ``close(session)``: releases what the method opened (engines, Ray actors, worker processes,
@@ -252,6 +254,7 @@ class Method:
     close: Callable[[Session], None] | None = None  # releases what the method opened; see above
     batch_text: Callable[[RunConfig, Any], str] | None = None  # the banner's account of its own batches
     score_head: bool = False  # the policy is a reward model: see above
+    estimate: Callable[[Estimate, Any], Estimate] | None = None  # its memory-estimate term: see above
 
     @property
     def dataset_kinds(self) -> tuple[DatasetKind, ...]:

@@ -306,13 +306,13 @@ def _preloaded_by_train() -> str | None:
 
 
 def with_terms(est: Estimate, plan: Any) -> Estimate:
-    """``est`` with each descriptor's ``estimate`` term applied: the policy's family, the memory
+    """``est`` with each descriptor's ``estimate`` term applied: the policy's family, the method, the memory
     techniques by stage and order (as the run applies them), then the parallel plans by order."""
     techniques = sorted(plan.memory, key=lambda item: (STAGES.index(item.descriptor.stage), item.descriptor.order))
-    for item in [plan.family, *techniques, *sorted(plan.parallel, key=lambda item: item.descriptor.order)]:
+    for item in [plan.family, plan.method, *techniques, *sorted(plan.parallel, key=lambda item: item.descriptor.order)]:
         term = item.descriptor.estimate
         if term is None:
-            if item is not plan.family:  # a family without a term is what the formulas describe
+            if item not in (plan.family, plan.method):  # a family or method without one: what the formulas describe
                 est = replace(est, unmodelled=(*est.unmodelled, item.descriptor.name))
             continue
         where = f"'{item.descriptor.name}' ({item.provenance})"

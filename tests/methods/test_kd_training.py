@@ -334,3 +334,21 @@ def test_a_teacher_with_another_tokenizer_of_the_same_size_is_refused(llama_kd, 
         f"posttune: error: config: models.teacher.path: the teacher's tokenizer is not the policy's: token id 100 is "
         f"{second!r} in {folder} and {first!r} in {TOKENIZER}; it reads the policy's token ids, so give it a model "
         "trained with the policy's tokenizer")
+
+
+@pytest.mark.parametrize("chunk_size", [8, 64, None])
+def test_plan_estimates_the_loss_kd_holds_both_heads_chunked_or_not(llama_kd, tmp_path, teacher, chunk_size):
+    """posttune plan gave kd the generic term (three fp32 [tokens, vocab] tensors of one head) whatever chunk_size:
+    far too much for a chunked loss, too little for null (both heads' full logits). Its own term (kd.md's
+    measured tensor counts) applies to min(chunk_size, tokens) rows."""
+    from posttune.config import validate
+    from posttune.estimate import estimate
+    from posttune.plan import resolve_plan
+    from posttune.plugins import get_registry
+
+    est = estimate(resolve_plan(validate(kd_config(tmp_path, teacher, method={"chunk_size": chunk_size})),
+                                get_registry()))
+    rows, tensors = (est.tokens, posttune_kd.FULL_TENSORS) if chunk_size is None else (
+        min(chunk_size, est.tokens), posttune_kd.CHUNK_TENSORS)
+    assert est.tokens > 8 and est.logits == tensors * 4 * rows * est.shape.vocab
+    assert "kd" not in est.unmodelled

@@ -113,6 +113,24 @@ def micro_batch_tokens(config: Any, method: KDConfig) -> tuple[int, str]:
         "prompt and the student's completion, every row full: the worst case")
 
 
+#: fp32 ``[tokens, vocab]`` tensors the loss holds at its peak, as docs/kd.md measured it (vocabulary 128,256, 2048
+#: trained tokens): full logits of both heads, their log-probabilities and the student's gradient (6,796 MiB: 6.8);
+#: chunked, the same for one chunk at a time (chunks of 256, 512, 1024: 3.3, 3.6, 3.8)
+FULL_TENSORS, CHUNK_TENSORS = 7, 4
+
+
+def estimate(est: Any, plan: Any) -> Any:
+    """`posttune plan`'s logits/loss term: both heads' logits over a chunk of trained tokens (``chunk_size``), or
+    over all of them (``null``), in place of the generic three tensors of one head."""
+    from dataclasses import replace
+
+    if est.shape is None:
+        return est
+    chunk = plan.method_config.chunk_size
+    rows, tensors = (est.tokens, FULL_TENSORS) if chunk is None else (min(chunk, est.tokens), CHUNK_TENSORS)
+    return replace(est, logits=tensors * 4 * rows * est.shape.vocab)
+
+
 def check_vocabularies(config: RunConfig, method: KDConfig) -> None:
     """Teacher and student must share their vocabulary (the teacher's extra rows may be padding to drop).
 
@@ -165,6 +183,7 @@ def posttune_register_methods(register):
         close=_method("close"),
         validate=validate,
         micro_batch_tokens=micro_batch_tokens,
+        estimate=estimate,
         description="knowledge distillation: forward/reverse KL or JSD to a teacher role, chunked; on-policy (GKD)",
     ))
 
