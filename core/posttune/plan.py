@@ -338,8 +338,9 @@ def _check_vocabularies(plan: Plan) -> None:
         size = _vocab_size(role.config, role.family) if policy is not None else None
         if size is not None and size < policy:
             raise ConfigError(role.section, f"the {name}'s vocabulary has {size} tokens and the policy's {policy}: it "
-                                            f"reads the policy's token ids (up to {policy - 1}); give it a model "
-                                            "with the policy's tokenizer")
+                                            f"reads the policy's token ids (up to {policy - 1}: those of the data "
+                                            f"and those the policy samples); give both models one vocabulary "
+                                            f"size (a policy padded past its tokenizer can be built with {size})")
 
 
 def _vocab_size(model: ModelConfig, family: Registered) -> int | None:

@@ -106,7 +106,8 @@ def test_the_runs_plans_and_techniques_act_only_on_roles_that_take_them(registry
     ({"model": {**TINY, "build_overrides": {"vocab_size": 32}},
       "models": {"critic": {**TINY, "build_overrides": {"vocab_size": 16}}}},
      "config: models.critic: the critic's vocabulary has 16 tokens and the policy's 32: it reads the policy's token "
-     "ids (up to 31); give it a model with the policy's tokenizer"),
+     "ids (up to 31: those of the data and those the policy samples); give both models one vocabulary size (a "
+     "policy padded past its tokenizer can be built with 16)"),
     ({"models": {"critic": TINY, "critc": TINY}},
      "config: models.critc: method 'roles' uses no critc model with these settings (did you mean 'critic'?)"),
     ({"models": {"critic": {"family": "nope", "size": "tiny"}}},
