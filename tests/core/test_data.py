@@ -266,6 +266,25 @@ def test_skip_bad_rows_skips_and_counts_them(streaming, tmp_path, tokenizer, for
     assert loader.skipped.total == 2
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_line_that_is_no_json_skipped_is_named_and_leaves_no_cache_behind(streaming, tmp_path, tokenizer,
+                                                                            formats, monkeypatch):
+    """A line dropped before `datasets` reads the file (not JSON, not UTF-8) is the first skipped one the summary
+    names; the cleaned copy's Arrow cache stays with the copy, not in datasets' cache (a new entry each run)."""
+    cache = tmp_path / "hf_cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    path = write(tmp_path / "alpaca.jsonl", ALPACA[:4])
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2][:20]  # cut short: invalid JSON
+    path.write_text("\n".join(lines) + "\n")
+    loader = loader_for(path, tokenizer, formats, shuffle=False, streaming=streaming, skip_bad_rows=True,
+                        batch_size=8)
+    (batch,) = all_batches(loader)
+    assert len(unpadded(batch)) == 3 and loader.skipped.bad_rows == 1
+    assert loader.skipped.first_bad.startswith(f"data.train: {path}: line 3: invalid JSON: ")
+    assert not any(cache.rglob("*.arrow")), sorted(cache.rglob("*"))
+
+
 def test_truncation_and_samples_left_with_nothing_to_train_on(tmp_path, tokenizer, formats):
     long_prompt = {"instruction": "Hello, world! " * 20, "input": "", "output": "Paris."}
     path = write(tmp_path / "alpaca.jsonl", [ALPACA[0], long_prompt, ALPACA[1]])

@@ -113,7 +113,7 @@ def test_undecodable_text_lines_are_named(tmp_path):
     skipped = SkipCounts()
     assert list(load_rows(DatasetConfig(str(file), format="text"), skip_bad_rows=True, skipped=skipped)) == [
         {"text": "hello"}]
-    assert skipped.bad_rows == 1
+    assert (skipped.bad_rows, skipped.first_bad) == (1, f"data.train: {file}: line 2: not UTF-8 text")
 
 
 # ---- configs -----------------------------------------------------------------------------------

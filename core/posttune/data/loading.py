@@ -15,7 +15,7 @@ from typing import Any
 from posttune import hub
 from posttune.config.data_checks import local_files, local_path, local_split, saved_by_datasets
 from posttune.config.schema import DatasetConfig
-from posttune.data.local_files import check_files, explain_failure
+from posttune.data.local_files import check_files, cleaned, explain_failure, scratch_cache
 from posttune.errors import ConfigError, first_line
 
 
@@ -31,17 +31,23 @@ def load_rows(config: DatasetConfig, *, where: str = "data.train", skip_bad_rows
         return _from_disk(config, path, where)
     if path is not None:
         builder, files = local_files(path, where)
-        files, dropped = check_files(files, builder, where, skip_bad_rows=skip_bad_rows)
+        files, dropped, first = check_files(files, builder, where, skip_bad_rows=skip_bad_rows)
         if dropped and skipped is not None:
             skipped.bad_rows += dropped
+            skipped.first_bad = skipped.first_bad or f"{where}: {first}"
         split = local_split(config.split, where)
         def explain() -> str | None:
             return explain_failure(files, builder)
 
         rows = _load(where, str(path), builder, data_files=files, split=split, streaming=config.streaming,
-                     explain=explain, **(_as_text(files) if builder == "csv" else {}))
+                     explain=explain, **(_as_text(files) if builder == "csv" else {}),
+                     **({"cache_dir": scratch_cache()} if cleaned(files) else {}))
         if config.streaming:  # a bad line is met mid-run: `guarded` names its file and line through this
             rows.posttune_explain = explain
+            if builder == "json":  # and datasets' own line then ("Invalid encoding ... in row 175") misleads
+                import logging
+
+                logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
         return rows
     if not hub.offline_requested(datasets=True) and not hub.reachable():  # else retries for half a minute
         raise hub.unreachable(config.path, f"config: {where}.path", local="a local file or folder", cache_tried=False)

@@ -28,9 +28,11 @@ CHUNK = 1 << 24  # bytes read at a time when checking that a file is UTF-8
 _cleaned_dir: Path | None = None
 
 
-def check_files(files: list[str], builder: str, where: str, *, skip_bad_rows: bool) -> tuple[list[str], int]:
-    """The files to hand to `datasets` (cleaned copies where rows were dropped) and how many rows were dropped."""
-    kept, dropped = [], 0
+def check_files(files: list[str], builder: str, where: str, *,
+                skip_bad_rows: bool) -> tuple[list[str], int, str]:
+    """The files to hand to `datasets` (cleaned copies where rows were dropped), how many rows were dropped, and the
+    first of them with why ("" when none)."""
+    kept, dropped, first = [], 0, ""
     for name in files:
         path = Path(name)
         if builder == "parquet":  # binary, checked by its own reader
@@ -41,14 +43,14 @@ def check_files(files: list[str], builder: str, where: str, *, skip_bad_rows: bo
             raise ConfigError(f"{where}.path", f"{path}: the file is empty (no rows)")
         lines = builder == "text" or (builder == "json" and _json_layout(path, where, skip_bad_rows) == "lines")
         if skip_bad_rows and lines and (bad_line is not None or builder == "json"):
-            name, count = _clean_copy(path, builder)
-            dropped += count
+            name, count, problem = _clean_copy(path, builder)
+            dropped, first = dropped + count, first or problem
         elif bad_line is not None:
             hint = " (or set data.skip_bad_rows: true to skip such rows)" if lines else ""
             raise ConfigError(f"{where}.path", f"{path}: line {bad_line}: not UTF-8 text; save the file as "
                                                f"UTF-8{hint}")
         kept.append(name)
-    return kept, dropped
+    return kept, dropped, first
 
 
 def explain_failure(files: list[str], builder: str) -> str | None:
@@ -171,27 +173,39 @@ def _json_problem(path: Path) -> str | None:
     return None if fields else f"{path}: holds no rows with any field (only empty objects)"
 
 
-def _clean_copy(path: Path, builder: str) -> tuple[str, int]:
-    """A copy of a line-based file without its unreadable lines (undecodable; for JSON, not an object)."""
-    kept, dropped = [], 0
+def _clean_copy(path: Path, builder: str) -> tuple[str, int, str]:
+    """A copy of a line-based file without its unreadable lines (undecodable; for JSON, not an object), how many
+    were dropped and the first of them with why, as the error without ``skip_bad_rows`` would name it."""
+    kept, dropped, first = [], 0, ""
     with path.open("rb") as handle:
-        for raw in handle:
+        for number, raw in enumerate(handle, 1):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
-                dropped += 1
+                problem = "not UTF-8 text"
+            else:
+                problem = line_problem(text) if builder == "json" else None
+            if problem is None:
+                kept.append(raw)
                 continue
-            if builder == "json" and line_problem(text) is not None:
-                dropped += 1
-                continue
-            kept.append(raw)
+            dropped, first = dropped + 1, first or f"{path}: line {number}: {problem}"
     if not dropped:
-        return str(path), 0
+        return str(path), 0, ""
     if not any(line.strip() for line in kept):
         raise PosttuneError(f"{path}: no readable rows ({dropped} skipped as undecodable or invalid)")
     copy = _scratch() / f"{len(list(_scratch().iterdir()))}-{path.name}"
     copy.write_bytes(b"".join(kept))
-    return str(copy), dropped
+    return str(copy), dropped, first
+
+
+def cleaned(files: list[str]) -> bool:
+    """Whether some of ``files`` are cleaned copies: `datasets` then caches its Arrow copy with them (`scratch`),
+    not in its own cache, where a copy of another name each run would add an entry never read again."""
+    return _cleaned_dir is not None and any(Path(name).parent == _cleaned_dir for name in files)
+
+
+def scratch_cache() -> str:
+    return str(_scratch() / "arrow-cache")
 
 
 def _scratch() -> Path:
