@@ -164,7 +164,7 @@ def test_a_base_tokenizer_trains_trls_standard_preference_rows_as_text(llama_sft
     assert refused.exit_code == 2 and refused.stderr.endswith(
         "(no 'prompt' field, and 'chosen' and 'rejected' are text, not conversations (TRL's standard rows, whose "
         "prompt is their shared opening text: use format preference_text); the row has 'chosen', 'rejected'); "
-        "choose the format that matches the data, or map its columns with column_map\n")
+        "fix the row, or choose the format that matches the data\n")
     (tmp_path / "explicit.jsonl").write_text(json.dumps({"prompt": "Reverse: AB", "chosen": "BA", "rejected": "AB"}))
     explicit = write_config("explicit.yaml", tokenizer={"path": str(folder)}, method={"name": "dpo"},
                             data={"train": {"path": str(tmp_path / "explicit.jsonl"), "format": "preference"}})

@@ -138,7 +138,8 @@ def starting_from(tmp_path, folder) -> dict:
     (lambda tmp: train_file(tmp, b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content":'
                                  b' null, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '
                                  b'"{oops"}}]}]}\n'), "data.train.format",
-     "is a string but not JSON (expected an object)); fix the row, or choose the format that matches the data"),
+     "is a string but not JSON (expected an object); the row has 'messages'); fix the row, or choose the format "
+     "that matches the data"),
     (lambda tmp: documents_parquet(tmp, rows=[]), "data.train.path", "documents.parquet: the file has no rows"),
 ], ids=["scheduler", "low-bit-optimizer", "missing-path", "missing-train-file", "missing-validation-file",
         "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "csv-format-vs-rows",

@@ -190,8 +190,8 @@ def test_kl_needs_a_reference_which_lora_gets_by_disabling_adapters(llama_grpo, 
     saved = save_peft_adapter(lora.model, tmp_path / "adapter")
     compose_run(vowel_config(tmp_path / "init", method={"beta": 0.04},
                              adapter={"rank": 4, "alpha": 8, "init_from": str(saved)}))
-    assert ("posttune: warning: adapter.init_from: the reference model is the policy with its adapters off, the "
-            "base model before that adapter's training") in capsys.readouterr().err
+    assert ("posttune: warning: adapter.init_from: the reference model is the policy with its adapters off, "
+            "model.path's weights without the adapter") in capsys.readouterr().err
     none = compose_run(vowel_config(tmp_path / "none"))
     assert none.models == {}
 

@@ -249,7 +249,7 @@ def test_on_policy_max_new_tokens_past_the_students_context_is_refused_and_a_lon
      "by token; if the teacher's extra rows are padding, set method.teacher_extra_vocab: drop"),
     ({"teacher": {"build_overrides": {"vocab_size": 300}}, "method": {"teacher_extra_vocab": "drop"}},
      "models.teacher: the teacher's vocabulary has 300 tokens and the policy's 384: it reads the policy's token "
-     "ids (up to 383)"),
+     "ids (up to 383: those of the data and those the policy samples)"),
     ({"method": {"kd_ratio": 1.5}}, "method.kd_ratio: expected a value in [0, 1], got 1.5"),
     ({"method": {"temperature": 0}}, "method.temperature: expected a positive number"),
     ({"method": {"divergence": "reverse_kl", "beta": 0.9}},

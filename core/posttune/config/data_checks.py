@@ -164,8 +164,9 @@ def check_first_rows(plan: Any) -> str | None:
                               "the data, or map its columns with column_map") from None
         except (ValueError, TypeError) as exc:  # the fields are there, a value is not what the format reads
             raise ConfigError(f"{where}.format",
-                              f"'{dataset.format}' cannot read the first row of {dataset.path} ({exc}); fix the row, "
-                              "or choose the format that matches the data") from None
+                              f"'{dataset.format}' cannot read the first row of {dataset.path} ({exc}; the row has "
+                              f"{', '.join(map(repr, row)) or 'no fields'}); fix the row, or choose the format that "
+                              "matches the data") from None
         if chats is None and _messages_in(item):
             chats = where
     return chats
