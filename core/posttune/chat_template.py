@@ -255,7 +255,7 @@ def assistant_spans(render_prefix: Callable[[list[dict[str, Any]], bool], str | 
         prompt = render_prefix(messages[:index], True)
         start = _agreement(text, prompt)
         if prompt is not None and start < len(prompt):  # an earlier turn renders otherwise once this one follows
-            markers = markers or _turn_markers(render_prefix, messages, index, end_tokens)
+            markers = markers or _turn_markers(render_prefix, messages, index, prompt, end_tokens)
             found = text.find(markers[0], cursor) if markers[0] else -1
             start = found + len(markers[0]) if found >= 0 else start
         start = max(cursor, start)
@@ -264,7 +264,7 @@ def assistant_spans(render_prefix: Callable[[list[dict[str, Any]], bool], str | 
         end = len(text[:agreed].rstrip())
         content_end = _content_end(text, message.get("content"), start)
         if whole is not None and agreed < len(whole.rstrip()):  # this turn renders otherwise once more follow
-            markers = markers or _turn_markers(render_prefix, messages, index, end_tokens)
+            markers = markers or _turn_markers(render_prefix, messages, index, prompt, end_tokens)
             header, closing = markers
             found = text.find(closing, max(start, content_end)) if closing else -1
             following = text.find(header, start) if header else -1
@@ -282,11 +282,12 @@ _PROBE = "posttune probe 7f3a"
 
 
 def _turn_markers(render_prefix: Callable[[list[dict[str, Any]], bool], str | None], messages: list[dict[str, Any]],
-                  index: int, end_tokens: Sequence[str]) -> tuple[str, str]:
+                  index: int, prompted: str | None, end_tokens: Sequence[str]) -> tuple[str, str]:
     """(the generation prompt, the end-of-turn token): what this template writes before and after an assistant
-    turn, from the conversation before turn ``index`` rendered with and without the prompt, and with a probe
-    turn after it; "" for what cannot be learnt (the turn is then found as the docstring above says)."""
-    before, prompted = render_prefix(messages[:index], False), render_prefix(messages[:index], True)
+    turn, from the conversation before turn ``index`` rendered without the prompt and with it (``prompted``, as
+    `assistant_spans` rendered it), and with a probe turn after it; "" for what cannot be learnt (the turn is then
+    found as the docstring above says)."""
+    before = render_prefix(messages[:index], False)
     header = prompted[len(before):] if before is not None and prompted and prompted.startswith(before) else ""
     probe = render_prefix([*messages[:index], {"role": "assistant", "content": _PROBE}], False) or ""
     if _PROBE not in probe:

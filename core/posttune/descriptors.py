@@ -227,7 +227,7 @@ class Method:
     - ``batch_text(config, method_config) -> str``: with ``batches``, what ``train.batch_size`` counts and what
       one rank's micro-batches hold, for the run's banner (GRPO: prompts, their completions).
     - ``estimate(est, plan) -> Estimate``: the method's memory-estimate term, applied after the family's (a loss
-      that holds other than three fp32 ``[tokens, vocab]`` tensors at its peak: KD's two heads, chunked).
+      that holds other than three fp32 ``[tokens, vocab]`` tensors at its peak: two models' logits, chunked).
     - ``score_head``: the policy returns one value per token instead of logits (a reward model):
       a fresh head replaces a causal checkpoint's, and it saves as a sequence classifier.
     - ``close(session)``: releases what the method opened (engines, Ray actors, worker processes,

@@ -154,19 +154,19 @@ def check_first_rows(plan: Any) -> str | None:
             row_tools(renamed)
         except ValueError as exc:
             raise ConfigError(where, f"the first row of {dataset.path}: {exc}") from None
+        fields = ", ".join(map(repr, row)) or "no fields"
         try:
             item = fmt.descriptor.transform(renamed)
         except KeyError as exc:  # a field the format reads is not there: another format, or columns named otherwise
             shown = f"missing field {exc.args[0]!r}" if exc.args else "a missing field"
             raise ConfigError(f"{where}.format",
                               f"'{dataset.format}' cannot read the first row of {dataset.path} ({shown}; the row "
-                              f"has {', '.join(map(repr, row)) or 'no fields'}); choose the format that matches "
-                              "the data, or map its columns with column_map") from None
+                              f"has {fields}); choose the format that matches the data, or map its columns with "
+                              "column_map") from None
         except (ValueError, TypeError) as exc:  # the fields are there, a value is not what the format reads
             raise ConfigError(f"{where}.format",
                               f"'{dataset.format}' cannot read the first row of {dataset.path} ({exc}; the row has "
-                              f"{', '.join(map(repr, row)) or 'no fields'}); fix the row, or choose the format that "
-                              "matches the data") from None
+                              f"{fields}); fix the row, or choose the format that matches the data") from None
         if chats is None and _messages_in(item):
             chats = where
     return chats

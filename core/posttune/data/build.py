@@ -34,8 +34,8 @@ def build_loader(session: Any, dataset: DatasetConfig, split: str, *, make: Any,
 
     ``make(row, index)`` returns ``(ids, labels)``, a list of them (a group), a list of groups (a row in
     pieces), or None (`made_groups`), and keeps ``make.skipped`` (``SampleMaker`` does all of that). Sharded by
-    the data-parallel coordinate: the TP/CP ranks of one group read the same batches. ``data.group_by_length``
-    applies here.
+    the data-parallel coordinate: the ranks that split one data-parallel replica's weights or sequence read the
+    same batches. ``data.group_by_length`` applies here.
     """
     from posttune.training.distributed import data_rank
 
