@@ -1,5 +1,5 @@
 """The ``completion`` format: TRL's prompt-completion rows, trained on the completion only. Text rows are encoded
-as TRL's SFT trainer encodes them (prompt + completion, then EOS; the prompt's own token count untrained), message
+as TRL's SFT trainer encodes them (prompt + completion, then EOS; the tokens shared with the prompt alone untrained), message
 rows rendered by the chat template as transformers renders them (the prompt with the generation prompt
 untrained); both compared with transformers' tokenizer on the same files."""
 
@@ -53,6 +53,20 @@ def test_message_rows_train_the_completions_turns_as_transformers_renders_them(f
     assert tokens == whole[start:start + len(tokens)] and theirs.decode(tokens) == "CBA<|im_end|>"
     as_chat = maker(folder, "chat")({"messages": prompt + completion}, 0)  # a chat row trains every assistant turn
     assert "Hello" in theirs.decode(trained(*as_chat))
+
+
+@pytest.mark.parametrize(("prompt", "completion", "expected"), [
+    ("Hello, ", "world!", " world!<|im_end|>"), ("Q ", "a", " a<|im_end|>"), ("Answer:", " Paris", " Paris<|im_end|>")])
+def test_a_token_merged_across_the_boundary_trains_with_the_completion_as_in_trl(folder, prompt, completion, expected):
+    """"Hello, " + "world!" encodes " world": counting the prompt's own tokens would leave it (and with a one-word
+    completion, every word) untrained. TRL 1.16 trains from where the two encodings part; so does posttune."""
+    trl_sft = pytest.importorskip("trl.trainer.sft_trainer")
+    theirs = AutoTokenizer.from_pretrained(folder)
+    ids, labels = maker(folder)({"prompt": prompt, "completion": completion}, 0)
+    whole = theirs(prompt + completion)["input_ids"] + [theirs.eos_token_id]
+    start = trl_sft.common_prefix_length(theirs(prompt)["input_ids"], whole)
+    assert ids == whole and trained(ids, labels) == whole[start:]
+    assert theirs.decode(trained(ids, labels)) == expected
 
 
 @pytest.mark.parametrize(("row", "problem"), [

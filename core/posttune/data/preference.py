@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttune.chat_messages import chat_message
-from posttune.data.samples import SampleMaker, shift_labels
+from posttune.data.samples import SampleMaker, shared_start, shift_labels
 
 Messages = list[dict[str, Any]]
 
@@ -87,16 +87,8 @@ class PairMaker(SampleMaker):
         for response in responses:
             ids = list(self.tokenizer.encode(prompt + response))
             whole.append(ids if eos is None or ids[-1:] == [eos] else [*ids, eos])
-        start = min(_shared_start(alone, ids) for ids in whole)
+        start = min(shared_start(alone, ids) for ids in whole)
         return [(ids, [index >= start for index in range(len(ids))]) for ids in whole], start
-
-
-def _shared_start(first: Sequence[Any], second: Sequence[Any]) -> int:
-    """How many leading items ``first`` and ``second`` share."""
-    shared = 0
-    while shared < min(len(first), len(second)) and first[shared] == second[shared]:
-        shared += 1
-    return shared
 
 
 def as_messages(value: Any, field: str, role: str) -> Messages:
@@ -127,7 +119,7 @@ def preference_pair(row: Mapping[str, Any]) -> PreferencePair:
     rejected = as_messages(row["rejected"], "rejected", "assistant")
     if row.get("prompt") is not None:
         return PreferencePair(as_messages(row["prompt"], "prompt", "user"), chosen, rejected)
-    shared = _shared_start(chosen, rejected)
+    shared = shared_start(chosen, rejected)
     if shared == 0:
         raise ValueError("no 'prompt' field, and 'chosen' and 'rejected' share no first message to use as the "
                          "prompt")
@@ -153,7 +145,7 @@ def text_pair(row: Mapping[str, Any]) -> PreferencePair:
     chosen, rejected = texts["chosen"], texts["rejected"]
     if texts["prompt"] is not None:
         return PreferencePair(texts["prompt"], chosen, rejected)
-    shared = _shared_start(chosen, rejected)
+    shared = shared_start(chosen, rejected)
     if shared == len(chosen) or shared == len(rejected):
         raise ValueError("no 'prompt' field, and 'chosen' and 'rejected' are the same text up to the end of one of "
                          "them: nothing is left to compare")

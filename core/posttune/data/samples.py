@@ -216,15 +216,18 @@ class SampleMaker:
         return list(ids), list(trained)
 
     def _prompt_completion(self, content: PromptCompletion) -> tuple[list[int], list[bool]]:
-        """The whole row tokenized and, unless ``train_on_input``, its first tokens untrained: those of the prompt
-        alone (text: encoded; messages: rendered with the generation prompt), as TRL counts them."""
+        """The whole row tokenized and, unless ``train_on_input``, its first tokens untrained: those it shares with
+        the prompt alone (text: encoded; messages: rendered with the generation prompt), as TRL counts them. Where
+        the two part before the prompt's end (a token merged across the boundary: "Answer: " + "Paris" encodes
+        " Paris"), the completion trains from there: counting the prompt's tokens would leave its first untrained."""
         if isinstance(content.prompt, str):
             ids, trained = self._tokenize(content.prompt + content.completion)  # text: every token, then EOS
-            prompt = len(self.tokenizer.encode(content.prompt))
+            alone = self.tokenizer.encode(content.prompt)
         else:
             ids, trained = self._tokenize([*content.prompt, *content.completion])
-            prompt = len(self.tokenizer.apply_chat_template(self.with_system(content.prompt), tools=self.tools,
-                                                            add_generation_prompt=True))
+            alone = self.tokenizer.apply_chat_template(self.with_system(content.prompt), tools=self.tools,
+                                                       add_generation_prompt=True)
+        prompt = shared_start(alone, ids)
         if not self.train_on_input:
             trained = [flag and i >= prompt for i, flag in enumerate(trained)]
         return ids, trained
@@ -262,6 +265,14 @@ class SampleMaker:
             for group in made_groups(self(row, index)):
                 yield [Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long), index)
                        for ids, labels in group]
+
+
+def shared_start(first: Sequence[Any], second: Sequence[Any]) -> int:
+    """How many leading items ``first`` and ``second`` share."""
+    shared = 0
+    while shared < min(len(first), len(second)) and first[shared] == second[shared]:
+        shared += 1
+    return shared
 
 
 def made_groups(made: Any) -> list[list[tuple[Sequence[int], Sequence[int]]]]:
