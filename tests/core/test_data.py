@@ -329,6 +329,14 @@ def test_split_long_samples_train_every_token_once_in_pieces(packing, tmp_path, 
     assert describe_data(loader).endswith("(2 rows skipped) (2 samples split into pieces of data.max_seq_len)")
 
 
+def test_a_streamed_dataset_refuses_long_samples_in_pieces(tmp_path, tokenizer, formats):
+    """A stream resumes at the row after the last one read: a checkpoint between a row's pieces would lose the
+    rest. SFT's validate refuses the config; the toolkit refuses a plugin's own loader alike."""
+    path = write(tmp_path / "text.jsonl", [{"text": "word " * 70}])
+    with pytest.raises(PosttuneError, match="data.train: a streamed dataset cannot keep long rows in pieces"):
+        loader_for(path, tokenizer, formats, fmt="text", streaming=True, split_long=True, max_seq_len=16)
+
+
 # -- batching --------------------------------------------------------------------------------------
 
 def test_padding_collate_pads_ids_with_the_pad_id_and_labels_with_ignore(tmp_path, tokenizer, formats):

@@ -63,6 +63,10 @@ def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[li
     common = dict(collate=collate, batch_size=batch_size, seed=seed, shuffle=shuffle, rank=rank,
                   world_size=world_size, skipped=make.skipped)
     if dataset.streaming:
+        if getattr(make, "split_long", False):  # a stream resumes at a row: a row's later pieces would be lost
+            raise PosttuneError(f"{where}: a streamed dataset cannot keep long rows in pieces (split_long): a "
+                                "checkpoint between a row's pieces would lose the rest; use a map-style dataset")
+
         def open_stream(start_row: int) -> Iterator[list[Sample]]:
             groups = streamed_groups(dataset, parts, start_row, seed, where)
             return pack((s for group in groups for s in group), max_seq_len) if packing else groups
