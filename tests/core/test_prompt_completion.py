@@ -1,7 +1,7 @@
 """The ``completion`` format: TRL's prompt-completion rows, trained on the completion only. Text rows are encoded
 as TRL's SFT trainer encodes them (prompt + completion, then EOS; the tokens shared with the prompt alone
-untrained), message rows rendered by the chat template as transformers renders them (the prompt with the generation prompt
-untrained); both compared with transformers' tokenizer on the same files."""
+untrained), message rows rendered by the chat template as transformers renders them (the prompt with the
+generation prompt untrained); both compared with transformers' tokenizer on the same files."""
 
 from __future__ import annotations
 
