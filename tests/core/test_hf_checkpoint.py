@@ -126,6 +126,35 @@ def test_tied_embeddings_stay_tied_after_loading(tmp_path):
     assert_close(our_logits(model), hf_logits(reference))
 
 
+def test_a_tied_weight_stored_twice_loads_when_equal_and_is_refused_when_not(tmp_path):
+    """A head trained apart from the embedding in a config still tied: transformers unties them; taking either
+    would lose the other's training, so posttune names both tensors and the config key to change."""
+    reference = save_tiny_hf_checkpoint(tmp_path, tiny_llama_config(tie_word_embeddings=True))
+    rewrite(tmp_path, lambda tensors: tensors.update({"lm_head.weight": tensors["model.embed_tokens.weight"].clone()}))
+    assert_close(our_logits(posttune.load_model(tmp_path)), hf_logits(reference))  # equal copies: one weight
+    rewrite(tmp_path, lambda tensors: tensors.update({"lm_head.weight": tensors["lm_head.weight"] + 1}))
+    message = error_of(posttune.load_model, tmp_path)
+    assert message.startswith(f"{tmp_path}: the checkpoint holds '") and "with different values" in message
+    assert "'lm_head.weight'" in message and "'model.embed_tokens.weight'" in message
+    assert message.endswith("(config.json's tie_word_embeddings): set it to false in config.json to load both, "
+                            "as transformers does")
+
+
+def test_a_single_weights_file_wins_over_a_stale_index_beside_it(tmp_path):
+    """transformers reads model.safetensors first: an index (and shards) left from an older save must not win,
+    nor a stray index whose shards are gone."""
+    save_tiny_hf_checkpoint(tmp_path / "old", tiny_llama_config(), max_shard_size="100KB")
+    reference = save_tiny_hf_checkpoint(tmp_path / "new", tiny_llama_config(), seed=1)
+    stale = sorted((tmp_path / "old").glob("model*.safetensors*"))
+    for path in stale:
+        path.rename(tmp_path / "new" / path.name)
+    assert len(stale) > 2 and (tmp_path / "new" / "model.safetensors.index.json").is_file()
+    assert_close(our_logits(posttune.load_model(tmp_path / "new")), hf_logits(reference))
+    for path in (tmp_path / "new").glob("model-*.safetensors"):
+        path.unlink()
+    assert_close(our_logits(posttune.load_model(tmp_path / "new")), hf_logits(reference))
+
+
 def test_dtype_defaults_to_the_checkpoints_own(checkpoint, tmp_path):
     path, reference = checkpoint
     reference.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")

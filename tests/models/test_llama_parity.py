@@ -122,6 +122,18 @@ def test_from_hf_config_reads_legacy_and_transformers5_rope_spellings():
     assert posttune_llama.LLAMA.from_hf_config(current)["rope_theta"] == 500000.0
 
 
+def test_a_config_with_both_rope_spellings_reads_as_transformers_reads_it(tmp_path):
+    """A transformers-5 file plus a v4-era context-extension edit (rope_scaling, top-level rope_theta): transformers
+    reads the old keys; posttune must build the same rotation, not the one rope_parameters still names."""
+    config = {**tiny_llama_config().to_dict(), "rope_theta": 5000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters
+    ours = posttune_llama.LLAMA.from_hf_config(config)
+    assert (theirs["rope_type"], theirs["factor"], theirs["rope_theta"]) == ("linear", 4.0, 5000.0)
+    assert ours["rope_theta"] == 5000.0 and ours["rope_scaling"]["rope_type"] == "linear"
+    assert ours["rope_scaling"]["factor"] == 4.0
+
+
 def test_unknown_rope_type_is_a_one_line_error():
     config = {**tiny_llama_config().to_dict(), "rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}
     with pytest.raises(PosttuneError) as error:

@@ -36,7 +36,7 @@ from torch import nn
 from posttune.checkpoint import materialize as mat
 from posttune.checkpoint.convert import Joiner, first_key
 from posttune.checkpoint.keymap import BASE, base_key
-from posttune.checkpoint.materialize import copy_into
+from posttune.checkpoint.materialize import copy_into, holds
 from posttune.checkpoint import score_head, source
 from posttune.checkpoint.origin import ModelOrigin, attach, origin_of
 from posttune.checkpoint.safetensors_io import Entry, fits, iter_tensors, read_header
@@ -138,8 +138,11 @@ def _open(path_or_id: str | Path, family: str | None) -> _Checkpoint:
 
 
 def shard_files(directory: Path, where: str) -> list[Path]:
-    """The safetensors files of a checkpoint, in order; every file the index names must exist."""
+    """The safetensors files of a checkpoint, in order; every file the index names must exist. A single
+    ``model.safetensors`` wins over an index beside it, as in transformers (a stale index must not pick old shards)."""
     index = directory / INDEX_FILE
+    if (directory / SINGLE_FILE).is_file():
+        return [directory / SINGLE_FILE]
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
@@ -150,10 +153,9 @@ def shard_files(directory: Path, where: str) -> list[Path]:
         if missing:
             raise PosttuneError(f"{where}: shard {_names(missing)} listed in {INDEX_FILE} is missing")
         return files
-    if (directory / SINGLE_FILE).is_file():
-        return [directory / SINGLE_FILE]
     others = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
-    hint = f" (found {_names(others)}: posttune loads safetensors only, never pickles)" if others else ""
+    hint = (f" (found {_names(others)}: posttune loads safetensors only, never pickles; transformers converts them: "
+            "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder))") if others else ""
     raise PosttuneError(f"{where}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
 
 
@@ -176,6 +178,7 @@ class _Loader:
         #: checkpoint names whose tensor the converter passes through untouched, by native name:
         #: their bytes can go straight into the parameter
         self.renamed: dict[str, str] = {}
+        self.sources: dict[str, str] = {}  # the checkpoint name that filled each native weight first
 
     def _joiner(self) -> Joiner:
         return Joiner(self.converter.to_native, self.hf_config)
@@ -223,14 +226,18 @@ class _Loader:
             key = self.renamed.get(entry.name)
             if key is not None and tensor is self.targets.get(key):  # read in place: nothing to copy
                 self.loaded.add(self._key(key))
+                self.sources.setdefault(self._key(key), entry.name)
                 continue
             for hf_key, key, value in joiner(entry.name, tensor):  # one at a time, as a split makes them
                 if key not in self.targets:
                     raise PosttuneError(f"{self.where}: unexpected tensor {_label(hf_key, key)} in "
                                         f"{shard.name}: the model has no such weight")
                 self._check_shape(hf_key, shard, key, value)
+                if self._key(key) in self.loaded:  # a tied weight's second name: it must hold the same values
+                    self._check_tied(hf_key, key, value)
                 copy_into(self.targets[key], value)
                 self.loaded.add(self._key(key))
+                self.sources.setdefault(self._key(key), hf_key)
                 del value
             del tensor
 
@@ -239,7 +246,17 @@ class _Loader:
         key = self.renamed.get(entry.name)
         target = self.targets.get(key) if key is not None else None
         plain = target is not None and type(target.data) is torch.Tensor  # not a DTensor or quantised
-        return target if plain and fits(target, entry) else None
+        tied_again = key is not None and self._key(key) in self.loaded  # compared first, not read over the first
+        return target if plain and not tied_again and fits(target, entry) else None
+
+    def _check_tied(self, hf_key: str, key: str, value: torch.Tensor) -> None:
+        """transformers unties weights a checkpoint stores twice with different values (a head trained apart from
+        the embedding, config.json still tied); loading one over the other would lose a trained weight."""
+        if not holds(self.targets[key], value):
+            raise PosttuneError(f"{self.where}: the checkpoint holds '{self.sources[self._key(key)]}' and '{hf_key}' "
+                                "with different values, but the model ties them into one weight (config.json's "
+                                "tie_word_embeddings): set it to false in config.json to load both, as transformers "
+                                "does")
 
     def _key(self, name: str) -> str:
         return self.canonical.get(name, name)

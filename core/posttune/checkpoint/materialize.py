@@ -123,10 +123,23 @@ def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
     Every rank reads the same file, so the shard is cut locally (``src_data_rank=None``): no
     communication, and never more than one full tensor per process.
     """
-    mesh = getattr(target, "device_mesh", None)
-    if mesh is not None:
-        from torch.distributed.tensor import distribute_tensor
+    target.copy_(_placed_like(target, value))
 
-        value = distribute_tensor(value.to(device=target.device, dtype=target.dtype), mesh, target.placements,
-                                  src_data_rank=None)
-    target.copy_(value)
+
+def _placed_like(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` as ``target`` holds it: a DTensor's own shard of it, cut locally."""
+    mesh = getattr(target, "device_mesh", None)
+    if mesh is None:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(device=target.device, dtype=target.dtype), mesh, target.placements,
+                             src_data_rank=None)
+
+
+def holds(target: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``target`` (a DTensor: its own shard) already holds ``value`` as ``copy_into`` would put it."""
+    placed = _placed_like(target, value)
+    if getattr(target, "device_mesh", None) is not None:
+        return torch.equal(target.to_local(), placed.to_local())
+    return torch.equal(target, placed.to(device=target.device, dtype=target.dtype))

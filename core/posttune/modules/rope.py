@@ -150,11 +150,12 @@ def split_rope_parameters(params: Mapping[str, Any] | None, *, theta: float | No
 
 def read_rope(config: Mapping[str, Any], family: str, *, partial: bool = False) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling dict or None) from a whole config.json: ``rope_parameters`` (transformers 5)
-    or ``rope_theta`` + ``rope_scaling`` (older files). Partial rotary embeddings are refused unless
+    or ``rope_theta`` + ``rope_scaling`` (older files); a file with both reads ``rope_scaling`` (and a
+    top-level ``rope_theta`` where its dict has none), as transformers does. Partial rotary embeddings are refused unless
     the family builds them (``partial``; ``rotary_fraction`` reads the fraction). A top-level
     ``original_max_position_embeddings`` (Phi-3's spelling) goes into a LongRoPE dict, over the dict's
     own value, as transformers reads it."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     if not partial and rotary_fraction(config) != 1.0:
         raise PosttuneError(f"config.json: partial_rotary_factor is not supported by the {family} family")
     params.pop("partial_rotary_factor", None)
@@ -168,7 +169,7 @@ def read_rope(config: Mapping[str, Any], family: str, *, partial: bool = False) 
 def rotary_fraction(config: Mapping[str, Any]) -> float:
     """The fraction of each head RoPE rotates: ``partial_rotary_factor`` at the top of config.json or
     (transformers 5) inside ``rope_parameters``; 1.0 when absent."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
     return float(config.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
 
 
