@@ -151,8 +151,8 @@ def split_rope_parameters(params: Mapping[str, Any] | None, *, theta: float | No
 def read_rope(config: Mapping[str, Any], family: str, *, partial: bool = False) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling dict or None) from a whole config.json: ``rope_parameters`` (transformers 5)
     or ``rope_theta`` + ``rope_scaling`` (older files); a file with both reads ``rope_scaling`` (and a
-    top-level ``rope_theta`` where its dict has none), as transformers does. Partial rotary embeddings are refused unless
-    the family builds them (``partial``; ``rotary_fraction`` reads the fraction). A top-level
+    top-level ``rope_theta`` where its dict has none), as transformers does. Partial rotary embeddings
+    are refused unless the family builds them (``partial``; ``rotary_fraction`` reads the fraction). A top-level
     ``original_max_position_embeddings`` (Phi-3's spelling) goes into a LongRoPE dict, over the dict's
     own value, as transformers reads it."""
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
