@@ -296,6 +296,25 @@ def test_architecture_no_installed_family_reads(tmp_path):
         "(installed: wrapped (LlamaForCausalLM)) — pip install posttune-qwen")
 
 
+def test_a_config_naming_no_architecture_asks_for_the_family(checkpoint):
+    path, _ = checkpoint
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "architectures"}))
+    assert error_of(posttune.load_model, path) == (
+        f"{path}: config.json names no architectures: name the family to read it with (model.family in a config, "
+        "family= in Python, or add architectures to config.json; installed: wrapped)")
+    assert posttune.load_model(path, family="wrapped") is not None
+
+
+def test_a_quantization_no_plugin_reads_says_to_load_the_float_checkpoint(checkpoint):
+    path, _ = checkpoint
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    assert error_of(posttune.load_model, path) == (
+        f"{path}: config.json's quantization_config: no quantized checkpoint format 'gptq' is installed (installed: "
+        "none); or load the float checkpoint it was made from (QLoRA quantizes one itself: docs/memory.md)")
+
+
 def test_missing_shard_is_named(tmp_path):
     save_tiny_hf_checkpoint(tmp_path, tiny_llama_config(), max_shard_size="100KB")
     shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]

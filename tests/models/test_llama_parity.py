@@ -102,6 +102,23 @@ def test_converter_skips_cached_rotary_frequencies_and_refuses_foreign_tensors()
         converter.to_native("model.vision_tower.weight", torch.ones(2), {})
 
 
+@pytest.mark.parametrize(("key", "says"), [
+    ("embed_tokens.weight", "(its names lack the 'model.' prefix: a base model saved without its LM head; "
+                            "transformers loads it as AutoModelForCausalLM, whose save_pretrained writes the names "
+                            "posttune reads)"),
+    ("layers.0.mlp.up_proj.weight", "(its names lack the 'model.' prefix"),
+    ("multi_modal_projector.linear_1.weight", "(outside the decoder and its head: from a multimodal checkpoint, "
+                                              "export its text model alone (its ForCausalLM class) and load that; "
+                                              "else is this the right family?)"),
+    ("model.layers.0.mlp.experts.0.weight", "(is this the right family?; the checkpoint's config.json says "
+                                            "model_type x)"),
+])
+def test_a_foreign_tensor_says_what_the_checkpoint_looks_like(key, says):
+    with pytest.raises(PosttuneError) as caught:
+        posttune_llama.CONVERTERS[0].to_native(key, torch.ones(2), {"model_type": "x"})
+    assert str(caught.value).startswith(f"checkpoint tensor '{key}' is not part of a llama model {says}")
+
+
 @pytest.mark.parametrize("family", [posttune_llama.LLAMA, posttune_llama.MISTRAL], ids=lambda f: f.name)
 def test_to_hf_config_loads_in_transformers_and_reads_back(family, tmp_path):
     for size, kwargs in family.sizes.items():

@@ -167,7 +167,7 @@ def test_a_fused_tensor_of_the_wrong_size_is_one_line(checkpoint):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(PosttuneError) as caught:
         posttune.load_model(path)
-    assert str(caught.value) == ("checkpoint tensor 'model.layers.1.mlp.gate_up_proj.weight' has 250 rows; "
+    assert str(caught.value) == (f"{path}: checkpoint tensor 'model.layers.1.mlp.gate_up_proj.weight' has 250 rows; "
                                  "config.json's sizes give 128 + 128 = 256")
 
 

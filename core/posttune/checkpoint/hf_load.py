@@ -25,7 +25,7 @@ its converted copy), plus the parts a many-to-one converter holds until its last
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,10 @@ def _open(path_or_id: str | Path, family: str | None) -> _Checkpoint:
                         else source.family_for(hf_config, registry, where).descriptor)
     converter = registry.get("checkpoint_converter", f"{fam.name}:{FORMAT}")
     method = source.quant_method(hf_config, where)
+    if method is not None and method not in registry.names("quantized_format"):  # say what to load instead
+        unknown = registry.unknown("quantized_format", method)
+        raise type(unknown)(f"{where}: config.json's quantization_config: {unknown}; or load the float checkpoint "
+                            "it was made from (QLoRA quantizes one itself: docs/memory.md)")
     quantized = registry.get("quantized_format", method) if method is not None else None
     return _Checkpoint(path_or_id, where, hf_config, fam, converter, quantized)
 
@@ -194,7 +198,7 @@ class _Loader:
             for entry in entries:
                 probe = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
                 try:
-                    converted = list(joiner(entry.name, probe))
+                    converted = list(self._converted(joiner, entry.name, probe))
                 except (NotImplementedError, RuntimeError):
                     self.renamed.clear()
                     return
@@ -228,7 +232,7 @@ class _Loader:
                 self.loaded.add(self._key(key))
                 self.sources.setdefault(self._key(key), entry.name)
                 continue
-            for hf_key, key, value in joiner(entry.name, tensor):  # one at a time, as a split makes them
+            for hf_key, key, value in self._converted(joiner, entry.name, tensor):  # one at a time, as split
                 if key not in self.targets:
                     raise PosttuneError(f"{self.where}: unexpected tensor {_label(hf_key, key)} in "
                                         f"{shard.name}: the model has no such weight")
@@ -240,6 +244,13 @@ class _Loader:
                 self.sources.setdefault(self._key(key), hf_key)
                 del value
             del tensor
+
+    def _converted(self, joiner: Joiner, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, str, Any]]:
+        """What the converter makes of one checkpoint tensor; its refusal names this checkpoint."""
+        try:
+            yield from joiner(name, tensor)
+        except PosttuneError as exc:
+            raise PosttuneError(f"{self.where}: {exc}") from None
 
     def _in_place(self, entry: Entry) -> torch.Tensor | None:
         """The parameter to read ``entry`` into directly, when only its name changes."""

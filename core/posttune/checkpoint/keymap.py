@@ -53,11 +53,24 @@ class LayeredKeyMap:
             return None
         native = rename(key, self.top, self.per_layer, self.hf_layers, self.native_layers)
         if native is None:
-            kind = hf_config.get("model_type")
-            written = f"; the checkpoint's config.json says model_type {kind}" if kind and kind != self.family else ""
             raise PosttuneError(f"checkpoint tensor '{key}' is not part of a {self.family} model "
-                                f"(is this the right family?{written}{self.hint})")
+                                f"({self._guess(key, hf_config)}{self.hint})")
         return native, tensor
+
+    def _guess(self, key: str, hf_config: Mapping[str, Any]) -> str:
+        """What an unknown tensor says of the checkpoint: a base model saved without its wrapper's prefix, a
+        multimodal one (tensors outside the decoder and its head), or another family."""
+        prefix = self.hf_layers.split(".")[0] + "."
+        if not key.startswith(prefix) and rename(prefix + key, self.top, self.per_layer, self.hf_layers,
+                                                 self.native_layers):
+            return (f"its names lack the '{prefix}' prefix: a base model saved without its LM head; transformers "
+                    "loads it as AutoModelForCausalLM, whose save_pretrained writes the names posttune reads")
+        if not key.startswith(prefix) and key.partition(".")[0] not in {m.partition(".")[0] for m in self.top}:
+            return ("outside the decoder and its head: from a multimodal checkpoint, export its text model alone "
+                    "(its ForCausalLM class) and load that; else is this the right family?")
+        kind = hf_config.get("model_type")
+        written = f"; the checkpoint's config.json says model_type {kind}" if kind and kind != self.family else ""
+        return f"is this the right family?{written}"
 
     def from_native(self, key: str, tensor: Any, hf_config: Mapping[str, Any]) -> tuple[str, Any]:
         """(HF key, tensor) for a native tensor."""

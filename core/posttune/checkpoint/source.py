@@ -125,7 +125,12 @@ def family_for(hf_config: Mapping[str, Any], registry: Registry, where: str) -> 
             return item
     readers = [f"{r.descriptor.name} ({', '.join(r.descriptor.architectures)})"
                for r in registry.items("model_family")]
-    wanted = ", ".join(architectures) or "none"
+    if not architectures:
+        names = ", ".join(r.descriptor.name for r in registry.items("model_family")) or "none"
+        raise PosttuneError(f"{where}: config.json names no architectures: name the family to read it with "
+                            "(model.family in a config, family= in Python, or add architectures to config.json; "
+                            f"installed: {names})")
+    wanted = ", ".join(architectures)
     hint = next((first_party.install_hint(first_party.ARCHITECTURES[a]) for a in architectures
                  if a in first_party.ARCHITECTURES), "")
     raise PosttuneError(f"{where}: no installed model family reads architecture {wanted} "
