@@ -60,6 +60,23 @@ def test_early_stopping_ends_the_run_after_patience_evaluations_without_a_better
     assert (out / "checkpoints" / f"step-{stop:08d}").is_dir() and (out / "model" / "config.json").is_file()
 
 
+def test_a_metric_the_evaluation_does_not_log_keeps_the_steps_run_for_a_resume(llama_sft, posttune_cli, write_config,
+                                                                                tmp_path):
+    """A typo in best_metric shows at the first evaluation, after steps of training: they are saved, and the run
+    resumes with the metric fixed."""
+    path = write_config(train={"epochs": 1, "eval_every": 2}, checkpoint={"best_metric": "val_los", "save_every": 4},
+                        data={"validation": {"path": str(tmp_path / "train.jsonl"), "format": "chat"}})
+    result = posttune_cli("train", str(path))
+    saved = tmp_path / "out" / "checkpoints" / "step-00000002"
+    assert result.exit_code == 2 and result.stderr.strip().endswith(
+        "config: checkpoint.best_metric: the evaluation logs no 'val_los' (it logs: val_loss); step 2 is saved in "
+        f"{saved}: fix it and resume (checkpoint.resume=latest)")
+    assert saved.is_dir()
+    result = posttune_cli("train", str(path), "checkpoint.best_metric=val_loss", "checkpoint.resume=latest")
+    assert result.exit_code == 0, result.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "out")][:2] == [1, 2]
+
+
 def test_a_resumed_run_judges_with_the_evaluations_before_it():
     config = validate({**RUN, "checkpoint": {"best_metric": "val_loss"}, "train": {"eval_every": 2,
                                                                                      "early_stopping_patience": 2}})

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from posttune.descriptors import LossOutput
-from posttune.errors import PluginError
+from posttune.errors import ConfigError, PluginError
 from posttune.session import Session
 from posttune.training import distributed, nonfinite, output_dir, preemption, state
 from posttune.training.best import Best
@@ -310,7 +310,13 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
         log.evaluated(session.step, results)
         record.update(results)
         if probation is not None and probation.best is not None:
-            probation.best.evaluated(session.step, results)
+            try:
+                probation.best.evaluated(session.step, results)
+            except ConfigError as exc:  # a metric the evaluation does not log: keep the steps run so far
+                log.write(record)
+                path = _save(session, log, probation)
+                raise ConfigError(exc.path, f"{exc.problem}; step {session.step} is saved in {path}: fix it and "
+                                            "resume (checkpoint.resume=latest)") from None
     log.write(record)
     _save_when_due(session, log, probation)
     return tokens
