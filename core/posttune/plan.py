@@ -180,7 +180,33 @@ def _family(model: ModelConfig, registry: Registry, section: str) -> Registered:
         raise ConfigError(f"{section}.size", f"family '{family.descriptor.name}' has no size '{model.size}' "
                                              f"(sizes: {sizes})")
     _check_overrides(model, family, section)
+    if model.build_overrides and (local or model.path is None):
+        _check_built_sizes(model, family, hf_config, section)
     return family
+
+
+def _check_built_sizes(model: ModelConfig, family: Registered, hf_config: dict[str, Any] | None,
+                       section: str) -> None:
+    """Overrides build what the run saves: a size of 0 where the family has one (a builder may read 0 as "the
+    default") and a config.json the checks every reader makes would refuse (it would train, then be refused by
+    generate and by transformers) are refused now."""
+    from posttune.checkpoint.hf_config_check import check_hf_config
+
+    base = build_kwargs(dataclasses.replace(model, build_overrides={}), family.descriptor, hf_config)
+    for key, value in model.build_overrides.items():
+        was = base.get(key)
+        if value == 0 and type(value) is int and type(was) is int and was > 0:
+            raise ConfigError(f"{section}.build_overrides.{key}", f"family '{family.descriptor.name}' builds with "
+                                                                  f"{key}: expected a positive integer, got 0")
+    if family.descriptor.to_hf_config is None:
+        return
+    kwargs = {**base, **model.build_overrides}
+    try:
+        check_hf_config(family.descriptor.to_hf_config(kwargs), "the config.json it saves")
+    except PosttuneError as exc:
+        raise ConfigError(f"{section}.build_overrides", str(exc)) from None
+    except Exception:  # noqa: BLE001 - a family's to_hf_config that cannot write these kwargs: the build says why
+        return
 
 
 def _check_named_family(hf_config: dict[str, Any], family: Registered, registry: Registry, section: str) -> None:

@@ -201,6 +201,14 @@ def test_yaml_never_constructs_python_objects(tmp_path):
         load_yaml(evil)
 
 
+def test_yaml_nested_past_the_parsers_recursion_is_one_line(tmp_path):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model: " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(PosttuneError) as caught:
+        load_yaml(deep)
+    assert str(caught.value) == f"{deep}: invalid YAML: nested too deeply (no config nests more than a few levels)"
+
+
 # ---- validation --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw, message", [
@@ -210,6 +218,8 @@ def test_yaml_never_constructs_python_objects(tmp_path):
     (base(train={"batch_size": 2.5}), "config: train.batch_size: expected an integer, got 2.5"),
     (base(train={"batch_size": True}), "config: train.batch_size: expected an integer, got true"),
     (base(train={"batch_size": 0}), "config: train.batch_size: expected a positive integer, got 0"),
+    (base(adapter={"targets": []}), "config: adapter.targets: an empty list adapts nothing: list module-name "
+                                    "patterns, or leave it out for the family's default targets"),
     (base(train={"max_grad_norm": "x"}), "config: train.max_grad_norm: expected a number or null, got 'x'"),
     (base(train={"optimizer": 3}), "config: train.optimizer: expected a string or a mapping, got 3"),
     (base(train=[1]), "config: train: expected a mapping of keys, got a list"),

@@ -140,6 +140,7 @@ def test_an_unknown_build_override_is_named_in_one_line(llama_sft, posttune_cli,
     ("two", "builds with num_layers: expected an integer, got 'two'"),  # a TypeError traceback from the build
     (2.5, "builds with num_layers: expected an integer, got 2.5"),
     (-1, "builds with num_layers: expected a non-negative integer, got -1"),
+    (0, "builds with num_layers: expected a positive integer, got 0"),  # trained, then refused by every reader
 ])
 def test_a_build_override_of_the_wrong_type_is_refused_by_validate(llama_sft, posttune_cli, write_config, value,
                                                                    words):
@@ -156,13 +157,27 @@ def test_a_whole_float_build_override_reaches_the_build_as_an_integer(llama_sft,
     assert result.exit_code == 0, result.stderr
 
 
-def test_a_build_override_only_the_build_can_refuse_is_one_line(llama_sft, posttune_cli, write_config, tmp_path):
+def test_heads_an_override_cannot_group_are_refused_by_validate_plan_and_train(llama_sft, posttune_cli, write_config,
+                                                                              tmp_path):
     path = write_config(model={"build_overrides": {"vocab_size": 384, "num_heads": 5}})
-    assert posttune_cli("validate", str(path)).exit_code == 0  # heads dividing the width: the family's to know
-    result = posttune_cli("train", str(path))
-    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr == ("posttune: error: config: model.build_overrides: family 'llama': num_heads (5) must be a "
-                             "multiple of num_kv_heads (2)\n")
+    for command in ("validate", "plan", "train"):  # the config.json the run would save says it before any build
+        result = posttune_cli(command, str(path))
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr == ("posttune: error: config: model.build_overrides: the config.json it saves: "
+                                 "num_attention_heads: 5 is not a multiple of num_key_value_heads (2)\n")
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    ({"head_dim": 0}, "model.build_overrides.head_dim: family 'llama' builds with head_dim: expected a positive "
+                      "integer, got 0"),  # the builder read 0 as its default: a silently different model
+    ({"rope_theta": -1}, "model.build_overrides: the config.json it saves: rope_theta: expected a positive number or "
+                         "null, got -1.0"),
+])
+def test_an_override_the_saved_checkpoint_would_not_load_with_is_refused_by_validate(llama_sft, posttune_cli,
+                                                                                     write_config, overrides, words):
+    path = write_config(model={"build_overrides": {"vocab_size": 384, **overrides}})
+    result = posttune_cli("validate", str(path))
+    assert (result.exit_code, result.stderr) == (2, f"posttune: error: config: {words}\n")
 
 
 def test_empty_responses_are_counted_and_said(llama_sft, posttune_cli, write_config, tmp_path):
@@ -364,3 +379,18 @@ def test_a_run_that_fails_while_composing_records_failed_in_run_json(llama_sft, 
     run = json.loads((tmp_path / "out" / "run.json").read_text())
     assert run["status"] == "failed" and "step" not in run
     assert result.stderr.rstrip().endswith(run["error"])
+
+
+def test_a_model_path_not_written_yet_is_valid_with_a_warning(llama_sft, posttune_cli, write_config, tmp_path):
+    """A warm start an earlier step writes: the config is valid, but train needs the folder; validate and plan say
+    so (with the family named, nothing else reads the path before the run)."""
+    path = write_config(model={"path": str(tmp_path / "warm" / "model"), "family": "llama"})
+    for command in ("validate", "plan"):
+        result = posttune_cli(command, str(path), "--no-estimate") if command == "plan" else \
+            posttune_cli(command, str(path))
+        assert result.exit_code == 0, result.stderr
+        assert result.stderr == (f"posttune: warning: model.path: no checkpoint at {tmp_path / 'warm' / 'model'} yet: "
+                                 "train needs it (an earlier step writes it?)\n")
+    result = posttune_cli("train", str(path))  # named as the model's folder, not as the tokenizer's read from it
+    assert result.exit_code == 2
+    assert result.stderr.endswith(f"config: model.path: {tmp_path / 'warm' / 'model'}: no such checkpoint directory\n")

@@ -64,6 +64,13 @@ def test_a_bad_argument_is_one_line(eval_cli, args, expected):
     assert result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
 
 
+def test_a_model_folder_that_is_not_there_is_named_as_the_model(eval_cli, tmp_path):
+    """Not as the tokenizer folder it is read from first (with a chat template, before the tasks)."""
+    result = eval_cli("--model", str(tmp_path / "gone"), "--tasks", "x", "--apply-chat-template")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"eval: --model {tmp_path / 'gone'}: no such checkpoint directory" in result.stderr
+
+
 def test_an_adapter_without_its_config_is_one_line(eval_cli, tmp_path):
     result = eval_cli("--adapter", str(tmp_path), "--tasks", "x")
     assert result.exit_code == 2 and result.stderr.count("\n") == 1

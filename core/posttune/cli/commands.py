@@ -14,7 +14,7 @@ from typing import Any
 from posttune.cli import config_keys, generate, launch, merge, preview
 from posttune.cli.main import warn
 from posttune.descriptors import Command
-from posttune.errors import PosttuneError, did_you_mean, first_line
+from posttune.errors import ConfigError, PosttuneError, did_you_mean, first_line
 from posttune.plugins import PLUGIN_API, get_plugins, get_registry, hookimpl, problems
 from posttune.registry import KINDS
 
@@ -232,10 +232,23 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
 def _run_validate(args: argparse.Namespace) -> int:
     plan = resolve(args, launch.world_size(args))
     _warn_unlaunched(plan, "validate")
+    _warn_absent_checkpoints(plan)
     print(f"{args.config}: valid ({plan.method.descriptor.name} on {plan.family.descriptor.name}, "
           f"{plan.world_size} process(es))")
     _print_components(plan)
     return 0
+
+
+def _warn_absent_checkpoints(plan: Any) -> None:
+    """A local model path with no folder yet (an earlier step writes it: a warm start) leaves the config valid,
+    but `train` needs it; a named family let the check skip reading its config.json."""
+    from posttune.checkpoint.source import is_hub_id
+
+    sections = [("model", plan.config.model), *((role.section, role.config) for role in plan.roles.values())]
+    absent = {(section, str(model.path)) for section, model in sections if model.path is not None
+              and not Path(str(model.path)).expanduser().is_dir() and not is_hub_id(str(model.path))}
+    warn([f"{section}.path: no checkpoint at {path} yet: train needs it (an earlier step writes it?)"
+          for section, path in sorted(absent)])
 
 
 def _warn_unlaunched(plan: Any, command: str) -> None:
@@ -249,6 +262,7 @@ def _warn_unlaunched(plan: Any, command: str) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     plan = resolve(args, launch.world_size(args))
     _warn_unlaunched(plan, "plan")
+    _warn_absent_checkpoints(plan)
     width = max(len(step.stage) for step in plan.steps)
     what = max(len(step.what) for step in plan.steps)
     for step in plan.steps:
@@ -259,6 +273,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
         try:
             print("\n".join(estimate(plan).lines()))
+        except ConfigError:  # the model cannot be built as configured: train would refuse it too
+            raise
         except PosttuneError as exc:  # e.g. a hub checkpoint while offline: the plan itself is fine
             print(f"memory estimate: not available ({exc})")
     return 0

@@ -93,6 +93,9 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
                                 f"(is this a binary file?)") from None
         problem = getattr(exc, "problem", None) or first_line(str(exc))
         raise PosttuneError(f"{source}{where}: invalid YAML: {problem}") from exc
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise PosttuneError(f"{source}: invalid YAML: nested too deeply (no config nests more than a few "
+                            "levels)") from None
 
 
 #: values a config may expand to through YAML aliases (a "billion laughs" document is tiny on disk)

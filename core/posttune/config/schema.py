@@ -385,6 +385,9 @@ def validate(raw: dict[str, Any]) -> RunConfig:
         if model.path is None and (model.family is None or model.size is None):
             raise ConfigError(section, "set `path` (a checkpoint) or both `family` and `size` (random init)")
     check_ranges(config)
+    if config.adapter is not None and config.adapter.targets == []:  # [] would read as "the family's default"
+        raise ConfigError("adapter.targets", "an empty list adapts nothing: list module-name patterns, or leave it "
+                                             "out for the family's default targets")
     _check_low_bit_optimizer(config.train.optimizer)
     _check_choice(config.train.optimizer, "train.optimizer", OPTIMIZER_NAMES)
     _check_choice(config.train.scheduler, "train.scheduler", SCHEDULE_NAMES)

@@ -30,6 +30,7 @@ from torch import nn
 from posttune.checkpoint import materialize as mat
 from posttune.checkpoint.origin import ModelOrigin, attach
 from posttune.checkpoint.score_head import add_score_head, checkpoint_labels
+from posttune.checkpoint.source import is_hub_id, no_directory
 from posttune.config.requires import device_for
 from posttune.config.schema import DataConfig
 from posttune.errors import ConfigError, PluginError, PosttuneError, first_line
@@ -138,6 +139,9 @@ def load_tokenizer(session: Session) -> Any:
     path = session.config.tokenizer.path or session.config.model.path
     if path is None:  # checked by `posttune validate` too; a run composed from Python gets here
         raise ConfigError("tokenizer.path", NO_TOKENIZER)
+    local = not is_hub_id(str(path))
+    if session.config.tokenizer.path is None and local and not Path(str(path)).expanduser().is_dir():
+        raise ConfigError("model.path", no_directory(path))  # the tokenizer is read from it first: name the model's
     tokenizer = load(path)
     if session.config.tokenizer.chat_template is not None:
         from posttune.tokenizer_files import chat_template_override

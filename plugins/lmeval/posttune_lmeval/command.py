@@ -61,7 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
-    from posttune.plugin import adapter_base, load_tokenizer, tokenizer_source
+    from posttune.plugin import adapter_base
 
     from posttune_lmeval.chat import template_source
 
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     template = args.apply_chat_template if isinstance(args.apply_chat_template, str) else None
     tokenizer = None
     if args.apply_chat_template is not False:  # a checkpoint without that template: one line, in a second
-        tokenizer = load_tokenizer(tokenizer_source(base, args.adapter))
+        tokenizer = model_tokenizer(base, args)
         template_source(tokenizer, template, base)
     import logging
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     manager = TaskManager(include_path=args.include_path)
     tasks = task_names(args.tasks, manager)
-    tokenizer = tokenizer or load_tokenizer(tokenizer_source(base, args.adapter))
+    tokenizer = tokenizer or model_tokenizer(base, args)
     lm = PosttuneLM(load(base, args.adapter, args.dtype, args.device), tokenizer, batch_size=args.batch_size,
                     max_length=args.max_length, seed=0 if args.seed is None else args.seed, chat_template=template)
     seeds = {} if args.seed is None else {name: args.seed for name in (
@@ -115,6 +115,17 @@ def unreachable(exc: BaseException) -> bool:
     names = {cls.__name__ for cls in type(exc).__mro__}
     return isinstance(exc, ConnectionError) or bool(names & {"ConnectionError", "OfflineModeIsEnabled",
                                                              "LocalEntryNotFoundError", "DatasetNotFoundError"})
+
+
+def model_tokenizer(base: str, args: argparse.Namespace) -> Any:
+    """The tokenizer beside the model (or the adapter's own); a local ``--model`` that is not there is named as
+    such, not as a tokenizer folder."""
+    from posttune.plugin import load_tokenizer, tokenizer_source
+
+    local = base.startswith((".", "/", "~")) or base.count("/") != 1  # a hub id is owner/name
+    if args.model and local and not Path(base).expanduser().is_dir():
+        raise PosttuneError(f"eval: --model {base}: no such checkpoint directory")
+    return load_tokenizer(tokenizer_source(base, args.adapter))
 
 
 def check_arguments(args: argparse.Namespace) -> None:
