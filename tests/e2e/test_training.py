@@ -391,6 +391,8 @@ def test_a_model_path_not_written_yet_is_valid_with_a_warning(llama_sft, posttun
         assert result.exit_code == 0, result.stderr
         assert result.stderr == (f"posttune: warning: model.path: no checkpoint at {tmp_path / 'warm' / 'model'} yet: "
                                  "train needs it (an earlier step writes it?)\n")
-    result = posttune_cli("train", str(path))  # named as the model's folder, not as the tokenizer's read from it
+    result = posttune_cli("train", str(path))
     assert result.exit_code == 2
+    assert result.stderr.endswith(f"{tmp_path / 'warm' / 'model'}: no such checkpoint directory\n")
+    result = posttune_cli("train", str(path), "tokenizer.path=null")  # read from the model's folder: named as it
     assert result.stderr.endswith(f"config: model.path: {tmp_path / 'warm' / 'model'}: no such checkpoint directory\n")
