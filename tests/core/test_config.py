@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import ClassVar  # module level: dataclasses reads a ClassVar annotation from here
 
 import pytest
@@ -109,7 +110,8 @@ def test_top_level_x_keys_hold_anchors_and_are_left_out(tmp_path):
                                                                        "split": "train[:10%]"}
 
 
-@pytest.mark.parametrize("override", ["checkpoint.output_dir=${oc.env:OUT}/a", "data.train.path=${data_dir}/x.jsonl"])
+@pytest.mark.parametrize("override", ["checkpoint.output_dir=${oc.env:OUT}/a", "data.train.path=${data_dir}/x.jsonl",
+                                      "checkpoint.output_dir=$SCRATCH/a"])  # a shell left it: single quotes, YAML
 def test_a_variable_in_a_path_is_refused_not_taken_as_a_folder_name(tmp_path, override):
     """torchtune's `${output_dir}` and OmegaConf's `${oc.env:...}`: nothing fills them in here."""
     path = tmp_path / "run.yaml"
@@ -120,6 +122,13 @@ def test_a_variable_in_a_path_is_refused_not_taken_as_a_folder_name(tmp_path, ov
     assert str(error.value) == (f"config: {key}: {variable} is not filled in (a config has no variables); let the "
                                 f"shell expand one: {key}=$OUT/run")
     assert load_config(path, ["train.sample_prompts=['cost: ${price}']"])["train"]["sample_prompts"]  # not a path
+
+
+def test_a_home_relative_output_dir_is_expanded_once_for_every_writer(tmp_path):
+    """`checkpoint.output_dir=~/runs/r1` reaches posttune unexpanded (a shell leaves ~ after `=`); half a run in a
+    folder named `~` under the working directory could not be resumed."""
+    config = validate(base(checkpoint={"output_dir": "~/runs/r1"}))
+    assert config.checkpoint.output_dir == os.path.expanduser("~/runs/r1") != "~/runs/r1"
 
 
 def test_deleting_under_a_short_form_method_finds_no_such_key():

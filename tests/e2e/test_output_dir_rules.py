@@ -136,3 +136,17 @@ def test_overwrite_says_what_it_removes(finished_run, posttune_cli, tmp_path):
     assert (f"posttune: checkpoint.overwrite: removing the previous run's checkpoints, metrics.jsonl, loss.png, "
             f"summary.json from {finished_run}\n") in result.stdout
     assert [path.name for path in (finished_run / "checkpoints").iterdir()] == ["step-00000001"]
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_an_output_dir_inside_a_data_folder_is_refused(llama_sft, posttune_cli, write_config, tmp_path, command):
+    """The folder is read whole as data: the run's run.json would be read as rows, now and by every later run."""
+    path = write_config()
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (tmp_path / "train.jsonl").rename(folder / "train.jsonl")
+    line = refused(posttune_cli(command, str(path), f"data.train.path={folder}",
+                                f"checkpoint.output_dir={folder / 'out'}"))
+    assert line.endswith(f"{folder / 'out'} is inside data.train.path ({folder}), a folder read whole as data: the "
+                         "run's own files would be read as rows; choose a folder outside it")
+    assert sorted(p.name for p in folder.iterdir()) == ["train.jsonl"]

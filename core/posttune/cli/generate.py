@@ -14,6 +14,7 @@ with one warning line on stderr.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -41,7 +42,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template-kwargs", metavar="JSON",
                         help="with --chat: variables for the chat template, e.g. '{\"enable_thinking\": false}' (a "
                              "run's tokenizer.chat_template_kwargs)")
-    parser.add_argument("--adapter", help="a PEFT adapter directory to apply on top of the model")
+    parser.add_argument("--adapter", type=os.path.expanduser,
+                        help="a PEFT adapter directory to apply on top of the model")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="tokens to generate at most, >= 1 (default 128; capped to the model's context)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature, >= 0; 0 means "

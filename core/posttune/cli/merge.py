@@ -8,6 +8,7 @@ without it, or trained under a sharding plan (FSDP2, TP), where the run refuses 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from posttune.checkpoint.peft_config import ADAPTER_CONFIG, inside, warn_of_other_base
@@ -19,7 +20,8 @@ EXAMPLES = ("posttune merge --adapter runs/lora/adapter -o runs/lora/merged",
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--adapter", required=True, help="a PEFT LoRA/DoRA adapter directory (adapter_config.json)")
+    parser.add_argument("--adapter", required=True, type=os.path.expanduser,
+                        help="a PEFT LoRA/DoRA adapter directory (adapter_config.json)")
     parser.add_argument("--model", help="the base checkpoint directory or hub id (default: the base model the "
                                          "adapter's adapter_config.json names)")
     parser.add_argument("-o", "--output", required=True, help="the folder to write (new or empty)")

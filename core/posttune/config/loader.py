@@ -275,13 +275,14 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: list[str] | N
 
 
 #: a ``${...}`` variable (torchtune's and OmegaConf's ``${output_dir}``, ``${oc.env:HOME}``), and the keys of paths
-_VARIABLE = re.compile(r"\$\{[^}]*\}")
+_VARIABLE = re.compile(r"\$\{[^}]*\}|\$[A-Za-z_][A-Za-z0-9_]*")  # ${...}, and a shell's $NAME left unexpanded
 _PATH_KEYS = ("path", "dir", "init_from", "resume")
 
 
 def _refuse_interpolation(node: Any, where: str) -> None:
-    """A path holding ``${...}``: no variable is filled in here, and the path would be taken as written (a folder
-    named ``${oc.env:OUT}``), so it is refused, pointing to the shell, which expands ``$OUT`` in an override."""
+    """A path holding ``${...}`` or ``$NAME``: no variable is filled in here, and the path would be taken as written
+    (a folder named ``${oc.env:OUT}``), so it is refused, pointing to the shell, which expands ``$OUT`` in an
+    override."""
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     for key, value in items:
         path = f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"

@@ -7,6 +7,7 @@ once the plugin is resolved (see ``posttune.plan``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
@@ -377,6 +378,9 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     if isinstance(checkpoint, dict) and checkpoint.get("resume") is False:  # torchtune's resume_from_checkpoint
         raise ConfigError("checkpoint.resume", "false means a fresh start here: write null (or leave it out)")
     config = from_dict(RunConfig, _mixtures(role_sections(raw)))
+    if config.checkpoint.output_dir.startswith("~"):  # every writer sees one folder (a shell leaves ~ in key=~/x)
+        config = replace(config, checkpoint=replace(config.checkpoint,
+                                                    output_dir=os.path.expanduser(config.checkpoint.output_dir)))
     if isinstance(config.method, dict) and not isinstance(config.method.get("name"), str):
         raise ConfigError("method.name", "required: the method to run (e.g. sft)")
     if "policy" in config.models:

@@ -83,6 +83,7 @@ def check_ownable(config: Any) -> None:
     if real == Path(real.anchor) or real == Path.home().resolve():
         raise refuse(f"is {'the filesystem root' if real == Path(real.anchor) else 'your home directory'}; "
                      "name a folder of its own for the run, e.g. outputs/my-run")
+    _refuse_inside_data(config, real, refuse)
     for parent in real.parents:
         if (parent / RUN_FILE).is_file():
             raise refuse(f"resolves to {real}, inside the output directory of another run ({parent}); choose a "
@@ -99,6 +100,21 @@ def check_ownable(config: Any) -> None:
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         raise refuse(f"holds files that are not a posttune run's ({shown}; no {RUN_FILE}); an output directory "
                      "must be new, empty, or a run's own: choose another")
+
+
+def _refuse_inside_data(config: Any, real: Path, refuse: Any) -> None:
+    """A folder of data files is read whole: a run's files inside it would be read as rows (and break every later
+    run on that folder)."""
+    from posttune.config.mixture import dataset_sources
+
+    data = getattr(config, "data", None)
+    sections = [(f"data.{split}", getattr(data, split, None)) for split in ("train", "validation")]
+    for at, source in (pair for where, dataset in sections if dataset is not None
+                       for pair in dataset_sources(dataset, where)):
+        folder = Path(str(source.path)).expanduser().resolve() if getattr(source, "path", None) else None
+        if folder is not None and folder.is_dir() and (real == folder or folder in real.parents):
+            raise refuse(f"is inside {at}.path ({folder}), a folder read whole as data: the run's own files would "
+                         "be read as rows; choose a folder outside it")
 
 
 def check_writable(out: Path) -> None:
