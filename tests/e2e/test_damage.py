@@ -102,6 +102,25 @@ def test_a_manifest_catches_damage_and_an_older_checkpoint_without_one_is_accept
     assert state.checkpoint_damage(checkpoint) == "trainer_state.json is unreadable"
 
 
+@pytest.mark.parametrize("files", ['"x"', '{"model.safetensors": 5}', '{"model.safetensors": {"size": "5"}}'])
+def test_a_manifest_of_another_shape_is_damage_not_a_traceback(tmp_path, files):
+    (tmp_path / manifest.MANIFEST).write_text('{"version": 1, "files": ' + files + "}")
+    assert manifest.damage(tmp_path) == f"{manifest.MANIFEST} is unreadable"
+
+
+def test_resume_latest_weighs_a_checkpoint_whose_state_is_unreadable_and_prune_leaves_it(tmp_path):
+    """Its lineage unknown, `latest` used to pass over it unsaid (a run resumed from an older step with no word);
+    now it is a candidate, found damaged and named. Pruning, which must not delete another run's, still skips it."""
+    from posttune.training.output_dir import lineage
+
+    for step, text in ((2, json.dumps({"step": 2, "run_id": "abc"})), (4, "{")):
+        (tmp_path / f"step-{step:08d}").mkdir()
+        (tmp_path / f"step-{step:08d}" / state.STATE_FILE).write_text(text)
+    assert [p.name for p in lineage(tmp_path, "abc")] == ["step-00000002"]
+    assert [p.name for p in lineage(tmp_path, "abc", unreadable=True)] == ["step-00000002", "step-00000004"]
+    assert state.checkpoint_damage(tmp_path / "step-00000004") == "trainer_state.json is unreadable"
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> tuple:
     """A finished 4-step run: model/ and the step-2 and step-4 (final) checkpoints."""

@@ -34,6 +34,9 @@ def damage(directory: Path) -> str | None:
         files = json.loads(path.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"{MANIFEST} is unreadable"
+    if not isinstance(files, dict) or not all(isinstance(entry, dict) and type(entry.get("size")) is int
+                                              and isinstance(entry.get("sha256"), str) for entry in files.values()):
+        return f"{MANIFEST} is unreadable"  # JSON of another shape: the same as none that parses
     for rel, expected in sorted(files.items()):
         file = directory / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts:  # a manifest names files of its own checkpoint only

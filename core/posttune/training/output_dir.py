@@ -279,9 +279,11 @@ def run_id_of(checkpoint: Path) -> str | None:
         return None
 
 
-def lineage(root: Path, run_id: str | None) -> list[Path]:
-    """The checkpoints of lineage ``run_id`` (None: of any), oldest first."""
-    return [p for p in checkpoints(root) if run_id is None or run_id_of(p) in (run_id, "")]
+def lineage(root: Path, run_id: str | None, *, unreadable: bool = False) -> list[Path]:
+    """The checkpoints of lineage ``run_id`` (None: of any), oldest first; ``unreadable``: with those whose trainer
+    state cannot say (a resume names them as damaged rather than passing over them unsaid)."""
+    ours = (run_id, "", None) if unreadable else (run_id, "")
+    return [p for p in checkpoints(root) if run_id is None or run_id_of(p) in ours]
 
 
 def prune(root: Path, keep_last: int | None, run_id: str | None = None, keep: Path | None = None) -> None:

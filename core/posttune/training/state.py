@@ -188,7 +188,7 @@ def _choose_resume(session: Session) -> tuple[Path | None, str]:
         return None, new_run_id()
     if resume == LATEST:
         recorded = recorded_run_id(Path(session.config.checkpoint.output_dir))
-        for path in reversed(lineage(checkpoint_root(session), recorded)):
+        for path in reversed(lineage(checkpoint_root(session), recorded, unreadable=True)):
             problem = checkpoint_damage(path)
             if problem is None:
                 return path, recorded or run_id_of(path) or new_run_id()
