@@ -108,6 +108,17 @@ def test_a_manifest_of_another_shape_is_damage_not_a_traceback(tmp_path, files):
     assert manifest.damage(tmp_path) == f"{manifest.MANIFEST} is unreadable"
 
 
+def test_a_checkpoint_written_with_a_manifest_that_lost_it_is_damaged(tmp_path):
+    """Deleting manifest.json (a partial copy, a hand edit) must not turn verification off: only a checkpoint from
+    before manifests existed, whose trainer state does not say it had one, is accepted unverified."""
+    (tmp_path / state.STATE_FILE).write_text(json.dumps({"step": 2, "run_id": "abc", "manifest": manifest.MANIFEST}))
+    manifest.write_manifest(tmp_path)
+    assert state.checkpoint_damage(tmp_path) is None
+    (tmp_path / manifest.MANIFEST).unlink()
+    assert state.checkpoint_damage(tmp_path) == (f"{manifest.MANIFEST} is missing (the checkpoint was written with "
+                                                 "one: its files cannot be verified)")
+
+
 def test_resume_latest_weighs_a_checkpoint_whose_state_is_unreadable_and_prune_leaves_it(tmp_path):
     """Its lineage unknown, `latest` used to pass over it unsaid (a run resumed from an older step with no word);
     now it is a candidate, found damaged and named. Pruning, which must not delete another run's, still skips it."""

@@ -91,7 +91,7 @@ def _write_checkpoint(session: Session, target: Path) -> None:
                                                   "run_id": session.run_id,
                                                   "skipped_nonfinite": session.skipped_nonfinite,
                                                   "log_window": session.log_window,
-                                                  "lr": session.config.train.lr,
+                                                  "lr": session.config.train.lr, "manifest": MANIFEST,
                                                   IDENTITY: resume_identity.of(session.plan)}, indent=2))
         write_manifest(tmp)
 
@@ -210,11 +210,22 @@ def checkpoint_damage(path: Path) -> str | None:
     problem = damage(path)
     if problem is None and run_id_of(path) is None:
         problem = f"{STATE_FILE} is unreadable"
+    if problem is None and not (path / MANIFEST).is_file() and _written_with_manifest(path):
+        problem = f"{MANIFEST} is missing (the checkpoint was written with one: its files cannot be verified)"
     if problem is None:
         from posttune.training.sharded_state import missing_shards
 
         problem = missing_shards(path)
     return problem
+
+
+def _written_with_manifest(path: Path) -> bool:
+    """Whether the checkpoint's trainer state says a manifest was written (older checkpoints have none, and are
+    accepted unverified; one that had it and lost it is not)."""
+    try:
+        return json.loads((path / STATE_FILE).read_text()).get("manifest") == MANIFEST
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
