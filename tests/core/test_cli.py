@@ -365,6 +365,29 @@ def test_plugin_command_is_available(register_plugin, posttune_cli):
     assert (result.exit_code, result.stdout) == (0, "hello posttune\n")
 
 
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                 "to allocate 512000000000000 bytes. Error code 12 (Cannot allocate memory)"),
+    type("OutOfMemoryError", (RuntimeError,), {})("CUDA out of memory. Tried to allocate 2.00 GiB"),  # torch's
+    MemoryError()])
+def test_running_out_of_memory_is_one_line_pointing_to_the_estimate(register_plugin, posttune_cli, error):
+    """A model or batch too large for the machine: a size to change, not a traceback to read."""
+    def run(args):
+        raise error
+
+    register_plugin(module_plugin("big", posttune_register_commands=lambda cli: cli(
+        Command("big", "allocate too much", lambda parser: None, run))))
+    result = posttune_cli("big")
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("posttune: error: out of memory: ")
+    assert result.stderr.endswith("(`posttune plan` estimates a run's peak, docs/memory.md says what lowers it; "
+                                  "--debug: the traceback)\n")
+    assert "can't allocate memory" in result.stderr or "CUDA out of memory" in result.stderr or \
+        "MemoryError" in result.stderr
+    with pytest.raises(type(error)):
+        posttune_cli("--debug", "big")
+
+
 def test_a_command_not_installed_is_one_line_naming_what_provides_it(register_plugin, posttune_cli):
     """`posttune eval` without posttune-lmeval names the distribution; a misspelt command gets the one meant;
     neither is argparse's usage message."""

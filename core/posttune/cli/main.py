@@ -123,6 +123,15 @@ def _parse(parser: _Parser, argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _out_of_memory(exc: BaseException) -> str | None:
+    """The allocator's own words when ``exc`` is an allocation that failed (CPU or GPU), else None: a model or
+    batch too large for the machine is not a bug to trace back, but a size to change."""
+    text = str(exc)
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in text:
+        return " ".join(text.replace("[enforce fail at", "[").split())[:300] or type(exc).__name__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     entry, argv = argv is None, sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
@@ -146,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"posttune: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_status
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        said = _out_of_memory(exc)
+        if debug or said is None:
+            raise
+        print(f"posttune: error: out of memory: {said} (`posttune plan` estimates a run's peak, docs/memory.md says "
+              "what lowers it; --debug: the traceback)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("posttune: interrupted", file=sys.stderr)
         return 130
