@@ -489,3 +489,16 @@ def test_the_tokenized_store_shares_its_arrays_memory():
     tensor = _tensor(values, torch.int32)
     assert tensor.data_ptr() == values.buffer_info()[0] and tensor.tolist() == list(range(1000))
     assert _tensor(array("i"), torch.int32).numel() == 0
+
+
+def test_a_datasets_cache_that_cannot_be_written_is_named_not_the_data(tmp_path, tokenizer, formats, monkeypatch):
+    """HF_DATASETS_CACHE (or HF_HOME) under a file: the error used to blame data.train.path, whose file is fine."""
+    import datasets
+
+    path = write(tmp_path / "rows.jsonl", [{"instruction": "a", "output": "b"}])
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "afile" / "cache")
+    with pytest.raises(PosttuneError) as caught:
+        loader_for(path, tokenizer, formats)
+    assert str(caught.value).startswith("data.train: datasets' cache cannot be written (NotADirectoryError: ")
+    assert str(caught.value).endswith("HF_DATASETS_CACHE (or HF_HOME, XDG_CACHE_HOME) must name a writable folder")

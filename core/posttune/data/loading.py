@@ -16,7 +16,7 @@ from posttune import hub
 from posttune.config.data_checks import local_files, local_path, local_split, saved_by_datasets
 from posttune.config.schema import DatasetConfig
 from posttune.data.local_files import check_files, cleaned, explain_failure, scratch_cache
-from posttune.errors import ConfigError, first_line
+from posttune.errors import ConfigError, PosttuneError, first_line
 
 
 def load_rows(config: DatasetConfig, *, where: str = "data.train", skip_bad_rows: bool = False,
@@ -101,6 +101,17 @@ def _slice(split: str, size: int, where: str) -> slice:
     return slice(instruction.from_, instruction.to)
 
 
+def _in_cache(filename: Any) -> bool:
+    """Whether an OS error's file is datasets' cache (where it writes Arrow files of what it reads), lies in it, or
+    is a folder on the way to it (HF_HOME under a file)."""
+    import datasets
+
+    if filename is None:
+        return False
+    cache, file = Path(datasets.config.HF_DATASETS_CACHE).expanduser().absolute(), Path(str(filename)).absolute()
+    return file == cache or cache in file.parents or file in cache.parents
+
+
 def _load(where: str, shown: str, path: str, *, hint: str = "", explain: Any = None, **kwargs: Any) -> Any:
     import datasets
 
@@ -125,6 +136,10 @@ def _load(where: str, shown: str, path: str, *, hint: str = "", explain: Any = N
                                                "are read as one table; give them the same columns, or list each "
                                                "as its own dataset (a mixture)") from None
         problem = first_line(str(cause)) or type(cause).__name__
+        if isinstance(cause, OSError) and _in_cache(cause.filename):  # the data is fine: its cache is not
+            raise PosttuneError(f"{where}: datasets' cache cannot be written ({type(cause).__name__}: {problem}): "
+                                f"HF_DATASETS_CACHE (or HF_HOME, XDG_CACHE_HOME) must name a writable "
+                                f"folder") from None
         problem = f"could not load {shown!r} ({type(cause).__name__}: {problem}){hint}"
         raise ConfigError(f"{where}.path", problem) from None
     finally:
