@@ -127,6 +127,8 @@ def test_cp_copies_a_bundled_config_and_refuses_to_overwrite(register_plugin, po
     missing = posttune_cli("cp", "fam-sf", str(dest))
     assert missing.stderr == ("posttune: error: no bundled config 'fam-sf' (did you mean 'fam-sft'?) "
                               "(see `posttune ls configs`)\n")
+    assert posttune_cli("cp", "fam-sft", f"{tmp_path / 'new' / 'dir'}/").exit_code == 0  # a trailing /: a folder
+    assert (tmp_path / "new" / "dir" / "run.yaml").read_text() == CONFIG
 
 
 def test_cp_that_cannot_write_its_destination_is_one_line_naming_it(register_plugin, posttune_cli, tmp_path,
@@ -149,7 +151,8 @@ def _metrics(run: Path) -> Path:
 
 @pytest.mark.parametrize("option", ["-o", "--output", "--out"])
 @pytest.mark.parametrize("given, written", [("curve", "curve.png"), ("curve.svg", "curve.svg"),
-                                            ("adir", "adir/loss.png"), ("curve.v2", "curve.v2.png")])
+                                            ("adir", "adir/loss.png"), ("curve.v2", "curve.v2.png"),
+                                            ("plots/", "plots/loss.png")])  # a trailing /: a folder, made
 def test_plot_prints_the_file_it_wrote(posttune_cli, tmp_path, monkeypatch, option, given, written):
     """matplotlib adds .png to a name without an image suffix, and would write adir.png beside a directory: what
     `plot` prints is the file that is there. -o/--output as every command spells it; --out, its first spelling."""

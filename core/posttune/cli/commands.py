@@ -137,7 +137,12 @@ def _run_cp(args: argparse.Namespace) -> int:
         raise PosttuneError(f"no bundled config '{args.config}'"
                             f"{did_you_mean(args.config, registry.names('config'))} (see `posttune ls configs`)")
     source = found.descriptor.path
-    dest = Path(args.dest)
+    dest = Path(args.dest).expanduser()
+    if args.dest.endswith(("/", os.sep)) and not dest.exists():  # `cp NAME newdir/`: a folder meant, not a file
+        try:
+            dest.mkdir(parents=True)
+        except OSError as exc:
+            raise cannot_write(dest, exc) from None
     if dest.is_dir():
         dest = dest / source.name
     if dest.exists() and not args.force:
@@ -349,8 +354,8 @@ def plot_path(output_dir: str | Path, out: str | Path | None) -> Path:
     ``adir.png`` beside an existing directory ``adir``: both are settled here, so the path shown is the file."""
     if out is None:
         return Path(output_dir) / "loss.png"
-    path = Path(out)
-    if path.is_dir():
+    path = Path(out).expanduser()
+    if path.is_dir() or str(out).endswith(("/", os.sep)):  # a trailing /: a folder meant, made by the writer
         return path / "loss.png"
     if path.suffix.lower().lstrip(".") not in _image_formats():
         return path.with_name(f"{path.name}.png")
@@ -371,6 +376,8 @@ def _run_plot(args: argparse.Namespace) -> int:
 
     path = plot_path(args.output_dir, args.out)
     try:
+        if args.out is not None and str(args.out).endswith(("/", os.sep)):
+            path.parent.mkdir(parents=True, exist_ok=True)
         print(plot_losses(args.output_dir, path))
     except OSError as exc:  # a missing folder, a parent that is a file, no permission
         if exc.filename is not None and Path(exc.filename) != path:  # metrics.jsonl unreadable, say
