@@ -396,3 +396,26 @@ def test_a_model_path_not_written_yet_is_valid_with_a_warning(llama_sft, posttun
     assert result.stderr.endswith(f"{tmp_path / 'warm' / 'model'}: no such checkpoint directory\n")
     result = posttune_cli("train", str(path), "tokenizer.path=null")  # read from the model's folder: named as it
     assert result.stderr.endswith(f"config: model.path: {tmp_path / 'warm' / 'model'}: no such checkpoint directory\n")
+
+
+def test_sigterm_while_the_run_is_prepared_is_recorded_and_exits_143(llama_sft, posttune_cli, write_config, tmp_path,
+                                                                     monkeypatch):
+    """Before step 1 there is nothing to save; the default SIGTERM would kill the process with run.json saying
+    "running". Now the run says so, records "preempted" and exits as a preempted run does."""
+    import os
+    import signal
+
+    from posttune.training import compose
+
+    def loading(session):
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's SIGTERM while the weights load
+        raise AssertionError("the signal did not stop setup")
+
+    monkeypatch.setattr(compose, "build_policy", loading)
+    before = signal.getsignal(signal.SIGTERM)
+    result = posttune_cli("train", str(write_config()))
+    assert result.exit_code == 143, result.stderr
+    assert result.stderr.endswith("posttune: SIGTERM while the run was being prepared: no step ran, so no checkpoint "
+                                  "was written; start it again (a resumed run resumes from the same checkpoint)\n")
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "preempted"
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -22,7 +22,7 @@ WORKER_MODULE = "posttune.training.worker"
 
 def run(plan: Any) -> int:
     from posttune.errors import one_line
-    from posttune.training import distributed, output_dir, run_report
+    from posttune.training import distributed, output_dir, preemption, run_report
     from posttune.training.compose import close_method, compose
 
     # Rank 0 (known from torchrun's environment: no process group yet) holds the directory.
@@ -32,9 +32,15 @@ def run(plan: Any) -> int:
             print(run_report.preparing(plan), flush=True)
         out, show, session = Path(plan.config.checkpoint.output_dir), main, None
         try:
-            session = compose(plan)  # closes the method itself if it fails after the method's setup
+            with preemption.stopping_setup():
+                session = compose(plan)  # closes the method itself if it fails after the method's setup
             show = distributed.is_main()
             return _run(session, show, out)
+        except preemption.StoppedInSetup as stopped:
+            if show:
+                print(f"posttune: {stopped}", file=sys.stderr)
+                output_dir.record_status(out, "preempted", checkpoint=None)
+            return preemption.PREEMPTED
         except KeyboardInterrupt:  # run.json says how the run ended, for whoever watches the folder
             if show:
                 output_dir.record_status(out, "interrupted", **({"step": session.step} if session else {}))

@@ -256,8 +256,11 @@ def _write_run(out: Path, record: dict[str, Any]) -> None:
     tmp = out / f".{RUN_FILE}.tmp-{uuid.uuid4().hex[:8]}"
     with writing(out / RUN_FILE, "run record"):
         out.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(tmp, out / RUN_FILE)
+        try:
+            tmp.write_text(json.dumps(record, indent=2) + "\n")
+            os.replace(tmp, out / RUN_FILE)
+        finally:  # a write that failed (a full disk) leaves no half file behind: its error says nothing changed
+            tmp.unlink(missing_ok=True)
 
 
 # ---- the checkpoints of a lineage ---------------------------------------------------------------

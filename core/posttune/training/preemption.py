@@ -46,6 +46,32 @@ class Preempted(Exception):  # noqa: N818 - not an error: the run stopped as ask
                          "checkpoint.resume=latest")
 
 
+class StoppedInSetup(Exception):  # noqa: N818 - not an error: the run stopped as asked
+    """SIGTERM while the run was being prepared (weights loading, data tokenizing): no step ran, nothing to save."""
+
+    def __init__(self) -> None:
+        super().__init__("SIGTERM while the run was being prepared: no step ran, so no checkpoint was written; "
+                         "start it again (a resumed run resumes from the same checkpoint)")
+
+
+@contextlib.contextmanager
+def stopping_setup() -> Iterator[None]:
+    """SIGTERM during setup ends it at once, as an exception the run records (its default would kill the process
+    with run.json still saying "running"). Main thread only, like ``watching``."""
+    def stop(signum: int, _frame: Any) -> None:
+        raise StoppedInSetup()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def watching() -> Iterator[None]:
     """Catch SIGTERM for the duration of the loop (main thread only; elsewhere nothing changes)."""
