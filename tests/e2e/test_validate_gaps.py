@@ -131,6 +131,9 @@ def starting_from(tmp_path, folder) -> dict:
      "the dataset has no column 'msgs' (columns: messages)"),
     (lambda tmp: local_split(tmp, "test"), "data.train.split",
      "'test': local files are read as one split, 'train' (slices such as train[:90%] work)"),
+    (lambda tmp: {**local_split(tmp, "train"), "data": {**local_split(tmp, "train")["data"], "train": {
+        **local_split(tmp, "train")["data"]["train"], "subset": "main"}}}, "data.train.subset",
+     "'main': local files have no subsets (a hub dataset's configuration name)"),
     (lambda tmp: starting_from(tmp, tmp / "nowhere"), "adapter.init_from", "no adapter_config.json"),
     (lambda tmp: starting_from(tmp, saved_adapter(tmp, rank=8)), "adapter.init_from",
      "rank 8 (saved) vs 4 (adapter.rank)"),
@@ -144,7 +147,8 @@ def starting_from(tmp_path, folder) -> dict:
 ], ids=["scheduler", "low-bit-optimizer", "missing-path", "missing-train-file", "missing-validation-file",
         "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "csv-format-vs-rows",
         "csv-unmapped-columns", "csv-missing-column", "csv-header-only", "empty-file", "invalid-json", "not-utf8",
-        "not-an-object", "empty-file-skipping-bad-rows", "missing-column", "local-split-name", "init-from-missing",
+        "not-an-object", "empty-file-skipping-bad-rows", "missing-column", "local-split-name", "local-subset",
+        "init-from-missing",
         "init-from-other-rank", "parquet-format-vs-rows", "parquet-no-rows", "bad-value-in-first-row"])
 def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, tmp_path, make, field, words):
     result = validate(posttune_cli, tmp_path, make(tmp_path))

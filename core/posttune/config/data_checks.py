@@ -37,6 +37,10 @@ def check_data(plan: Any, *, runs: bool = True) -> None:
         if (path := local_path(dataset, where)) is not None and not saved_by_datasets(path):
             local_files(path, where)
             local_split(dataset.split, where)
+            if dataset.subset is not None:  # a hub dataset's configuration: local files have none
+                raise ConfigError(f"{where}.subset", f"{dataset.subset!r}: local files have no subsets (a hub "
+                                                     "dataset's configuration name); point path at that subset's "
+                                                     "own files")
     chats = check_first_rows(plan)
     check_tokenizer(plan.config, required=runs, chats=chats)
 
