@@ -75,7 +75,8 @@ _LAZY: dict[str, str] = {
     # the Hugging Face names and config.json fields of posttune.modules' decoder, for Llama-like families
     **dict.fromkeys(["ExpertKeys", "decoder_hf_config", "decoder_keys", "decoder_kwargs"],
                     "posttune.checkpoint.hf_decoder"),
-    "sequence_scores": "posttune.checkpoint.score_head",  # a score model's value per row, as transformers pools
+    # a score model's value per row, as transformers pools, and the pad id a loaded one pools by
+    **dict.fromkeys(["sequence_scores", "score_pad_id"], "posttune.checkpoint.score_head"),
     "hf_tensors": "posttune.checkpoint.hf_save",  # a native state dict under HF names, for an engine's copy
     "tie_groups": "posttune.checkpoint.materialize",
     # adapters

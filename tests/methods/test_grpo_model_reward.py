@@ -31,14 +31,14 @@ def grpo_rm(register_plugin):
     register_plugin(posttune_rm, distribution="posttune-rm", version="0.1.0")
 
 
-def save_reward_model(path: Path) -> None:
-    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 384, "num_labels": 1, "pad_token_id": PAD})
+def save_reward_model(path: Path, pad: int | None = PAD) -> None:
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 384, "num_labels": 1, "pad_token_id": pad})
     torch.manual_seed(0)
     transformers.LlamaForSequenceClassification(config).save_pretrained(path)
 
 
-def rm_run(tmp_path: Path, **method) -> dict:
-    save_reward_model(tmp_path / "rm")
+def rm_run(tmp_path: Path, pad: int | None = PAD, **method) -> dict:
+    save_reward_model(tmp_path / "rm", pad)
     config = grpo_config(tmp_path, method={"rewards": [{"name": "reward_model", "options": {"batch_size": 3}}],
                                            "temperature": 1.0, **method}, train={"eval_every": 3})
     config["models"] = {"reward": {"path": str(tmp_path / "rm")}}
@@ -46,10 +46,13 @@ def rm_run(tmp_path: Path, **method) -> dict:
     return config
 
 
-def test_completions_are_scored_as_transformers_scores_them(grpo_rm, tmp_path):
+# the tokenizer's pad id (4, its EOS too); none (transformers' default: a Llama 3 RM, scored at the last token,
+# EOS included); one the tokenizer does not name: transformers pools by config.json's, so must posttune
+@pytest.mark.parametrize("pad", [PAD, None, 5])
+def test_completions_are_scored_as_transformers_scores_them(grpo_rm, tmp_path, pad):
     from posttune_grpo.method import batches
 
-    session = compose_run(rm_run(tmp_path))
+    session = compose_run(rm_run(tmp_path, pad))
     assert session.models["reward"].output.out_features == 1
     next(iter(batches(session)))
     rollouts = session.method_state.pending

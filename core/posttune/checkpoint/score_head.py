@@ -54,6 +54,17 @@ def score_labels(model: Any) -> int | None:
         return None
 
 
+def score_pad_id(model: Any, fallback: int) -> int | None:
+    """The pad id a loaded score model pools by, as transformers reads it: its config.json's ``pad_token_id``
+    (None: there is none, and a row scores at its last token); ``fallback`` for a model not loaded from a
+    checkpoint (built from a size, or wrapped beyond ``origin_of``)."""
+    try:
+        config = origin_of(model).hf_config
+    except PosttuneError:
+        return fallback
+    return fallback if config is None else config.get("pad_token_id")
+
+
 def checkpoint_labels(hf_config: Mapping[str, Any]) -> int | None:
     """``num_labels`` of a sequence-classification checkpoint's config.json, None for a causal one."""
     if not any(str(name).endswith(SEQUENCE_CLASSIFICATION) for name in hf_config.get("architectures") or ()):

@@ -75,12 +75,15 @@ def model_scores(session: Session, prompts: list[Any], completions: list[str], b
     ``tools``: each row's tool definitions (None: no row has any)."""
     import torch
 
-    from posttune.plugin import pad_id, sequence_scores
+    from posttune.plugin import pad_id, score_pad_id, sequence_scores
 
     state = session.method_state
     tokenizer = state.reward_tokenizer
-    pad = pad_id(tokenizer)
     model = session.models[ROLE]
+    # pooled as transformers pools this checkpoint: by its config.json's pad id (a Llama 3 RM may have none: then
+    # at each row's last token), not the tokenizer's, which may differ or fall back to EOS
+    pooled_by = score_pad_id(model, pad_id(tokenizer))
+    pad = pad_id(tokenizer) if pooled_by is None else pooled_by
     tools = tools if tools is not None else [None] * len(prompts)
     rows = [conversation_ids(tokenizer, p, c, t) for p, c, t in zip(prompts, completions, tools, strict=True)]
     values = []
@@ -91,5 +94,10 @@ def model_scores(session: Session, prompts: list[Any], completions: list[str], b
             ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
         ids = ids.to(session.device)
         with torch.no_grad():
-            values.append(sequence_scores(model(ids), ids, pad)[:, 0].float().cpu())
+            scores = model(ids)
+        if pooled_by is None:
+            last = torch.tensor([len(row) - 1 for row in chunk], device=scores.device)
+            values.append(scores[torch.arange(len(chunk), device=scores.device), last, 0].float().cpu())
+        else:
+            values.append(sequence_scores(scores, ids, pooled_by)[:, 0].float().cpu())
     return torch.cat(values)
