@@ -147,6 +147,14 @@ def test_bad_moe_fields_are_refused_in_one_line(saved, tmp_path, changes, messag
     assert str(refused.value).startswith(f"config: model.path: {path}: config.json")
 
 
+def test_a_qwen2_moe_without_its_shared_expert_is_refused_before_its_empty_tensors(saved, tmp_path):
+    """transformers builds shared_expert_intermediate_size 0 as empty tensors plus a gate, and saves them: said
+    as the setting it is, not as unexpected tensors of a damaged checkpoint."""
+    path = _edit_config(saved["qwen2_moe"][1], tmp_path, shared_expert_intermediate_size=0)
+    with pytest.raises(PosttuneError, match="shared_expert_intermediate_size 0 .no shared expert. is not supported"):
+        posttune.load_model(path)
+
+
 def test_a_missing_expert_is_named(saved, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -82,6 +82,10 @@ def read_moe(config: Mapping[str, Any], family: str, num_layers: int) -> dict[st
                             f"got {kwargs['mlp_only_layers']}")
     kwargs["mlp_only_layers"] = tuple(kwargs["mlp_only_layers"])
     if family == "qwen2_moe":
+        if config.get("shared_expert_intermediate_size") == 0:  # transformers keeps zero-size tensors and a gate
+            raise PosttuneError("config.json: shared_expert_intermediate_size 0 (no shared expert) is not supported "
+                                "by the qwen2_moe family: transformers still stores the shared expert's empty "
+                                "tensors and its gate; a Qwen2-MoE without one is a qwen3_moe-shaped model")
         kwargs["shared_expert_intermediate_size"] = config.get("shared_expert_intermediate_size") or 0
         kwargs["attention_bias"] = bool(config.get("qkv_bias", True))
     return kwargs
