@@ -94,7 +94,7 @@ def test_a_fused_tensor_of_the_wrong_size_is_one_line(phi3):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(PosttuneError) as caught:
         posttune.load_model(path)
-    assert str(caught.value) == ("checkpoint tensor 'model.layers.1.self_attn.qkv_proj.weight' has 130 rows; "
+    assert str(caught.value) == (f"{path}: checkpoint tensor 'model.layers.1.self_attn.qkv_proj.weight' has 130 rows; "
                                  "config.json's sizes give 64 + 32 + 32")
 
 

@@ -127,7 +127,7 @@ def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _placed_like(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` as ``target`` holds it: a DTensor's own shard of it, cut locally."""
+    """A full tensor as ``target`` holds it: a DTensor's own shard of it, cut locally."""
     mesh = getattr(target, "device_mesh", None)
     if mesh is None:
         return value
@@ -138,7 +138,7 @@ def _placed_like(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def holds(target: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether ``target`` (a DTensor: its own shard) already holds ``value`` as ``copy_into`` would put it."""
+    """Whether ``target`` (a DTensor: its own shard) already holds a full tensor as ``copy_into`` would put it."""
     placed = _placed_like(target, value)
     if getattr(target, "device_mesh", None) is not None:
         return torch.equal(target.to_local(), placed.to_local())
