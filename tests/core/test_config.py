@@ -210,6 +210,17 @@ def test_yaml_never_constructs_python_objects(tmp_path):
         load_yaml(evil)
 
 
+@pytest.mark.parametrize("text", ["", "# my run, to be written\n", "---\n"])
+def test_an_empty_config_file_is_said_to_be_empty(tmp_path, text):
+    """Not "config: model: required", as if one section were missing."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(PosttuneError) as caught:
+        load_config(path)
+    assert str(caught.value) == (f"{path}: the config file is empty (a config names a model, a method and data: "
+                                 "`posttune cp` copies a bundled one to start from)")
+
+
 def test_yaml_nested_past_the_parsers_recursion_is_one_line(tmp_path):
     deep = tmp_path / "deep.yaml"
     deep.write_text("model: " + "[" * 3000 + "]" * 3000 + "\n")

@@ -266,7 +266,11 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: list[str] | N
     if isinstance(source, Mapping):  # a copy: the caller's mapping is left as it was
         data = role_sections(copy.deepcopy(dict(source)))
     else:
-        data = role_sections(load_yaml(resolve_config_path(source)))
+        path = resolve_config_path(source)
+        data = role_sections(load_yaml(path))
+        if not data and not overrides:  # an empty file (or only comments): not a config missing its `model:`
+            raise PosttuneError(f"{path}: the config file is empty (a config names a model, a method and data: "
+                                "`posttune cp` copies a bundled one to start from)")
     if isinstance(data, dict):  # top-level x-* keys hold YAML anchors for the rest (docker compose's convention)
         data = {key: value for key, value in data.items() if not (isinstance(key, str) and key.startswith("x-"))}
     data = apply_overrides(data, [_new_spelling(o) for o in overrides or []])
