@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from posttune.config import apply_overrides, instantiate, load_config, load_yaml, validate
-from posttune.config.loader import parse_value
+from posttune.config.loader import parse_value, parse_yaml
 from posttune.config.requires import check_requires
 from posttune.errors import ConfigError, PosttuneError
 
@@ -153,6 +153,12 @@ def test_cli_takes_a_setting_under_a_short_form_method(fake_plugin, posttune_cli
     wrong = posttune_cli("validate", str(path), "method.betta=0.5")
     assert (wrong.exit_code, wrong.stdout) == (2, "")
     assert wrong.stderr == "posttune: error: config: method.betta: unknown key (did you mean 'beta'?)\n"
+
+
+def test_yaml_reads_integers_as_yaml_1_2_does():
+    """YAML 1.1 (PyYAML's) read `batch_size: 010` as octal 8 and `1:30` as 90; a config means ten and a string."""
+    assert parse_yaml("a: 010\nb: 0o10\nc: 0x1f\nd: 1_000\ne: -5\nf: 1:30\ng: 007") == {
+        "a": 10, "b": 8, "c": 31, "d": 1000, "e": -5, "f": "1:30", "g": 7}
 
 
 def test_yaml_reads_exponent_floats_and_rejects_non_mappings(tmp_path):

@@ -71,11 +71,23 @@ _FLOAT = re.compile(
     |\.(?:nan|NaN|NAN))$""",
     re.X,
 )
+#: YAML 1.2's integers: ``010`` is ten (YAML 1.1 read it as octal 8, ``1:30`` as 90), ``0o10`` octal, ``0x10`` hex
+_INT = re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_NUMBERS = ("tag:yaml.org,2002:float", "tag:yaml.org,2002:int")
 _Loader.yaml_implicit_resolvers = {
-    key: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:float"]
+    key: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBERS]
     for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", _INT, list("-+0123456789"))
+
+
+def _int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    return int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _int)
 
 
 def parse_yaml(text: str, source: str = "<string>") -> Any:
