@@ -152,10 +152,11 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
     the same prompt (an RL method's group of completions) share one prefill: the KV cache of its
     first row is copied.
 
-    ``max_new_tokens`` is capped so that the longest prompt plus its completion fits the model's
-    context (``context_length``; no cap when it is unknown): positions past it are untrained, and
-    the KV cache is allocated for the capped length. A prompt longer than the context is a
-    ValueError, as is a sampling setting out of its range (``check_sampling``).
+    Each row's ``max_new_tokens`` is capped so that its prompt plus its completion fits the model's
+    context (``context_length``; no cap when it is unknown): positions past it are untrained. The cap
+    is the row's own, so a row's completion does not depend on the other prompts of the call or of
+    other ranks. A prompt longer than the context is a ValueError, as is a sampling setting out of
+    its range (``check_sampling``).
 
     ``logprobs`` are ``log_softmax(logits / temperature)`` (``log_softmax(logits)`` when greedy)
     at the chosen tokens, before top-k/top-p/min-p: the filters are a sampling device, and a
@@ -169,13 +170,13 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
     _check_arguments(rows, max_new_tokens, seed, seeds)
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     device = _device_of(model)
-    max_new_tokens = _fit_to_context(model, rows, max_new_tokens, device)
+    max_new_tokens, caps = _fit_to_context(model, rows, max_new_tokens, device)
     sampling = temperature > 0.0
     row_seeds = _row_seeds(len(rows), seed, seeds, device) if sampling else None
     input_ids, padding = _left_pad(rows, pad_id, device)
     stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     cache = KVCache(input_ids.shape[1] + max_new_tokens)
-    finished = torch.zeros(len(rows), dtype=torch.bool, device=device)
+    finished = torch.zeros(len(rows), dtype=torch.bool, device=device) if caps is None else caps <= 0
     tokens: list[torch.Tensor] = []
     logprobs: list[torch.Tensor] = []
     alive: list[torch.Tensor] = []
@@ -204,6 +205,8 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Ten
         tokens.append(token.masked_fill(finished, pad_id))
         logprobs.append(logprob.masked_fill(finished, 0.0))
         finished = finished | torch.isin(tokens[-1], stop)
+        if caps is not None:  # a row whose prompt and completion fill the context stops there, alone
+            finished = finished | (caps <= step + 1)
         if step + 1 == max_new_tokens or not _any_unfinished(finished):
             break
         step_input = tokens[-1][:, None]
@@ -432,26 +435,29 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.where(overflowed & torch.isfinite(top), (logits - top) / temperature, scaled)
 
 
-def _fit_to_context(model: nn.Module, rows: list[list[int]], max_new_tokens: int, device: torch.device) -> int:
-    """``max_new_tokens``, capped so the longest prompt and its completion fit the model's context.
+def _fit_to_context(model: nn.Module, rows: list[list[int]], max_new_tokens: int,
+                    device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """(steps to run, each row's own cap or None): a row's ``max_new_tokens`` capped so its prompt and its
+    completion fit the model's context; the steps, the most any row may take.
 
-    Under torch.distributed the ranks agree on the smallest cap (every rank must run as many
-    steps), and a prompt too long on any rank is an error on every rank, not a hang on the others.
+    Under torch.distributed the ranks agree on the steps (every rank must run as many forwards), and a
+    prompt too long on any rank is an error on every rank, not a hang on the others.
     """
     context = context_length(model)
     if context is None:
-        return max_new_tokens
-    longest = max(len(row) for row in rows)
-    cap = min(max_new_tokens, context - longest)  # negative when a prompt is longer than the context
+        return max_new_tokens, None
+    caps = (context - torch.tensor([len(row) for row in rows], device=device)).clamp(max=max_new_tokens)
+    low, high = int(caps.min()), int(caps.max())  # low is negative when a prompt is longer than the context
     if dist.is_available() and dist.is_initialized():
-        agreed = torch.tensor([cap], dtype=torch.long, device=device)
+        agreed = torch.tensor([low, -high], dtype=torch.long, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        cap = int(agreed.item())
-    if cap < 0:
+        low, high = int(agreed[0]), -int(agreed[1])
+    if low < 0:
+        longest = max(len(row) for row in rows)
         where = f"{longest} tokens" if longest > context else "on another rank"
         raise ValueError(f"a prompt is longer than the model's context of {context} tokens "
                          f"(max_position_embeddings): {where}")
-    return cap
+    return high, caps
 
 
 def _any_unfinished(finished: torch.Tensor) -> bool:

@@ -220,25 +220,30 @@ def test_generate_batch_refuses_a_negative_temperature_rather_than_going_greedy(
         generate_batch(short_model, [[5, 6, 7]], max_new_tokens=4, temperature=-1.0)
 
 
-def test_generate_batch_caps_new_tokens_and_sizes_its_kv_cache_by_the_context(short_model, monkeypatch):
-    """Rows of 5 and 9 tokens, no stop token, 1e8 asked: 32 - 9 = 23 steps, and no cache beyond 32 positions
-    (a larger one fails here, before it allocates anything)."""
+def test_generate_batch_caps_each_rows_new_tokens_and_sizes_its_kv_cache_by_the_context(short_model, monkeypatch):
+    """Rows of 5 and 9 tokens, no stop token, 1e8 asked: each row fills the context of 32, 27 and 23 new tokens
+    (its own room, not the longest prompt's), and the left-padded cache holds 9 + 27 positions, not 1e8 (a
+    larger one fails here, before it allocates anything). The short row's completion is the one it gets alone."""
     import posttune.generation as generation
 
     sizes = []
 
     class RecordingCache(generation.KVCache):
         def __init__(self, max_len):
-            assert max_len <= CONTEXT, f"a KV cache of {max_len} positions for a context of {CONTEXT}"
+            assert max_len <= 9 + CONTEXT - 5, f"a KV cache of {max_len} positions for a context of {CONTEXT}"
             sizes.append(max_len)
             super().__init__(max_len)
 
     monkeypatch.setattr(generation, "KVCache", RecordingCache)
     prompts = [list(range(5, 10)), list(range(5, 14))]
     out = generate_batch(short_model, prompts, max_new_tokens=10**8, temperature=1.0, seed=0)
-    assert sizes == [CONTEXT] and out.tokens.shape == (2, CONTEXT - 9) and bool(out.mask.all())
-    capped = generate_batch(short_model, prompts, max_new_tokens=CONTEXT - 9, temperature=1.0, seed=0)
+    assert sizes == [9 + CONTEXT - 5] and out.tokens.shape == (2, CONTEXT - 5)
+    assert out.mask.sum(dim=1).tolist() == [CONTEXT - 5, CONTEXT - 9]
+    capped = generate_batch(short_model, prompts, max_new_tokens=CONTEXT - 5, temperature=1.0, seed=0)
     assert torch.equal(out.tokens, capped.tokens) and torch.equal(out.logprobs, capped.logprobs)
+    alone = generate_batch(short_model, prompts[:1], max_new_tokens=10**8, seeds=[generation.derive_seed(0, 0)],
+                           temperature=1.0)
+    assert torch.equal(alone.tokens[0], out.tokens[0])
 
 
 def test_generate_batch_refuses_a_prompt_longer_than_the_context(short_model):
@@ -274,15 +279,16 @@ forwards = []
 model.register_forward_hook(lambda *_: forwards.append(1))
 prompts = json.loads(sys.argv[1])[dist.get_rank()]
 out = generate_batch(model, prompts, max_new_tokens=8, temperature=1.0, seed=0)
-print(json.dumps({"forwards": len(forwards), "length": out.tokens.shape[1]}))
+print(json.dumps({"forwards": len(forwards), "kept": int(out.mask.sum())}))
 dist.destroy_process_group()
 """
 
 
 @pytest.mark.slow
-def test_ranks_agree_on_the_smallest_cap():
-    """Context 16: rank 0's 3-token prompt leaves room for all 8 tokens, rank 1's 12-token one for 4. Both
-    ranks run 4 forwards (one rank stepping alone would hang the other in the per-step all-reduce)."""
+def test_each_row_has_its_own_cap_and_the_ranks_agree_on_the_steps():
+    """Context 16: rank 0's 3-token prompt leaves room for all 8 tokens, rank 1's 12-token one for 4. Each row
+    gets what its own prompt leaves (not the smallest room of any rank: a completion depends on its prompt alone),
+    and both ranks run 8 forwards (one rank stepping alone would hang the other in the per-step all-reduce)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -301,4 +307,4 @@ def test_ranks_agree_on_the_smallest_cap():
         for process in ranks:
             if process.poll() is None:
                 process.kill()
-    assert results == [{"forwards": 4, "length": 4}, {"forwards": 4, "length": 4}]
+    assert results == [{"forwards": 8, "kept": 8}, {"forwards": 8, "kept": 4}]
