@@ -245,7 +245,10 @@ def _chat_templates(folder: Path, config: dict[str, Any]) -> tuple[str | dict[st
 
 
 def _generation_eos_ids(folder: Path) -> list[int]:
-    eos = (read_json(folder / "generation_config.json") or {}).get("eos_token_id")
+    """generation_config.json's stop ids; without that file, config.json's ``eos_token_id``, as transformers
+    falls back to it."""
+    source = folder / "generation_config.json"
+    eos = (read_json(source if source.is_file() else folder / "config.json") or {}).get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
     return [i for i in ids if isinstance(i, int)]
 

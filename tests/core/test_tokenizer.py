@@ -142,6 +142,10 @@ def test_generation_config_adds_stop_tokens(folders, tmp_path):
     folder = copy_of(folders["llama3"], tmp_path)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 4]}))
     assert load_tokenizer(folder).eos_ids == [4, 1]
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": [2, 4]}))  # read only without the file above
+    assert load_tokenizer(folder).eos_ids == [4, 1]
+    (folder / "generation_config.json").unlink()  # transformers falls back to config.json's ids: so do its stops
+    assert load_tokenizer(folder).eos_ids == [4, 2]
 
 
 def test_tokens_missing_from_tokenizer_json_are_added_like_transformers(folders, tmp_path):

@@ -126,12 +126,17 @@ def test_an_adapter_run_saves_the_tokenizer_beside_the_adapter_for_generate_and_
     posttune.save_model(posttune.build_model("llama", "tiny", vocab_size=384), base_model)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(folder / name, base_model / name)
+    generation = json.loads((base_model / "generation_config.json").read_text())
+    (base_model / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [7, 9]}))
     path = write_config(model={"path": str(base_model), "family": None, "size": None, "build_overrides": {}},
                         tokenizer={"path": None, "chat_template": template}, adapter={"rank": 2, "alpha": 4},
                         train={"max_steps": 1})
     assert posttune_cli("train", str(path)).exit_code == 0
     adapter = tmp_path / "out" / "adapter"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "tokenizer.json").is_file()
+    # the base's stop tokens travel with the tokenizer read from here (Gemma's <end_of_turn> lives only there)
+    assert posttune.load_tokenizer(adapter).eos_ids == posttune.load_tokenizer(base_model).eos_ids
+    assert {7, 9} <= set(posttune.load_tokenizer(adapter).eos_ids)
     generated = posttune_cli("generate", "--adapter", str(adapter), "--chat", "--max-new-tokens", "2",
                              "--prompt", "Reverse: AB")
     assert generated.exit_code == 0, generated.stderr

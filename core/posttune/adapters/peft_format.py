@@ -131,10 +131,13 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
     with atomic_dir(out_dir, replaceable=(ADAPTER_CONFIG, ADAPTER_WEIGHTS)) as tmp:
         write_file(tmp / ADAPTER_WEIGHTS, planned, tensors.__getitem__)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        if tokenizer is not None:
-            from posttune.checkpoint.hf_save import save_tokenizer
+        if tokenizer is not None:  # and the base's stop tokens: commands read the tokenizer here, eos ids included
+            from posttune.checkpoint.hf_load import GENERATION_CONFIG
+            from posttune.checkpoint.hf_save import generation_config_for, save_tokenizer
 
             save_tokenizer(tokenizer, tmp)
+            (tmp / GENERATION_CONFIG).write_text(json.dumps(generation_config_for(origin, hf_config or {}), indent=2)
+                                                 + "\n", encoding="utf-8")
     return Path(out_dir)
 
 
