@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from posttune import first_party, tracking
-from posttune.checkpoint.source import family_for, is_hub_id, no_directory, read_hf_config
+from posttune.checkpoint.source import family_for, family_kwargs, is_hub_id, no_directory, read_hf_config
 from posttune.config.components import check_components
 from posttune.config.requires import check_requires, device_for
 from posttune.config.mixture import dataset_sources
@@ -170,7 +170,7 @@ def _family(model: ModelConfig, registry: Registry, section: str) -> Registered:
         family = family_for(hf_config, registry, str(model.path))
     if local:  # its values, as the family reads them
         try:
-            family.descriptor.from_hf_config(hf_config)
+            family_kwargs(family.descriptor, hf_config)
         except ConfigError:
             raise
         except PosttuneError as exc:

@@ -9,6 +9,7 @@ import transformers
 
 import posttune
 import posttune_gemma
+from posttune.errors import PosttuneError
 from gemma_tiny import CONFIGS
 from posttune.testing.tiny import save_tiny_hf_checkpoint
 from logits import assert_close, native_logits, transformers_logits
@@ -50,3 +51,19 @@ def test_model_built_from_a_named_size_saves_as_a_transformers_checkpoint(family
     assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")).__name__ == \
         posttune_gemma.config.ARCHITECTURES[family]
     assert_close(transformers_logits(tmp_path / "out"), native_logits(model))
+
+
+def test_a_multimodal_gemma3_checkpoint_says_to_export_its_text_model(tmp_path):
+    """The hub's gemma-3-4b-it is Gemma3ForConditionalGeneration: its text fields sit under text_config. Both
+    refusals (found by architecture, or read as the named gemma3 family) say what it is and what to load."""
+    text = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384)
+    config = transformers.Gemma3Config(text_config=text.to_dict())
+    written = {**config.to_dict(), "architectures": ["Gemma3ForConditionalGeneration"]}
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    hint = ("this is a multimodal checkpoint (its text model's fields are under text_config): posttune trains the "
+            "text model, so export it alone (its ForCausalLM class) and load that")
+    for family in (None, "gemma3"):
+        with pytest.raises(PosttuneError) as caught:
+            posttune.load_model(tmp_path, family=family)
+        assert str(caught.value).endswith(f"; {hint}") and "\n" not in str(caught.value)

@@ -54,7 +54,7 @@ def load_hf(path_or_id: str | Path, *, dtype: torch.dtype | str | None = None,
             device: torch.device | str | None = None, family: str | None = None) -> nn.Module:
     """A native model with the checkpoint's weights, in eval mode, remembering its origin."""
     ckpt = _open(path_or_id, family)
-    kwargs = ckpt.family.from_hf_config(ckpt.hf_config)
+    kwargs = source.family_kwargs(ckpt.family, ckpt.hf_config)
     dtype = mat.resolve_dtype(dtype, ckpt.hf_config)
     model = mat.build(ckpt.family.build, kwargs, dtype, "meta")
     attach(model, ModelOrigin(ckpt.family.name, kwargs, ckpt.hf_config, source=ckpt.where))

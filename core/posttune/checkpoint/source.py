@@ -13,7 +13,7 @@ from typing import Any
 
 from posttune import first_party, hub
 from posttune.checkpoint.hf_config_check import check_hf_config
-from posttune.errors import PosttuneError, first_line
+from posttune.errors import ConfigError, PosttuneError, first_line
 from posttune.registry import Registered, Registry
 
 #: What `snapshot_download` fetches for a hub id: weights, configs and tokenizer files only
@@ -111,6 +111,24 @@ def _reach() -> dict[str, bool]:
     return {} if hub.offline_requested() or hub.reachable() else {"local_files_only": True}
 
 
+def multimodal_hint(hf_config: Mapping[str, Any]) -> str:
+    """What to say of a multimodal checkpoint (its text model's fields under ``text_config``), else nothing."""
+    if not isinstance(hf_config.get("text_config"), Mapping):
+        return ""
+    return ("; this is a multimodal checkpoint (its text model's fields are under text_config): posttune trains "
+            "the text model, so export it alone (its ForCausalLM class) and load that")
+
+
+def family_kwargs(family: Any, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``family.from_hf_config(hf_config)``; a refusal of a multimodal checkpoint's config says what it is."""
+    try:
+        return family.from_hf_config(hf_config)
+    except ConfigError as exc:
+        raise ConfigError(exc.path, exc.problem + multimodal_hint(hf_config)) from None
+    except PosttuneError as exc:
+        raise PosttuneError(f"{exc}{multimodal_hint(hf_config)}") from None
+
+
 def family_for(hf_config: Mapping[str, Any], registry: Registry, where: str) -> Registered:
     """The installed family whose ``architectures`` include the checkpoint's.
 
@@ -134,7 +152,7 @@ def family_for(hf_config: Mapping[str, Any], registry: Registry, where: str) -> 
     hint = next((first_party.install_hint(first_party.ARCHITECTURES[a]) for a in architectures
                  if a in first_party.ARCHITECTURES), "")
     raise PosttuneError(f"{where}: no installed model family reads architecture {wanted} "
-                        f"(installed: {'; '.join(readers) or 'none'}){hint}")
+                        f"(installed: {'; '.join(readers) or 'none'}){hint}{multimodal_hint(hf_config)}")
 
 
 def quant_method(hf_config: Mapping[str, Any], where: str) -> str | None:
