@@ -92,7 +92,6 @@ class ModelFamily:
     sizes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # named build kwargs
     tp_plan: Mapping[str, str] = field(default_factory=dict)  # module-name pattern -> style
     lora_targets: tuple[str, ...] = ()  # default module-name patterns for adapters
-    tokenizer_defaults: Mapping[str, Any] = field(default_factory=dict)
     description: str = ""
     # the memory estimate (docs/memory.md, "How the estimate is composed"): ``estimate(est, plan)``
     # returns ``est`` with this family's effect, e.g. the activations of layers unlike posttune.modules' blocks
@@ -342,7 +341,7 @@ class MemoryTechnique:
     order: int = 0  # within the stage; compared with ParallelPlan.order in ``parallelize``
     requires: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()
-    saves: str = ""  # what memory it saves, shown by `posttune ls memory`
+    saves: str = ""  # what memory it saves, in words, for its reader (the core reads only the estimate)
     validate: Validator | None = None  # sees ``parallel.dims`` resolved against the world size, as a plan's
     description: str = ""
     config: type | None = None  # dataclass validated from `memory_options.<name>`; the instance

@@ -235,21 +235,6 @@ def generate(model: nn.Module, input_ids: list[int] | torch.Tensor, *, max_new_t
     return out.token_lists()[0]
 
 
-def next_token(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | None = None,
-               top_p: float | None = None, min_p: float | None = None,
-               generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick the next token id from ``logits`` [batch, vocab] with a ``torch.Generator``; returns [batch].
-
-    For one-off use; ``generate_batch`` samples with per-row counter-based noise instead.
-    """
-    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    logits = logits.float()
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    filtered = filter_logits(_scaled(logits, temperature), top_k=top_k, top_p=top_p, min_p=min_p)
-    return torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator).squeeze(-1)
-
-
 class SamplingError(ValueError):
     """A generation setting outside its range: ``name`` is the argument (``top_p``) and ``allowed``
     its range in words, so a command or a config can report it under its own spelling."""

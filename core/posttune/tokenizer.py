@@ -30,7 +30,8 @@ from posttune.tokenizer_files import NAMED_TOKENS, read_tokenizer_files, write_t
 __all__ = ["NAMED_TOKENS", "TOKENIZER_FILES", "Tokenizer", "load_tokenizer"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "additional_chat_templates/*.jinja")
-# owner/name, as posttune.checkpoint reads hub ids: anything else is a local path with a typo
+# owner/name in the hub's characters (stricter than the checkpoint reader's is_hub_id): anything else is a local
+# path with a typo
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

@@ -17,29 +17,23 @@ from __future__ import annotations
 
 from posttune.adapters.inject import (
     AdaptersOff,
-    active_model,
     adapted_key,
     adapted_modules,
     adapter_state_dict,
     adapters_disabled,
     apply_adapters,
-    freeze_base,
     init_adapters,
-    is_adapter_key,
-    matches,
     merge_adapters,
     plain_state_dict,
     trainable_parameters,
 )
-from posttune.adapters.lora import KINDS, LoRALinear, head_weight
+from posttune.adapters.lora import LoRALinear, head_weight
 from posttune.adapters.peft_format import load_peft_adapter, save_peft_adapter
 from posttune.checkpoint.keymap import base_key  # the unwrapped (checkpoint) name of an adapted key
 from posttune.checkpoint.peft_config import adapter_base, tokenizer_source
 
 __all__ = [
-    "KINDS", "AdaptersOff", "LoRALinear", "active_model", "adapter_base", "adapted_key", "adapted_modules",
-    "adapter_state_dict",
-    "adapters_disabled", "apply_adapters", "base_key", "freeze_base", "head_weight", "init_adapters", "is_adapter_key",
-    "load_peft_adapter", "matches", "merge_adapters", "plain_state_dict", "save_peft_adapter", "tokenizer_source",
-    "trainable_parameters",
+    "AdaptersOff", "LoRALinear", "adapter_base", "adapted_key", "adapted_modules", "adapter_state_dict",
+    "adapters_disabled", "apply_adapters", "base_key", "head_weight", "init_adapters", "load_peft_adapter",
+    "merge_adapters", "plain_state_dict", "save_peft_adapter", "tokenizer_source", "trainable_parameters",
 ]

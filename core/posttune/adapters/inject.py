@@ -204,11 +204,6 @@ def plain_state_dict(model: nn.Module, *, device: torch.device | str = "cpu",
     return state
 
 
-def is_adapter_key(key: str, model: nn.Module) -> bool:
-    """Whether a state-dict key of ``model`` is an adapter tensor (not a base tensor)."""
-    return key in _adapter_keys(model)
-
-
 def _adapter_keys(model: nn.Module) -> list[str]:
     return [f"{name}.{param}" for name, layer in adapted_modules(model).items()
             for param in adapter_parameter_names(layer)]

@@ -11,28 +11,6 @@
     atomic.py          write a directory so a crash never leaves half of one
     origin.py          what a model remembers (family, build kwargs, source config) for saving
 
-Exports are lazy so that importing this package (as `posttune plan` does) never imports torch.
+The package exports nothing itself: callers import the module they need, so that importing it (as
+`posttune plan` does) never imports torch.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_EXPORTS = {
-    "load_hf": "posttune.checkpoint.hf_load",
-    "save_hf": "posttune.checkpoint.hf_save",
-    "ModelOrigin": "posttune.checkpoint.origin",
-    "origin_of": "posttune.checkpoint.origin",
-    "atomic_dir": "posttune.checkpoint.atomic",
-    "read_hf_config": "posttune.checkpoint.source",
-    "family_for": "posttune.checkpoint.source",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'posttune.checkpoint' has no attribute '{name}'")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)

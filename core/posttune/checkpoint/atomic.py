@@ -91,8 +91,4 @@ def fsync_dir(path: Path) -> None:
 
 def _fsync_entry(directory: Path) -> None:
     with contextlib.suppress(OSError):  # some file systems refuse fsync on directories
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(directory)

@@ -328,11 +328,7 @@ def _load_quantized(model: nn.Module, reader: QuantizedFormat, files: list[Path]
         labels = [_label(hf_name(converter, key, targets[key], hf_config), key) for key in missing]
         raise PosttuneError(f"{where}: missing tensor {_names(labels)}: the checkpoint does not provide "
                             f"{'it' if len(missing) == 1 else 'them'}")
-    for first, *rest in groups:  # tied weights share the one tensor assigned to the first name
-        shared = model.get_parameter(first)
-        for name in rest:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, shared)
+    mat.retie(model, groups)  # tied weights share the one tensor assigned to the first name
     _materialize_buffers(model, device)
 
 

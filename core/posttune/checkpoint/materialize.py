@@ -101,12 +101,17 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     """Give a meta model uninitialised storage on ``device``, keeping tied weights tied."""
     groups = tie_groups(model)
     model._apply(lambda tensor: _empty(tensor, device))
+    retie(model, groups)
+    return model
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Every name of each tied group holds its first name's parameter again."""
     for first, *rest in groups:
         shared = model.get_parameter(first)
         for name in rest:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, shared)
-    return model
 
 
 def init_buffers(model: nn.Module) -> None:

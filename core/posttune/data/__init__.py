@@ -21,16 +21,14 @@ from posttune.data.build import build_loader, dataset_format, make_loader, pair_
 from posttune.data.collate import (documents_as_rows, flat_batch, pad_id, packed_batch, padded_batch, pair_batch,
                                    rows_as_documents)
 from posttune.data.loader import BatchLoader
-from posttune.data.loading import check_columns, load_rows, rename
-from posttune.data.packing import pack
+from posttune.data.loading import load_rows
 from posttune.data.preference import PairMaker, PreferencePair, as_messages, preference_pair
-from posttune.data.prompts import PromptMaker, PromptRow, PromptSample, prompt_batch, prompt_row
-from posttune.data.samples import IGNORE_INDEX, Sample, SampleMaker, SampleStore, SkipCounts, shift_labels
+from posttune.data.prompts import PromptMaker, PromptRow, prompt_batch, prompt_row
+from posttune.data.samples import IGNORE_INDEX, SampleMaker, SkipCounts
 
 __all__ = [
-    "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptMaker", "PromptRow", "PromptSample",
-    "Sample", "SampleMaker", "SampleStore", "SkipCounts", "as_messages", "build_loader", "check_columns",
-    "dataset_format", "documents_as_rows", "flat_batch", "load_rows", "make_loader", "pack", "pad_id",
-    "packed_batch", "padded_batch", "pair_batch", "pair_loader", "pair_tokens", "preference_pair", "prompt_batch",
-    "prompt_loader", "prompt_row", "rename", "rows_as_documents", "shift_labels",
+    "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptMaker", "PromptRow", "SampleMaker",
+    "SkipCounts", "as_messages", "build_loader", "dataset_format", "documents_as_rows", "flat_batch", "load_rows",
+    "make_loader", "pad_id", "packed_batch", "padded_batch", "pair_batch", "pair_loader", "pair_tokens",
+    "preference_pair", "prompt_batch", "prompt_loader", "prompt_row", "rows_as_documents",
 ]
