@@ -89,6 +89,9 @@ class Sampling:
     pad_id: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, Integral) or \
+                self.max_new_tokens < 0:
+            raise SamplingError("max_new_tokens", "an integer >= 0", self.max_new_tokens)
         check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
@@ -513,8 +516,13 @@ def _check_arguments(rows: list[list[int]], max_new_tokens: int, seed: int | Non
 
 
 def _token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
-    """A prompt as a flat list of ints (a list, a [n] or [1, n] tensor)."""
-    return torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()
+    """A prompt as a flat list of ints (a list, a [n] or [1, n] tensor); a batch of several is refused, not
+    read as one prompt end to end."""
+    tensor = torch.as_tensor(ids, dtype=torch.long)
+    if tensor.dim() > 2 or (tensor.dim() == 2 and tensor.shape[0] != 1):
+        raise ValueError(f"a prompt is a list of token ids or a [n] or [1, n] tensor, got shape {list(tensor.shape)} "
+                         "(generate_batch takes several prompts)")
+    return tensor.reshape(-1).tolist()
 
 
 

@@ -202,6 +202,23 @@ def test_check_sampling_names_the_setting_out_of_range(setting, value):
     assert error.value.name == setting and str(error.value).startswith(f"{setting} must be {error.value.allowed}")
 
 
+@pytest.mark.parametrize("value", [-1, 2.5, True])
+def test_sampling_checks_its_new_token_count_on_creation(value):
+    from posttune.generation import Sampling
+
+    with pytest.raises(SamplingError, match=f"max_new_tokens must be an integer >= 0, got {value!r}"):
+        Sampling(value)
+
+
+def test_a_batch_of_prompts_given_as_one_is_refused(short_model):
+    """generate takes one prompt: a [2, n] tensor was read as one prompt, its rows end to end."""
+    from posttune.generation import generate
+
+    with pytest.raises(ValueError, match=r"got shape \[2, 3\] \(generate_batch takes several prompts\)"):
+        generate(short_model, torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=2)
+    assert len(generate(short_model, torch.tensor([[5, 6, 7]]), max_new_tokens=2)) == 2
+
+
 def test_the_off_values_and_the_edges_are_accepted():
     check_sampling(temperature=0.0, top_k=None, top_p=None, min_p=None)
     check_sampling(temperature=0.7, top_k=1, top_p=1.0, min_p=0.0)
