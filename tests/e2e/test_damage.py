@@ -154,7 +154,7 @@ FREE = r"\d+\.\d (KiB|MiB|GiB|TiB) free on its disk"
                  rf"the write stopped short \(unexpected pos \d+ vs \d+\); {FREE}; the previous checkpoints are intact",
                  marks=pytest.mark.extended),
     ("final_enospc", "model {out}/model (model.safetensors)",
-     f"No space left on device; {FREE}; a previous final model there is intact"),
+     f"No space left on device; {FREE}; any previous final model there is intact"),
 ])
 def test_a_failed_write_is_one_line_and_leaves_the_previous_results_intact(finished, tmp_path, fault, what, reason):
     source, finished_out = finished
@@ -172,3 +172,18 @@ def test_a_failed_write_is_one_line_and_leaves_the_previous_results_intact(finis
                         error_line(result)), error_line(result)
     assert (tree_digest(out / "model"), tree_digest(out / "checkpoints" / "step-00000004")) == before
     assert not [p for p in [*out.iterdir(), *(out / "checkpoints").iterdir()] if ".tmp-" in p.name]
+
+
+def test_a_write_cut_by_the_file_size_limit_says_the_limit():
+    """`ulimit -f` stops a write as a full disk would, with torch's zip-writer words only: the limit is named."""
+    import subprocess
+    import sys
+
+    program = ("import resource; from pathlib import Path; "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (10 ** 6, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
+               "from posttune.training.write_errors import torch_write_failed; "
+               "print(torch_write_failed(RuntimeError('[enforce fail at inline_container.cc:1] unexpected pos 9 vs 7'),"
+               " Path('optimizer.pt')))")
+    said = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout.strip()
+    assert said.endswith("the write stopped short (unexpected pos 9 vs 7); the process's file size limit (ulimit -f) "
+                         "is 1000000 bytes: 'optimizer.pt'")

@@ -58,7 +58,18 @@ def torch_write_failed(exc: BaseException, path: Path) -> OSError:
     unexpected pos ..."), with neither the file nor the cause; the message's last part is kept.
     """
     detail = str(exc).splitlines()[0].rsplit("] ", 1)[-1].strip(" .") if str(exc) else type(exc).__name__
-    return OSError(errno.EIO, f"the write stopped short ({detail})", str(path))
+    return OSError(errno.EIO, f"the write stopped short ({detail}){_size_limit()}", str(path))
+
+
+def _size_limit() -> str:
+    """The process's file size limit, when one is set: a write cut short by it looks like a full disk."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return ""
+    return "" if limit == resource.RLIM_INFINITY else f"; the process's file size limit (ulimit -f) is {limit} bytes"
 
 
 def free_space(target: str | Path) -> str:
@@ -77,4 +88,4 @@ def free_space(target: str | Path) -> str:
 
 def _intact(what: str) -> str:
     return {"checkpoint": "the previous checkpoints are intact",
-            "model": "a previous final model there is intact"}.get(what, "nothing else was changed")
+            "model": "any previous final model there is intact"}.get(what, "nothing else was changed")
