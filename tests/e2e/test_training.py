@@ -419,3 +419,19 @@ def test_sigterm_while_the_run_is_prepared_is_recorded_and_exits_143(llama_sft, 
                                   "was written; start it again (a resumed run resumes from the same checkpoint)\n")
     assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "preempted"
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_resume_latest_refuses_a_finished_run_with_no_checkpoint(llama_sft, posttune_cli, write_config, tmp_path):
+    """No save_every: nothing to continue from. `latest` started again at step 0 and replaced the finished model,
+    metrics and summary; validate said valid."""
+    path = write_config(train={"max_steps": 2})
+    assert posttune_cli("train", str(path)).exit_code == 0
+    model = (tmp_path / "out" / "model" / "model.safetensors").read_bytes()
+    for command in ("validate", "train"):
+        result = posttune_cli(command, str(path), "checkpoint.resume=latest", "train.max_steps=4")
+        assert result.exit_code == 2, result.stdout
+        assert result.stderr == (f"posttune: error: config: checkpoint.resume: latest: {tmp_path / 'out'} holds a "
+                                 "finished run with no checkpoint to continue from (checkpoint.save_every was unset, "
+                                 "or keep_last pruned them all): restart it with checkpoint.overwrite=true, or train "
+                                 "into another output_dir from its model\n")
+    assert (tmp_path / "out" / "model" / "model.safetensors").read_bytes() == model
