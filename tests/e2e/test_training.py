@@ -435,3 +435,14 @@ def test_resume_latest_refuses_a_finished_run_with_no_checkpoint(llama_sft, post
                                  "or keep_last pruned them all): restart it with checkpoint.overwrite=true, or train "
                                  "into another output_dir from its model\n")
     assert (tmp_path / "out" / "model" / "model.safetensors").read_bytes() == model
+
+
+def test_overwrite_by_an_adapter_run_removes_the_full_runs_model(llama_sft, posttune_cli, write_config, tmp_path):
+    """The new run writes adapter/ only: the old model/ stayed beside it, a stale model from another run."""
+    path = write_config(train={"max_steps": 1})
+    assert posttune_cli("train", str(path)).exit_code == 0
+    result = posttune_cli("train", str(path), "checkpoint.overwrite=true", "adapter.rank=2", "adapter.alpha=4")
+    assert result.exit_code == 0, result.stderr
+    assert "removing the previous run's metrics.jsonl, loss.png, summary.json, model from" in result.stdout
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+    assert not (tmp_path / "out" / "model").exists()

@@ -34,7 +34,9 @@ TRAINING_ARGUMENTS = {
     "metric_for_best_model": "checkpoint.best_metric", "resume_from_checkpoint": "checkpoint.resume",
     "output_dir": "checkpoint.output_dir", "seed": "train.seed", "max_length": "data.max_seq_len",
     "max_seq_length": "data.max_seq_len", "max_prompt_length": "data.max_prompt_len",
-    "bf16": "model.dtype: bf16", "fp16": "model.dtype: fp16", "torch_dtype": "model.dtype",
+    "bf16": "model.dtype: bf16 (weights and updates in bf16, not autocast over fp32 weights: a small lr's updates "
+            "round away; fp32 weights: model.dtype fp32, or fsdp2's mixed_precision over an fp32 model)",
+    "fp16": "model.dtype: fp16", "torch_dtype": "model.dtype",
     "per_device_eval_batch_size": "train.batch_size (evaluation batches are training's size)",
     "eval_strategy": "train.eval_every (in steps, or epoch)", "evaluation_strategy": "train.eval_every (in steps, or "
                                                                                      "epoch)",

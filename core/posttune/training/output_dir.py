@@ -190,7 +190,7 @@ def claimed(config: Any, *, main: bool) -> Iterator[None]:
         with writing(out, "output directory"):
             clean_leftovers(out)
             if config.checkpoint.overwrite and config.checkpoint.resume is None:
-                clear_results(out)
+                clear_results(out, unwritten(config))
         yield
     finally:
         run_lock.release(fd)
@@ -205,10 +205,19 @@ def clean_leftovers(out: Path) -> None:
                     _remove(path)
 
 
-def clear_results(out: Path) -> None:
+def unwritten(config: Any) -> tuple[str, ...]:
+    """The final-output folders this run will not write (``model`` for an adapter run that saves no merged model,
+    ``adapter`` for full fine-tuning): an overwritten run's copy would otherwise stay, as if this run's."""
+    if config.adapter is None:
+        return ("adapter",)
+    return () if config.checkpoint.save_merged else ("model",)
+
+
+def clear_results(out: Path, also: tuple[str, ...] = ()) -> None:
     """``checkpoint.overwrite``: each old result is renamed aside first, so a crash midway leaves a
-    leftover that the next start removes, never a half-deleted checkpoint directory."""
-    found = [name for name in CLEARED if (out / name).exists()]
+    leftover that the next start removes, never a half-deleted checkpoint directory. ``also``: old outputs
+    this run will not replace (the rest stay until the final save replaces them)."""
+    found = [name for name in (*CLEARED, *also) if (out / name).exists()]
     if found:
         print(f"posttune: checkpoint.overwrite: removing the previous run's {', '.join(found)} from {out}")
     for name in found:
