@@ -248,6 +248,11 @@ def test_yaml_nested_past_the_parsers_recursion_is_one_line(tmp_path):
                                     "patterns, or leave it out for the family's default targets"),
     (base(train={"max_grad_norm": "x"}), "config: train.max_grad_norm: expected a number or null, got 'x'"),
     (base(train={"optimizer": 3}), "config: train.optimizer: expected a string or a mapping, got 3"),
+    (base(train={"scheduler": "constant_with_warmup"}), "config: train.scheduler: unknown name 'constant_with_warmup' "
+     "(known: constant, linear, cosine, wsd, or a _component_ mapping); transformers' constant_with_warmup is "
+     "constant with train.warmup_steps here"),
+    (base(train={"optimizer": "adamw_torch_fused"}), "config: train.optimizer: unknown name 'adamw_torch_fused' "
+     "(known: adamw, adam, sgd, or a _component_ mapping); transformers' adamw_torch_fused is adamw here"),
     (base(train=[1]), "config: train: expected a mapping of keys, got a list"),
     (base(model={"dtype": "fp64", "path": "x"}),
      "config: model.dtype: expected one of 'fp32', 'bf16', 'fp16', got 'fp64' (did you mean 'fp16'?)"),

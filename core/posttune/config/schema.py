@@ -20,6 +20,12 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 #: what `train.optimizer` and `train.scheduler` may name (built in `posttune.training.optim`)
 OPTIMIZER_NAMES = ("adamw", "adam", "sgd")
 SCHEDULE_NAMES = ("constant", "linear", "cosine", "wsd")
+#: transformers' names (`optim`, `lr_scheduler_type`) for what these are here
+HF_CHOICES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+              "constant_with_warmup": "constant with train.warmup_steps",
+              "cosine_with_min_lr": "cosine with train.min_lr_ratio", "warmup_stable_decay": "wsd",
+              **dict.fromkeys(("adamw_bnb_8bit", "paged_adamw_8bit"),
+                              "adamw with memory: [adamw_8bit] (posttune-torchao)")}
 #: keys of transformers' TrainingArguments (which TRL's configs extend) -> where they are here: an unknown key of
 #: the run config's sections names its place (`posttune.config.typed`, ``KNOWN_AS``); PEFT's and axolotl's too
 TRAINING_ARGUMENTS = {
@@ -489,8 +495,9 @@ def _check_choice(value: str | dict[str, Any], where: str, names: tuple[str, ...
         if "_component_" not in value:
             raise ConfigError(where, f"a mapping needs `_component_: dotted.path` (or give a name: {', '.join(names)})")
     elif value not in names:
+        here = f"; transformers' {value} is {HF_CHOICES[value]} here" if value in HF_CHOICES else ""
         raise ConfigError(where, f"unknown name '{value}' (known: {', '.join(names)}, or a _component_ mapping)"
-                                 f"{did_you_mean(value, names)}")
+                                 f"{here or did_you_mean(value, names)}")
 
 
 def _check_unique(names: list[str], where: str) -> None:
