@@ -51,6 +51,29 @@ def test_a_resume_names_what_changed_in_the_config(llama_sft, posttune_cli, writ
     assert logged[-1]["step"] == 3 and logged[-1]["lr"] == 0.004  # a constant schedule: exactly the new rate
 
 
+def test_a_resume_compares_with_the_config_its_checkpoint_trained_under(llama_sft, posttune_cli, write_config,
+                                                                         tmp_path):
+    """Not with the folder's last config.yaml: step 2 trained at 0.001 whatever a later resume set, and a resume
+    into another folder (which has no config.yaml yet) still names what it changes."""
+    path = write_config(train={"max_steps": 2}, checkpoint={"save_every": 1, "keep_last": 5})
+    assert posttune_cli("train", str(path)).exit_code == 0
+    assert posttune_cli("train", str(path), "checkpoint.resume=latest", "train.lr=0.002", "train.max_steps=3"
+                        ).exit_code == 0
+    step_2 = tmp_path / "out" / "checkpoints" / "step-00000002"
+
+    def changed(*overrides) -> list[str]:
+        result = posttune_cli("train", str(path), f"checkpoint.resume={step_2}", *overrides)
+        assert result.exit_code == 0, result.stderr
+        return [line for line in result.stdout.splitlines() if line.startswith("config changed")]
+
+    assert changed("train.max_steps=3") == ["config changed since the checkpoint: train.max_steps 2 -> 3"]
+    assert changed("train.max_steps=3", f"checkpoint.output_dir={tmp_path / 'elsewhere'}", "train.lr=0.003") == [
+        f'config changed since the checkpoint: checkpoint.output_dir "{tmp_path / "out"}" -> '
+        f'"{tmp_path / "elsewhere"}", '
+        "train.lr 0.001 -> 0.003, train.max_steps 2 -> 3 (the new learning rate applies: the schedule continues "
+        "from the checkpoint's step)"]
+
+
 def test_config_changes_are_dotted_keys():
     old = {"train": {"lr": 0.001, "max_steps": 4}, "checkpoint": {"resume": None}, "memory": []}
     new = {"train": {"lr": 0.002, "max_steps": 4}, "checkpoint": {"resume": "latest"}, "memory": ["compile"]}
@@ -105,10 +128,13 @@ def test_the_summary_counts_this_invocations_steps(llama_sft, posttune_cli, writ
 
 
 def test_resume_latest_without_a_checkpoint_names_no_change(llama_sft, posttune_cli, write_config, tmp_path):
-    """A run without save_every leaves config.yaml and no checkpoint: `resume: latest` starts at step 0,
-    so nothing is "changed since the checkpoint" (before, it compared with the old config.yaml)."""
+    """A run stopped before its first checkpoint leaves config.yaml and none: `resume: latest` starts at step 0,
+    so nothing is "changed since the checkpoint" (before, it compared with the old config.yaml). A finished run
+    without one is refused instead (test_training.py)."""
     path = write_config(train={"max_steps": 1})
     assert posttune_cli("train", str(path)).exit_code == 0
+    run = tmp_path / "out" / "run.json"
+    run.write_text(json.dumps({**json.loads(run.read_text()), "status": "interrupted"}))  # Ctrl-C before a save
     result = posttune_cli("train", str(path), "checkpoint.resume=latest", "train.lr=0.002")
     assert result.exit_code == 0, result.stderr
     assert f"resume: no checkpoint yet in {tmp_path / 'out'}, starting at step 0" in result.stdout

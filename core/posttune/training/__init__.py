@@ -110,7 +110,7 @@ def start(session: Any) -> None:
     from posttune.training import run_report as report
 
     changed = report.save_config(session.plan, Path(session.config.checkpoint.output_dir),
-                                 resumed=session.resume_from is not None)
+                                 resumed=session.resume_from)
     for line in report.banner(session) + ([changed] if changed else []):
         print(line)
     sys.stdout.flush()

@@ -42,15 +42,17 @@ def resolved_config(plan: Any) -> dict[str, Any]:
     return config
 
 
-def save_config(plan: Any, out: Path, resumed: bool = False) -> str | None:
+def save_config(plan: Any, out: Path, resumed: Path | None = None) -> str | None:
     """Write ``OUTPUT/config.yaml`` atomically; when a checkpoint is ``resumed``, first return the line
-    naming what changed since it. ``resume: latest`` that finds no checkpoint starts at step 0: the old
-    config.yaml (a run that never saved one) is no checkpoint's, so nothing is compared."""
+    naming what changed since it: against the config the checkpoint holds (a run resumed from an earlier
+    step, or into another folder, compares with what trained that step), else the folder's last one.
+    ``resume: latest`` that finds no checkpoint starts at step 0: nothing is compared."""
     config = resolved_config(plan)
     path = out / CONFIG_FILE
     line = None
-    if resumed and path.is_file():
-        changes = config_changes(_read_yaml(path), config)
+    before = resumed / CONFIG_FILE if resumed is not None and (resumed / CONFIG_FILE).is_file() else path
+    if resumed is not None and before.is_file():
+        changes = config_changes(_read_yaml(before), config)
         if changes:
             line = "config changed since the checkpoint: " + ", ".join(changes)
             if any(change.startswith(RESCALED) for change in changes):

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from posttune.checkpoint.atomic import atomic_dir
 from posttune.errors import PosttuneError
@@ -39,6 +40,7 @@ from posttune.session import Session
 from posttune.training import distributed, nonfinite, resume_identity
 from posttune.training.manifest import MANIFEST, damage, write_manifest
 from posttune.training.resume_identity import IDENTITY
+from posttune.training.run_report import CONFIG_FILE, resolved_config
 from posttune.training.output_dir import (CHECKPOINTS, LATEST, STATE_FILE, lineage, named_checkpoint, new_run_id,
                                           recorded_run_id, run_id_of)
 from posttune.training.write_errors import torch_write_failed, writing
@@ -93,6 +95,8 @@ def _write_checkpoint(session: Session, target: Path) -> None:
                                                   "log_window": session.log_window,
                                                   "lr": session.config.train.lr, "manifest": MANIFEST,
                                                   IDENTITY: resume_identity.of(session.plan)}, indent=2))
+        # the config this step trained under: a resume names what changed since it (run_report.save_config)
+        (tmp / CONFIG_FILE).write_text(yaml.safe_dump(resolved_config(session.plan), sort_keys=False))
         write_manifest(tmp)
 
     if distributed.is_sharded(session.model):
