@@ -23,9 +23,7 @@ SCHEDULE_NAMES = ("constant", "linear", "cosine", "wsd")
 #: transformers' names (`optim`, `lr_scheduler_type`) for what these are here
 HF_CHOICES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
               "constant_with_warmup": "constant with train.warmup_steps",
-              "cosine_with_min_lr": "cosine with train.min_lr_ratio", "warmup_stable_decay": "wsd",
-              **dict.fromkeys(("adamw_bnb_8bit", "paged_adamw_8bit"),
-                              "adamw with memory: [adamw_8bit] (posttune-torchao)")}
+              "cosine_with_min_lr": "cosine with train.min_lr_ratio", "warmup_stable_decay": "wsd"}
 #: keys of transformers' TrainingArguments (which TRL's configs extend) -> where they are here: an unknown key of
 #: the run config's sections names its place (`posttune.config.typed`, ``KNOWN_AS``); PEFT's and axolotl's too
 TRAINING_ARGUMENTS = {
@@ -41,7 +39,8 @@ TRAINING_ARGUMENTS = {
     "output_dir": "checkpoint.output_dir", "seed": "train.seed", "max_length": "data.max_seq_len",
     "max_seq_length": "data.max_seq_len", "max_prompt_length": "data.max_prompt_len",
     "bf16": "model.dtype: bf16 (weights and updates in bf16, not autocast over fp32 weights: a small lr's updates "
-            "round away; fp32 weights: model.dtype fp32, or fsdp2's mixed_precision over an fp32 model)",
+            "round away; fp32 weights: model.dtype fp32, or a sharding plan's mixed precision over an fp32 "
+            "model, docs/parallel.md)",
     "fp16": "model.dtype: fp16", "torch_dtype": "model.dtype",
     "per_device_eval_batch_size": "train.batch_size (evaluation batches are training's size)",
     "eval_strategy": "train.eval_every (in steps, or epoch)", "evaluation_strategy": "train.eval_every (in steps, or "
