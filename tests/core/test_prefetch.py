@@ -84,3 +84,16 @@ def test_leaving_early_stops_the_worker():
         for _batch in loader(prefetch=True, count=30):
             break
     assert threading.active_count() <= before
+
+
+def test_a_data_position_of_another_dataset_is_refused_naming_what_may_have_changed():
+    """Packing, a split of long samples or another file change the item count: all listed, with the way out."""
+    from posttune.errors import PosttuneError
+
+    saved = loader(prefetch=False, count=10).state_dict()
+    with pytest.raises(PosttuneError) as caught:
+        loader(prefetch=False, count=9).load_state_dict(saved)
+    assert str(caught.value) == ("cannot resume the data position: the checkpoint has num_items=10, this run has 9 "
+                                 "(data.train's rows, packing, long samples' split, batch size x ranks, seed or "
+                                 "group_by_length changed: resume with the checkpoint's, or start a new run from its "
+                                 "model)")

@@ -143,8 +143,9 @@ class BatchLoader:
                 raise PosttuneError(other_global_batch(saved, mine, self.world_size))
             if saved != mine:
                 raise PosttuneError(f"cannot resume the data position: the checkpoint has {key}={saved}, "
-                                    f"this run has {mine} (the dataset, batch size x ranks, seed or "
-                                    "group_by_length changed)")
+                                    f"this run has {mine} (data.train's rows, packing, long samples' split, "
+                                    "batch size x ranks, seed or group_by_length changed: resume with the "
+                                    "checkpoint's, or start a new run from its model)")
         self.epoch, self.position, self.rows = int(state["epoch"]), int(state["position"]), int(state["rows"])
         for key, value in state.get("skipped", {}).items():
             setattr(self.skipped, key, int(value))
