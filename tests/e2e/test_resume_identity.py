@@ -111,7 +111,7 @@ def test_removing_the_adapter_says_so(runs, tmp_path):
     (["adapter.targets=[q_proj]"], "adapter.targets", "its adapter has targets [\"layers.*.attn.k_proj\", "),
     (["adapter.loraplus_lr_ratio=16"], "adapter.loraplus_lr_ratio",
      "its adapter has loraplus_lr_ratio null, this run's 16"),
-    (["adapter.rslora=true"], "adapter.rslora", "its adapter has rslora null, this run's true"),
+    (["adapter.rslora=true"], "adapter.rslora", "its adapter has rslora false, this run's true"),
     # the optimizer state: validate said valid, then SGD's step failed on AdamW's state (KeyError: 'momentum')
     (["train.optimizer=sgd"], "train.optimizer", "its optimizer state is adamw's, this run's optimizer is sgd"),
     (["memory=[adamw_8bit]"], "train.optimizer", "its optimizer state is adamw's, this run's optimizer is adamw + "

@@ -159,8 +159,10 @@ def _adapter(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> It
                           "into its base)")
     elif old is not None and new is not None:
         for key in ("kind", "rank", "alpha", "targets", "loraplus_lr_ratio", "rslora"):
-            if old.get(key) != new.get(key):
-                yield f"adapter.{key}", f"its adapter has {key} {_show(old.get(key))}, this run's {_show(new.get(key))}"
+            default = False if key == "rslora" else None  # recorded only when on
+            before, after = old.get(key, default), new.get(key, default)
+            if before != after:
+                yield f"adapter.{key}", f"its adapter has {key} {_show(before)}, this run's {_show(after)}"
 
 
 def _describe(model: Any) -> str:
