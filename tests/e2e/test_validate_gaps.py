@@ -134,7 +134,8 @@ def starting_from(tmp_path, folder) -> dict:
     (lambda tmp: {**local_split(tmp, "train"), "data": {**local_split(tmp, "train")["data"], "train": {
         **local_split(tmp, "train")["data"]["train"], "subset": "main"}}}, "data.train.subset",
      "'main': local files have no subsets (a hub dataset's configuration name)"),
-    (lambda tmp: starting_from(tmp, tmp / "nowhere"), "adapter.init_from", "no adapter_config.json"),
+    (lambda tmp: starting_from(tmp, tmp / "nowhere"), "adapter.init_from", "nowhere: no such adapter directory (no "
+     "adapter_config.json there)"),
     (lambda tmp: starting_from(tmp, saved_adapter(tmp, rank=8)), "adapter.init_from",
      "rank 8 (saved) vs 4 (adapter.rank)"),
     (documents_parquet, "data.train.format", "'text' cannot read the first row of"),  # validate read no Parquet

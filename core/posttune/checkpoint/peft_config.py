@@ -52,6 +52,8 @@ def read_config(directory: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if not Path(directory).expanduser().exists():  # moved or deleted: not a folder of another kind
+            raise PosttuneError(f"{directory}: no such adapter directory (no {ADAPTER_CONFIG} there)") from None
         raise PosttuneError(f"{directory}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)"
                             f"{inside(directory, ADAPTER_CONFIG)}") from None
     except (OSError, ValueError) as exc:
