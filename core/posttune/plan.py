@@ -168,9 +168,10 @@ def _family(model: ModelConfig, registry: Registry, section: str) -> Registered:
             _check_named_family(hf_config, family, registry, section)
     else:
         family = family_for(hf_config, registry, str(model.path))
+    read = None
     if local:  # its values, as the family reads them
         try:
-            family_kwargs(family.descriptor, hf_config)
+            read = family_kwargs(family.descriptor, hf_config)
         except ConfigError:
             raise
         except PosttuneError as exc:
@@ -181,18 +182,16 @@ def _family(model: ModelConfig, registry: Registry, section: str) -> Registered:
                                              f"(sizes: {sizes})")
     _check_overrides(model, family, section)
     if model.build_overrides and (local or model.path is None):
-        _check_built_sizes(model, family, hf_config, section)
+        _check_built_sizes(model, family, read if local else dict(family.descriptor.sizes[model.size]), section)
     return family
 
 
-def _check_built_sizes(model: ModelConfig, family: Registered, hf_config: dict[str, Any] | None,
-                       section: str) -> None:
-    """Overrides build what the run saves: a size of 0 where the family has one (a builder may read 0 as "the
-    default") and a config.json the checks every reader makes would refuse (it would train, then be refused by
-    generate and by transformers) are refused now."""
+def _check_built_sizes(model: ModelConfig, family: Registered, base: dict[str, Any], section: str) -> None:
+    """Overrides build what the run saves: a size of 0 where the family has one (``base``: the kwargs they go over;
+    a builder may read 0 as "the default") and a config.json the checks every reader makes would refuse (it would
+    train, then be refused by generate and by transformers) are refused now."""
     from posttune.checkpoint.hf_config_check import check_hf_config
 
-    base = build_kwargs(dataclasses.replace(model, build_overrides={}), family.descriptor, hf_config)
     for key, value in model.build_overrides.items():
         was = base.get(key)
         if value == 0 and type(value) is int and type(was) is int and was > 0:

@@ -150,8 +150,13 @@ def check_results(config: Any) -> None:
 
 def _status(out: Path) -> str | None:
     """``run.json``'s status of the last run in ``out``, or None."""
+    return json_field(out / RUN_FILE, "status")
+
+
+def json_field(path: Path, key: str) -> Any:
+    """``key`` of the JSON object in ``path``; None when it is absent, or the file missing or unreadable."""
     try:
-        return json.loads((out / RUN_FILE).read_text()).get("status")
+        return json.loads(path.read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
 

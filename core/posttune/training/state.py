@@ -41,8 +41,8 @@ from posttune.training import distributed, nonfinite, resume_identity
 from posttune.training.manifest import MANIFEST, damage, write_manifest
 from posttune.training.resume_identity import IDENTITY
 from posttune.training.run_report import CONFIG_FILE, resolved_config
-from posttune.training.output_dir import (CHECKPOINTS, LATEST, STATE_FILE, lineage, named_checkpoint, new_run_id,
-                                          recorded_run_id, run_id_of)
+from posttune.training.output_dir import (CHECKPOINTS, LATEST, STATE_FILE, json_field, lineage, named_checkpoint,
+                                          new_run_id, recorded_run_id, run_id_of)
 from posttune.training.write_errors import torch_write_failed, writing
 
 METHOD_FILE = "method-{rank:05d}.pt"
@@ -214,22 +214,14 @@ def checkpoint_damage(path: Path) -> str | None:
     problem = damage(path)
     if problem is None and run_id_of(path) is None:
         problem = f"{STATE_FILE} is unreadable"
-    if problem is None and not (path / MANIFEST).is_file() and _written_with_manifest(path):
+    # older checkpoints have no manifest, accepted unverified; one written with a manifest that lost it is not
+    if problem is None and not (path / MANIFEST).is_file() and json_field(path / STATE_FILE, "manifest") == MANIFEST:
         problem = f"{MANIFEST} is missing (the checkpoint was written with one: its files cannot be verified)"
     if problem is None:
         from posttune.training.sharded_state import missing_shards
 
         problem = missing_shards(path)
     return problem
-
-
-def _written_with_manifest(path: Path) -> bool:
-    """Whether the checkpoint's trainer state says a manifest was written (older checkpoints have none, and are
-    accepted unverified; one that had it and lost it is not)."""
-    try:
-        return json.loads((path / STATE_FILE).read_text()).get("manifest") == MANIFEST
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
