@@ -146,6 +146,11 @@ def test_a_resume_with_another_global_batch_is_refused_by_validate(llama_sft, re
     assert reseeded.exit_code == 2
     assert reseeded.stderr == (f"posttune: error: config: train.seed: checkpoint {checkpoint}: its data order was "
                                "drawn with seed 0, this run has 5; set train.seed: 0 to resume it\n")
+    in_order = posttune_cli("validate", str(path), *resume, "data.shuffle=false")  # and an order read as it is
+    assert in_order.exit_code == 2
+    assert in_order.stderr == (f"posttune: error: config: data.shuffle: checkpoint {checkpoint}: its data order was "
+                               "shuffled (seed 0), this run reads the rows in order; set data.shuffle: true to "
+                               "resume it\n")
 
 
 

@@ -74,7 +74,7 @@ TRAINING_ARGUMENTS = {
     "checkpointer": "model.path (its checkpoint_dir: the folder) and checkpoint.output_dir (its output_dir)",
     "dataset": "data.train (source or data_files: path; _component_: format)", "clip_grad_norm": "train.max_grad_norm",
     "log_every_n_steps": "train.log_every", "max_steps_per_epoch": "train.max_steps (the run's total)",
-    "shuffle": "always on (each epoch's order drawn from train.seed)",
+    "shuffle": "data.shuffle (on by default: each epoch's order drawn from train.seed)",
     "log_peak_memory_stats": "always on (peak_memory_mib in each step's record)",
     "lora_rank": "adapter.rank", "lora_attn_modules": "adapter.targets (q_proj, k_proj, v_proj, o_proj)",
     "apply_lora_to_mlp": "adapter.targets (gate_proj, up_proj, down_proj; all-linear: every linear layer)",
@@ -196,6 +196,9 @@ class DataConfig:
     max_seq_len: int = 2048  # tokens per sample (prompt and response together)
     max_prompt_len: int | None = None  # preference/prompt data: keep the prompt's last N tokens
     skip_bad_rows: bool = False  # skip and count rows that cannot be read or rendered, instead of stopping
+    # draw each epoch's order of the training rows from train.seed; false: the rows in the order read (a
+    # curriculum), every epoch alike (validation is always read in order)
+    shuffle: bool = True
     group_by_length: bool = False  # map-style, unpacked: batch rows of similar length (less padding)
     pad_to_multiple_of: int | None = None  # round each batch's padded length up to a multiple
 
@@ -474,6 +477,9 @@ def _check_grouping(data: DataConfig) -> None:
     if data.group_by_length and data.train.streaming:
         raise ConfigError("data.group_by_length", "needs a map-style dataset (the whole epoch to sort), "
                                                   "but data.train is streaming; set streaming: false or drop it")
+    if data.group_by_length and not data.shuffle:
+        raise ConfigError("data.group_by_length", "groups a shuffled order, but data.shuffle is false (the rows "
+                                                  "in the order read); keep one")
 
 
 def _check_low_bit_optimizer(value: str | dict[str, Any]) -> None:

@@ -30,7 +30,8 @@ from posttune.plugins import get_registry
 
 def build_loader(session: Any, dataset: DatasetConfig, split: str, *, make: Any,
                  collate: Callable[[list[list[Sample]]], dict[str, Any]], packing: bool = False) -> BatchLoader:
-    """The loader of one split of the run (``"train"`` shuffled per epoch, anything else in order).
+    """The loader of one split of the run (``"train"`` shuffled per epoch unless ``data.shuffle`` is false,
+    anything else in order).
 
     ``make(row, index)`` returns ``(ids, labels)``, a list of them (a group), a list of groups (a row in
     pieces), or None (`made_groups`), and keeps ``make.skipped`` (``SampleMaker`` does all of that). Sharded by
@@ -42,9 +43,14 @@ def build_loader(session: Any, dataset: DatasetConfig, split: str, *, make: Any,
     rank, world = data_rank(session)
     train = session.config.train
     return make_loader(dataset, make=make, collate=collate, max_seq_len=session.config.data.max_seq_len,
-                       batch_size=train.batch_size, seed=train.seed, shuffle=split == "train", rank=rank,
+                       batch_size=train.batch_size, seed=train.seed, shuffle=shuffled(session, split), rank=rank,
                        world_size=world, packing=packing, where=f"data.{split}",
                        group_by_length=session.config.data.group_by_length)
+
+
+def shuffled(session: Any, split: str) -> bool:
+    """Whether this split's epochs are shuffled: the training split's, unless ``data.shuffle`` is false."""
+    return split == "train" and session.config.data.shuffle
 
 
 def make_loader(dataset: DatasetConfig, *, make: Any, collate: Callable[[list[list[Sample]]], dict[str, Any]],
@@ -111,7 +117,7 @@ def prompt_loader(session: Any, dataset: DatasetConfig, split: str) -> BatchLoad
     parts = sources(dataset, make, where)
     rank, world = data_rank(session)
     common = dict(collate=prompt_batch, batch_size=config.train.batch_size, seed=config.train.seed,
-                  shuffle=split == "train", rank=rank, world_size=world, skipped=make.skipped)
+                  shuffle=shuffled(session, split), rank=rank, world_size=world, skipped=make.skipped)
     if dataset.streaming:
         return BatchLoader(open_stream=lambda start: streamed_groups(dataset, parts, start, config.train.seed, where),
                            **common)

@@ -102,6 +102,9 @@ def check_global_batch(plan: Any, checkpoint: Path | None) -> None:
 
         raise ConfigError("train.batch_size", f"checkpoint {checkpoint}: {other_global_batch(saved, mine, ranks)}")
     seed = (data or {}).get("seed")  # None: the data was not shuffled, nothing to match
+    if isinstance(seed, int) and not plan.config.data.shuffle:
+        raise ConfigError("data.shuffle", f"checkpoint {checkpoint}: its data order was shuffled (seed {seed}), this "
+                                          "run reads the rows in order; set data.shuffle: true to resume it")
     if isinstance(seed, int) and seed != plan.config.train.seed:
         raise ConfigError("train.seed", f"checkpoint {checkpoint}: its data order was drawn with seed {seed}, this "
                                         f"run has {plan.config.train.seed}; set train.seed: {seed} to resume it")
