@@ -144,8 +144,8 @@ class BatchLoader:
             if saved != mine:
                 raise PosttuneError(f"cannot resume the data position: the checkpoint has {key}={saved}, "
                                     f"this run has {mine} (data.train's rows, packing, long samples' split, "
-                                    "batch size x ranks, seed, data.shuffle or group_by_length changed: resume with the "
-                                    "checkpoint's, or start a new run from its model)")
+                                    "batch size x ranks, seed, data.shuffle or group_by_length changed: resume with "
+                                    "the checkpoint's, or start a new run from its model)")
         self.epoch, self.position, self.rows = int(state["epoch"]), int(state["position"]), int(state["rows"])
         for key, value in state.get("skipped", {}).items():
             setattr(self.skipped, key, int(value))

@@ -72,7 +72,8 @@ def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
     train, method = session.config.train, session.method_config
     return sft_loader(dataset, data=session.config.data, fmt=dataset_format(session, split),
                       tokenizer=session.tokenizer, batch_size=train.batch_size, seed=train.seed,
-                      shuffle=split == "train" and session.config.data.shuffle, train_on_input=method.train_on_input, packing=method.packing,
+                      shuffle=split == "train" and session.config.data.shuffle,
+                      train_on_input=method.train_on_input, packing=method.packing,
                       padding_free=method.padding_free, rank=rank, world_size=world, where=f"data.{split}",
                       split_long=method.long_samples == "split")
 
