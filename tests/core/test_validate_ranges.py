@@ -49,7 +49,8 @@ def with_section(section: str, **values) -> dict:
     ("checkpoint", {"keep_last": 0},
      "checkpoint.keep_last: expected a positive integer, or null (keep every checkpoint), got 0"),
     ("checkpoint", {"save_every": -5},
-     "checkpoint.save_every: expected a positive integer, or null (save at the end only), got -5"),
+     "checkpoint.save_every: expected a positive integer, or null (no checkpoints, only the final model: not "
+     "resumable), got -5"),
     ("adapter", {"rank": 0}, "adapter.rank: expected a positive integer, got 0"),
     ("adapter", {"alpha": -16}, "adapter.alpha: expected a number > 0, got -16.0"),
     ("adapter", {"dropout": 1.0}, "adapter.dropout: expected a number >= 0 and < 1, got 1.0"),

@@ -104,8 +104,8 @@ def test_a_resume_below_the_checkpoints_step_is_refused_before_anything_is_writt
         assert result.exit_code == 2, result.stdout
         assert result.stderr == (f"posttune: error: config: train.max_steps: 3 is below the step already trained: "
                                  f"the checkpoint to resume ({checkpoint}) is at step 4; set train.max_steps to 4 or "
-                                 "more to continue that run, or start afresh with checkpoint.overwrite=true (or "
-                                 "another checkpoint.output_dir)\n")
+                                 "more to continue that run, or start afresh without checkpoint.resume, with "
+                                 "checkpoint.overwrite=true (or another checkpoint.output_dir)\n")
     # epochs instead of max_steps: 24 rows at batch 4 with 2 accumulation steps are 3 steps an epoch (known once
     # the data is read)
     by_epochs = posttune_cli("train", str(path), "~train.max_steps", "train.grad_accum_steps=2",

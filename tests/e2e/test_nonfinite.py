@@ -55,6 +55,18 @@ def test_an_infinite_gradient_is_skipped_within_the_allowance(config):
     assert weights[0] == weights[1]  # the skipped step left the weights alone
 
 
+def test_a_skipped_step_still_runs_the_evaluation_due_at_it(config):
+    """The step counts: with best_metric every checkpoint is scored, so the one saved at a skipped step is too."""
+    path, out = config
+    result = train(str(path), "train.skip_nonfinite=1", "train.eval_every=1", "data.validation_split=0.25",
+                   "checkpoint.best_metric=val_loss", fault=("inf_grad", 2))
+    assert result.returncode == 0, result.stderr
+    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert records[2]["skipped_nonfinite"] == "grad norm" and "loss" not in records[2]
+    assert records[2]["val_loss"] == records[1]["val_loss"]  # the same weights, the same validation loss
+    assert all("val_loss" in records[step] for step in records)
+
+
 def test_past_the_allowance_the_run_stops_naming_the_step(config):
     path, out = config
     result = train(str(path), "train.skip_nonfinite=1", fault=("inf_grad_twice", 2))

@@ -2,8 +2,8 @@
 
     optimizer:
       _component_: torch.optim.AdamW
-      lr: 2e-5
       betas: [0.9, 0.95]
+      eps: 1.0e-6
 
 Sibling keys become keyword arguments; nested ``_component_`` mappings (also inside lists) are
 built first. Naming a callable is running code (``_component_: torch.utils.collect_env.run``

@@ -78,7 +78,7 @@ RANGES: dict[str, Range] = {
     # `dataset.`: every dataset section (data.train, data.validation, each dataset of a list)
     "dataset.weight": Range(0, low_open=True, off="an equal share"),
     "parallel.timeout_s": Range(0, low_open=True, off="torch's default"),
-    "checkpoint.save_every": Range(1, off="save at the end only"),
+    "checkpoint.save_every": Range(1, off="no checkpoints, only the final model: not resumable"),
     "checkpoint.keep_last": Range(1, off="keep every checkpoint"),
 }
 

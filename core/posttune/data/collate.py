@@ -3,7 +3,7 @@
 Batch dict keys:
 - ``input_ids`` LongTensor [b, s]: token ids, right-padded with the tokenizer's pad id.
 - ``labels`` LongTensor [b, s]: pre-shifted targets (`samples.py`), IGNORE_INDEX on padding.
-- ``document_ids`` LongTensor [b, s] (packing only): 0, 1, ... for the samples of a row in order,
+- ``document_ids`` LongTensor [b, s] (packed and padding-free rows): 0, 1, ... for the samples of a row in order,
   and one more id for the row's tail padding. Ids are non-negative and non-decreasing along a
   row, so they serve both `modules.attention.attention_mask` (a query sees only its own id) and
   varlen kernels that derive boundaries from id changes. The model restarts positions per id.
@@ -19,7 +19,7 @@ With ``padding_free`` the same 2b samples are documents 0..2b-1 of one row (``fl
 with ``share_prompt`` too, pair i is documents 2i and 2i+1, its prompt computed once (``positions``
 LongTensor [b, s] says where the second continues the first: ``shared_prompt_row``).
 
-``flat_batch`` (``data.padding_free``) puts the samples of a padded batch end to end in one row
+``flat_batch`` (a method's ``padding_free``) puts the samples of a padded batch end to end in one row
 with ``document_ids``: the padded batch's loss and gradients without any padding computed.
 
 ``pad_to_multiple_of`` (``data.pad_to_multiple_of``) rounds the padded width up to a multiple:

@@ -382,7 +382,8 @@ def check_resume_step(config: Any, checkpoint: Path | None, total: int | None = 
     if step is None or last is None or step <= last:
         return
     where = f"the checkpoint to resume ({checkpoint}) is at step {step}"
-    start_afresh = "or start afresh with checkpoint.overwrite=true (or another checkpoint.output_dir)"
+    start_afresh = ("or start afresh without checkpoint.resume, with checkpoint.overwrite=true (or another "
+                    "checkpoint.output_dir)")
     if max_steps is not None:
         raise ConfigError("train.max_steps", f"{max_steps} is below the step already trained: {where}; set "
                                              f"train.max_steps to {step} or more to continue that run, {start_afresh}")

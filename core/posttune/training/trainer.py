@@ -8,7 +8,7 @@
         n = all-reduce(sum of normalisers)    # across micro-batches and ranks: tokens, pairs, ...
         grads *= ranks / n                    # the mean over every unit of the whole step
         clip; a NaN/Inf loss or grad norm stops the run (or is skipped: nonfinite.py)
-        optimizer.step(), scheduler.step(), method.on_step_end, log, evaluate, checkpoint
+        optimizer.step(), scheduler.step(), method.on_step_end, evaluate, log, checkpoint
     after each step: SIGTERM on any rank -> checkpoint at this step, stop (preemption.py)
 
 Summing first and dividing once by the global normaliser makes batch 4 x accumulation 1 and
@@ -282,10 +282,11 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
     session.scheduler.step()  # also when skipped: the schedule stays in step with the step count
     session.optimizer.zero_grad(set_to_none=True)
     session.step += 1
-    if bad is not None:
-        log.write({"step": session.step, "epoch": session.epoch, "lr": lr, "skipped_nonfinite": bad})
+    if bad is not None:  # the step still counts: an evaluation or checkpoint due at it happens (best_metric
+        # scores every checkpoint; patience counts every evaluation)
         log.note(f"step {session.step}: skipped (the {bad} is not finite)")
-        _save_when_due(session, log, probation)
+        _evaluate_when_due(session, log, probation, {"step": session.step, "epoch": session.epoch, "lr": lr,
+                                                     "skipped_nonfinite": bad})
         return 0.0
     elapsed = time.perf_counter() - window.started
     normaliser, tokens = reduced.pop("normaliser"), reduced.pop("tokens")
@@ -304,6 +305,14 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
     method = session.plan.method.descriptor
     if method.on_step_end is not None:
         method.on_step_end(session, record)
+    _evaluate_when_due(session, log, probation, record)
+    return tokens
+
+
+def _evaluate_when_due(session: Session, log: MetricsLog, probation: nonfinite.Probation | None,
+                       record: dict[str, Any]) -> None:
+    """The step's evaluation when one is due (its results join ``record``), the record written, the checkpoint
+    when one is due."""
     if session.eval_every and session.step % session.eval_every == 0 and session.validation_data is not None:
         with log.evaluating():
             results = _prefixed(evaluate(session))
@@ -319,7 +328,6 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
                                             "resume (checkpoint.resume=latest)") from None
     log.write(record)
     _save_when_due(session, log, probation)
-    return tokens
 
 
 def _save_when_due(session: Session, log: MetricsLog, probation: nonfinite.Probation | None) -> None:
