@@ -5,6 +5,8 @@ Adapters get random values (a fresh adapter is the identity and would prove noth
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -121,15 +123,36 @@ def test_an_adapter_trained_with_peft_loads_into_posttune(checkpoint, tmp_path, 
     assert_close(logits(model), logits(reference.eval()))
 
 
-@pytest.mark.parametrize(("key", "value"), [("bias", "all"), ("fan_in_fan_out", True), ("lora_bias", True)])
+@pytest.mark.parametrize(("key", "value"), [
+    ("bias", "all"), ("fan_in_fan_out", True), ("lora_bias", True),
+    # each loaded as a plain LoRA before, silently wrong: aLoRA is off until its invocation tokens, the trainable
+    # tokens and replicated layers are weights of their own, QALoRA pools its input
+    ("alora_invocation_tokens", [5, 7]), ("trainable_token_indices", [3]), ("layer_replication", [[0, 2]]),
+    ("use_qalora", True)])
 def test_a_peft_option_posttune_does_not_implement_is_refused_naming_it(checkpoint, tmp_path, key, value):
     import json
 
     out = save_peft_adapter(adapted_llama(checkpoint, "lora"), tmp_path / "adapter")
     config = json.loads((out / "adapter_config.json").read_text())
     (out / "adapter_config.json").write_text(json.dumps({**config, key: value}))
-    with pytest.raises(PosttuneError, match=rf"adapter_config.json: {key}={value!r} is not supported by posttune's"):
+    refusal = f"adapter_config.json: {key}={value!r} is not supported by posttune's"
+    with pytest.raises(PosttuneError, match=re.escape(refusal)):
         load_peft_adapter(posttune.load_model(checkpoint), out)
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_an_adapter_whose_init_changed_peft_s_base_is_refused(checkpoint, tmp_path, init):
+    """PiSSA and OLoRA subtract the adapter's initial product from the base weights, and PEFT does so again at
+    every load: on the checkpoint's own base the saved A and B gave logits 0.1-0.2 away from PEFT's, silently."""
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=init,
+                             task_type="CAUSAL_LM")
+    peft.get_peft_model(hf_model(checkpoint), config).save_pretrained(tmp_path / "peft")
+    with pytest.raises(PosttuneError) as error:
+        load_peft_adapter(posttune.load_model(checkpoint), tmp_path / "peft")
+    assert str(error.value) == (f"{tmp_path / 'peft' / 'adapter_config.json'}: init_lora_weights={init!r} is not "
+                                "supported by posttune's adapters: its weights apply to a base PEFT changes when it "
+                                "loads them; save it from PEFT with path_initial_model_for_weight_conversion (a "
+                                "plain LoRA on the original base)")
 
 
 @pytest.mark.parametrize("kind", ["lora", "dora"])

@@ -18,7 +18,14 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: PEFT options posttune's adapters do not implement, with the value that means "not used"
 UNSUPPORTED: dict[str, Any] = {"bias": "none", "fan_in_fan_out": False, "lora_bias": False,
-                               "modules_to_save": None, "layers_to_transform": None, "target_parameters": None}
+                               "modules_to_save": None, "layers_to_transform": None, "target_parameters": None,
+                               "trainable_token_indices": None, "layer_replication": None,
+                               "alora_invocation_tokens": None, "use_qalora": False, "use_bdlora": None,
+                               "kasa_config": None, "arrow_config": None, "monteclora_config": None}
+#: ``init_lora_weights`` after which PEFT's base is no longer the checkpoint's: it subtracts the adapter's initial
+#: product from the base weights (or quantises them), at init and again at every load, so the saved A and B mean
+#: nothing on the unchanged base. PEFT can save such an adapter as a plain LoRA on the original base instead.
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 #: per-layer rank and alpha: loadable only where a layer is fused from several native ones (its rank and
 #: alpha are then n times r and lora_alpha); the loader checks each layer against the model
 PATTERNS = ("rank_pattern", "alpha_pattern")
@@ -66,6 +73,10 @@ def read_config(directory: Path) -> dict[str, Any]:
             continue  # a reward model's score head, saved whole (checkpoint/score_head.py)
         if config.get(key, default) not in (default, None, {}, [], False):
             raise PosttuneError(f"{path}: {key}={config[key]!r} is not supported by posttune's adapters")
+    if isinstance(init := config.get("init_lora_weights"), str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise PosttuneError(f"{path}: init_lora_weights={init!r} is not supported by posttune's adapters: its weights "
+                            "apply to a base PEFT changes when it loads them; save it from PEFT with "
+                            "path_initial_model_for_weight_conversion (a plain LoRA on the original base)")
     for key in PATTERNS:
         if not isinstance(config.get(key) or {}, dict):
             raise PosttuneError(f"{path}: {key} must map module names to numbers, got {config[key]!r}")
