@@ -10,30 +10,49 @@ A module of its own: it reaches the command's checks and the training loop, whic
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 
-def train(config: str | Path | Mapping[str, Any], *overrides: str) -> dict[str, Any]:
+def train(config: str | Path | Mapping[str, Any], *overrides: str | Sequence[str]) -> dict[str, Any]:
     """Train in this process, as ``posttune train CONFIG OVERRIDES...`` does; returns the run's summary.
 
-    ``config`` is a YAML file, a bundled config's name or a mapping of the same keys (copied, not changed);
-    ``overrides`` are the command's ``key=value`` words. The same checks run before anything loads, a mistake
-    raises the command's one-line ``PosttuneError`` (``ConfigError`` for a config's), and Ctrl-C raises
-    ``KeyboardInterrupt``. The result holds summary.json's values (``final_step``, ``tokens``, ``val_loss``, ...),
-    ``status`` (run.json's: ``finished``, or ``preempted`` after a SIGTERM) and ``output_dir``. A second call
-    trains afresh in the same process (a notebook's next cell). One process here; several are torchrun's
-    (``posttune train --nproc-per-node N``).
+    ``config`` is a YAML file, a bundled config's name or a mapping of the same keys (copied, not changed; paths
+    may be ``Path``s, numbers numpy's); ``overrides`` are the command's ``key=value`` words (or lists of them).
+    The same checks run before anything loads, a mistake raises the command's one-line ``PosttuneError``
+    (``ConfigError`` for a config's), and Ctrl-C raises ``KeyboardInterrupt``. The result holds summary.json's
+    values (``final_step``, ``train_loss``, ``val_loss``, ...), ``status`` (run.json's: ``finished``, or
+    ``preempted`` after a SIGTERM) and ``output_dir``. A second call trains afresh in the same process (a
+    notebook's next cell, a sweep's next trial): the run seeds Python's and torch's generators from
+    ``train.seed`` and gives the caller's states back after, so a sweep's own random draws are not repeated.
+    One process here; several are torchrun's (``posttune train --nproc-per-node N``).
     """
     import json
     import os
+    import random
+
+    import torch
 
     from posttune import training
     from posttune.cli.commands import resolve_run
 
-    plan = resolve_run(config, list(overrides), world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    training.run(plan)
+    words = [word for given in overrides for word in ([given] if isinstance(given, str) else given)]
+    if odd := next((word for word in words if not isinstance(word, str)), None):
+        raise TypeError(f"posttune.train: an override is a 'key=value' string, got {odd!r}")
+    if isinstance(config, Mapping):
+        config = _plain(config)
+    plan = resolve_run(config, words, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    generators = random.getstate(), torch.get_rng_state(), cuda
+    try:
+        with torch.enable_grad(), torch.inference_mode(False):
+            training.run(plan)
+    finally:
+        random.setstate(generators[0])
+        torch.set_rng_state(generators[1])
+        if generators[2] is not None:
+            torch.cuda.set_rng_state_all(generators[2])
     out = Path(plan.config.checkpoint.output_dir)
     found = {}
     for name in ("summary.json", "run.json"):
@@ -42,3 +61,19 @@ def train(config: str | Path | Mapping[str, Any], *overrides: str) -> dict[str, 
         except (OSError, ValueError):  # a preempted run writes no summary
             found[name] = {}
     return {**found["summary.json"], "status": found["run.json"].get("status"), "output_dir": str(out)}
+
+
+def _plain(value: Any) -> Any:
+    """A config mapping as YAML would give it: ``os.PathLike`` as text, numpy scalars as Python numbers (a
+    sweep's ``np.arange`` grid), recursively; anything else as it is, for the config's checks to judge."""
+    import os
+
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()
+    return value

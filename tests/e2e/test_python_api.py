@@ -41,3 +41,32 @@ def test_a_mistake_raises_the_commands_line(llama_sft, posttune_cli, tmp_path):
     cli = posttune_cli("train", str(write(tmp_path, config)))
     assert cli.stderr == f"posttune: error: {caught.value}\n"
     assert not (tmp_path / "out").exists()  # refused before the output directory was claimed
+
+
+def test_a_sweep_s_own_draws_go_on_across_runs(llama_sft, tmp_path):
+    """A run seeds Python's and torch's generators from train.seed; the caller's states come back after it, so a
+    random search drew the same hyper-parameters on every trial after the first before (a sweep driver's report).
+    The trial's grid values may be numpy numbers and paths ``Path``s, its overrides a list, and the driver may hold
+    ``torch.no_grad()`` (it raised "element 0 of tensors does not require grad" after setup before)."""
+    import random
+
+    import numpy
+    import torch
+
+    random.seed(12345)
+    torch.manual_seed(12345)
+    expected = [(random.random(), torch.rand(1).item()) for _ in range(2)]
+    random.seed(12345)
+    torch.manual_seed(12345)
+    drawn, summaries = [], []
+    for trial in range(2):
+        drawn.append((random.random(), torch.rand(1).item()))
+        config = sft_config(tmp_path, train={"max_steps": numpy.int64(2), "lr": numpy.float32(1e-3)})
+        config["checkpoint"]["output_dir"] = tmp_path / f"trial-{trial}"
+        with torch.no_grad():
+            summaries.append(posttune.train(config, ["train.log_every=1"]))
+    assert drawn == expected
+    assert [s["final_step"] for s in summaries] == [2, 2]
+    assert summaries[0]["train_loss"] == summaries[1]["train_loss"] == losses(summaries[0]["output_dir"])[-1]
+    with pytest.raises(TypeError, match="an override is a 'key=value' string, got 3"):
+        posttune.train(config, ["train.lr=1e-3", 3])

@@ -77,6 +77,7 @@ class MetricsLog:
         self.start = time.perf_counter()
         self.total_steps, self.log_every = total_steps, max(1, log_every)
         self.last_eval: tuple[int, dict[str, float]] | None = None
+        self.last_loss: float | None = None  # the last written record's (the summary's train_loss)
         # the steps since the last written record (a checkpoint keeps them: ``pending`` is the session's list)
         self.pending: list[dict[str, Any]] = pending if pending is not None else []
         self.postfix: dict[str, str] = {}
@@ -112,6 +113,7 @@ class MetricsLog:
 
             with writing(self.path, "metrics"), self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+            self.last_loss = record.get("loss", self.last_loss)
             if self.trackers is not None:
                 self.trackers.log(record)
         if self.bar is not None:

@@ -378,6 +378,7 @@ def _summary(session: Session, log: MetricsLog, *, steps_run: int, tokens: float
     summary = {
         "steps_run": steps_run,
         "final_step": session.step,
+        **({"train_loss": log.last_loss} if log.last_loss is not None else {}),  # the last logged step's
         "tokens": int(tokens),
         "seconds": round(seconds, 2),
         "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
