@@ -155,6 +155,15 @@ def test_an_adapter_whose_init_changed_peft_s_base_is_refused(checkpoint, tmp_pa
                                 "plain LoRA on the original base)")
 
 
+def test_an_adapter_of_the_embedding_is_refused_naming_the_layer(checkpoint, tmp_path):
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], task_type="CAUSAL_LM")
+    peft.get_peft_model(hf_model(checkpoint), config).save_pretrained(tmp_path / "peft")
+    with pytest.raises(PosttuneError, match=r"belongs to no adapter of this model: 'model.embed_tokens' is no linear "
+                                            r"layer posttune adapts \(an embedding, say; adapter_config.json "
+                                            r"target_modules names it\)$"):
+        load_peft_adapter(posttune.load_model(checkpoint), tmp_path / "peft")
+
+
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 def test_meta_build_inject_materialise_load_init(checkpoint, kind):
     loaded = posttune.load_model(checkpoint)

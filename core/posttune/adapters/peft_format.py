@@ -470,8 +470,11 @@ def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALi
             held.setdefault(hf_module, {})[native_suffix] = tensor
             continue
         if name is None or (name, native_suffix) not in expected:
+            module = re.sub(r"\.(base_layer|lora_\w+)(\.\w+)*$", "", hf_module)  # the module, not its tensor
+            why = (f": '{module}' is no linear layer posttune adapts (an embedding, say; adapter_config.json "
+                   "target_modules names it)" if name is None else "")
             raise PosttuneError(f"{directory / ADAPTER_WEIGHTS}: tensor '{entry.name}' belongs to no adapter "
-                                f"of this model")
+                                f"of this model{why}")
         layer = layers[name]
         target = _layer_tensors(layer)[native_suffix]
         if native_suffix in ROW_INDEXED:
