@@ -254,6 +254,7 @@ class Method:
     batch_text: Callable[[RunConfig, Any], str] | None = None  # the banner's account of its own batches
     score_head: bool = False  # the policy is a reward model: see above
     estimate: Callable[[Estimate, Any], Estimate] | None = None  # its memory-estimate term: see above
+    plot: tuple[str, ...] = ()  # step-record metrics `posttune plot` draws under the loss, a panel each
 
     @property
     def dataset_kinds(self) -> tuple[DatasetKind, ...]:

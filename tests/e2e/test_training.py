@@ -265,6 +265,24 @@ def test_plot_writes_a_png_of_the_losses(llama_sft, posttune_cli, write_config, 
     assert (tmp_path / "out" / "loss.png").is_file()  # written at the end of training too
 
 
+@pytest.mark.parametrize("method, panels", [("grpo", 2), ("sft", 1), ("not-installed", 1)])
+def test_plot_draws_the_panels_the_run_s_method_names(register_plugin, posttune_cli, tmp_path, method, panels):
+    """GRPO's ``plot=("reward",)`` adds a reward panel (the core names no method's metric); a method that is not
+    installed leaves the loss alone. Each panel is 400 pixels high."""
+    pytest.importorskip("matplotlib", reason="posttune plot needs the optional matplotlib extra")
+    import posttune_grpo
+    import posttune_sft
+
+    register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
+    register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    records = [{"step": s, "loss": 1.0 / s, "tokens": 10, "completions": 4, "reward": 0.1 * s} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "config.yaml").write_text(f"method:\n  name: {method}\n")
+    result = posttune_cli("plot", str(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    assert int.from_bytes((tmp_path / "loss.png").read_bytes()[20:24], "big") == 400 * panels
+
+
 def test_plot_of_a_folder_without_metrics_is_one_line(posttune_cli, tmp_path):
     result = posttune_cli("plot", str(tmp_path))
     assert result.exit_code == 2 and "no metrics.jsonl" in result.stderr

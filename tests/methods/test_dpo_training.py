@@ -262,10 +262,17 @@ def test_the_bundled_configs_cover_lora_full_and_the_cpu_example():
 
 
 def test_the_loss_plot_names_what_the_loss_is_averaged_over():
+    """The unit is the method's ``LossOutput.unit``, the key the trainer writes after ``tokens``: no table of the
+    methods' units in the core (KTO's "examples" read "per unit" before)."""
     from posttune.training.plot import loss_unit
 
-    assert loss_unit({"step": 1, "loss": 0.6, "pairs": 4}) == "per pair"
-    assert loss_unit({"step": 1, "loss": 2.1, "labelled_tokens": 40}) == "per token"
+    def record(unit: str) -> dict:
+        return {"step": 1, "epoch": 0, "loss": 0.6, "lr": 1e-5, "grad_norm": 1.0, "tokens": 30, unit: 4,
+                "tokens_per_s": 9.0, "peak_memory_mib": 1.0, "rewards/margins": 0.1}
+
+    assert [loss_unit(record(unit)) for unit in ("pairs", "labelled_tokens", "examples", "completion_tokens")] == [
+        "per pair", "per labelled token", "per example", "per completion token"]
+    assert loss_unit({"step": 1, "loss": 2.1}) == "per unit"
 
 
 def test_tr_dpo_with_alpha_1_makes_every_step_start_from_the_policy_as_its_reference(llama_dpo, posttune_cli,

@@ -182,7 +182,7 @@ def save_final(session: Any) -> dict[str, str]:
             from posttune.training.plot import plot_losses
 
             return_free_heap()
-            outputs["plot"] = str(plot_losses(out))
+            outputs["plot"] = str(plot_losses(out, panels=session.plan.method.descriptor.plot))
         except Exception as exc:  # noqa: BLE001 - the plot is a convenience; training succeeded
             outputs["plot"] = f"(not written: {exc})"
     return outputs

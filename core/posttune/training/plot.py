@@ -1,7 +1,7 @@
 """`posttune plot OUTPUT_DIR`: the train (and validation) loss curves of a run, as a PNG.
 
-A run that logs a ``reward`` (GRPO) gets a second panel with the reward curve (and the
-validation reward).
+Under the loss, a panel for each metric the run's method names in its ``plot`` (an RL method's mean reward, say),
+with its validation curve; the method is the one the run's config.yaml names, when it is installed.
 
 matplotlib is an optional dependency (``pip install posttune[plot]``): training never needs it.
 """
@@ -14,17 +14,33 @@ from posttune.errors import PosttuneError
 from posttune.training.metrics import read_metrics
 
 
-#: the unit a method's normaliser counts (logged under its name) -> how the loss axis reads
-UNITS = {"labelled_tokens": "per token", "pairs": "per pair", "completion_tokens": "per completion token",
-         "completions": "per completion"}
-
-
 def loss_unit(record: dict) -> str:
-    """What the logged loss is averaged over, from the unit key its step record carries."""
-    return next((shown for key, shown in UNITS.items() if key in record), "per unit")
+    """What the logged loss is averaged over: the trainer writes the method's ``LossOutput.unit`` as the key after
+    ``tokens``, its count as the value (``labelled_tokens`` -> "per labelled token", ``pairs`` -> "per pair")."""
+    keys = list(record)
+    if "tokens" not in keys[:-1]:
+        return "per unit"
+    words = keys[keys.index("tokens") + 1].replace("_", " ")
+    return f"per {words.removesuffix('s')}"
 
 
-def plot_losses(output_dir: str | Path, out: str | Path | None = None) -> Path:
+def method_panels(output_dir: Path) -> tuple[str, ...]:
+    """The ``plot`` metrics of the method the run's config.yaml names; none when it cannot tell."""
+    import yaml
+
+    from posttune.plugins import get_registry
+
+    try:
+        method = (yaml.safe_load((output_dir / "config.yaml").read_text(encoding="utf-8")) or {}).get("method")
+        name = method if isinstance(method, str) else method.get("name")
+        return tuple(get_registry().get("method", name).plot)
+    except Exception:  # noqa: BLE001 - no config, another shape, a method not installed: the loss alone
+        return ()
+
+
+def plot_losses(output_dir: str | Path, out: str | Path | None = None, panels: tuple[str, ...] | None = None) -> Path:
+    """The plot of ``output_dir``'s metrics.jsonl; ``panels``: the metrics drawn under the loss (default: those of
+    the method its config.yaml names)."""
     output_dir = Path(output_dir)
     records = read_metrics(output_dir)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
@@ -37,11 +53,12 @@ def plot_losses(output_dir: str | Path, out: str | Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PosttuneError("posttune plot needs matplotlib — pip install 'posttune[plot]'") from None
-    panels = [("loss", f"loss ({loss_unit(records[0])})")]
-    if any("reward" in r for r in records):
-        panels.append(("reward", "mean reward"))
-    figure, axes = plt.subplots(len(panels), 1, figsize=(7, 4 * len(panels)), dpi=100, sharex=True, squeeze=False)
-    for axis, (key, label) in zip(axes[:, 0], panels):
+    drawn = [("loss", f"loss ({loss_unit(train_record(records))})")]
+    for key in method_panels(output_dir) if panels is None else panels:
+        if any(key in r for r in records):
+            drawn.append((key, key.replace("_", " ")))
+    figure, axes = plt.subplots(len(drawn), 1, figsize=(7, 4 * len(drawn)), dpi=100, sharex=True, squeeze=False)
+    for axis, (key, label) in zip(axes[:, 0], drawn):
         curve = [(r["step"], r[key]) for r in records if key in r]
         val = [(r["step"], r[f"val_{key}"]) for r in records if f"val_{key}" in r]
         axis.plot(*zip(*curve), label="train", linewidth=1.2)
@@ -57,3 +74,8 @@ def plot_losses(output_dir: str | Path, out: str | Path | None = None) -> Path:
     figure.savefig(path)
     plt.close(figure)
     return path
+
+
+def train_record(records: list[dict]) -> dict:
+    """The first record of a trained step (a skipped step's, or an evaluation's alone, has no unit)."""
+    return next((r for r in records if "loss" in r and "tokens" in r), records[0])

@@ -297,7 +297,7 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens": int(tokens),
-        window.unit: int(normaliser),
+        window.unit: int(normaliser),  # right after tokens: the loss plot reads its unit there
         "tokens_per_s": tokens / max(elapsed, 1e-9),
         "peak_memory_mib": peak_memory_mib(session.device),
         **reduced,

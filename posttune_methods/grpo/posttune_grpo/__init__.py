@@ -372,6 +372,7 @@ def posttune_register_methods(register):
         description="GRPO: group-normalised policy gradient on generated completions (sync or async on Ray)",
         micro_batch_tokens=micro_batch_tokens,
         batch_text=batch_text,
+        plot=("reward",),  # the loss plot's second panel: the mean reward, and the validation reward
         close=_method("close"),
     ))
 

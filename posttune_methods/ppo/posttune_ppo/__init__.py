@@ -208,6 +208,7 @@ def posttune_register_methods(register):
         description="PPO (RLHF): policy and value model, GAE, per-token KL penalty, clipped losses",
         micro_batch_tokens=micro_batch_tokens,
         batch_text=batch_text,
+        plot=("reward",),  # the loss plot's second panel: the mean reward, and the validation reward
         close=_method("close", "posttune_grpo.method"),
     ))
 
