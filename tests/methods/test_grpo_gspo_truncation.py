@@ -70,7 +70,8 @@ def trl_loss(logps: torch.Tensor, inputs: dict[str, torch.Tensor], *, loss_type:
              epsilon_high: float, beta: float, old: torch.Tensor | None, is_weights: torch.Tensor | None,
              mask: torch.Tensor, delta: float | None = None, off_policy_threshold: float | None = None,
              sampling: torch.Tensor | None = None, bias_correction_kl: bool = False,
-             entropies: torch.Tensor | None = None, top_entropy_quantile: float = 1.0) -> torch.Tensor:
+             entropies: torch.Tensor | None = None, top_entropy_quantile: float = 1.0,
+             logged: dict | None = None) -> torch.Tensor:
     """TRL's ``GRPOTrainer._compute_loss`` itself on these tensors: a stand-in trainer whose forward returns
     ``logps`` (the completion positions are the columns; ``mask`` is TRL's completion mask). One process, one
     micro-batch, no accumulation; ``use_bias_correction_kl`` off unless asked (posttune's default KL term is not
@@ -106,7 +107,10 @@ def trl_loss(logps: torch.Tensor, inputs: dict[str, torch.Tensor], *, loss_type:
         batch["importance_sampling_ratio"] = is_weights
     if sampling is not None:
         batch["sampling_per_token_logps"] = sampling
-    return grpo_trainer.GRPOTrainer._compute_loss(trainer, None, batch)
+    loss = grpo_trainer.GRPOTrainer._compute_loss(trainer, None, batch)
+    if logged is not None:  # what TRL logs of this step: metric -> its value
+        logged.update({key: values[-1] for key, values in trainer._metrics["train"].items()})
+    return loss
 
 
 def case_tensors(case: str) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, float, torch.Tensor | None]:
@@ -369,6 +373,21 @@ def test_values_that_make_no_sense_are_refused(llama_grpo, posttune_cli, tmp_pat
     assert result.stderr.startswith(f"posttune: error: {message}")
 
 
+def test_iterations_inside_one_optimizer_step_are_refused(llama_grpo, posttune_cli, tmp_path):  # noqa: F811
+    """Passes over a generation batch help only across optimizer steps: inside one the policy has not moved, so a
+    second pass is the first one's gradient again at twice the compute (its ratios are 1, and the old log-probs
+    are not even taken), while reward_std's sample correction counted the completions twice."""
+    config = vowel_config(tmp_path, method={"num_iterations": 2, "micro_batch_size": 4}, train={"grad_accum_steps": 4})
+    result = posttune_cli("validate", str(write(tmp_path, config)))
+    assert result.exit_code == 2
+    assert result.stderr == ("posttune: error: config: method.num_iterations: its 2 passes over a generation batch of "
+                             "2 micro-batches must fall in different optimizer steps, but train.grad_accum_steps 4 "
+                             "puts a micro-batch twice in one step (the same gradient again); set "
+                             "train.grad_accum_steps to at most 2\n")
+    config["train"]["grad_accum_steps"] = 2
+    assert posttune_cli("validate", str(write(tmp_path, config))).exit_code == 0
+
+
 #: the aggregation of TRL's loss type: cispo divides by the batch's tokens (posttune's token), sapo takes
 #: each completion's mean and then their mean (sequence)
 AGGREGATION = {"cispo": "token", "sapo": "sequence"}
@@ -561,12 +580,15 @@ def test_two_sided_clipping_off_policy_masking_and_kl_correction_equal_trls(opti
     (plain, _, _), (ours, ours_grad, result) = results
     assert abs(float(ours.detach()) - float(plain.detach())) > 1e-4  # the option acts on this case
 
-    theirs_logps = inputs["logps"].clone().requires_grad_()
+    theirs_logps, logged = inputs["logps"].clone().requires_grad_(), {}
     theirs = trl_loss(theirs_logps, inputs, loss_type="dapo", level=level, epsilon=epsilon, epsilon_high=epsilon_high,
-                      beta=beta, old=old, is_weights=None, mask=mask, sampling=sampler, **{option: value})
+                      beta=beta, old=old, is_weights=None, mask=mask, sampling=sampler, logged=logged,
+                      **{option: value})
     theirs.backward()
     torch.testing.assert_close(ours.detach(), theirs.detach(), atol=TOL, rtol=0)
     torch.testing.assert_close(ours_grad, theirs_logps.grad, atol=TOL, rtol=0)
+    # the KL logged is the estimate the loss takes (with the correction: times the ratio; it logged the plain k3)
+    assert float((result.kl * mask).sum() / mask.sum()) == pytest.approx(logged["kl"], abs=1e-6)
     if option == "off_policy_threshold":  # some completions dropped, all of them with a negative advantage
         assert 0 < float(result.dropped.sum()) < len(LENGTHS)
         assert bool((inputs["advantages"][result.dropped > 0] < 0).all())

@@ -91,7 +91,8 @@ class GRPOConfig:
         "kl_coef": "method.beta", "cliprange": "method.epsilon", "num_ppo_epochs": "method.num_iterations",
     }
     KNOWN_VALUES: ClassVar[dict[str, dict[str, str]]] = {  # TRL's loss_type values, and RLOO's and TRL's names
-        "loss_aggregation": {"dapo": "token", "bnpo": "token", "grpo": "sequence", "dr_grpo": "constant",
+        "loss_aggregation": {"dapo": "token", "bnpo": "token (over the whole step; TRL's bnpo: per micro-batch)",
+                             "grpo": "sequence", "dr_grpo": "constant",
                              "cispo": "method.objective: cispo", "sapo": "method.objective: sapo"},
         "objective": {"grpo": "clip", "dapo": "clip", "dr_grpo": "clip with loss_aggregation: constant"},
         "baseline": {"rloo": "leave_one_out", "grpo": "mean"},
@@ -269,7 +270,13 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
     if micro < 1 or rows % micro:
         raise ConfigError("method.micro_batch_size", f"must divide train.batch_size x group_size = {rows} "
                                                      f"completions per rank, got {micro}")
-    passes = method.num_iterations * (rows // micro)
+    passes, accum = method.num_iterations * (rows // micro), config.train.grad_accum_steps
+    if method.num_iterations > 1 and accum > rows // micro:  # a pass again inside a step: the policy unchanged
+        raise ConfigError("method.num_iterations", f"its {method.num_iterations} passes over a generation batch of "
+                                                   f"{rows // micro} micro-batches must fall in different optimizer "
+                                                   f"steps, but train.grad_accum_steps {accum} puts a micro-batch "
+                                                   "twice in one step (the same gradient again); set "
+                                                   f"train.grad_accum_steps to at most {rows // micro}")
     if passes % config.train.grad_accum_steps:
         raise ConfigError("train.grad_accum_steps", f"must divide the {passes} micro-batches of each generation "
                                                     f"batch (num_iterations x completions / micro_batch_size), got "

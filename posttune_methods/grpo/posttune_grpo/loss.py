@@ -210,7 +210,9 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages:
     if ref_logps is not None and beta:
         log_ratio_ref = ref_logps - logps
         kl = (torch.exp(log_ratio_ref) - log_ratio_ref - 1.0) * mask
-        per_token = per_token + beta * (kl * ratio if bias_correction_kl else kl)
+        if bias_correction_kl:  # the estimate the loss takes is the one logged (as TRL logs it)
+            kl = kl * ratio
+        per_token = per_token + beta * kl
     return PolicyLoss(per_token * mask, kl, clipped * mask, dropped)
 
 
