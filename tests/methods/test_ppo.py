@@ -309,3 +309,16 @@ def test_max_new_tokens_past_the_context_is_refused_before_any_rollout(tmp_path)
     assert (result.returncode, result.stderr.splitlines()[-1]) == (2, (
         "posttune: error: config: method.max_new_tokens: 64 leaves no room for a prompt in the model's context of 64 "
         "tokens (max_position_embeddings)"))
+
+
+def test_a_trained_value_model_in_fp16_is_refused_naming_its_section(tmp_path):
+    """The value model trains: fp16 weights diverge there as the policy's would (config.md, "dtype")."""
+    from posttune.errors import ConfigError
+    from run_support import compose_run
+
+    config = ppo_config(tmp_path, models={"value": {"family": "llama", "size": "tiny", "dtype": "fp16",
+                                                    "build_overrides": {"vocab_size": 384}}})
+    with pytest.raises(ConfigError) as error:
+        compose_run(config)
+    assert str(error.value).startswith("config: models.value.dtype: fp16 weights cannot train here: with no loss "
+                                       "scaling")

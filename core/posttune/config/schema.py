@@ -41,7 +41,8 @@ TRAINING_ARGUMENTS = {
     "bf16": "model.dtype: bf16 (weights and updates in bf16, not autocast over fp32 weights: a small lr's updates "
             "round away; fp32 weights: model.dtype fp32, or a sharding plan's mixed precision over an fp32 "
             "model, docs/parallel.md)",
-    "fp16": "model.dtype: fp16", "torch_dtype": "model.dtype",
+    "fp16": "model.dtype: bf16 (fp16 weights do not train here; HF's fp16 is AMP with loss scaling)",
+    "torch_dtype": "model.dtype",
     "per_device_eval_batch_size": "train.batch_size (evaluation batches are training's size)",
     "eval_strategy": "train.eval_every (in steps, or epoch)", "evaluation_strategy": "train.eval_every (in steps, or "
                                                                                      "epoch)",
@@ -83,6 +84,10 @@ TRAINING_ARGUMENTS = {
 #: what the run config's sections name: the keys above, and those whose place is a first-party plugin's setting
 #: (their names live in posttune.first_party); a plugin's own config is told only the core's places (ELSEWHERE)
 SECTION_KNOWN_AS = {**TRAINING_ARGUMENTS, **first_party.KNOWN_AS}
+#: why weights that train are refused in fp16 (torchtune refuses it too)
+FP16_TRAINING = ("fp16 weights cannot train here: with no loss scaling and AdamW's state in fp16, small gradients "
+                 "underflow and the run diverges (NaN within a few steps); use bf16, or fp32 on a GPU without bf16 "
+                 "(fp16 suits frozen models: models.<role>.dtype, and generate)")
 DECAY_RATIO = 0.1  # wsd's decay, when train.decay_ratio is not set: the last tenth of the run
 
 
@@ -399,6 +404,8 @@ def validate(raw: dict[str, Any]) -> RunConfig:
         if model.path is None and (model.family is None or model.size is None):
             raise ConfigError(section, "set `path` (a checkpoint) or both `family` and `size` (random init)")
     check_ranges(config)
+    if config.model.dtype == "fp16":  # a trained role's too, once composed (training.compose)
+        raise ConfigError("model.dtype", FP16_TRAINING)
     if config.adapter is not None and config.adapter.targets == []:  # [] would read as "the family's default"
         raise ConfigError("adapter.targets", "an empty list adapts nothing: list module-name patterns, or leave it "
                                              "out for the family's default targets")

@@ -32,7 +32,7 @@ from posttune.checkpoint.origin import ModelOrigin, attach
 from posttune.checkpoint.score_head import add_score_head, checkpoint_labels
 from posttune.checkpoint.source import is_hub_id, no_directory
 from posttune.config.requires import device_for
-from posttune.config.schema import DataConfig
+from posttune.config.schema import FP16_TRAINING, DataConfig
 from posttune.errors import ConfigError, PluginError, PosttuneError, first_line
 from posttune.plan import Plan, applies_to_frozen, build_kwargs
 from posttune.registry import Registered
@@ -303,6 +303,8 @@ def build_model(target: ModelTarget) -> nn.Module:
         generation = generation_config(local_dir(config.path))  # saved back with the trained model
     kwargs = build_kwargs(config, family, hf_config)
     section = "model" if target.role == "policy" else f"models.{target.role}"
+    if target.trainable and config.dtype == "fp16":  # a trained role (a value model): the policy's validate refuses
+        raise ConfigError(f"{section}.dtype", FP16_TRAINING)
     try:
         model = mat.build(family.build, kwargs, DTYPES[config.dtype], "meta")
     except (TypeError, ValueError, RuntimeError, ZeroDivisionError, AssertionError) as exc:
@@ -318,10 +320,6 @@ def build_model(target: ModelTarget) -> nn.Module:
         raise ConfigError(f"{section}.build_overrides", f"family '{family.name}' cannot build with {shown}: "
                                                         f"{type(exc).__name__}: {first_line(str(exc))}") from None
     attach(model, ModelOrigin(family.name, kwargs, hf_config, generation, source=config.path))
-    if target.trainable and config.dtype == "fp16" and distributed.is_main():  # no loss scaling here
-        print(f"posttune: warning: {section}.dtype is fp16: its weights train in fp16 with no loss scaling, so small "
-              "gradients underflow and updates round away; use bf16 (fp32's range), or fp32 on a GPU without bf16",
-              file=sys.stderr)
     stored = str((hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype"))
     if target.trainable and config.dtype == "fp32" and stored in ("bfloat16", "float16") and distributed.is_main():
         print(f"posttune: warning: {section}.dtype is fp32 and {config.path} is stored in {stored}: the model trains "
