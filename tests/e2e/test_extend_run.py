@@ -8,6 +8,8 @@ import json
 import torch
 import yaml
 
+from posttune.descriptors import MemoryTechnique
+from posttune.plugins import hookimpl
 from posttune.training import save_final
 from posttune.training.metrics import read_metrics
 from posttune.training.trainer import train
@@ -188,3 +190,35 @@ def test_a_checkpoint_and_an_evaluation_at_the_end_of_every_epoch(llama_sft, pos
     assert both.exit_code == 0, both.stderr
     assert [r["step"] for r in read_metrics(tmp_path / "both") if "val_loss" in r] == [2, 4]
     assert json.loads((tmp_path / "both" / "summary.json").read_text())["best_step"] in (2, 4)
+
+
+class FreezeEmbedding:
+    """A third party's technique that changes which weights train (the embedding frozen)."""
+
+    POSTTUNE_PLUGIN_API = 2
+
+    @staticmethod
+    def apply(session, target) -> None:
+        target.model.get_parameter("embed.weight").requires_grad_(False)
+
+    @hookimpl
+    def posttune_register_memory_techniques(self, register):
+        register(MemoryTechnique("freeze_embedding", "adapt", self.apply))
+
+
+def test_a_resume_whose_trainable_weights_changed_is_refused_in_one_line(llama_sft, register_plugin, posttune_cli,
+                                                                          tmp_path):
+    """The optimizer's state is per trained weight: torch's ValueError came out as a traceback (a plugin author)."""
+    register_plugin(FreezeEmbedding(), name="freeze", distribution="posttune-freeze", version="0.1.0")
+    config = sft_config(tmp_path, train={"max_steps": 2}, checkpoint={"save_every": 2}, memory=["freeze_embedding"])
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert posttune_cli("train", str(path)).exit_code == 0
+    resumed = posttune_cli("train", str(path), "checkpoint.resume=latest", "train.max_steps=4", "memory=[]")
+    assert resumed.exit_code == 2, resumed.stderr
+    checkpoint = tmp_path / "out" / "checkpoints" / "step-00000002"
+    assert resumed.stderr.startswith(f"posttune: error: cannot resume {checkpoint}: its optimizer state is for other "
+                                     "trainable parameters than this run's (")
+    assert resumed.stderr.endswith("; the settings that choose them (adapter, memory techniques that freeze or add "
+                                   "weights) changed: resume with the checkpoint's, or start a new run from its "
+                                   "model\n") and resumed.stderr.count("\n") == 1

@@ -251,7 +251,13 @@ def load_trainer_state(session: Session, path: Path) -> None:
     else:
         # on the CPU: load_state_dict moves each state to its parameter's device (rank r's, not cuda:0 where it was
         # saved; and a GPU run's checkpoint resumes on a machine without one)
-        session.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
+        try:
+            session.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
+        except ValueError as exc:  # torch's "... parameter group that doesn't match the size of optimizer's group"
+            raise PosttuneError(f"cannot resume {path}: its optimizer state is for other trainable parameters than "
+                                f"this run's ({exc}); the settings that choose them (adapter, memory techniques that "
+                                "freeze or add weights) changed: resume with the checkpoint's, or start a new run "
+                                "from its model") from None
         shard_optimizer_state(session.optimizer)
     session.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True, map_location="cpu"))
     from posttune.training.optim import resync_lr
