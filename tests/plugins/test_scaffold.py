@@ -220,9 +220,13 @@ def test_the_name_of_an_installed_distribution_is_refused(scaffold_cli, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_missing_output_folder_is_an_error(tmp_path):
-    result = run_cli("new", "plugin", "demo", "-o", str(tmp_path / "nowhere"))
-    assert (result.exit_code, result.stderr) == (2, f"posttune: error: {tmp_path / 'nowhere'}: no such directory\n")
+def test_a_missing_output_folder_is_made_and_a_file_there_is_an_error(tmp_path):
+    made = run_cli("new", "plugin", "demo", "-o", str(tmp_path / "new" / "folder"))
+    assert made.exit_code == 0, made.stderr
+    assert (tmp_path / "new" / "folder" / "posttune-demo" / "pyproject.toml").is_file()
+    (tmp_path / "file").write_text("")
+    result = run_cli("new", "plugin", "demo", "-o", str(tmp_path / "file"))
+    assert (result.exit_code, result.stderr) == (2, f"posttune: error: {tmp_path / 'file'}: not a directory\n")
 
 
 @pytest.mark.slow
