@@ -27,7 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", choices=list(KINDS), default="method",
                         help=f"what the plugin registers (default: %(default)s). {kinds}")
     parser.add_argument("-o", "--output", default=".", metavar="DIR",
-                        help="the folder to write posttune-NAME/ into, made if missing (default: the current directory)")
+                        help="the folder to write posttune-NAME/ into, made if missing (default: here)")
 
 
 def run(args: argparse.Namespace) -> int:
