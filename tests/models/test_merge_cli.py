@@ -62,19 +62,36 @@ def test_merged_checkpoint_equals_peft_merge_and_unload(base, posttune_cli, tmp_
 @pytest.mark.parametrize("saved", [torch.float32, torch.bfloat16], ids=["fp32-adapter", "bf16-adapter"])
 @pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
 def test_a_bf16_merge_is_bitwise_peft_merge_and_unload(base, posttune_cli, tmp_path, use_dora, saved):
-    """Loaded as fp32 adapters on the bf16 base, the update computed and added in fp32 and rounded once, as PEFT
-    does: 1 ulp apart on ~30-50% of the adapted weights when adapters or update were rounded to bf16 first."""
+    """On a base stored in bf16: loaded as fp32 adapters on it, the update computed and added in fp32 and rounded
+    once, as PEFT does (1 ulp apart on ~30-50% of the adapted weights when adapters or update were rounded to bf16
+    first). An fp32 base with ``--dtype bf16`` is merged in fp32 and rounded once after: PEFT's merge of it, cast
+    (the base was cast first before, and 22% of the merged weights were 1 ulp from the sum's rounding)."""
     adapter = saved_adapter(base, tmp_path / "adapter", use_dora, saved)
-    result = posttune_cli("merge", "--adapter", str(adapter), "--dtype", "bf16", "-o", str(tmp_path / "merged"))
-    assert result.exit_code == 0, result.stderr
-    bf16 = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
-    theirs = peft.PeftModel.from_pretrained(bf16, adapter).merge_and_unload().state_dict()
-    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16).state_dict()
-    differ = [name for name, tensor in theirs.items() if not torch.equal(ours[name], tensor)]
-    assert differ == []
-    plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).state_dict()
+    stored = tmp_path / "bf16-base"
+    transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).save_pretrained(stored)
+    references = {
+        "stored": peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+            stored, dtype=torch.bfloat16), adapter).merge_and_unload().state_dict(),
+        "cast": {name: tensor.to(torch.bfloat16) for name, tensor in peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+            .merge_and_unload().state_dict().items()},
+    }
+    for case, options in (("stored", ["--model", str(stored)]), ("cast", ["--dtype", "bf16"])):
+        out = tmp_path / f"merged-{case}"
+        result = posttune_cli("merge", "--adapter", str(adapter), *options, "-o", str(out))
+        assert result.exit_code == 0, result.stderr
+        ours = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
+        assert [name for name, tensor in references[case].items() if not torch.equal(ours[name], tensor)] == []
+    plain = transformers.AutoModelForCausalLM.from_pretrained(stored, dtype=torch.bfloat16).state_dict()
     assert not torch.equal(ours["model.layers.0.self_attn.q_proj.weight"],
                            plain["model.layers.0.self_attn.q_proj.weight"])  # the adapter mattered
+
+
+def test_a_merge_s_dtype_typo_names_the_option(base, posttune_cli, tmp_path):
+    result = posttune_cli("merge", "--adapter", str(tmp_path), "--dtype", "bfloat", "-o", str(tmp_path / "merged"))
+    assert result.exit_code == 2
+    assert result.stderr.endswith("posttune merge: error: argument --dtype: expected a floating-point dtype such as "
+                                  "bf16, bfloat16, fp16 or fp32, got 'bfloat'\n")
 
 
 def test_model_overrides_the_base_the_adapter_names(base, posttune_cli, tmp_path):

@@ -56,9 +56,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None,
                         help="with --temperature: the run seed (any integer); each prompt draws from its own stream, "
                              "seeded by this and its place in the list (as a training run's rows)")
-    parser.add_argument("--dtype", default=None, help="bf16, bfloat16, fp16, fp32 ... (default: the checkpoint's own)")
+    parser.add_argument("--dtype", default=None, type=dtype_argument,
+                        help="bf16, bfloat16, fp16, fp32 ... (default: the checkpoint's own)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1 ...")
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
+
+
+def dtype_argument(value: str) -> str:
+    """``--dtype``'s check, so that argparse names the option: a floating-point dtype torch knows (bf16, float16)."""
+    from posttune.checkpoint.materialize import resolve_dtype
+    from posttune.errors import PosttuneError
+
+    try:
+        resolve_dtype(value)
+    except PosttuneError:
+        raise argparse.ArgumentTypeError(f"expected a floating-point dtype such as bf16, bfloat16, fp16 or fp32, got "
+                                         f"{value!r}") from None
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from posttune.checkpoint.peft_config import ADAPTER_CONFIG, inside, warn_of_other_base
+from posttune.cli.generate import dtype_argument
 from posttune.descriptors import Command
 from posttune.errors import PosttuneError, one_line
 
@@ -25,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="the base checkpoint directory or hub id (default: the base model the "
                                          "adapter's adapter_config.json names)")
     parser.add_argument("-o", "--output", required=True, help="the folder to write (new or empty)")
-    parser.add_argument("--dtype", default=None,
+    parser.add_argument("--dtype", default=None, type=dtype_argument,
                         help="bf16, bfloat16, fp16, fp32 ... (default: the base checkpoint's own)")
     parser.add_argument("--max-shard-size", default=None, help='largest safetensors file, e.g. "2GB" (default 5GB)')
 
@@ -33,6 +34,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from posttune.adapters import adapter_base, load_peft_adapter, merge_adapters, tokenizer_source
     from posttune.api import load_model, load_tokenizer, save_model
+    from posttune.checkpoint.materialize import resolve_dtype
 
     out = Path(args.output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -43,9 +45,14 @@ def run(args: argparse.Namespace) -> int:
     base = args.model or adapter_base(args.adapter, "merge")
     if args.model:
         warn_of_other_base("merge", args.adapter, args.model, "; the merged model is that base plus this update")
-    model = load_model(base, dtype=args.dtype, device="cpu")
+    model = load_model(base, device="cpu")  # in its own dtype: a narrower --dtype rounds once, after the merge
+    target = resolve_dtype(args.dtype) if args.dtype is not None else None
+    if target is not None and target.itemsize > next(model.parameters()).dtype.itemsize:
+        model.to(target)  # a wider one: the base in it first, the merge exact there
     merged = load_peft_adapter(model, args.adapter)
     merge_adapters(model)
+    if target is not None:
+        model.to(target)
     try:
         tokenizer = load_tokenizer(tokenizer_source(base, args.adapter))
     except PosttuneError as exc:  # weights-only base: the merged weights are still the point
