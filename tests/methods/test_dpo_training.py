@@ -347,3 +347,22 @@ def test_max_seq_len_past_a_frozen_roles_context_is_warned_of(llama_dpo, make_dp
         "posttune: warning: data.max_seq_len: 48 is past the reference model's context of 40 tokens "
         "(max_position_embeddings): longer samples use positions it was never trained on; lower it, or extend the "
         "context on purpose (rope scaling in the checkpoint's config)\n")
+
+
+def test_a_frozen_role_stored_in_bf16_held_in_fp32_is_warned_of(llama_dpo, make_dpo_config, tmp_path, capsys):
+    """A reference (or teacher) read from a bf16 checkpoint is held in fp32 by default, twice its size: said, as
+    for the trained model (a dtype trial found KD's teacher, the run's largest model, doubled silently)."""
+    import torch
+    import transformers
+
+    from posttune.testing.tiny import TINY, tiny_hf_model
+    from run_support import compose_run
+
+    source = tmp_path / "reference"
+    tiny_hf_model(transformers.LlamaConfig(**{**TINY, "vocab_size": 384})).to(torch.bfloat16).save_pretrained(source)
+    config = make_dpo_config(tmp_path, rows=4)
+    config["models"] = {"reference": {"path": str(source)}}
+    compose_run(config)
+    assert (f"posttune: warning: models.reference.dtype is fp32 and {source} is stored in bfloat16: the model is "
+            "held (frozen) in fp32, twice its size; set models.reference.dtype: bfloat16 to keep bfloat16"
+            ) in capsys.readouterr().err

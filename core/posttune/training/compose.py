@@ -321,10 +321,10 @@ def build_model(target: ModelTarget) -> nn.Module:
                                                         f"{type(exc).__name__}: {first_line(str(exc))}") from None
     attach(model, ModelOrigin(family.name, kwargs, hf_config, generation, source=config.path))
     stored = str((hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype"))
-    if target.trainable and config.dtype == "fp32" and stored in ("bfloat16", "float16") and distributed.is_main():
-        print(f"posttune: warning: {section}.dtype is fp32 and {config.path} is stored in {stored}: the model trains "
-              f"and is saved in fp32, twice its size; set {section}.dtype: {stored} to keep {stored}",
-              file=sys.stderr)
+    if config.dtype == "fp32" and stored in ("bfloat16", "float16") and distributed.is_main():
+        does = "trains and is saved" if target.trainable else "is held (frozen)"
+        print(f"posttune: warning: {section}.dtype is fp32 and {config.path} is stored in {stored}: the model {does} "
+              f"in fp32, twice its size; set {section}.dtype: {stored} to keep {stored}", file=sys.stderr)
     labels = checkpoint_labels(hf_config) if hf_config is not None else None
     if labels is not None or target.score:
         add_score_head(model, labels or 1)
