@@ -255,7 +255,8 @@ def test_yaml_nested_past_the_parsers_recursion_is_one_line(tmp_path):
      "(known: adamw, adam, sgd, or a _component_ mapping); transformers' adamw_torch_fused is adamw here"),
     (base(train=[1]), "config: train: expected a mapping of keys, got a list"),
     (base(model={"dtype": "fp64", "path": "x"}),
-     "config: model.dtype: expected one of 'fp32', 'bf16', 'fp16', got 'fp64' (did you mean 'fp16'?)"),
+     "config: model.dtype: expected one of 'fp32', 'bf16', 'fp16' (or torch's names: 'bfloat16', ...), got 'fp64' "
+     "(did you mean 'fp16'?)"),
     (base(memory="activation_checkpointing"), "config: memory: expected a list, got 'activation_checkpointing'"),
     (base(memory=["a", 3]), "config: memory[1]: expected a string, got 3"),
     (base(parallel={"dims": {"tp": "two"}}), "config: parallel.dims.tp: expected an integer, got 'two'"),

@@ -21,5 +21,13 @@ def test_every_spelling_means_one_dtype_in_configs_and_commands(spelling, short,
 
 
 def test_an_unknown_dtype_is_still_refused_naming_the_field():
-    with pytest.raises(ConfigError, match=r"model\.dtype: expected one of 'fp32', 'bf16', 'fp16', got 'bf17'"):
+    with pytest.raises(ConfigError, match=r"model\.dtype: expected one of 'fp32', 'bf16', 'fp16' \(or torch's names: "
+                                          r"'bfloat16', \.\.\.\), got 'bf17'"):
         convert(Dtype, "bf17", "model.dtype")
+
+
+def test_a_torch_name_cut_short_is_pointed_to_the_torch_name():
+    """'bfloat' got no hint (the short names alone are too far from it); the hint chooses among the short names
+    and torch's full ones (not the aliases: 'float', fp32's, is nearer to 'bfloat' than 'bfloat16')."""
+    with pytest.raises(ConfigError, match=r"got 'bfloat' \(did you mean 'bfloat16'\?\)$"):
+        convert(Dtype, "bfloat", "model.dtype")

@@ -89,10 +89,12 @@ def convert(annotation: Any, value: Any, path: str) -> Any:
     if origin is Literal:
         if value in args:
             return value
-        if set(args) <= set(TORCH_NAMES) and short_name(value) in args:  # a dtype: bfloat16 == bf16
+        dtype = set(args) <= set(TORCH_NAMES)
+        if dtype and short_name(value) in args:  # a dtype: bfloat16 == bf16
             return short_name(value)
-        choices = ", ".join(repr(a) for a in args)
-        hint = did_you_mean(str(value), [str(a) for a in args])
+        choices = ", ".join(repr(a) for a in args) + (" (or torch's names: 'bfloat16', ...)" if dtype else "")
+        spellings = [str(a) for a in args] + ([TORCH_NAMES[a] for a in args] if dtype else [])
+        hint = did_you_mean(str(value), spellings)
         raise ConfigError(path, f"expected one of {choices}, got {_show(value)}{hint}")
     if dataclasses.is_dataclass(annotation):
         shorthand = getattr(annotation, "FROM_STRING", None)  # a ClassVar: the field a lone string fills
