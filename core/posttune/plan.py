@@ -606,7 +606,9 @@ def _steps(plan: Plan) -> list[Step]:
 
     core = f"posttune {__version__}"
     mesh = ", ".join(f"{d}={n}" for d, n in plan.mesh.items()) or "none"
-    add("distributed", f"{plan.world_size} process(es), mesh {mesh}", core)
+    idle = (f"; parallel.plans {', '.join(config.parallel.plans)} inactive on one process"
+            if config.parallel.plans and not plan.parallel else "")
+    add("distributed", f"{plan.world_size} process(es), mesh {mesh}{idle}", core)
     source = config.model.path or f"random init, size {config.model.size}"
     add("build", f"policy: model family '{plan.family.descriptor.name}' on the meta device ({source})",
         plan.family.provenance)
@@ -637,9 +639,12 @@ def _steps(plan: Plan) -> list[Step]:
         add("roles", f"{name}: {kind} '{role.family.descriptor.name}' model ({source}){how}", role.family.provenance)
     for where, (source, fmt) in plan.sources.items():
         add("data", f"{where.removeprefix('data.')}: {source.path} as '{fmt.descriptor.name}'", fmt.provenance)
-    optimizer = config.train.optimizer
+    optimizer, scheduler, train = config.train.optimizer, config.train.scheduler, config.train
+    warmup = (f", warmup {train.warmup_steps} steps" if train.warmup_steps else
+              f", warmup {train.warmup_ratio:g} of the steps" if train.warmup_ratio else "")
     add("optimizer", f"optimizer {optimizer if isinstance(optimizer, str) else optimizer.get('_component_')}, "
-                     f"lr {config.train.lr:g}", core)
+                     f"lr {config.train.lr:g}, schedule "
+                     f"{scheduler if isinstance(scheduler, str) else scheduler.get('_component_')}{warmup}", core)
     add_techniques("optimizer")
     add_techniques("loss")
     add("method", f"method '{plan.method.descriptor.name}': its data loaders, setup, loss", plan.method.provenance)

@@ -38,6 +38,14 @@ def test_plan_lists_each_stage_with_its_provider_in_composition_order(registry):
 def test_one_process_runs_the_same_config_with_plans_inactive(registry):
     plan = resolve_plan(config(parallel={"plans": ["fsdp", "tensor"], "dims": {"tp": 2}}), registry, world_size=1)
     assert plan.parallel == [] and plan.mesh == {"dp_shard": 1, "tp": 1}
+    assert plan.steps[0].what == "1 process(es), mesh dp_shard=1, tp=1; parallel.plans fsdp, tensor inactive on one " \
+                                 "process"  # said (a plan author's plan printed nothing on one process)
+
+
+def test_the_optimizer_line_names_the_schedule_and_its_warmup(registry):
+    plan = resolve_plan(config(train={"scheduler": "cosine", "warmup_ratio": 0.1}), registry)
+    assert [step.what for step in plan.steps if step.stage == "optimizer"] == [
+        "optimizer adamw, lr 2e-05, schedule cosine, warmup 0.1 of the steps"]
 
 
 @pytest.mark.parametrize("sections, world, message", [
