@@ -294,6 +294,24 @@ def test_aot_sorts_the_real_pairs_alone_and_gives_placeholders_no_loss():
         assert policy.grad[~real].eq(0).all() and policy.grad[real].ne(0).all()
 
 
+def test_discopop_stays_finite_where_its_exponential_overflows():
+    """``exp(-z)`` is inf below z = -88.7 in fp32 and the blend weight there 0: the loss was NaN from beta h = -89
+    (TRL's formula too). Written as ``exp(log m - z)``: the paper's value where both are finite, and finite beyond."""
+    from posttune_dpo.losses import preference_losses
+
+    margins = torch.tensor([-120.0, -89.0, -80.0, -1.0, 0.0, 2.0, 30.0])
+    policy = margins.clone().requires_grad_()
+    zeros = torch.zeros_like(margins)
+    losses, _, _ = preference_losses(policy, zeros, zeros, zeros, loss_type="discopop", beta=1.0, tau=0.05)
+    losses.sum().backward()
+    assert torch.isfinite(losses).all() and torch.isfinite(policy.grad).all()
+    z = margins.double()
+    blend = torch.sigmoid(z / 0.05)
+    paper = (1 - blend) * -F.logsigmoid(z) + blend * torch.exp(-z)
+    torch.testing.assert_close(losses[2:].double(), paper[2:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(losses[:2], -margins[:2], rtol=1e-6, atol=0)  # -log sigmoid(z) = -z, far below 0
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_wpo_weights_equal_the_papers_and_scale_each_pairs_loss_and_gradient(llama_dpo, make_dpo_config, tmp_path,
                                                                             layout):

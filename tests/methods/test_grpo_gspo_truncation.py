@@ -388,6 +388,17 @@ def test_iterations_inside_one_optimizer_step_are_refused(llama_grpo, posttune_c
     assert posttune_cli("validate", str(write(tmp_path, config))).exit_code == 0
 
 
+def test_adapter_dropout_is_refused_for_grpo(llama_grpo, posttune_cli, tmp_path):  # noqa: F811
+    """The ratio's old log-probs are taken without dropout: with it, first-pass ratios were 0.7 to 1.2 and a quarter
+    of the tokens clipped before any update (a PPO audit; GRPO shares the path)."""
+    config = vowel_config(tmp_path, adapter={"rank": 4, "dropout": 0.1})
+    result = posttune_cli("validate", str(write(tmp_path, config)))
+    assert result.exit_code == 2
+    assert result.stderr == ("posttune: error: config: adapter.dropout: grpo compares the policy's log-probs with "
+                             "those it gave without dropout, which dropout would set apart before any update; set "
+                             "adapter.dropout: 0 (TRL disables dropout for it too)\n")
+
+
 #: the aggregation of TRL's loss type: cispo divides by the batch's tokens (posttune's token), sapo takes
 #: each completion's mean and then their mean (sequence)
 AGGREGATION = {"cispo": "token", "sapo": "sequence"}

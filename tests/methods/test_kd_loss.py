@@ -171,15 +171,25 @@ def test_chunked_reaches_an_adapted_head(kind):
         torch.testing.assert_close(g_got, g_want, atol=2 * TOL, rtol=TOL)
 
 
-def test_chunked_without_grad_and_twice_through_backward():
+def test_chunked_without_grad_and_twice_through_backward(monkeypatch):
+    """Under no_grad (evaluation) no chunk computes a gradient: autograd still said a trainable head needed one,
+    and each evaluation of a full fine-tune built a head-sized fp32 gradient it threw away (a KD audit)."""
+    import posttune_kd.chunked
+
     student, teacher, hidden, teacher_hidden, targets = heads()
     how = Settings("forward_kl")
+    asked, chunk_loss = [], posttune_kd.chunked.chunk_loss
+    monkeypatch.setattr(posttune_kd.chunked, "chunk_loss",
+                        lambda *args, need_grad, **kwargs: asked.append(need_grad) or chunk_loss(
+                            *args, need_grad=need_grad, **kwargs))
     with torch.no_grad():
         quiet = chunked_kd_loss(hidden, Head(student.weight, student.bias), teacher_hidden,
                                 Head(teacher.weight, teacher.bias), targets, how, chunk_size=8)
     loud = chunked_kd_loss(hidden, Head(student.weight, student.bias), teacher_hidden,
                            Head(teacher.weight, teacher.bias), targets, how, chunk_size=8)
     assert float(quiet.loss) == float(loud.loss) and not quiet.loss.requires_grad
+    chunks = -(-len(targets) // 8)
+    assert asked == [False] * chunks + [True] * chunks
     loud.loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loud.loss.backward()

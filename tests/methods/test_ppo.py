@@ -322,3 +322,13 @@ def test_a_trained_value_model_in_fp16_is_refused_naming_its_section(tmp_path):
         compose_run(config)
     assert str(error.value).startswith("config: models.value.dtype: fp16 weights cannot train here: with no loss "
                                        "scaling")
+
+
+def test_adapter_dropout_is_refused_for_ppo(tmp_path):
+    from posttune.config import validate
+    from posttune.errors import ConfigError
+    from posttune.plan import resolve_plan
+    from posttune.plugins import get_registry
+
+    with pytest.raises(ConfigError, match=r"^config: adapter.dropout: ppo compares the policy's log-probs"):
+        resolve_plan(validate(ppo_config(tmp_path, adapter={"rank": 4, "dropout": 0.05})), get_registry())

@@ -108,8 +108,8 @@ def preference_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor
     elif loss_type == "apo_down":
         losses = torch.sigmoid(chosen) + 1.0 - torch.sigmoid(z)
     elif loss_type == "discopop":
-        blend = torch.sigmoid(z / tau)
-        losses = (1.0 - blend) * -F.logsigmoid(z) + blend * torch.exp(-z)
+        # m exp(-z) as exp(log m - z): exp(-z) alone overflows to inf below z = -88.7 (fp32) and inf x 0 is NaN
+        losses = torch.sigmoid(-z / tau) * -F.logsigmoid(z) + torch.exp(F.logsigmoid(z / tau) - z)
     elif loss_type == "aot":
         losses = _ranked_loss(policy_chosen - policy_rejected, reference_chosen - reference_rejected, real, beta,
                               label_smoothing)

@@ -196,6 +196,16 @@ def check_tis_cap(method: Any) -> None:
         raise ConfigError("method.tis_cap", f"expected a number >= 1 (or null), got {method.tis_cap}")
 
 
+def check_no_dropout(config: RunConfig, method: str) -> None:
+    """GRPO's and PPO's ratios compare the policy with the log-probs it gave without dropout (generation, pi_old):
+    adapter dropout in the training forward made them differ before any update (first-pass ratios 0.7 to 1.2, a
+    quarter of the tokens clipped), so it is refused, as TRL turns dropout off for these methods."""
+    if config.adapter is not None and config.adapter.dropout:
+        raise ConfigError("adapter.dropout", f"{method} compares the policy's log-probs with those it gave without "
+                                             "dropout, which dropout would set apart before any update; set "
+                                             "adapter.dropout: 0 (TRL disables dropout for it too)")
+
+
 def check_sync(config: RunConfig, method: GRPOConfig) -> None:
     """A synced reference (TR-DPO's update, as TRL's GRPO offers it): a reference of its own, in the learner."""
     every, alpha = method.sync_reference_every, method.sync_reference_alpha
@@ -250,6 +260,7 @@ def validate(config: RunConfig, method: GRPOConfig) -> None:
         raise ConfigError("method.bias_correction_kl", "weights the loss's KL term, and this run has none "
                                                        "(beta 0, or kl_in_reward): remove it")
     check_sync(config, method)
+    check_no_dropout(config, "grpo")
     if method.kl_in_reward and method.beta == 0:
         raise ConfigError("method.kl_in_reward", "puts beta times the KL in the reward, and beta is 0: set "
                                                  "method.beta (TRL's RLOO uses 0.05)")

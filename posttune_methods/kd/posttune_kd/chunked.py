@@ -88,8 +88,10 @@ def chunked_kd_loss(student_hidden: torch.Tensor, student: Head, teacher_hidden:
                     targets: torch.Tensor, settings: Settings, *, chunk_size: int = 512) -> KDSums:
     """``plain_kd_loss`` of the two heads applied to ``[n, hidden]`` rows, with at most ``chunk_size``
     rows of either head's logits alive at once; differentiable w.r.t. the student's rows and head."""
+    # under no_grad (evaluation) ``needs_input_grad`` still says a trainable head needs one: ask the grad mode
     loss, divergence, ce = _ChunkedKD.apply(student_hidden, student.weight, student.bias, student.softcap,
-                                            teacher_hidden.detach(), teacher, targets, settings, chunk_size)
+                                            teacher_hidden.detach(), teacher, targets, settings, chunk_size,
+                                            torch.is_grad_enabled())
     return KDSums(loss, divergence, ce)
 
 
@@ -97,8 +99,9 @@ class _ChunkedKD(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 softcap: float | None, teacher_hidden: torch.Tensor, teacher: Head, targets: torch.Tensor,
-                settings: Settings, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+                settings: Settings, chunk_size: int, grad_enabled: bool = True,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
         need = need_hidden or need_weight or need_bias
         sums = torch.zeros(3, dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -139,4 +142,4 @@ class _ChunkedKD(torch.autograd.Function):
                     grad.mul_(scale.to(grad.dtype))
                 grad = grad.to(dtype)
             out.append(grad)
-        return (*out, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from posttune.plugin import ConfigError, Method, ModelRole, RunConfig, configs_in, hookimpl, resolve_engine
-from posttune_grpo import check_tis_cap
+from posttune_grpo import check_no_dropout, check_tis_cap
 from posttune_grpo.model_reward import NAME as MODEL_REWARD
 from posttune_grpo.model_reward import ROLE as REWARD_ROLE
 from posttune_grpo.scoring import RewardSpec
@@ -142,6 +142,7 @@ def validate(config: RunConfig, method: PPOConfig) -> None:
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"method.{name}", f"expected a number >= 0, got {value}")
     check_tis_cap(method)
+    check_no_dropout(config, "ppo")
     if method.cliprange_value is not None and not method.cliprange_value > 0:
         raise ConfigError("method.cliprange_value", f"expected a positive number or null, got {method.cliprange_value}")
     rows, split = rows_per_rank(config, method), method.num_mini_batches * config.train.grad_accum_steps

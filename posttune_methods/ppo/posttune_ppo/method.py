@@ -97,7 +97,8 @@ def _train_on(session: Session, state: PPOState) -> Any:
 
 def loss(session: Session, batch: dict[str, Any]) -> LossOutput:
     """Clipped policy loss + ``vf_coef`` x clipped value loss, summed over completion tokens (the trainer
-    divides by the step's token count: the anchors' token means over each mini-batch), with the metrics."""
+    divides by the step's token count: a token mean over the whole mini-batch, which TRL's per-micro-batch means
+    equal with one micro-batch a step), with the metrics."""
     config = session.method_config
     logps, values = logps_and_values(session, batch)
     mask = completion_mask(batch)
