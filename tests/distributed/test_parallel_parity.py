@@ -153,3 +153,17 @@ def test_phi3_lora_under_tp_matches_one_process_and_peft_applies_its_fused_adapt
         applied = peft.PeftModel.from_pretrained(base, out / "adapter").eval()  # injects into base
         torch.testing.assert_close(applied(ids).logits, merged(ids).logits, atol=1e-4, rtol=0)
         assert (merged(ids).logits - before).abs().max() > 1e-3  # training moved the adapters
+
+
+@pytest.mark.extended  # torchrun: a minute; the single-process behaviour is pinned in tests/e2e/test_adapter_dtype.py
+def test_fp32_adapters_over_a_bf16_model_train_under_fsdp2(runs):
+    """FSDP2 asks its trained weights for one dtype: fp32 adapters over the frozen bf16 base are that (with
+    fsdp2's mixed precision computing in bf16), and the saved adapter is fp32, as PEFT saves it."""
+    model = {"family": "llama", "size": "tiny", "dtype": "bf16", "build_overrides": {"vocab_size": 384}}
+    out = runs("lora_fp32_fsdp2", nproc=2, batch_size=4, parallel={"plans": ["fsdp2"]}, model=model,
+               adapter={**LORA, "dtype": "fp32"})
+    steps = metrics(out)
+    assert len(steps) == 4 and all(torch.isfinite(torch.tensor(s["loss"])) for s in steps)
+    saved = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert all(t.abs().sum() > 0 for k, t in saved.items() if "lora_B" in k)  # zeros at the start: trained

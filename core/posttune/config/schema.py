@@ -252,6 +252,9 @@ class AdapterConfig:
     # LoRA+: the B matrices (and DoRA's magnitudes) learn at train.lr times this (PEFT's and axolotl's
     # loraplus_lr_ratio; the paper suggests 16, with a smaller train.lr than plain LoRA's)
     loraplus_lr_ratio: float | None = None
+    # the adapters' weights and optimizer state; null: the model's (torchtune's). fp32 over a bf16 model is PEFT's
+    # default (autocast_adapter_dtype): updates too small for bf16 are kept, for a little memory
+    dtype: Dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -406,6 +409,8 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     check_ranges(config)
     if config.model.dtype == "fp16":  # a trained role's too, once composed (training.compose)
         raise ConfigError("model.dtype", FP16_TRAINING)
+    if config.adapter is not None and config.adapter.dtype == "fp16":
+        raise ConfigError("adapter.dtype", FP16_TRAINING)
     if config.adapter is not None and config.adapter.targets == []:  # [] would read as "the family's default"
         raise ConfigError("adapter.targets", "an empty list adapts nothing: list module-name patterns, or leave it "
                                              "out for the family's default targets")

@@ -344,7 +344,7 @@ def inject_adapters(adapter: Any, target: ModelTarget) -> None:
                                              "targets; list module-name patterns")
     apply_adapters(target.model, targets=targets, rank=adapter.rank, alpha=adapter.alpha,
                    dropout=adapter.dropout, kind=adapter.kind, aliases=checkpoint_module_names(target.model),
-                   rslora=adapter.rslora)
+                   rslora=adapter.rslora, dtype=DTYPES[adapter.dtype] if adapter.dtype else None)
     if target.score:  # a new head learns whole beside the adapters (PEFT's modules_to_save)
         target.model.output.requires_grad_(True)
 
