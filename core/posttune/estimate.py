@@ -330,13 +330,15 @@ def with_terms(est: Estimate, plan: Any) -> Estimate:
 def counted(role: str, module: Any, width: int, optimizer: Any, run_plans: bool = True) -> ModelEstimate:
     """A model as plain training holds it: every parameter in its dtype, and per value that requires a
     gradient a gradient and the ``optimizer``'s states (a ``_component_`` one is assumed to keep two,
-    like AdamW). A frozen role's parameters require none."""
+    like AdamW), each in its parameter's dtype (fp32 adapters on a bf16 model: ``adapter.dtype``). A frozen
+    role's parameters require none. ``width``: the model's dtype's bytes, its activations'."""
     parameters = unique_parameters(module)
     count = sum(p.numel() for p in parameters)
     trainable = sum(p.numel() for p in parameters if p.requires_grad)
+    trained_bytes = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
     states = OPTIMIZER_STATES.get(optimizer, 2) if isinstance(optimizer, str) else 2
-    return ModelEstimate(role, count, trainable, count * width, trainable * width, states * trainable * width, width,
-                         run_plans, module)
+    return ModelEstimate(role, count, trainable, sum(p.numel() * p.element_size() for p in parameters),
+                         trained_bytes, states * trained_bytes, width, run_plans, module)
 
 
 def micro_batch_tokens(plan: Any) -> tuple[int, str]:

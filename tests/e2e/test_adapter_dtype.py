@@ -52,3 +52,24 @@ def test_fp16_adapters_are_refused_as_fp16_weights_are(tmp_path):
 
     with pytest.raises(ConfigError, match=r"^config: adapter.dtype: fp16 weights cannot train here"):
         validate(sft_config(tmp_path, adapter={"rank": 4, "dtype": "fp16"}))
+
+
+def test_the_estimate_counts_fp32_adapters_in_fp32(llama_sft, tmp_path):
+    """`posttune plan` took every parameter at the model's width: fp32 adapters, their gradients and AdamW's two
+    states are 4 bytes each, the frozen bf16 base 2."""
+    from posttune.config import validate
+    from posttune.estimate import estimate
+    from posttune.plan import resolve_plan
+    from posttune.plugins import get_registry
+
+    def policy(**adapter):
+        config = sft_config(tmp_path, model={"family": "llama", "size": "tiny", "dtype": "bf16",
+                                             "build_overrides": {"vocab_size": 384}}, adapter={"rank": 8, **adapter})
+        return estimate(resolve_plan(validate(config), get_registry())).models[0]
+
+    default, wide = policy(), policy(dtype="fp32")
+    adapters = default.trainable
+    assert wide.trainable == adapters and wide.parameters == default.parameters
+    assert (wide.weights_bytes - default.weights_bytes, wide.gradient_bytes, wide.optimizer_bytes) == (
+        2 * adapters, 4 * adapters, 8 * adapters)
+    assert (default.gradient_bytes, default.optimizer_bytes) == (2 * adapters, 4 * adapters)
