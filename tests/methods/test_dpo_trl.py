@@ -368,3 +368,17 @@ def test_orpo_loss_equals_trl_odds_ratio_loss_plus_the_chosen_nll():
     # log(1 - exp(x)) as TRL computes it, near 0 and far from it
     x = torch.cat([torch.linspace(-30, -1e-6, 2001), torch.tensor([-math.log(2.0)])])
     torch.testing.assert_close(_log1mexp(x), log1mexp(x), atol=1e-7, rtol=1e-6)
+
+
+def test_orpo_stays_finite_for_a_response_of_certain_tokens():
+    """A response whose every token has probability ~1 has mean log-prob 0.0 in fp32: log(1 - p) was -inf, so
+    ORPO's loss was inf or NaN (TRL's too); its odds term is then saturated, finite and without gradient."""
+    from posttune_dpo.losses import preference_losses
+
+    for chosen_value, rejected_value in ((0.0, -2.0), (-2.0, 0.0), (0.0, 0.0)):
+        chosen = torch.tensor([chosen_value, -1.0], requires_grad=True)
+        rejected = torch.tensor([rejected_value, -3.0], requires_grad=True)
+        losses, _, _ = preference_losses(chosen, rejected, None, None, loss_type="orpo", beta=0.1)
+        losses.sum().backward()
+        assert torch.isfinite(losses).all(), (chosen_value, rejected_value, losses)
+        assert torch.isfinite(chosen.grad).all() and torch.isfinite(rejected.grad).all()

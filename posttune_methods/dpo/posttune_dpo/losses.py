@@ -143,11 +143,13 @@ def orpo_log_odds(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor) ->
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - exp(x))`` for ``x <= 0``: ``log1p(-exp(x))`` far from 0, ``log(-expm1(x))`` near it (Maechler
-    2012); each branch is fed only the inputs it serves, so the other cannot put a NaN in the gradient."""
+    2012); each branch is fed only the inputs it serves, so the other cannot put a NaN in the gradient. ``x`` is
+    kept a rounding step below 0: a response whose every token has probability ~1 (mean log-prob 0.0 in fp32)
+    gave -inf, and ORPO's loss NaN or inf (TRL's too); there its odds term is saturated and passes no gradient."""
     split = -math.log(2.0)
     far = x < split
     return torch.where(far, torch.log1p(-torch.exp(torch.clamp(x, max=split))),
-                       torch.log(-torch.expm1(torch.clamp(x, min=split))))
+                       torch.log(-torch.expm1(torch.clamp(x, min=split, max=-torch.finfo(x.dtype).eps))))
 
 
 def _smoothed_sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
