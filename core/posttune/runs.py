@@ -37,13 +37,16 @@ def train(config: str | Path | Mapping[str, Any], *overrides: str | Sequence[str
     from posttune import training
     from posttune.cli.commands import resolve_run
 
-    words = [word for given in overrides for word in ([given] if isinstance(given, str) else given)]
-    if odd := next((word for word in words if not isinstance(word, str)), None):
-        raise TypeError(f"posttune.train: an override is a 'key=value' string, got {odd!r}")
+    words: list[str] = []
+    for given in overrides:  # each a 'key=value' string, or a list or tuple of them
+        for word in given if isinstance(given, (list, tuple)) else [given]:
+            if not isinstance(word, str):
+                raise TypeError(f"posttune.train: an override is a 'key=value' string, got {word!r}")
+            words.append(word)
     if isinstance(config, Mapping):
         config = _plain(config)
     plan = resolve_run(config, words, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None  # the run would seed it
     generators = random.getstate(), torch.get_rng_state(), cuda
     try:
         with torch.enable_grad(), torch.inference_mode(False):

@@ -73,3 +73,14 @@ def test_the_estimate_counts_fp32_adapters_in_fp32(llama_sft, tmp_path):
     assert (wide.weights_bytes - default.weights_bytes, wide.gradient_bytes, wide.optimizer_bytes) == (
         2 * adapters, 4 * adapters, 8 * adapters)
     assert (default.gradient_bytes, default.optimizer_bytes) == (2 * adapters, 4 * adapters)
+
+
+def test_an_fp16_base_under_an_adapter_is_refused_saying_why(tmp_path):
+    """The base is frozen there, so "fp16 suits frozen models" read wrong: its activations' gradients are fp16."""
+    from posttune.config import validate
+
+    config = sft_config(tmp_path, model={"family": "llama", "size": "tiny", "dtype": "fp16"},
+                        adapter={"rank": 4, "dtype": "fp32"})
+    with pytest.raises(ConfigError, match=r"^config: model.dtype: an fp16 base cannot train an adapter here: its "
+                                          r"activations' gradients run in fp16 with no loss scaling"):
+        validate(config)

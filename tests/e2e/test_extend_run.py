@@ -192,6 +192,25 @@ def test_a_checkpoint_and_an_evaluation_at_the_end_of_every_epoch(llama_sft, pos
     assert json.loads((tmp_path / "both" / "summary.json").read_text())["best_step"] in (2, 4)
 
 
+def test_a_resume_that_would_shuffle_rows_read_in_order_is_refused_by_validate(llama_sft, posttune_cli, tmp_path):
+    """The other way round from the test above: a checkpoint of a ``data.shuffle: false`` run saves no seed; a
+    resume that shuffles passed validate and failed once the model had loaded ("seed=None, this run has 0")."""
+    config = sft_config(tmp_path, train={"max_steps": 2}, checkpoint={"save_every": 2})
+    config["data"]["shuffle"] = False
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert posttune_cli("train", str(path)).exit_code == 0
+    resume = ("checkpoint.resume=latest", "train.max_steps=4")
+    assert posttune_cli("validate", str(path), *resume).exit_code == 0
+    checkpoint = tmp_path / "out" / "checkpoints" / "step-00000002"
+    for command in ("validate", "train"):
+        shuffled = posttune_cli(command, str(path), *resume, "data.shuffle=true")
+        assert shuffled.exit_code == 2
+        assert shuffled.stderr == (f"posttune: error: config: data.shuffle: checkpoint {checkpoint}: its rows were "
+                                   "read in order (data.shuffle: false), this run shuffles them; set data.shuffle: "
+                                   "false to resume it\n")
+
+
 class FreezeEmbedding:
     """A third party's technique that changes which weights train (the embedding frozen)."""
 

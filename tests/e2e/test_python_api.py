@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -68,5 +69,8 @@ def test_a_sweep_s_own_draws_go_on_across_runs(llama_sft, tmp_path):
     assert drawn == expected
     assert [s["final_step"] for s in summaries] == [2, 2]
     assert summaries[0]["train_loss"] == summaries[1]["train_loss"] == losses(summaries[0]["output_dir"])[-1]
-    with pytest.raises(TypeError, match="an override is a 'key=value' string, got 3"):
-        posttune.train(config, ["train.lr=1e-3", 3])
+    for odd, shown in ((["train.lr=1e-3", 3], "3"), (["train.lr=1e-3", 0], "0"), ([None], "None"), (5, "5"),
+                       ({"train.lr": 1e-3}, "{'train.lr': 0.001}"), (b"train.lr=1", "b'train.lr=1'")):
+        with pytest.raises(TypeError, match=rf"^posttune.train: an override is a 'key=value' string, got "
+                                            rf"{re.escape(shown)}$"):
+            posttune.train(config, odd)

@@ -69,18 +69,24 @@ def test_a_bf16_merge_is_bitwise_peft_merge_and_unload(base, posttune_cli, tmp_p
     adapter = saved_adapter(base, tmp_path / "adapter", use_dora, saved)
     stored = tmp_path / "bf16-base"
     transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).save_pretrained(stored)
+    def fp32_merge(checkpoint, dtype):  # PEFT's merge of the checkpoint's weights in fp32, rounded once
+        return {name: tensor.to(dtype) for name, tensor in peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32), adapter)
+            .merge_and_unload().state_dict().items()}
+
     references = {
         "stored": peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
             stored, dtype=torch.bfloat16), adapter).merge_and_unload().state_dict(),
-        "cast": {name: tensor.to(torch.bfloat16) for name, tensor in peft.PeftModel.from_pretrained(
-            transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
-            .merge_and_unload().state_dict().items()},
+        "cast": fp32_merge(base, torch.bfloat16),
+        # as wide as bf16 but another format: rounded once too (merging in bf16 first lost fp16's precision)
+        "across": fp32_merge(stored, torch.float16),
     }
-    for case, options in (("stored", ["--model", str(stored)]), ("cast", ["--dtype", "bf16"])):
+    for case, options in (("stored", ["--model", str(stored)]), ("cast", ["--dtype", "bf16"]),
+                          ("across", ["--model", str(stored), "--dtype", "fp16"])):
         out = tmp_path / f"merged-{case}"
         result = posttune_cli("merge", "--adapter", str(adapter), *options, "-o", str(out))
         assert result.exit_code == 0, result.stderr
-        ours = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
+        ours = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=None).state_dict()
         assert [name for name, tensor in references[case].items() if not torch.equal(ours[name], tensor)] == []
     plain = transformers.AutoModelForCausalLM.from_pretrained(stored, dtype=torch.bfloat16).state_dict()
     assert not torch.equal(ours["model.layers.0.self_attn.q_proj.weight"],

@@ -225,8 +225,9 @@ def test_a_missing_output_folder_is_made_and_a_file_there_is_an_error(tmp_path):
     assert made.exit_code == 0, made.stderr
     assert (tmp_path / "new" / "folder" / "posttune-demo" / "pyproject.toml").is_file()
     (tmp_path / "file").write_text("")
-    result = run_cli("new", "plugin", "demo", "-o", str(tmp_path / "file"))
-    assert (result.exit_code, result.stderr) == (2, f"posttune: error: {tmp_path / 'file'}: not a directory\n")
+    for under in (tmp_path / "file", tmp_path / "file" / "sub"):  # the second: a traceback before
+        result = run_cli("new", "plugin", "demo", "-o", str(under))
+        assert (result.exit_code, result.stderr) == (2, f"posttune: error: {tmp_path / 'file'}: not a directory\n")
 
 
 @pytest.mark.slow

@@ -299,13 +299,14 @@ def active_model(model: Any) -> contextlib.AbstractContextManager:
 
 
 @torch.no_grad()
-def merge_adapters(model: nn.Module) -> list[str]:
+def merge_adapters(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
     """Fold each adapter into its base weight in place and put the plain ``nn.Linear`` back.
 
     The merged model has the base model's module names and state-dict keys, so
     ``posttune.save_model`` writes it as an ordinary checkpoint. The base weights keep the
     ``requires_grad`` flags ``apply_adapters`` gave them (frozen). A weight shared with
     another module (a tied output head) cannot be merged: the embedding would change too.
+    ``dtype``: the merged weights' (default: each base weight's), rounded once from the fp32 sum.
     """
     layers = adapted_modules(model)
     tied = unmergeable(model)
@@ -313,7 +314,10 @@ def merge_adapters(model: nn.Module) -> list[str]:
         raise PosttuneError(f"adapters: cannot merge into '{tied[0]}': its weight is shared with another "
                             f"module (tied embeddings); save the adapter instead")
     for name, layer in layers.items():
-        layer.base.weight.copy_(layer.merged_weight())
+        if dtype is None or dtype == layer.base.weight.dtype:
+            layer.base.weight.copy_(layer.merged_weight())
+        else:
+            layer.base.weight = nn.Parameter(layer.merged_weight(dtype), requires_grad=layer.base.weight.requires_grad)
         _replace(model, name, layer.base)
     return list(layers)
 

@@ -130,14 +130,15 @@ class LoRALinear(nn.Module):
         return (scale - 1) * base_out.to(dtype) + scale * self.scaling * update
 
     @torch.no_grad()
-    def merged_weight(self) -> torch.Tensor:
-        """The single weight this layer computes with (dropout aside), in the base dtype: the update computed and
-        added in fp32 and rounded once, as PEFT's ``merge_and_unload`` does (a bf16 merge is bitwise PEFT's)."""
+    def merged_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The single weight this layer computes with (dropout aside), in ``dtype`` (default: the base's): the
+        update computed and added in fp32 and rounded once, as PEFT's ``merge_and_unload`` does (a bf16 merge is
+        bitwise PEFT's)."""
         weight = self.base.weight
         merged = weight.float() + self.lora_delta(torch.float32)
         if self.magnitude is not None:
             merged = merged * (self.magnitude.float() / merged.norm(dim=1)).unsqueeze(1)
-        return merged.to(weight.dtype)
+        return merged.to(dtype or weight.dtype)
 
     def extra_repr(self) -> str:
         drop = f", dropout={self.dropout_p}" if self.dropout_p else ""

@@ -45,14 +45,12 @@ def run(args: argparse.Namespace) -> int:
     base = args.model or adapter_base(args.adapter, "merge")
     if args.model:
         warn_of_other_base("merge", args.adapter, args.model, "; the merged model is that base plus this update")
-    model = load_model(base, device="cpu")  # in its own dtype: a narrower --dtype rounds once, after the merge
+    model = load_model(base, device="cpu")  # in its own dtype; each merged weight rounds once to --dtype
     target = resolve_dtype(args.dtype) if args.dtype is not None else None
-    if target is not None and target.itemsize > next(model.parameters()).dtype.itemsize:
-        model.to(target)  # a wider one: the base in it first, the merge exact there
     merged = load_peft_adapter(model, args.adapter)
-    merge_adapters(model)
+    merge_adapters(model, dtype=target)
     if target is not None:
-        model.to(target)
+        model.to(target)  # the weights no adapter changed: only cast
     try:
         tokenizer = load_tokenizer(tokenizer_source(base, args.adapter))
     except PosttuneError as exc:  # weights-only base: the merged weights are still the point

@@ -88,6 +88,10 @@ SECTION_KNOWN_AS = {**TRAINING_ARGUMENTS, **first_party.KNOWN_AS}
 FP16_TRAINING = ("fp16 weights cannot train here: with no loss scaling and AdamW's state in fp16, small gradients "
                  "underflow and the run diverges (NaN within a few steps); use bf16, or fp32 on a GPU without bf16 "
                  "(fp16 suits frozen models: models.<role>.dtype, and generate)")
+#: and under an adapter, where the fp16 base is frozen but its activations' gradients are not
+FP16_ADAPTED = ("an fp16 base cannot train an adapter here: its activations' gradients run in fp16 with no loss "
+                "scaling and underflow (PEFT pairs fp16 with autocast and a gradient scaler); use bf16, or fp32 on a "
+                "GPU without bf16")
 DECAY_RATIO = 0.1  # wsd's decay, when train.decay_ratio is not set: the last tenth of the run
 
 
@@ -253,7 +257,8 @@ class AdapterConfig:
     # loraplus_lr_ratio; the paper suggests 16, with a smaller train.lr than plain LoRA's)
     loraplus_lr_ratio: float | None = None
     # the adapters' weights and optimizer state; null: the model's (torchtune's). fp32 over a bf16 model is PEFT's
-    # default (autocast_adapter_dtype): updates too small for bf16 are kept, for a little memory
+    # default (autocast_adapter_dtype): updates too small for bf16 are kept, for twice the adapters' bytes and an
+    # fp32 copy of each adapted layer's input kept for backward (posttune plan counts both)
     dtype: Dtype | None = None
 
 
@@ -408,7 +413,7 @@ def validate(raw: dict[str, Any]) -> RunConfig:
             raise ConfigError(section, "set `path` (a checkpoint) or both `family` and `size` (random init)")
     check_ranges(config)
     if config.model.dtype == "fp16":  # a trained role's too, once composed (training.compose)
-        raise ConfigError("model.dtype", FP16_TRAINING)
+        raise ConfigError("model.dtype", FP16_ADAPTED if config.adapter is not None else FP16_TRAINING)
     if config.adapter is not None and config.adapter.dtype == "fp16":
         raise ConfigError("adapter.dtype", FP16_TRAINING)
     if config.adapter is not None and config.adapter.targets == []:  # [] would read as "the family's default"

@@ -93,8 +93,7 @@ def convert(annotation: Any, value: Any, path: str) -> Any:
         if dtype and short_name(value) in args:  # a dtype: bfloat16 == bf16
             return short_name(value)
         choices = ", ".join(repr(a) for a in args) + (" (or torch's names: 'bfloat16', ...)" if dtype else "")
-        spellings = [str(a) for a in args] + ([TORCH_NAMES[a] for a in args] if dtype else [])
-        hint = did_you_mean(str(value), spellings)
+        hint = did_you_mean(str(value), _spellings(args))
         raise ConfigError(path, f"expected one of {choices}, got {_show(value)}{hint}")
     if dataclasses.is_dataclass(annotation):
         shorthand = getattr(annotation, "FROM_STRING", None)  # a ClassVar: the field a lone string fills
@@ -118,7 +117,7 @@ def convert(annotation: Any, value: Any, path: str) -> Any:
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return _finite(float(value), path)
-        raise ConfigError(path, f"expected a number, got {_show(value)}")
+        raise ConfigError(path, f"expected a number, got {_show(value)}{_text_number(value)}")
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -185,7 +184,27 @@ def _union(args: tuple[Any, ...], value: Any, path: str) -> Any:
             if exc.path != path or isinstance(exc, NonFinite):  # a problem deeper inside names its own field
                 raise
     expected = " or ".join(_describe(a) for a in args)
-    raise ConfigError(path, f"expected {expected}, got {_show(value)}")
+    literal = next((get_args(a) for a in args if get_origin(a) is Literal), ())
+    hint = did_you_mean(str(value), _spellings(literal)) if isinstance(value, str) and literal else ""
+    raise ConfigError(path, f"expected {expected}, got {_show(value)}{hint}")
+
+
+def _spellings(choices: tuple[Any, ...]) -> list[str]:
+    """What a hint may suggest for a ``Literal``: its values, and for a dtype torch's full names too."""
+    names = [str(a) for a in choices]
+    return names + [TORCH_NAMES[a] for a in choices] if set(choices) <= set(TORCH_NAMES) else names
+
+
+def _text_number(value: Any) -> str:
+    """A hint for ``'1e-3'`` in a mapping from PyYAML (YAML 1.1 reads a number without a dot as text; posttune's
+    loader, YAML 1.2, reads it as a number): the mapping's author did not quote it."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        float(value)
+    except ValueError:
+        return ""
+    return " (text: PyYAML's safe_load reads 1e-3 so; write 1.0e-3, or give the file's path)"
 
 
 def _describe(tp: Any) -> str:

@@ -102,6 +102,9 @@ def check_global_batch(plan: Any, checkpoint: Path | None) -> None:
 
         raise ConfigError("train.batch_size", f"checkpoint {checkpoint}: {other_global_batch(saved, mine, ranks)}")
     seed = (data or {}).get("seed")  # None: the data was not shuffled, nothing to match
+    if data and "seed" in data and seed is None and not data.get("streaming") and plan.config.data.shuffle:
+        raise ConfigError("data.shuffle", f"checkpoint {checkpoint}: its rows were read in order (data.shuffle: "
+                                          "false), this run shuffles them; set data.shuffle: false to resume it")
     if isinstance(seed, int) and not plan.config.data.shuffle:
         raise ConfigError("data.shuffle", f"checkpoint {checkpoint}: its data order was shuffled (seed {seed}), this "
                                           "run reads the rows in order; set data.shuffle: true to resume it")

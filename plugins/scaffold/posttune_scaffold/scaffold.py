@@ -109,8 +109,9 @@ def scaffold(kind: str, raw_name: str, parent: Path) -> tuple[Path, list[Path]]:
     if kind not in KINDS:
         raise PosttuneError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
     names = plugin_names(raw_name)
-    if parent.exists() and not parent.is_dir():
-        raise PosttuneError(f"{parent}: not a directory")
+    above = next((p for p in (parent, *parent.parents) if p.exists()), None)  # a file on the way: not a folder
+    if above is not None and not above.is_dir():
+        raise PosttuneError(f"{above}: not a directory")
     root = parent / names.distribution
     if root.exists():
         raise PosttuneError(f"{root} exists; remove it or choose another name or -o DIR (nothing was written)")
