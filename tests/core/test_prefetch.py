@@ -94,6 +94,6 @@ def test_a_data_position_of_another_dataset_is_refused_naming_what_may_have_chan
     with pytest.raises(PosttuneError) as caught:
         loader(prefetch=False, count=9).load_state_dict(saved)
     assert str(caught.value) == ("cannot resume the data position: the checkpoint has num_items=10, this run has 9 "
-                                 "(data.train's rows, packing, long samples' split, batch size x ranks, seed or "
-                                 "group_by_length changed: resume with the checkpoint's, or start a new run from its "
-                                 "model)")
+                                 "(data.train's rows, packing, long samples' split, batch size x ranks, seed, "
+                                 "data.shuffle or group_by_length changed: resume with the checkpoint's, or start a "
+                                 "new run from its model)")

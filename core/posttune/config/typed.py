@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -198,11 +199,7 @@ def _spellings(choices: tuple[Any, ...]) -> list[str]:
 def _text_number(value: Any) -> str:
     """A hint for ``'1e-3'`` in a mapping from PyYAML (YAML 1.1 reads a number without a dot as text; posttune's
     loader, YAML 1.2, reads it as a number): the mapping's author did not quote it."""
-    if not isinstance(value, str):
-        return ""
-    try:
-        float(value)
-    except ValueError:
+    if not (isinstance(value, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", value)):  # YAML 1.1's blind spot
         return ""
     return " (text: PyYAML's safe_load reads 1e-3 so; write 1.0e-3, or give the file's path)"
 
