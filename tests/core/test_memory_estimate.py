@@ -89,31 +89,39 @@ def planned(registry, tmp_path: Path, world_size: int = 1, **sections: Any):
 # -- the parts -----------------------------------------------------------------------------------
 
 
+BATCH, SEQ = 2, 64
+
+
+def saved_by_first_layer(model: torch.nn.Module, dtype: torch.dtype) -> tuple[dict[int, int], torch.Tensor]:
+    """Every tensor the model's first layer saves for backward (saved_tensors_hooks): storage -> bytes, weights and
+    RoPE's tables left out; and the layer's input."""
+    x = torch.randn(BATCH, SEQ, SHAPE["hidden_size"], dtype=dtype, requires_grad=True)
+    cos, sin = model.rope(torch.arange(SEQ).expand(BATCH, SEQ))
+    skipped = {p.untyped_storage().data_ptr() for p in model.parameters()} | {
+        cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() not in skipped:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.layers[0](x, cos, sin, None)
+    return saved, x
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_activation_formula_is_what_autograd_saves_in_a_decoder_layer(dtype):
     """Every tensor a real layer saves for backward (saved_tensors_hooks), against the per-token formula."""
     from posttune_llama.model import build
 
-    model = build(**{**SHAPE, "num_layers": 1}).to(dtype)
-    batch, seq = 2, 64
-    x = torch.randn(batch, seq, SHAPE["hidden_size"], dtype=dtype, requires_grad=True)
-    cos, sin = model.rope(torch.arange(seq).expand(batch, seq))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = tensor.untyped_storage().data_ptr()
-        if key not in params and key != cos.untyped_storage().data_ptr() and key != sin.untyped_storage().data_ptr():
-            saved[key] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.layers[0](x, cos, sin, None)
+    saved, x = saved_by_first_layer(build(**{**SHAPE, "num_layers": 1}).to(dtype), dtype)
     assert x.untyped_storage().data_ptr() in saved  # the first norm keeps its input, in the model dtype
     shape = Shape(SHAPE["hidden_size"], SHAPE["intermediate_size"], 1, SHAPE["num_heads"], SHAPE["num_kv_heads"],
                   SHAPE["head_dim"], SHAPE["vocab_size"])
     width = 4 if dtype == torch.float32 else 2
-    assert sum(saved.values()) == layer_bytes_per_token(shape, width) * batch * seq
+    assert sum(saved.values()) == layer_bytes_per_token(shape, width) * BATCH * SEQ
 
 
 @pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=["bf16-adapters", "fp32-adapters"])
@@ -127,23 +135,10 @@ def test_the_activation_formula_counts_what_adapters_save_in_their_dtype(adapter
 
     model = build(**{**SHAPE, "num_layers": 1}).to(torch.bfloat16)
     apply_adapters(model, targets="all-linear", rank=8, alpha=16, dtype=adapter_dtype)
-    batch, seq = 2, 64
-    x = torch.randn(batch, seq, SHAPE["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = model.rope(torch.arange(seq).expand(batch, seq))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = tensor.untyped_storage().data_ptr()
-        if key not in params and key != cos.untyped_storage().data_ptr() and key != sin.untyped_storage().data_ptr():
-            saved[key] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.layers[0](x, cos, sin, None)
+    saved, _ = saved_by_first_layer(model, torch.bfloat16)
     shape = decoder_shape(model, 8)
     assert shape.adapters_per_layer == 7 and (shape.widened > 0) == (adapter_dtype == torch.float32)
-    measured, formula = sum(saved.values()), layer_bytes_per_token(shape, 2) * batch * seq
+    measured, formula = sum(saved.values()), layer_bytes_per_token(shape, 2) * BATCH * SEQ
     if adapter_dtype == torch.bfloat16:
         assert measured == formula
     else:

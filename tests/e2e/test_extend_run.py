@@ -122,6 +122,19 @@ def test_a_resume_below_the_checkpoints_step_is_refused_before_anything_is_writt
     assert json.loads((out / "summary.json").read_text())["steps_run"] == 0
 
 
+RESUME = ("checkpoint.resume=latest", "train.max_steps=4")
+
+
+def two_steps_saved(posttune_cli, tmp_path, config: dict):
+    """``config`` trained 2 steps with a checkpoint there, whose resume (``RESUME``) validates: (its path, the
+    checkpoint)."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert posttune_cli("train", str(path)).exit_code == 0
+    assert posttune_cli("validate", str(path), *RESUME).exit_code == 0
+    return path, tmp_path / "out" / "checkpoints" / "step-00000002"
+
+
 def test_a_resume_with_another_global_batch_is_refused_by_validate(llama_sft, register_plugin, posttune_cli, tmp_path):
     """The data position counts global batches (train.batch_size x data-parallel ranks): a resume that reads it
     with another is refused before launch (train refused it only once the model had loaded), naming the batch size
@@ -129,13 +142,9 @@ def test_a_resume_with_another_global_batch_is_refused_by_validate(llama_sft, re
     import posttune_fsdp2
 
     register_plugin(posttune_fsdp2, distribution="posttune-fsdp2", version="0.1.0")
-    config = sft_config(tmp_path, train={"max_steps": 2, "batch_size": 2}, checkpoint={"save_every": 2})
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    assert posttune_cli("train", str(path)).exit_code == 0
-    resume = ("checkpoint.resume=latest", "train.max_steps=4")
-    assert posttune_cli("validate", str(path), *resume).exit_code == 0
-    checkpoint = tmp_path / "out" / "checkpoints" / "step-00000002"
+    path, checkpoint = two_steps_saved(posttune_cli, tmp_path, sft_config(
+        tmp_path, train={"max_steps": 2, "batch_size": 2}, checkpoint={"save_every": 2}))
+    resume = RESUME
     for extra, fits in ((("train.batch_size=4",), "set train.batch_size=2 to continue it on 1 data-parallel rank"),
                         (("parallel.plans=[fsdp2]", "--nproc-per-node", "2"),
                          "set train.batch_size=1 to continue it on 2 data-parallel ranks")):
@@ -197,14 +206,9 @@ def test_a_resume_that_would_shuffle_rows_read_in_order_is_refused_by_validate(l
     resume that shuffles passed validate and failed once the model had loaded ("seed=None, this run has 0")."""
     config = sft_config(tmp_path, train={"max_steps": 2}, checkpoint={"save_every": 2})
     config["data"]["shuffle"] = False
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    assert posttune_cli("train", str(path)).exit_code == 0
-    resume = ("checkpoint.resume=latest", "train.max_steps=4")
-    assert posttune_cli("validate", str(path), *resume).exit_code == 0
-    checkpoint = tmp_path / "out" / "checkpoints" / "step-00000002"
+    path, checkpoint = two_steps_saved(posttune_cli, tmp_path, config)
     for command in ("validate", "train"):
-        shuffled = posttune_cli(command, str(path), *resume, "data.shuffle=true")
+        shuffled = posttune_cli(command, str(path), *RESUME, "data.shuffle=true")
         assert shuffled.exit_code == 2
         assert shuffled.stderr == (f"posttune: error: config: data.shuffle: checkpoint {checkpoint}: its rows were "
                                    "read in order (data.shuffle: false), this run shuffles them; set data.shuffle: "
