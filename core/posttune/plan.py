@@ -16,7 +16,7 @@ from typing import Any
 
 from posttune import first_party, tracking
 from posttune.checkpoint.source import family_for, family_kwargs, is_hub_id, no_directory, read_hf_config
-from posttune.config.components import check_components
+from posttune.config.components import check_components, component_name
 from posttune.config.requires import check_requires, device_for
 from posttune.config.mixture import dataset_sources
 from posttune.config.schema import DatasetConfig, ModelConfig, RunConfig
@@ -639,12 +639,11 @@ def _steps(plan: Plan) -> list[Step]:
         add("roles", f"{name}: {kind} '{role.family.descriptor.name}' model ({source}){how}", role.family.provenance)
     for where, (source, fmt) in plan.sources.items():
         add("data", f"{where.removeprefix('data.')}: {source.path} as '{fmt.descriptor.name}'", fmt.provenance)
-    optimizer, scheduler, train = config.train.optimizer, config.train.scheduler, config.train
+    train = config.train
     warmup = (f", warmup {train.warmup_steps} steps" if train.warmup_steps else
               f", warmup {train.warmup_ratio:g} of the steps" if train.warmup_ratio else "")
-    add("optimizer", f"optimizer {optimizer if isinstance(optimizer, str) else optimizer.get('_component_')}, "
-                     f"lr {config.train.lr:g}, schedule "
-                     f"{scheduler if isinstance(scheduler, str) else scheduler.get('_component_')}{warmup}", core)
+    add("optimizer", f"optimizer {component_name(train.optimizer)}, lr {train.lr:g}, schedule "
+                     f"{component_name(train.scheduler)}{warmup}", core)
     add_techniques("optimizer")
     add_techniques("loss")
     add("method", f"method '{plan.method.descriptor.name}': its data loaders, setup, loss", plan.method.provenance)

@@ -59,6 +59,7 @@ _LAZY: dict[str, str] = {
         "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptRow", "SampleMaker", "as_messages",
         "build_loader", "dataset_format", "make_loader", "pad_id", "packed_batch", "padded_batch", "flat_batch",
         "pair_batch", "pair_loader", "pair_tokens", "prompt_loader", "rows_as_documents", "documents_as_rows",
+        "shuffled",
     ], "posttune.data"),
     "row_tools": "posttune.chat_messages",  # a row's `tools` (a list of definitions or its JSON string), checked
     # losses that honour the loss-stage technique (chunked) and final-logit soft-caps

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from posttune.descriptors import Command
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 #: the sampling settings' options, which do nothing when decoding is greedy
@@ -62,17 +63,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
 
 
-def dtype_argument(value: str) -> str:
-    """``--dtype``'s check, so that argparse names the option: a floating-point dtype torch knows (bf16, float16)."""
+def dtype_argument(value: str) -> torch.dtype:
+    """``--dtype`` as the torch dtype it names (bf16, float16, ...), read by argparse so that its error names the
+    option."""
     from posttune.checkpoint.materialize import resolve_dtype
     from posttune.errors import PosttuneError
 
     try:
-        resolve_dtype(value)
+        return resolve_dtype(value)
     except PosttuneError:
         raise argparse.ArgumentTypeError(f"expected a floating-point dtype such as bf16, bfloat16, fp16 or fp32, got "
                                          f"{value!r}") from None
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,7 +34,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from posttune.adapters import adapter_base, load_peft_adapter, merge_adapters, tokenizer_source
     from posttune.api import load_model, load_tokenizer, save_model
-    from posttune.checkpoint.materialize import resolve_dtype
 
     out = Path(args.output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -46,11 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         warn_of_other_base("merge", args.adapter, args.model, "; the merged model is that base plus this update")
     model = load_model(base, device="cpu")  # in its own dtype; each merged weight rounds once to --dtype
-    target = resolve_dtype(args.dtype) if args.dtype is not None else None
     merged = load_peft_adapter(model, args.adapter)
-    merge_adapters(model, dtype=target)
-    if target is not None:
-        model.to(target)  # the weights no adapter changed: only cast
+    merge_adapters(model, dtype=args.dtype)
+    if args.dtype is not None:
+        model.to(args.dtype)  # the weights no adapter changed: only cast
     try:
         tokenizer = load_tokenizer(tokenizer_source(base, args.adapter))
     except PosttuneError as exc:  # weights-only base: the merged weights are still the point

@@ -28,7 +28,7 @@ import inspect
 import os
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
@@ -79,6 +79,12 @@ PASSED: dict[str, Passed] = {
         "weight_decay", "train.weight_decay", "for each parameter group, none on biases and norms"))),
     "train.scheduler": Passed(1),  # the optimizer
 }
+
+
+def component_name(value: str | Mapping[str, Any]) -> str:
+    """A setting given by name or as a ``_component_`` mapping (``train.optimizer``, ``train.scheduler``): the name,
+    or the component's dotted path."""
+    return value if isinstance(value, str) else str(value.get(COMPONENT))
 
 
 def trusted() -> bool:

@@ -17,7 +17,8 @@ generate from, their rows' fields kept), `packing` (greedy rows of ``max_seq_len
 per rank, resumable mid-epoch bitwise), `build` (all of it in one call).
 """
 
-from posttune.data.build import build_loader, dataset_format, make_loader, pair_loader, pair_tokens, prompt_loader
+from posttune.data.build import (build_loader, dataset_format, make_loader, pair_loader, pair_tokens, prompt_loader,
+                                 shuffled)
 from posttune.data.collate import (documents_as_rows, flat_batch, pad_id, packed_batch, padded_batch, pair_batch,
                                    rows_as_documents)
 from posttune.data.loader import BatchLoader
@@ -30,5 +31,5 @@ __all__ = [
     "IGNORE_INDEX", "BatchLoader", "PairMaker", "PreferencePair", "PromptMaker", "PromptRow", "SampleMaker",
     "SkipCounts", "as_messages", "build_loader", "dataset_format", "documents_as_rows", "flat_batch", "load_rows",
     "make_loader", "pad_id", "packed_batch", "padded_batch", "pair_batch", "pair_loader", "pair_tokens",
-    "preference_pair", "prompt_batch", "prompt_loader", "prompt_row", "rows_as_documents",
+    "preference_pair", "prompt_batch", "prompt_loader", "prompt_row", "rows_as_documents", "shuffled",
 ]

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from posttune.config.components import component_name
 from posttune.errors import ConfigError
 
 IDENTITY = "identity"
@@ -50,10 +51,8 @@ def of(plan: Any) -> dict[str, Any]:
 def optimizer_of(plan: Any) -> str:
     """What the optimizer state is: the optimizer's name or ``_component_``, and the techniques of the optimizer
     stage that replace or split it (a low-bit optimizer, optimizer-in-backward), each with a state of its own."""
-    optimizer = plan.config.train.optimizer
-    name = optimizer.get("_component_") if isinstance(optimizer, dict) else optimizer
-    return " + ".join([str(name), *(item.descriptor.name for item in plan.memory
-                                    if item.descriptor.stage == "optimizer")])
+    stages = [item.descriptor.name for item in plan.memory if item.descriptor.stage == "optimizer"]
+    return " + ".join([component_name(plan.config.train.optimizer), *stages])
 
 
 def _targets(targets: str | list[str]) -> str | list[str]:

@@ -66,13 +66,13 @@ def validate(config: RunConfig, method: SFTConfig) -> None:
 
 def data(session: Session, dataset: DatasetConfig, split: str) -> Any:
     """SFT samples of one split: one sample a row, padded per batch or packed into rows."""
-    from posttune.plugin import data_rank, dataset_format
+    from posttune.plugin import data_rank, dataset_format, shuffled
 
     rank, world = data_rank(session)
     train, method = session.config.train, session.method_config
     return sft_loader(dataset, data=session.config.data, fmt=dataset_format(session, split),
                       tokenizer=session.tokenizer, batch_size=train.batch_size, seed=train.seed,
-                      shuffle=split == "train" and session.config.data.shuffle,
+                      shuffle=shuffled(session, split),
                       train_on_input=method.train_on_input, packing=method.packing,
                       padding_free=method.padding_free, rank=rank, world_size=world, where=f"data.{split}",
                       split_long=method.long_samples == "split")
