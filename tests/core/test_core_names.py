@@ -35,7 +35,6 @@ COINCIDENCES = {
     ("generation.py", "value"): "an attribute of the core's own error",
     ("plugins.py", "value"): "importlib's EntryPoint.value",
     ("template_limits.py", "value"): "an ast node's value",
-    ("training/plot.py", "reward"): "the logged metric `reward` (any RL method's), drawn in its own panel",
 }
 FIRST_PARTY = ("posttune-llama", "posttune-qwen", "posttune-gemma", "posttune-phi3", "posttune-sft", "posttune-dpo",
                "posttune-grpo", "posttune-kd", "posttune-rm", "posttune-ppo", "posttune-fsdp2", "posttune-tp",
