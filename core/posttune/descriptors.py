@@ -212,7 +212,9 @@ class Method:
     - ``batches(session)``: the micro-batches of one epoch; default: the train loader's.
     - ``setup(session)``: after data, optimizer and roles, before resume (e.g. precompute).
     - ``evaluate(session) -> dict``: default: loss and metrics over the validation loader.
-    - ``on_step_end(session, record)``: after each optimizer step; may add to ``record``.
+    - ``on_step_end(session, record)``: after each optimizer step; may add to ``record``. Also after a step
+      skipped for a non-finite loss or gradient (``train.skip_nonfinite``): the step counts, though its
+      ``record`` holds ``skipped_nonfinite`` and no loss.
     - ``state_dict(session)`` / ``load_state_dict(session, state)``: kept in checkpoints
       (tensors and plain containers: they are read back with ``weights_only=True``); a ``None`` state
       keeps nothing (no file; a checkpoint without method files resumes without ``load_state_dict``).

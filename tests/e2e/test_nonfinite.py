@@ -9,8 +9,10 @@ import re
 import shutil
 
 import pytest
+import torch
 import yaml
 from fault_support import error_line, train, tree_digest
+from run_support import dpo_config
 
 pytestmark = pytest.mark.slow
 
@@ -174,3 +176,21 @@ def test_probation_keeps_keep_last_when_the_trusted_checkpoint_is_among_them(tmp
         assert sorted(p.name for p in root.iterdir()) == on_probation, keep_last  # 3 is on probation
         probation.finish(session)
         assert sorted(p.name for p in root.iterdir()) == on_probation[-keep_last:]
+
+
+def test_a_skipped_step_still_ends_as_a_step_for_the_method(tmp_path):
+    """TR-DPO syncs its reference every step, also at a skipped one (the step counts: without the step end, a
+    run's reference sync -- or GRPO's weight push to its rollout actors -- due at that step never happened)."""
+    config = dpo_config(tmp_path, rows=16, method={"name": "dpo", "beta": 0.5, "sync_reference_every": 1,
+                                                   "sync_reference_alpha": 0.5},
+                        train={"device": "cpu", "skip_nonfinite": 1}, checkpoint={"save_every": 1, "keep_last": 10})
+    path, out = tmp_path / "run.yaml", tmp_path / "out"
+    path.write_text(yaml.safe_dump(config))
+    result = train(str(path), fault=("inf_grad", 2))
+    assert result.returncode == 0, result.stderr
+    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert records[2]["skipped_nonfinite"] == "grad norm"
+    references = [torch.load(out / "checkpoints" / f"step-{s:08d}" / "method-00000.pt", weights_only=True)["reference"]
+                  for s in (1, 2)]
+    moved = [name for name in references[0] if not torch.equal(references[0][name], references[1][name])]
+    assert moved and len(moved) == len(references[0])  # every weight moved halfway to the (unchanged) policy

@@ -282,11 +282,15 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
     session.scheduler.step()  # also when skipped: the schedule stays in step with the step count
     session.optimizer.zero_grad(set_to_none=True)
     session.step += 1
-    if bad is not None:  # the step still counts: an evaluation or checkpoint due at it happens (best_metric
+    method = session.plan.method.descriptor
+    if bad is not None:  # the step still counts: the method's step end (a reference synced every k steps, weights
+        # pushed to rollout actors every k steps), and an evaluation or checkpoint due at it happen (best_metric
         # scores every checkpoint; patience counts every evaluation)
         log.note(f"step {session.step}: skipped (the {bad} is not finite)")
-        _evaluate_when_due(session, log, probation, {"step": session.step, "epoch": session.epoch, "lr": lr,
-                                                     "skipped_nonfinite": bad})
+        record = {"step": session.step, "epoch": session.epoch, "lr": lr, "skipped_nonfinite": bad}
+        if method.on_step_end is not None:
+            method.on_step_end(session, record)
+        _evaluate_when_due(session, log, probation, record)
         return 0.0
     elapsed = time.perf_counter() - window.started
     normaliser, tokens = reduced.pop("normaliser"), reduced.pop("tokens")
@@ -302,7 +306,6 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
         "peak_memory_mib": peak_memory_mib(session.device),
         **reduced,
     }
-    method = session.plan.method.descriptor
     if method.on_step_end is not None:
         method.on_step_end(session, record)
     _evaluate_when_due(session, log, probation, record)

@@ -59,7 +59,7 @@ def setup(session: Session) -> None:
 
 
 def on_step_end(session: Session, record: dict[str, Any]) -> None:
-    session.method_state["pairs_seen"] += record["pairs"]
+    session.method_state["pairs_seen"] += record.get("pairs", 0)  # none in a skipped step's record
     record["pairs_seen"] = session.method_state["pairs_seen"]
 
 
