@@ -281,3 +281,18 @@ def test_a_run_joins_the_ray_cluster_at_ray_address_and_leaves_it_running(tmp_pa
         assert status.returncode == 0, status.stderr[-2000:]  # the run disconnected; the cluster is still up
     finally:
         subprocess.run([str(ray_cli), "stop", "--force"], capture_output=True, timeout=120, env=env)
+
+
+def test_a_skipped_step_still_pushes_the_weights_the_next_batch_needs(tmp_path):
+    """``max_staleness: 0`` hands out a batch only for the newest pushed weights; a step skipped for a non-finite
+    gradient still counts, so the push due at it happens (without it no batch could be handed out again: the run waited
+    forever; 25 s with it)."""
+    from fault_support import train
+
+    path = write(tmp_path, "lagless", method={"mode": "async", "ray_options": {"max_staleness": 0}},
+                 train={"max_steps": 4, "lr": 5e-3, "skip_nonfinite": 1})
+    result = train(str(path), fault=("inf_grad", 2), timeout=240)
+    assert result.returncode == 0, result.stderr
+    steps = records(tmp_path / "lagless")
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and steps[1]["skipped_nonfinite"] == "grad norm"
+    assert [r["policy_version"] for r in steps] == [1, 2, 3, 4]
