@@ -20,7 +20,7 @@ from posttune.config.components import check_components, component_name
 from posttune.config.requires import check_requires, device_for
 from posttune.config.mixture import dataset_sources
 from posttune.config.schema import DatasetConfig, ModelConfig, RunConfig
-from posttune.config.typed import convert, from_dict
+from posttune.config.typed import convert, from_dict, plugin_configs, check_plugin_options
 from posttune.descriptors import STAGES, MeshDim, ModelRole, ParallelPlan
 from posttune.errors import ConfigError, PluginError, PosttuneError, UnknownNameError, did_you_mean, first_line
 from posttune.registry import Registered, Registry
@@ -496,20 +496,13 @@ def _parallel_options(config: RunConfig, plans: list[Registered]) -> dict[str, A
     """`parallel.options.<plan>`, with what other listed plans set on it (``ParallelPlan.adjusts``),
     checked against the plan's ``config`` dataclass (defaults if absent)."""
     active = {p.descriptor.name: p for p in plans}
-    for name in config.parallel.options:
-        if name not in active:
-            listed = ", ".join(active) or "none"
-            raise ConfigError(f"parallel.options.{name}", f"'{name}' is not in parallel.plans (listed: {listed})"
-                                                          f"{did_you_mean(name, active)}")
-        if active[name].descriptor.config is None:
-            raise ConfigError(f"parallel.options.{name}", f"plan '{name}' ({active[name].provenance}) takes no options")
+    check_plugin_options(config.parallel.options, active, "parallel.options", "parallel.plans", "plan")
     options = {name: dict(config.parallel.options.get(name, {})) for name in active}
     for item in plans:
         for name, values in item.descriptor.adjusts.items():
             if name in active:  # a plan it must have is in its ``requires``
                 _adjust(options[name], values, item, active[name])
-    return {name: from_dict(p.descriptor.config, options[name], f"parallel.options.{name}")
-            for name, p in active.items() if p.descriptor.config is not None}
+    return plugin_configs(active, options, "parallel.options")
 
 
 def _adjust(options: dict[str, Any], values: Mapping[str, Any], by: Registered, plan: Registered) -> None:
@@ -530,16 +523,8 @@ def _adjust(options: dict[str, Any], values: Mapping[str, Any], by: Registered, 
 def _memory_options(config: RunConfig, techniques: list[Registered]) -> dict[str, Any]:
     """`memory_options.<technique>` checked against the technique's ``config`` dataclass (defaults if absent)."""
     active = {t.descriptor.name: t for t in techniques}
-    for name in config.memory_options:
-        if name not in active:
-            listed = ", ".join(active) or "none"
-            raise ConfigError(f"memory_options.{name}", f"'{name}' is not in memory (listed: {listed})"
-                                                        f"{did_you_mean(name, active)}")
-        if active[name].descriptor.config is None:
-            raise ConfigError(f"memory_options.{name}", f"memory technique '{name}' ({active[name].provenance}) "
-                                                        "takes no options")
-    return {name: from_dict(t.descriptor.config, config.memory_options.get(name, {}), f"memory_options.{name}")
-            for name, t in active.items() if t.descriptor.config is not None}
+    check_plugin_options(config.memory_options, active, "memory_options", "memory", "memory technique")
+    return plugin_configs(active, config.memory_options, "memory_options")
 
 
 def _mesh(config: RunConfig, plans: list[Registered],

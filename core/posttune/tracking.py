@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttune.config.typed import from_dict
+from posttune.config.typed import plugin_configs, check_plugin_options
 from posttune.descriptors import MetricLogger, TrackerRun
-from posttune.errors import ConfigError, PosttuneError, UnknownNameError, did_you_mean, first_line
+from posttune.errors import ConfigError, PosttuneError, UnknownNameError, first_line
 from posttune.registry import Registered, Registry
 
 KIND = "metric_logger"
@@ -42,16 +42,8 @@ def resolve(config: Any, registry: Registry) -> tuple[list[Registered], dict[str
         except UnknownNameError as exc:
             raise ConfigError(f"logging[{index}]", str(exc)) from None
     active = {item.descriptor.name: item for item in loggers}
-    for name in config.logging_options:
-        where = f"logging_options.{name}"
-        if name not in active:
-            raise ConfigError(where, f"'{name}' is not in logging (listed: {', '.join(active) or 'none'})"
-                                     f"{did_you_mean(name, active)}")
-        if active[name].descriptor.config is None:
-            raise ConfigError(where, f"tracker '{name}' ({active[name].provenance}) takes no options")
-    options = {name: from_dict(item.descriptor.config, config.logging_options.get(name, {}), f"logging_options.{name}")
-               for name, item in active.items() if item.descriptor.config is not None}
-    return loggers, options
+    check_plugin_options(config.logging_options, active, "logging_options", "logging", "tracker")
+    return loggers, plugin_configs(active, config.logging_options, "logging_options")
 
 
 # ---- helpers for tracker plugins -------------------------------------------------------------------

@@ -76,6 +76,24 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         raise ConfigError(_join(path, exc.path) if exc.path else path, exc.problem) from None
 
 
+def check_plugin_options(given: Mapping[str, Any], active: Mapping[str, Any], section: str, listed_in: str,
+                   label: str) -> None:
+    """``<section>.<name>`` settings (``given``) only for a plugin listed in ``listed_in`` (``active``: name ->
+    its registration) whose descriptor takes a ``config`` dataclass."""
+    for name in given:
+        if name not in active:
+            raise ConfigError(f"{section}.{name}", f"'{name}' is not in {listed_in} (listed: "
+                                                   f"{', '.join(active) or 'none'}){did_you_mean(name, active)}")
+        if active[name].descriptor.config is None:
+            raise ConfigError(f"{section}.{name}", f"{label} '{name}' ({active[name].provenance}) takes no options")
+
+
+def plugin_configs(active: Mapping[str, Any], values: Mapping[str, Any], section: str) -> dict[str, Any]:
+    """Each active plugin's ``config`` dataclass built from ``values[name]`` (defaults if absent)."""
+    return {name: from_dict(item.descriptor.config, values.get(name, {}), f"{section}.{name}")
+            for name, item in active.items() if item.descriptor.config is not None}
+
+
 def _nullable(annotation: Any) -> bool:
     return get_origin(annotation) in (Union, types.UnionType) and type(None) in get_args(annotation)
 
