@@ -161,15 +161,14 @@ def counting_real_tokens(session: Session, batch: Any) -> contextlib.AbstractCon
 def loss_of(session: Session, batch: Any) -> LossOutput:
     """The method's ``loss`` on ``batch``; anything but a ``LossOutput`` is the plugin's error, named in one line
     (it would otherwise fail inside the trainer, naming nothing)."""
-    out = session.plan.method.descriptor.loss(session, batch)
+    method = session.plan.method
+    out = method.descriptor.loss(session, batch)
     if not isinstance(out, LossOutput):
-        method = session.plan.method
         raise PluginError(f"method '{method.descriptor.name}' ({method.provenance}): loss returned "
                           f"{type(out).__name__}, not a LossOutput(loss_sum, normaliser, ...)")
     for key, value in out.metrics.items():
         parts = value if isinstance(value, tuple) and len(value) == 2 else (value,)
         if not all(isinstance(part, (int, float, torch.Tensor)) for part in parts):
-            method = session.plan.method
             raise PluginError(f"method '{method.descriptor.name}' ({method.provenance}): loss's metric '{key}' is "
                               f"{value!r:.80}, not a number, a scalar tensor or a (total, count) pair of them")
     return out
@@ -191,7 +190,7 @@ def with_aux_loss(session: Session, out: Any) -> Any:
     return dataclasses.replace(out, loss_sum=out.loss_sum + loss * out.normaliser, metrics={**out.metrics, **metrics})
 
 
-def _stop_if_asked(session: Session, log: MetricsLog, probation: nonfinite.Probation | None = None) -> None:
+def _stop_if_asked(session: Session, log: MetricsLog, probation: nonfinite.Probation) -> None:
     """After a step: on SIGTERM (any rank), make sure a checkpoint of this step exists, then stop."""
     if not preemption.requested(session.device):
         return
@@ -244,8 +243,7 @@ def batches(session: Session) -> Iterable[Any]:
     return method.batches(session) if method.batches is not None else session.train_data
 
 
-def _optimizer_step(session: Session, window: Window, log: MetricsLog,
-                    probation: nonfinite.Probation | None = None) -> float:
+def _optimizer_step(session: Session, window: Window, log: MetricsLog, probation: nonfinite.Probation) -> float:
     """Normalise, clip and apply the accumulated gradients; log; evaluate and save when due.
 
     ``probation`` judges the newest checkpoint by this step, which runs on its weights (nonfinite.py).
@@ -276,8 +274,7 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
         nonfinite.skip_or_stop(session, session.step + 1, bad, reduced["loss"] if bad == "loss" else grad_norm,
                                probation)
     else:
-        if probation is not None:
-            probation.judge(session, reduced["loss"], grad_norm, log.note)
+        probation.judge(session, reduced["loss"], grad_norm, log.note)
         session.optimizer.step()
     session.scheduler.step()  # also when skipped: the schedule stays in step with the step count
     session.optimizer.zero_grad(set_to_none=True)
@@ -312,7 +309,7 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog,
     return tokens
 
 
-def _evaluate_when_due(session: Session, log: MetricsLog, probation: nonfinite.Probation | None,
+def _evaluate_when_due(session: Session, log: MetricsLog, probation: nonfinite.Probation,
                        record: dict[str, Any]) -> None:
     """The step's evaluation when one is due (its results join ``record``), the record written, the checkpoint
     when one is due."""
@@ -321,7 +318,7 @@ def _evaluate_when_due(session: Session, log: MetricsLog, probation: nonfinite.P
             results = _prefixed(evaluate(session))
         log.evaluated(session.step, results)
         record.update(results)
-        if probation is not None and probation.best is not None:
+        if probation.best is not None:
             try:
                 probation.best.evaluated(session.step, results)
             except ConfigError as exc:  # a metric the evaluation does not log: keep the steps run so far
@@ -330,18 +327,13 @@ def _evaluate_when_due(session: Session, log: MetricsLog, probation: nonfinite.P
                 raise ConfigError(exc.path, f"{exc.problem}; step {session.step} is saved in {path}: fix it and "
                                             "resume (checkpoint.resume=latest)") from None
     log.write(record)
-    _save_when_due(session, log, probation)
-
-
-def _save_when_due(session: Session, log: MetricsLog, probation: nonfinite.Probation | None) -> None:
     if _checkpoint_due(session):
         _save(session, log, probation)
 
 
-def _save(session: Session, log: MetricsLog, probation: nonfinite.Probation | None) -> Path:
+def _save(session: Session, log: MetricsLog, probation: nonfinite.Probation) -> Path:
     path = state.save_checkpoint(session)
-    if probation is not None:
-        probation.saved(session, path)
+    probation.saved(session, path)
     log.note(f"saved checkpoint {path}")
     return path
 
