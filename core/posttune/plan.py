@@ -20,7 +20,7 @@ from posttune.config.components import check_components, component_name
 from posttune.config.requires import check_requires, device_for
 from posttune.config.mixture import dataset_sources
 from posttune.config.schema import DatasetConfig, ModelConfig, RunConfig
-from posttune.config.typed import convert, from_dict, plugin_configs, check_plugin_options
+from posttune.config.typed import check_plugin_options, convert, from_dict, plugin_configs
 from posttune.descriptors import STAGES, MeshDim, ModelRole, ParallelPlan
 from posttune.errors import ConfigError, PluginError, PosttuneError, UnknownNameError, did_you_mean, first_line
 from posttune.registry import Registered, Registry

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttune.config.typed import plugin_configs, check_plugin_options
+from posttune.config.typed import check_plugin_options, plugin_configs
 from posttune.descriptors import MetricLogger, TrackerRun
 from posttune.errors import ConfigError, PosttuneError, UnknownNameError, first_line
 from posttune.registry import Registered, Registry

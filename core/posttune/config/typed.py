@@ -77,7 +77,7 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
 
 
 def check_plugin_options(given: Mapping[str, Any], active: Mapping[str, Any], section: str, listed_in: str,
-                   label: str) -> None:
+                         label: str) -> None:
     """``<section>.<name>`` settings (``given``) only for a plugin listed in ``listed_in`` (``active``: name ->
     its registration) whose descriptor takes a ``config`` dataclass."""
     for name in given:
