@@ -121,6 +121,9 @@ def test_a_run_logs_what_distillation_users_watch(llama_kd, teacher, posttune_cl
     assert {"val_loss", "val_divergence", "val_ce"} <= set(steps[2])
     assert steps[5]["val_divergence"] < steps[2]["val_divergence"]  # it learns from the teacher
     assert (Path(config["checkpoint"]["output_dir"]) / "model" / "config.json").is_file()
+    batch = config["train"]["batch_size"]  # the banner says what a micro-batch is (not a placeholder)
+    assert (f"made by method 'kd' (train.batch_size {batch} conversations a micro-batch, as SFT's)"
+            in result.stderr + result.stdout)
 
 
 def test_a_teacher_of_another_family_with_the_same_vocabulary(llama_kd, tmp_path):
@@ -352,3 +355,12 @@ def test_plan_estimates_the_loss_kd_holds_both_heads_chunked_or_not(llama_kd, tm
         min(chunk_size, est.tokens), posttune_kd.CHUNK_TENSORS)
     assert est.tokens > 8 and est.logits == tensors * 4 * rows * est.shape.vocab
     assert "kd" not in est.unmodelled
+
+
+def test_the_banner_names_the_on_policy_share():
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(train=SimpleNamespace(batch_size=4))
+    assert posttune_kd.batch_text(run, posttune_kd.KDConfig(on_policy_fraction=0.5)) == (
+        "train.batch_size 4 conversations a micro-batch, as SFT's; a share of 0.5 of them with the student's own "
+        "completions")

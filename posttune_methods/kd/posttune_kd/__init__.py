@@ -98,6 +98,14 @@ def validate(config: RunConfig, method: KDConfig) -> None:
     check_vocabularies(config, method)
 
 
+def batch_text(config: Any, method: KDConfig) -> str:
+    """The banner's account: the loader's batches, as SFT's, some completed by the student (GKD)."""
+    text = f"train.batch_size {config.train.batch_size} conversations a micro-batch, as SFT's"
+    if method.on_policy_fraction > 0:
+        text += f"; a share of {method.on_policy_fraction:g} of them with the student's own completions"
+    return text
+
+
 def micro_batch_tokens(config: Any, method: KDConfig) -> tuple[int, str]:
     """The tokens of one micro-batch's student forward, for `posttune plan`'s memory estimate.
 
@@ -183,6 +191,7 @@ def posttune_register_methods(register):
         close=_method("close"),
         validate=validate,
         micro_batch_tokens=micro_batch_tokens,
+        batch_text=batch_text,
         estimate=estimate,
         description="knowledge distillation: forward/reverse KL or JSD to a teacher role, chunked; on-policy (GKD)",
     ))
