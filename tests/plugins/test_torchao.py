@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -184,3 +187,12 @@ def test_qlora_stores_a_mixture_of_experts_stacked_experts_as_nf4(plugins, regis
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model").eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_importing_torchao_prints_nothing_about_kernels_nothing_here_uses():
+    """torchao's import warns of its MX / CUTLASS-fp8 GPU kernels failing to load (CPU-only machines, some torch
+    builds) and torch of a deprecated enum registration: noise before every QLoRA run, filtered by the plugin."""
+    result = subprocess.run([sys.executable, "-c", "import posttune_torchao, torchao, torchao.quantization"],
+                            capture_output=True, text=True, check=True)
+    assert "_C_mxfp8" not in result.stderr and "_C_cutlass_90a" not in result.stderr, result.stderr
+    assert "KernelPreference" not in result.stderr, result.stderr

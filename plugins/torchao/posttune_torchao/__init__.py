@@ -30,6 +30,7 @@ Importing this module imports neither torch nor torchao (``posttune plugins`` st
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,6 +38,23 @@ from posttune import hookimpl
 from posttune.plugin import ConfigError, MemoryTechnique, ModelTarget, QuantizedFormat, RunConfig, Session, require_cuda
 
 from posttune_torchao import estimate, quantize
+
+#: torchao's import reports the kernels it could not load; these two serve MX formats and CUTLASS fp8 on
+#: Hopper-class GPUs, which nothing here uses, and their wheels fail to load on CPU-only machines and
+#: with some torch builds. With torch's deprecation of torchao registering its ``KernelPreference`` enum,
+#: that was three alarming lines before every QLoRA or low-bit run, with nothing wrong.
+UNUSED_KERNELS = ("_C_mxfp8", "_C_cutlass_90a")
+
+
+def _quiet(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if message.startswith("Failed to load"):
+        return not any(name in message for name in UNUSED_KERNELS)
+    return not ("KernelPreference" in message and "register_constant() on Enum subclasses is deprecated" in message)
+
+
+for _logger in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_logger).addFilter(_quiet)
 
 POSTTUNE_PLUGIN_API = 2
 __version__ = "0.1.0"
