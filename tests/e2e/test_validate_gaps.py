@@ -133,7 +133,8 @@ def starting_from(tmp_path, folder) -> dict:
      "'test': local files are read as one split, 'train' (slices such as train[:90%] work)"),
     (lambda tmp: {**local_split(tmp, "train"), "data": {**local_split(tmp, "train")["data"], "train": {
         **local_split(tmp, "train")["data"]["train"], "subset": "main"}}}, "data.train.subset",
-     "'main': local files have no subsets (a hub dataset's configuration name)"),
+     "'main': local files have no subsets (a hub dataset's configuration name); point path at that subset's own "
+     "files and drop it (data.train.subset=null)"),
     (lambda tmp: starting_from(tmp, tmp / "nowhere"), "adapter.init_from", "nowhere: no such adapter directory (no "
      "adapter_config.json there)"),
     (lambda tmp: starting_from(tmp, saved_adapter(tmp, rank=8)), "adapter.init_from",

@@ -40,7 +40,7 @@ def check_data(plan: Any, *, runs: bool = True) -> None:
             if dataset.subset is not None:  # a hub dataset's configuration: local files have none
                 raise ConfigError(f"{where}.subset", f"{dataset.subset!r}: local files have no subsets (a hub "
                                                      "dataset's configuration name); point path at that subset's "
-                                                     "own files")
+                                                     f"own files and drop it ({where}.subset=null)")
     chats = check_first_rows(plan)
     check_tokenizer(plan.config, required=runs, chats=chats)
 
