@@ -242,3 +242,11 @@ def test_a_run_folder_or_an_adapter_given_as_the_model_says_what_it_is(runs, tmp
     result = run_cli("validate", str(write(tmp_path, config)), f"model.path={given_path}")
     assert refused(result) == (f"posttune: error: config: model.path: {given_path}: not a Hugging Face checkpoint "
                                f"(no config.json)" + words.format(out=out))
+
+
+def test_another_seed_is_refused_naming_the_checkpoints(runs, tmp_path):
+    """The epoch's order was drawn with the checkpoint's seed: another one would repeat and skip rows."""
+    config = runs["full"]
+    line = outcome(tmp_path, config, "train.seed=1", "train.max_steps=4")[0]
+    assert line == (f"posttune: error: config: train.seed: checkpoint {step2(config)}: its data order was drawn with "
+                    "seed 0, this run has 1; set train.seed: 0 to resume it")

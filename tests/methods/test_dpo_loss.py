@@ -246,6 +246,18 @@ def test_lora_reference_with_adapters_disabled_equals_a_frozen_copy_of_the_base(
         assert not any(layer.disabled for layer in adapted_modules(session.model).values())
 
 
+def test_a_tie_is_not_an_accurate_pair(llama_dpo, make_dpo_config, tmp_path):
+    """A LoRA policy before its first step is its reference (B = 0): every pair's rewards tie at 0, and TRL's
+    ``rewards/accuracies`` (chosen > rejected) counts none of them."""
+    from posttune_dpo.method import loss
+
+    session = compose_run(make_dpo_config(tmp_path, rows=8, adapter={"rank": 4, "alpha": 8}))
+    metrics = loss(session, next(iter(session.train_data))).metrics
+    margin, pairs = metrics["rewards/margin"]
+    accurate, _ = metrics["rewards/accuracy"]
+    assert float(margin) == 0.0 and float(pairs) > 0 and float(accurate) == 0.0
+
+
 def test_chunked_log_probs_equal_the_log_softmax_in_values_and_gradients():
     """With soft-caps and a sampling temperature too (what GRPO's loss scores completions with)."""
     from posttune_memory.linear_cross_entropy import linear_logps

@@ -43,6 +43,21 @@ def test_generation_stops_after_the_first_eos_token(tiny_llama):
     assert generate(tiny_llama, PROMPT, max_new_tokens=8, eos_token_ids=(free[2],)) == free[:3]
 
 
+@pytest.mark.parametrize("top_k, top_p, min_p", [(None, 0.9, None), (None, 0.3, None), (10, None, None),
+                                                  (None, None, 0.1), (20, 0.8, 0.05), (5, 0.5, None)])
+def test_filters_keep_the_tokens_transformers_warpers_keep(top_k, top_p, min_p):
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)) * 3
+    expected = logits.clone()
+    for value, warper in ((top_k, TopKLogitsWarper), (top_p, TopPLogitsWarper), (min_p, MinPLogitsWarper)):
+        if value is not None:  # transformers' order: top-k, top-p, min-p
+            expected = warper(value)(None, expected)
+    got = filter_logits(logits, top_k=top_k, top_p=top_p, min_p=min_p)
+    assert torch.equal(got.isfinite(), expected.isfinite())
+    assert torch.equal(got[got.isfinite()], logits[got.isfinite()])
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert filter_logits(logits, top_p=0.8).isfinite().tolist() == [[True, True, False, False]]
