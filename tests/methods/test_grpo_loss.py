@@ -214,3 +214,54 @@ def test_importance_weights_of_each_mode_equal_their_definition(mode):
             expected = min(ratio, cap) if how == "truncate" else (ratio if ratio <= cap else 0.0)
             assert float(weights[i, t]) == pytest.approx(expected, rel=1e-5), (i, t)
     assert 0 < capped < int(mask.sum())  # the cap acted on some tokens, not all
+
+
+def test_filter_equal_rewards_leaves_tied_groups_out_of_the_gradient_and_the_normaliser():
+    """DAPO's dynamic sampling (Yu et al. 2025): a group whose rewards all tie teaches nothing; filtered, it weighs 0
+    and its tokens leave the count the loss is divided by (kept, they dilute the other groups' gradient)."""
+    from posttune_grpo.rollouts import advantages_of
+
+    rewards = torch.tensor(REWARDS)
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(6)] for n in LENGTHS])
+    spec = {"group_size": G, "scale_rewards": "group", "baseline": "mean"}
+    _, filtered, equal = advantages_of(rewards, torch.ones(8), {**spec, "filter_equal_rewards": True})
+    _, kept, _ = advantages_of(rewards, torch.ones(8), {**spec, "filter_equal_rewards": False})
+    assert filtered.tolist() == [1.0] * 4 + [0.0] * 4 and kept.tolist() == [1.0] * 8
+    assert equal.tolist() == [0.0] * 4 + [1.0] * 4
+    per_token = torch.ones(8, 6)
+    assert float(aggregate(per_token, mask, "token", 6, filtered)[1]) == sum(LENGTHS[:4])
+    assert float(aggregate(per_token, mask, "token", 6, kept)[1]) == sum(LENGTHS)
+
+
+def test_batch_scaling_without_a_gathered_std_leaves_placeholders_out():
+    """A rank padded with a placeholder group (an empty share; the Ray workers score without the learner's
+    gathered std): the batch std is that of the real completions only, as TRL's over the generated batch."""
+    from posttune_grpo.rollouts import advantages_of
+
+    rewards = torch.tensor(REWARDS[:4] + [0.0] * 4)
+    real = torch.tensor([1.0] * 4 + [0.0] * 4)
+    spec = {"group_size": G, "scale_rewards": "batch", "baseline": "mean", "filter_equal_rewards": False}
+    advantages, weights, _ = advantages_of(rewards, real, spec)
+    assert advantages[:4].tolist() == pytest.approx(direct_advantages(REWARDS[:4], "batch"), abs=TOL)
+    assert weights.tolist() == real.tolist()
+
+
+def test_the_logged_kl_is_the_k3_mean_over_the_trained_tokens_only(monkeypatch):
+    """A completion left out (weight 0) far from the reference changes neither the loss nor the logged ``kl``:
+    the mean of Schulman's k3, ``exp(ref - logp) - (ref - logp) - 1``, over the tokens that train."""
+    from types import SimpleNamespace
+
+    import posttune_grpo
+    import posttune_grpo.loss as grpo_loss
+
+    logps = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    ref = torch.tensor([[-1.1, -0.9], [-3.0, -3.0]])
+    monkeypatch.setattr(grpo_loss, "learner_logps", lambda session, batch, **_: logps.clone().requires_grad_())
+    batch = {"labels": torch.tensor([[5, 6], [7, 8]]), "weights": torch.tensor([1.0, 0.0]),
+             "advantages": torch.tensor([1.0, 0.0]), "behaviour_logps": logps, "ref_logps": ref,
+             "truncated": torch.zeros(2), "rows": torch.tensor([0, 0]), "rewards": torch.zeros(2),
+             "lengths": torch.tensor([2, 2]), "per_reward": {}, "num_tokens": torch.tensor(4)}
+    session = SimpleNamespace(method_config=posttune_grpo.GRPOConfig(beta=0.04, max_new_tokens=2))
+    total, count = grpo_loss.loss(session, batch).metrics["kl"]
+    k3 = torch.exp(ref[0] - logps[0]) - (ref[0] - logps[0]) - 1
+    assert float(total / count) == pytest.approx(float(k3.mean()), rel=1e-6)

@@ -18,10 +18,12 @@ import pytest
 import torch
 
 try:
-    from posttune_ppo.advantages import gae, masked_mean, masked_whiten, policy_loss, token_rewards, value_loss
+    from posttune_ppo.advantages import (gae, masked_mean, masked_whiten, penalised_scores, policy_loss,
+                                         token_rewards, value_loss)
 except ImportError:  # the package is not installed yet: import it from the source tree
     sys.path.insert(0, str(Path(__file__).parents[2] / "posttune_methods/ppo"))
-    from posttune_ppo.advantages import gae, masked_mean, masked_whiten, policy_loss, token_rewards, value_loss
+    from posttune_ppo.advantages import (gae, masked_mean, masked_whiten, penalised_scores, policy_loss,
+                                         token_rewards, value_loss)
 
 TOL = 1e-6
 S = 20
@@ -308,3 +310,43 @@ def test_no_nan_from_placeholders_or_padding():
     dirty_adv, dirty_ret = gae(torch.where(mask, rewards, float("inf")), dirty, mask, 0.99, 0.95)
     assert torch.equal(dirty_adv, clean_adv) and not dirty_ret.isnan().any()
     assert not masked_whiten(dirty, mask).isnan().any()
+
+
+@pytest.mark.parametrize("whiten_rewards, whiten_advantages", [(True, False), (False, True), (True, True)])
+def test_the_experience_pipeline_whitens_as_trl(whiten_rewards, whiten_advantages):
+    """``add_advantages`` (what a PPO step trains on): ``whiten_rewards`` scales the token rewards without moving
+    their mean (TRL's ``masked_whiten(rewards, mask, shift_mean=False)``), GAE on them, then ``whiten_advantages``
+    centres and scales the advantages; returns are GAE's, before the advantages are whitened."""
+    from types import SimpleNamespace
+
+    from posttune_ppo.experience import add_advantages
+
+    mask = make_mask()
+    logps, ref_logps, values = rand(13, 0.5, -2.0), rand(14, 0.5, -2.0), rand(15)
+    scores = torch.tensor([1.5, -0.5, 2.0, 7.0, 0.3, -1.0, 0.8], dtype=torch.float64)
+    batch = {"labels": torch.where(mask, 1, -100), "weights": torch.ones(len(ROWS)), "scores": scores,
+             "old_logps": logps, "ref_logps": ref_logps, "values": values}
+    config = SimpleNamespace(kl_coef=0.1, kl_estimator="k1", gamma=0.99, lam=0.95, whiten_rewards=whiten_rewards,
+                             whiten_advantages=whiten_advantages)
+    add_advantages(SimpleNamespace(method_config=config, mesh=None, device=torch.device("cpu"),
+                                   plan=SimpleNamespace(mesh={})), batch)
+    rewards, _ = ref_rewards(scores, logps, ref_logps, 0.1, "k1")
+    if whiten_rewards:
+        rewards = ref_whiten(torch.tensor(rewards), shift_mean=False)
+    advantages, returns = ref_gae(torch.tensor(rewards), values, 0.99, 0.95)
+    close(batch["returns"], returns)
+    close(batch["advantages"], ref_whiten(torch.tensor(advantages)) if whiten_advantages else advantages)
+
+
+@pytest.mark.parametrize("penalty", [None, 1.5])
+def test_missing_eos_penalty_lowers_the_score_of_completions_without_their_eos(penalty):
+    """TRL's ``PPOTrainer``: ``scores[~contain_eos_token] -= missing_eos_penalty``, only for a completion cut off
+    before its EOS (``truncated``), which the rollouts mark as those without an EOS."""
+    eos = 2
+    completions = [[5, 6, eos], [7, 8, 9], [eos], [4, 4, 4]]
+    rewards = torch.tensor([1.0, 0.5, -0.25, 2.0])
+    contain_eos = torch.tensor([eos in ids for ids in completions])
+    expected = rewards.clone()
+    if penalty is not None:
+        expected[~contain_eos] -= penalty
+    torch.testing.assert_close(penalised_scores(rewards, (~contain_eos).float(), penalty), expected)

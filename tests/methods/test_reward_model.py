@@ -104,6 +104,24 @@ def test_each_pairs_margin_reaches_its_loss(llama_rm, tmp_path, padding_free):
     assert sorted(seen) == list(range(12))  # every pair once, with margins 0 to 2.5 among them
 
 
+def test_an_empty_share_trains_nothing(llama_rm, tmp_path):
+    """A rank with no pair this step (fewer pairs than ranks) runs a placeholder pair: no loss, no pair counted, no
+    gradient, also with the centring term (which a padding row would otherwise train)."""
+    from run_support import compose_run
+
+    from posttune.data.collate import pair_batch
+    from posttune.plugin import pad_id
+    from posttune_rm.method import loss
+
+    session = compose_run(rm_config(tmp_path, method={"center_rewards_coefficient": 0.01}))
+    batch = pair_batch([], pad_id=pad_id(session.tokenizer))
+    assert batch["rows"].tolist() == [-1]
+    out = loss(session, batch)
+    assert float(out.loss_sum) == 0.0 and float(out.normaliser) == 0.0
+    out.loss_sum.backward()
+    assert all(p.grad is None or not p.grad.any() for p in session.model.parameters())
+
+
 @pytest.mark.parametrize("margin, problem", [
     ("wide", "field 'margin' must be a number >= 0 (the pair's margin), got 'wide'"),
     (-1.5, "field 'margin' must be a number >= 0 (the pair's margin), got -1.5"),

@@ -17,6 +17,14 @@ import torch
 WHITEN_EPS = 1e-8
 
 
+def penalised_scores(rewards: torch.Tensor, truncated: torch.Tensor, missing_eos_penalty: float | None) -> torch.Tensor:
+    """``[N]`` the scores GAE rewards: the rollouts' rewards, less ``missing_eos_penalty`` for each completion cut
+    off at ``max_new_tokens`` before its EOS (TRL's ``scores[~contain_eos_token] -= missing_eos_penalty``)."""
+    if missing_eos_penalty is None:
+        return rewards.clone()
+    return rewards - missing_eos_penalty * truncated.to(rewards.dtype)
+
+
 def _as_bool(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 

@@ -22,7 +22,7 @@ import torch
 from posttune.plugin import (Session, documents_as_rows, in_label_shape, pad_id, rows_as_documents, step_context,
                              sum_over_token_ranks, to_device, token_logps)
 from posttune_ppo import micro_batch_size
-from posttune_ppo.advantages import gae, token_rewards
+from posttune_ppo.advantages import gae, penalised_scores, token_rewards
 
 #: the per-row tensors of an experience batch (``[N]`` or ``[N, S]``), sliced into micro-batches
 ROW_TENSORS = ("input_ids", "labels", "old_logps", "is_weights", "ref_logps", "values", "returns", "advantages", "kl",
@@ -42,9 +42,7 @@ def make_experience(session: Session, prompts: dict[str, Any]) -> dict[str, Any]
     session.trainable.eval()
     rollouts = generate_rollouts(learner_engine(session), session.tokenizer, prompts, session.epoch, state.rewards,
                                  rollout_spec(session), in_learner=learner_scorer(session))
-    scores = rollouts.rewards.clone()
-    if config.missing_eos_penalty is not None:
-        scores = scores - config.missing_eos_penalty * rollouts.truncated
+    scores = penalised_scores(rollouts.rewards, rollouts.truncated, config.missing_eos_penalty)
     batch: dict[str, Any] = {
         "input_ids": rollouts.input_ids, "labels": rollouts.labels, "scores": scores, "rewards": rollouts.rewards,
         "weights": rollouts.weights, "lengths": rollouts.lengths, "prompt_lengths": rollouts.prompt_lengths,
