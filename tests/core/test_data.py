@@ -226,6 +226,26 @@ def test_a_folder_whose_files_have_other_columns_names_them(tmp_path, tokenizer,
                                                 "mixture)")
 
 
+def test_a_column_mismatch_raised_as_the_context_is_named_too(tmp_path, tokenizer, formats, monkeypatch):
+    """datasets before 4.7 (the floor is 2.19) raises its generic error while handling the cast error, so the
+    mismatch is only the generic error's ``__context__``, not its ``__cause__``."""
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+    from datasets.table import CastError
+
+    def load_dataset(*args, **kwargs):
+        try:
+            raise CastError("cast", table_column_names=["instruction", "id"], requested_column_names=["instruction"])
+        except CastError:
+            raise DatasetGenerationError("An error occurred while generating the dataset")  # noqa: B904
+
+    folder = tmp_path / "parts"
+    write(folder / "a.jsonl", ALPACA[:2])
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    with pytest.raises(ConfigError, match=r"do not share their columns \(instruction in one, instruction, id in "):
+        loader_for(folder, tokenizer, formats)
+
+
 def test_a_missing_local_file_names_the_config_field(tmp_path, tokenizer, formats):
     with pytest.raises(PosttuneError, match=r"^config: data.train.path: no such file or directory .*nope.jsonl"):
         loader_for(tmp_path / "nope.jsonl", tokenizer, formats)

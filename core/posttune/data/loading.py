@@ -129,7 +129,11 @@ def _load(where: str, shown: str, path: str, *, hint: str = "", explain: Any = N
         cause = exc
         while cause.__cause__ is not None:  # datasets wraps the reason ("An error occurred while generating ...")
             cause = cause.__cause__
-        theirs, wanted = getattr(cause, "table_column_names", None), getattr(cause, "requested_column_names", None)
+        mismatch = exc  # the column mismatch is wrapped as the cause, or (datasets before 4.7) only as the context
+        while mismatch is not None and getattr(mismatch, "table_column_names", None) is None:
+            mismatch = mismatch.__cause__ or mismatch.__context__
+        theirs = getattr(mismatch, "table_column_names", None)
+        wanted = getattr(mismatch, "requested_column_names", None)
         if theirs is not None and wanted is not None:  # files of one folder or list with other columns
             raise ConfigError(f"{where}.path", f"the files of {shown!r} do not share their columns "
                                                f"({', '.join(wanted)} in one, {', '.join(theirs)} in another): they "
