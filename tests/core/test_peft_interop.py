@@ -120,3 +120,34 @@ def test_a_peft_head_copy_that_is_not_the_bases_head_is_refused_in_one_line(fami
     assert result.stderr == (f"posttune: error: {weights}: '{HEAD_KEY}', PEFT's copy of the base layer (which PEFT "
                              "loads over the model's), differs from this model's: the adapter was saved on another "
                              "base (or a resized vocabulary); load it on that one\n")
+
+
+@pytest.mark.parametrize("config", [{"target_modules": "all-linear"}, {"target_modules": ["q_proj", "v_proj"]},
+                                    {"target_modules": r".*\.mlp\..*_proj"},
+                                    {"target_modules": "all-linear", "exclude_modules": ["o_proj", "up_proj"]}],
+                         ids=["all-linear", "list", "regex", "exclude"])
+def test_target_modules_select_the_layers_peft_adapts(config):
+    """PEFT's own ``get_peft_model`` on the transformers model is the reference: ``all-linear`` leaves the output
+    head out, list entries are names or dotted suffixes, a string a full regex."""
+    from posttune.adapters.peft_format import peft_targets_match
+
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, **config))
+    theirs = {name.removeprefix("base_model.model.").removesuffix(".base_layer")
+              for name, _ in wrapped.named_modules() if name.endswith(".base_layer")}
+    assert {name for name in linear if peft_targets_match(config, name)} == theirs
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.up_proj", "model.layers.0.mlp.gate_up_proj",
+                                  "model.layers.1.self_attn.qkv_proj", "model.layers.10.self_attn.q_proj", "lm_head"])
+def test_rank_and_alpha_patterns_pick_the_key_peft_picks(name):
+    """A pattern key matches as a dotted-suffix regex (``up_proj`` is not ``gate_up_proj``'s), the first that
+    matches wins: PEFT's ``get_pattern_key``."""
+    from peft.utils.other import get_pattern_key
+
+    from posttune.adapters.peft_format import _pattern_value
+
+    patterns = {"up_proj": 8, r"layers\.1\..*": 16, "q_proj": 2}
+    key = get_pattern_key(patterns.keys(), name)
+    assert _pattern_value(patterns, name, 4) == patterns.get(key, 4)

@@ -194,3 +194,15 @@ def test_a_skipped_step_still_ends_as_a_step_for_the_method(tmp_path):
                   for s in (1, 2)]
     moved = [name for name in references[0] if not torch.equal(references[0][name], references[1][name])]
     assert moved and len(moved) == len(references[0])  # every weight moved halfway to the (unchanged) policy
+
+
+def test_the_skips_allowed_are_counted_across_a_resume(config):
+    """``train.skip_nonfinite: 1`` is one skip for the whole run: a resumed run does not get a fresh allowance."""
+    path, out = config
+    first = train(str(path), "train.skip_nonfinite=1", "train.max_steps=3", fault=("inf_grad", 2))
+    assert first.returncode == 0, first.stderr
+    assert json.loads((out / "summary.json").read_text())["skipped_nonfinite"] == 1
+    resumed = train(str(path), "train.skip_nonfinite=1", "checkpoint.resume=latest", fault=("inf_grad", 5))
+    assert resumed.returncode == 2
+    assert error_line(resumed).startswith("posttune: error: train: step 5: the grad norm is inf; stopped after "
+                                          "skipping 1 such step(s) (train.skip_nonfinite: 1)")
