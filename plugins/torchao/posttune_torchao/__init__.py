@@ -41,8 +41,8 @@ from posttune_torchao import estimate, quantize
 
 #: torchao's import reports the kernels it could not load; these two serve MX formats and CUTLASS fp8 on
 #: Hopper-class GPUs, which nothing here uses, and their wheels fail to load on CPU-only machines and
-#: with some torch builds. With torch's deprecation of torchao registering its ``KernelPreference`` enum,
-#: that was three alarming lines before every QLoRA or low-bit run, with nothing wrong.
+#: with some torch builds. With torch's deprecation of torchao registering its enums (``KernelPreference``,
+#: ``ScaleCalculationMode``), that was three or more alarming lines before every QLoRA run, with nothing wrong.
 UNUSED_KERNELS = ("_C_mxfp8", "_C_cutlass_90a")
 
 
@@ -50,7 +50,7 @@ def _quiet(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     if message.startswith("Failed to load"):
         return not any(name in message for name in UNUSED_KERNELS)
-    return not ("KernelPreference" in message and "register_constant() on Enum subclasses is deprecated" in message)
+    return "register_constant() on Enum subclasses is deprecated" not in message  # torchao's enums, at its import
 
 
 for _logger in ("torchao", "torch.utils._pytree"):
