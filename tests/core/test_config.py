@@ -389,8 +389,9 @@ def test_requires_rejects_an_invalid_specifier():
         check_requires(["posttune", "posttune>>1"])
     with pytest.raises(ConfigError) as error:  # packaging's caret diagram of the text is left out
         check_requires(["posttune-llama>=>0.1"])
-    assert str(error.value) == ("config: requires[0]: invalid requirement 'posttune-llama>=>0.1': Expected semicolon "
-                                "(after name with no version specifier) or end")
+    line = str(error.value)  # packaging's own words follow (they differ between its releases), on one line
+    assert line.startswith("config: requires[0]: invalid requirement 'posttune-llama>=>0.1': Expected ")
+    assert "\n" not in line and "^" not in line
 
 
 def test_package_paths_resolve_inside_installed_packages():

@@ -208,7 +208,8 @@ def test_column_map_renames_dataset_columns_to_format_fields(tmp_path, tokenizer
 
 
 def test_a_hub_dataset_that_cannot_be_loaded_is_one_line_naming_the_field(monkeypatch, tokenizer, formats):
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)  # datasets >= 2.21
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)  # the older releases' switch
     with pytest.raises(ConfigError, match=r"^config: data.train.path: could not load 'someone/no-such-data' \(.*\)"):
         loader_for("someone/no-such-data", tokenizer, formats)
 
