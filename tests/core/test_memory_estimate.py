@@ -223,6 +223,9 @@ def test_chunked_cross_entropy_holds_one_chunk_of_logits(registry, tmp_path):
                       memory_options={"chunked_cross_entropy": {"chunk_size": 64}})
     assert plain.logits == 3 * 4 * 512 * SHAPE["vocab_size"]
     assert chunked.logits == plain.logits // 8
+    whole = planned(registry, tmp_path / "c", memory=["chunked_cross_entropy"],  # one chunk holds every token
+                    memory_options={"chunked_cross_entropy": {"chunk_size": 4096}})
+    assert whole.logits == plain.logits
 
 
 def test_on_cuda_there_is_no_process_baseline_or_heap_term(registry, tmp_path):

@@ -59,3 +59,15 @@ def test_cp_forward_logits_equal_one_process(dtype, family):
     # a soft-capped layer's one-process path takes its softmax in fp32 (as transformers'), in fp64 runs too
     across_kernels = 2e-5 if dtype == "float32" or family == "gemma2" else 1e-10
     assert found["padded"] <= across_kernels and found["packed"] <= across_kernels, found
+
+
+@pytest.mark.slow
+def test_context_parallel_ranks_read_the_same_rows_and_sum_over_each_other():
+    """cp splits each sequence, not the batch: its ranks are one data rank (else each would read other rows and
+    no rank would hold a whole sequence), while their losses and token counts are summed over both."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(Path(__file__).with_name("data_ranks.py"))]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env())
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert [(r["data_rank"], r["token_group_size"]) for r in found] == [([0, 1], 2), ([0, 1], 2)]

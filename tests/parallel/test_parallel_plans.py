@@ -203,3 +203,18 @@ def test_cps_rope_variants_are_the_cores_growing_ones():
     from posttune.modules.rope import GROWING
 
     assert posttune_cp.GROWING_ROPE == GROWING
+
+
+@pytest.mark.parametrize("options, model_dtype, expected", [
+    ({}, "bf16", ("bfloat16", "float32")),  # the documented default: bf16 compute, gradients reduced in fp32
+    ({"reduce_dtype": "bf16"}, "bf16", ("bfloat16", "bfloat16")),
+    ({}, "fp32", (None, None)),  # an fp32 model: no policy, everything in fp32
+    ({"mixed_precision": True}, "fp32", ("bfloat16", "float32")),
+])
+def test_fsdp2_mixed_precision_computes_and_reduces_in_the_dtypes_its_options_say(options, model_dtype, expected):
+    from posttune_fsdp2.shard import mixed_precision
+
+    policy = mixed_precision(posttune_fsdp2.FSDP2Options(**options), model_dtype)
+    names = tuple(None if dtype is None else str(dtype).removeprefix("torch.")
+                  for dtype in (policy.param_dtype, policy.reduce_dtype))
+    assert names == expected

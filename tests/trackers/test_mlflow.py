@@ -7,6 +7,7 @@ from pathlib import Path
 
 import posttune_mlflow
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 from tracking_support import metrics, series, tracked_config
 
@@ -88,3 +89,14 @@ def test_a_server_that_refuses_connections_stops_the_start_in_seconds(mlflow_plu
                                     "start: MlflowException: API request to ")
     assert "Connection refused" in result.stderr
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ
+
+
+@pytest.mark.slow
+def test_a_run_that_stops_on_an_error_ends_killed_not_finished(mlflow_plugin, llama_sft, posttune_cli, tmp_path):
+    """A run stopped by the non-finite guard (``train.lr`` 1e30: step 2's gradients overflow) is no success in
+    MLflow's own store: its status is KILLED, as for any run that did not finish."""
+    path = tracked_config(tmp_path, ["mlflow"], {"mlflow": {"experiment": "reversal"}})
+    result = posttune_cli("train", str(path), "train.lr=1e30")
+    assert result.exit_code == 2 and "posttune: error: train: step 2: " in result.stderr, result.stderr
+    out = Path(yaml.safe_load(path.read_text())["checkpoint"]["output_dir"])
+    assert only_run(MlflowClient(f"sqlite:///{out / 'mlflow.db'}")).info.status == "KILLED"

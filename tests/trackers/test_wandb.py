@@ -112,3 +112,15 @@ def test_disabled_mode_trains_and_writes_nothing_of_wandb(wandb_plugin, llama_sf
     assert result.exit_code == 0, result.stderr
     assert "warning" not in result.stderr
     assert not (tmp_path / "out" / "wandb").exists() and len(metrics(tmp_path / "out")) == 3
+
+
+@pytest.mark.slow
+def test_a_run_that_stops_on_an_error_exits_failed(wandb_plugin, llama_sft, posttune_cli, tmp_path):
+    """A run stopped by the non-finite guard (``train.lr`` 1e30) ends with a non-zero exit code in the run file, which
+    W&B shows as failed; a finished run's is 0."""
+    path = tracked_config(tmp_path, ["wandb"], OFFLINE)
+    result = posttune_cli("train", str(path), "train.lr=1e30")
+    assert result.exit_code == 2 and "posttune: error: train: step 2: " in result.stderr, result.stderr
+    out = Path(yaml.safe_load(path.read_text())["checkpoint"]["output_dir"])
+    exits = [record["exit"] for record in records(run_dirs(out)[0]) if record["type"] == "exit"]
+    assert [record.get("exit_code", 0) for record in exits] == [1], exits  # 0 is left out of the record
