@@ -70,6 +70,7 @@ def test_a_resumed_run_appends_and_hides_what_the_killed_run_logged_past_its_che
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]  # metrics.jsonl was trimmed to step 1, then went on
     assert scalars(events(out / "tensorboard"), "loss") == as_float32(series(records, "loss"))
+    assert len(events(out / "tensorboard").Tensors("config/text_summary")) == 1  # the first session's, kept
 
 
 def test_a_fresh_run_in_a_reused_directory_hides_the_old_events(tensorboard, train, tmp_path):
