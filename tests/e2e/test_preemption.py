@@ -95,3 +95,17 @@ def test_a_preempted_run_keeps_keep_last_checkpoints(tmp_path, make_config):
     stopped = train(str(path), fault=("term", 5))
     assert stopped.returncode == PREEMPTED, stopped.stderr[-3000:]
     assert saved(out) == ["step-00000004", "step-00000005"]
+
+
+@pytest.mark.parametrize("gap, survives", [(0.05, True), (2.5, False)])
+def test_a_second_sigterm_within_two_seconds_is_the_same_request(gap, survives):
+    """SLURM signals every process of a step and torchrun forwards its own SIGTERM: two 50 ms apart are one request
+    (the run goes on to its checkpoint); asked again after ``DUPLICATE_S``, it stops at once (killed by it)."""
+    child = (f"import os, signal, time\nfrom posttune.training import preemption\nwith preemption.watching():\n"
+             f"    os.kill(os.getpid(), signal.SIGTERM); time.sleep({gap}); os.kill(os.getpid(), signal.SIGTERM)\n"
+             f"    time.sleep(0.2); print('requested', preemption.requested())\n")
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    if survives:
+        assert (result.returncode, result.stdout.strip()) == (0, "requested True"), result.stderr
+    else:
+        assert result.returncode == -signal.SIGTERM and result.stdout == ""

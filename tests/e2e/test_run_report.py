@@ -85,6 +85,24 @@ def test_config_changes_are_dotted_keys():
         "parallel.dims.ep (unset) -> 2"]
     assert config_changes({"method": {"name": "sft"}}, {"method": {"name": "sft", "neftune_alpha": 5.0}}) == [
         "method.neftune_alpha (unset) -> 5.0"]
+    # how this invocation starts (resume, overwrite) is not the run's configuration
+    assert config_changes({"checkpoint": {"overwrite": False, "resume": None}},
+                          {"checkpoint": {"overwrite": True, "resume": "latest"}}) == []
+
+
+@pytest.mark.parametrize("batches, accumulation, steps, expected", [
+    (10, 4, 6, "6 (2 epoch(s) of 3 steps)"),
+    (8, 4, 4, "4 (2 epoch(s) of 2 steps)"),
+])
+def test_the_banner_counts_an_epochs_partial_accumulation_as_a_step(batches, accumulation, steps, expected):
+    """As the trainer steps: an epoch of 10 batches at accumulation 4 is 3 optimizer steps (4 + 4 + 2)."""
+    from types import SimpleNamespace
+
+    from posttune.training.run_report import describe_steps
+
+    session = SimpleNamespace(total_steps=steps, train_data=list(range(batches)),
+                              config=SimpleNamespace(train=SimpleNamespace(grad_accum_steps=accumulation)))
+    assert describe_steps(session) == expected
 
 
 def test_log_every_evaluations_and_no_second_evaluation_at_the_end(llama_sft, posttune_cli, write_config, tmp_path,

@@ -19,6 +19,13 @@ def numbered(count: int) -> datasets.Dataset:
     return datasets.Dataset.from_list([{"n": i} for i in range(count)])
 
 
+@pytest.mark.parametrize("share, count, held", [(0.19, 10, 2), (0.25, 10, 2), (0.05, 100, 5), (0.33, 10, 3),
+                                              (0.5, 3, 2)])
+def test_the_held_out_share_is_rounded_to_the_nearest_row(share, count, held):
+    """``round(share x rows)`` rows (0.19 of 10: 2), as documented; Python rounds a half to even (0.25 of 10: 2)."""
+    assert len(holdout_rows(numbered(count), share, 0, True, where="data.train")) == held
+
+
 def test_the_held_out_rows_and_the_rest_are_disjoint_every_row_once_and_seeded():
     rows = numbered(40)
     held = list(holdout_rows(rows, 0.25, 7, True, where="data.train")["n"])
