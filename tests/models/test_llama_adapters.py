@@ -5,6 +5,7 @@ Adapters get random values (a fresh adapter is the identity and would prove noth
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -130,8 +131,6 @@ def test_an_adapter_trained_with_peft_loads_into_posttune(checkpoint, tmp_path, 
     ("alora_invocation_tokens", [5, 7]), ("trainable_token_indices", [3]), ("layer_replication", [[0, 2]]),
     ("use_qalora", True)])
 def test_a_peft_option_posttune_does_not_implement_is_refused_naming_it(checkpoint, tmp_path, key, value):
-    import json
-
     out = save_peft_adapter(adapted_llama(checkpoint, "lora"), tmp_path / "adapter")
     config = json.loads((out / "adapter_config.json").read_text())
     (out / "adapter_config.json").write_text(json.dumps({**config, key: value}))
@@ -153,6 +152,29 @@ def test_an_adapter_whose_init_changed_peft_s_base_is_refused(checkpoint, tmp_pa
                                 "supported by posttune's adapters: its weights apply to a base PEFT changes when it "
                                 "loads them; save it from PEFT with path_initial_model_for_weight_conversion (a "
                                 "plain LoRA on the original base)")
+
+
+@pytest.mark.parametrize("init", ["corda", "loftq", "lora_ga", "PiSSA_niter_4"])
+def test_every_init_that_changes_the_base_is_refused(checkpoint, tmp_path, init):
+    """The rest of PEFT's base-changing initialisations (their PEFT runs need data or a quantiser): the same
+    refusal, named as the file spells it."""
+    out = save_peft_adapter(adapted_llama(checkpoint, "lora"), tmp_path / "adapter")
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": init}))
+    with pytest.raises(PosttuneError, match=re.escape(f"init_lora_weights={init!r} is not supported")):
+        load_peft_adapter(posttune.load_model(checkpoint), out)
+
+
+def test_an_adapter_config_without_lora_alpha_scales_as_peft_defaults_it(checkpoint, tmp_path):
+    """PEFT reads a missing ``lora_alpha`` as LoraConfig's default (8): posttune the same, the same logits."""
+    out = save_peft_adapter(adapted_llama(checkpoint, "lora"), tmp_path / "adapter")  # rank 4, alpha 8
+    config = json.loads((out / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    model = posttune.load_model(checkpoint)
+    load_peft_adapter(model, out)
+    reference = peft.PeftModel.from_pretrained(hf_model(checkpoint), out).eval()
+    assert_close(logits(model), logits(reference))
 
 
 def test_an_adapter_of_the_embedding_is_refused_naming_the_layer(checkpoint, tmp_path):
