@@ -145,6 +145,35 @@ def test_a_prompt_that_fills_the_context_is_refused_not_truncated(checkpoint, po
     assert several.exit_code == 2 and "--prompt 2 of 2 is" in several.stderr
 
 
+def test_the_context_boundary_is_exact(monkeypatch, capsys):
+    """A prompt one token short of the context leaves room for exactly one new token; one of the context's length
+    leaves none and is refused (not capped to 0 new tokens)."""
+    from posttune import generation
+    from posttune.cli.generate import fit_prompts
+    from posttune.errors import PosttuneError
+
+    monkeypatch.setattr(generation, "context_length", lambda model: 8)
+    assert fit_prompts(None, [[5] * 7], 16) == 1 and "capped to 1" in capsys.readouterr().err
+    with pytest.raises(PosttuneError, match="is 8 tokens, which leaves no room for a new token"):
+        fit_prompts(None, [[5] * 8], 16)
+
+
+def test_generation_stops_at_every_stop_id_the_checkpoint_lists(checkpoint, posttune_cli, monkeypatch):
+    """generation_config.json's ``eos_token_id`` list (Llama 3: end of turn and end of text) is what transformers'
+    ``generate`` stops at; ``posttune generate`` passes the same ids, not only the tokenizer's eos."""
+    import transformers
+
+    from posttune import generation
+
+    path, tokenizer = checkpoint
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_id, 1]}))
+    passed, real = [], generation.generate_batch
+    monkeypatch.setattr(generation, "generate_batch",
+                        lambda *args, **kwargs: passed.append(kwargs["stop_token_ids"]) or real(*args, **kwargs))
+    assert posttune_cli("generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "2").exit_code == 0
+    assert passed == [transformers.GenerationConfig.from_pretrained(path).eos_token_id] == [[tokenizer.eos_id, 1]]
+
+
 def test_new_tokens_past_the_context_are_capped_with_one_warning(checkpoint, posttune_cli):
     """The capped run is exactly the run that asked for the room left; a request that fits says nothing."""
     path, tokenizer = checkpoint
