@@ -57,6 +57,7 @@ BAD_VALUES = [
     ("softcap zero", {"final_logit_softcapping": 0},
      "final_logit_softcapping: expected a positive number or null, got 0"),
     ("partial rotary", {"partial_rotary_factor": 2}, "partial_rotary_factor: expected a number in (0, 1], got 2"),
+    ("no rotary", {"partial_rotary_factor": 0}, "partial_rotary_factor: expected a number in (0, 1], got 0"),
     ("boolean as string", {"tie_word_embeddings": "false"}, 'tie_word_embeddings: expected true or false, got "false"'),
     ("activation list", {"hidden_act": ["silu"]}, 'hidden_act: expected a string, got ["silu"]'),
     ("architectures string", {"architectures": "LlamaForCausalLM"},
