@@ -203,3 +203,12 @@ def test_a_bad_first_line_is_left_to_the_loader_when_bad_rows_are_skipped(llama_
 def test_an_adapter_of_the_same_shape_to_start_from_is_valid(llama_sft, posttune_cli, tmp_path):
     result = validate(posttune_cli, tmp_path, starting_from(tmp_path, saved_adapter(tmp_path, rank=4)))
     assert result.exit_code == 0, result.stderr
+
+
+def test_plan_without_the_hub_still_plans_and_says_the_estimate_is_unavailable(llama_sft, posttune_cli, monkeypatch):
+    """A hub id not in the cache, offline: the plan's stages print and the estimate says why it is missing (exit
+    0); only a run needs the weights."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = posttune_cli("plan", "llama-demo-reverse", "model.path=someone/not-cached-0.5B")
+    assert result.exit_code == 0, result.stderr
+    assert "memory estimate: not available (someone/not-cached-0.5B: " in result.stdout
