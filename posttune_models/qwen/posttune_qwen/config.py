@@ -20,8 +20,9 @@ from posttune.plugin import PosttuneError, decoder_hf_config, decoder_kwargs
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 FULL, SLIDING = "full_attention", "sliding_attention"
-#: transformers' Qwen3Config default; Qwen2Config has none and uses hidden_size // heads
-DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128}
+#: transformers' Qwen3Config default; Qwen2Config and Qwen3MoeConfig have none: their attention takes
+#: hidden_size // heads when config.json names no head_dim
+DEFAULT_HEAD_DIM = {"qwen3": 128}
 #: config.json's mixture-of-experts fields -> build kwargs, with transformers' defaults where a field is absent
 MOE_FIELDS = {"num_experts": ("num_experts", None), "num_experts_per_tok": ("top_k", None),
               "moe_intermediate_size": ("moe_intermediate_size", None), "norm_topk_prob": ("norm_topk_prob", None),
