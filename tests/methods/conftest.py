@@ -23,5 +23,12 @@ def llama_dpo(register_plugin):
 
 
 @pytest.fixture
+def llama_sft(register_plugin):
+    """posttune-llama and posttune-sft registered in the test's isolated plugin set."""
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+
+
+@pytest.fixture
 def make_dpo_config() -> Callable[..., dict]:
     return dpo_config

@@ -115,6 +115,7 @@ MATH_TABLE = [
     ("It costs 18 dollars.", "18", 1.0),
     ("\\boxed{18 \\text{ cm}}", "18", 1.0),
     ("<answer>18 cm</answer>", "18", 1.0),
+    ("<answer>71</answer> no, <answer>72</answer>", "72", 1.0),  # the last <answer>, as the docstring says
     ("\\boxed{18 dollars}", "18", 0.0),  # borderline: a bare word inside \boxed{} is read as symbols
     # percentages: math-verify accepts 25% as 25 and as 0.25
     ("\\boxed{25\\%}", "0.25", 1.0),
@@ -149,6 +150,16 @@ def test_math_answer_in_worker_processes_scores_the_table_as_when_called_here(gr
     result = score([isolated], ["q"] * len(completions), completions, {"answer": golds}, on_error="zero")
     assert result.per_reward["math_answer"] == [0.0 if value is None else value for value in expected]
     assert result.failures == {"math_answer": expected.count(None)} and result.timeouts == {"math_answer": 0}
+
+
+@pytest.mark.parametrize(("completion", "gold", "expected"), [
+    ("abc", "abc", 1.0), (" abc\n", "abc", 1.0), ("abc", " abc ", 1.0), ("ab c", "abc", 0.0), ("ABC", "abc", 0.0)])
+def test_exact_answer_compares_the_stripped_texts(completion, gold, expected):
+    """Whitespace around either side does not count (a completion ending in a newline is right), anything else
+    does: the case, a space inside."""
+    from posttune_grpo.rewards import exact_answer
+
+    assert exact_answer(["q"], [completion], answer=[gold]) == [expected]
 
 
 def test_math_answer_scores_a_group_against_its_gold():

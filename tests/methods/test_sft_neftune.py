@@ -7,17 +7,10 @@ import pytest
 import torch
 from run_support import compose_run, sft_config
 
-import posttune_llama
-import posttune_sft
 from posttune.errors import ConfigError
 from posttune.training.trainer import train
 from posttune_sft import noisy_embeddings
 
-
-@pytest.fixture
-def llama_sft(register_plugin):
-    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
-    register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
 
 def test_the_noise_is_transformers_neftune_draw_for_the_same_seed():
