@@ -38,9 +38,10 @@ def check_data(plan: Any, *, runs: bool = True) -> None:
             local_files(path, where)
             local_split(dataset.split, where)
             if dataset.subset is not None:  # a hub dataset's configuration: local files have none
+                override = where.replace("[", ".").rstrip("]")  # data.train[1] -> data.train.1 on the command line
                 raise ConfigError(f"{where}.subset", f"{dataset.subset!r}: local files have no subsets (a hub "
                                                      "dataset's configuration name); point path at that subset's "
-                                                     f"own files and drop it ({where}.subset=null)")
+                                                     f"own files and drop it ({override}.subset=null)")
     chats = check_first_rows(plan)
     check_tokenizer(plan.config, required=runs, chats=chats)
 
