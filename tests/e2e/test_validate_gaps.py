@@ -135,6 +135,9 @@ def starting_from(tmp_path, folder) -> dict:
         **local_split(tmp, "train")["data"]["train"], "subset": "main"}}}, "data.train.subset",
      "'main': local files have no subsets (a hub dataset's configuration name); point path at that subset's own "
      "files and drop it (data.train.subset=null)"),
+    (lambda tmp: {**sft_config(tmp), "data": {**sft_config(tmp)["data"], "train": [
+        sft_config(tmp)["data"]["train"], {**sft_config(tmp)["data"]["train"], "subset": "main"}]}},
+     "data.train[1].subset", "own files and drop it (data.train.1.subset=null)"),  # the command line's spelling
     (lambda tmp: starting_from(tmp, tmp / "nowhere"), "adapter.init_from", "nowhere: no such adapter directory (no "
      "adapter_config.json there)"),
     (lambda tmp: starting_from(tmp, saved_adapter(tmp, rank=8)), "adapter.init_from",
@@ -150,6 +153,7 @@ def starting_from(tmp_path, folder) -> dict:
         "empty-data-folder", "missing-tokenizer", "no-tokenizer-json", "format-vs-rows", "csv-format-vs-rows",
         "csv-unmapped-columns", "csv-missing-column", "csv-header-only", "empty-file", "invalid-json", "not-utf8",
         "not-an-object", "empty-file-skipping-bad-rows", "missing-column", "local-split-name", "local-subset",
+        "mixture-local-subset",
         "init-from-missing",
         "init-from-other-rank", "parquet-format-vs-rows", "parquet-no-rows", "bad-value-in-first-row"])
 def test_validate_refuses_in_one_line_what_train_would(llama_sft, posttune_cli, tmp_path, make, field, words):
