@@ -69,5 +69,6 @@ def test_context_parallel_ranks_read_the_same_rows_and_sum_over_each_other():
                str(Path(__file__).with_name("data_ranks.py"))]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env())
     assert result.returncode == 0, result.stderr[-4000:]
-    found = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    found = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT ")).removeprefix(
+        "RESULT "))
     assert [(r["data_rank"], r["token_group_size"]) for r in found] == [([0, 1], 2), ([0, 1], 2)]

@@ -279,15 +279,12 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog, probation
     session.scheduler.step()  # also when skipped: the schedule stays in step with the step count
     session.optimizer.zero_grad(set_to_none=True)
     session.step += 1
-    method = session.plan.method.descriptor
     if bad is not None:  # the step still counts: the method's step end (a reference synced every k steps, weights
         # pushed to rollout actors every k steps), and an evaluation or checkpoint due at it happen (best_metric
         # scores every checkpoint; patience counts every evaluation)
         log.note(f"step {session.step}: skipped (the {bad} is not finite)")
-        record = {"step": session.step, "epoch": session.epoch, "lr": lr, "skipped_nonfinite": bad}
-        if method.on_step_end is not None:
-            method.on_step_end(session, record)
-        _evaluate_when_due(session, log, probation, record)
+        _end_step(session, log, probation, {"step": session.step, "epoch": session.epoch, "lr": lr,
+                                            "skipped_nonfinite": bad})
         return 0.0
     elapsed = time.perf_counter() - window.started
     normaliser, tokens = reduced.pop("normaliser"), reduced.pop("tokens")
@@ -303,16 +300,16 @@ def _optimizer_step(session: Session, window: Window, log: MetricsLog, probation
         "peak_memory_mib": peak_memory_mib(session.device),
         **reduced,
     }
-    if method.on_step_end is not None:
-        method.on_step_end(session, record)
-    _evaluate_when_due(session, log, probation, record)
+    _end_step(session, log, probation, record)
     return tokens
 
 
-def _evaluate_when_due(session: Session, log: MetricsLog, probation: nonfinite.Probation,
-                       record: dict[str, Any]) -> None:
-    """The step's evaluation when one is due (its results join ``record``), the record written, the checkpoint
-    when one is due."""
+def _end_step(session: Session, log: MetricsLog, probation: nonfinite.Probation, record: dict[str, Any]) -> None:
+    """After every step, a skipped one too: the method's ``on_step_end`` (it may add to ``record``), the step's
+    evaluation when one is due (its results join ``record``), the record written, the checkpoint when one is due."""
+    method = session.plan.method.descriptor
+    if method.on_step_end is not None:
+        method.on_step_end(session, record)
     if session.eval_every and session.step % session.eval_every == 0 and session.validation_data is not None:
         with log.evaluating():
             results = _prefixed(evaluate(session))
