@@ -162,3 +162,31 @@ def test_without_a_mesh_the_process_is_its_own_data_rank():
     session = SimpleNamespace(mesh=None, plan=SimpleNamespace(mesh_dims={}))
     assert distributed.data_rank(session) == (0, 1)
     assert distributed.token_group(session) == (None, 1)
+
+
+def test_a_rank_leaves_with_its_status_after_its_threads_atexit_handlers_and_buffered_output(tmp_path):
+    """``exit_process`` skips only the interpreter's teardown (where a live mesh's gloo threads can abort a finished
+    rank): what a process does as it exits still happens, in the order a normal exit does it."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import atexit, pathlib, sys, threading, time
+        from posttune.training.distributed import exit_process
+        done = pathlib.Path({str(tmp_path)!r})
+        def late():
+            time.sleep(0.3)
+            (done / "thread").write_text("joined")
+        threading.Thread(target=late).start()
+        atexit.register(lambda: (done / "atexit").write_text((done / "thread").read_text()))
+        sys.stdout.write("buffered, no newline")
+        exit_process(3)
+        raise AssertionError("exit_process returned")
+    """)
+    buffered = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=buffered)
+    assert result.returncode == 3, result.stderr
+    assert result.stdout == "buffered, no newline" and result.stderr == ""
+    assert (tmp_path / "atexit").read_text() == "joined"  # the thread finished before the handlers ran

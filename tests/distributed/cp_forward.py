@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from posttune.training import distributed
 from posttune_cp.shard import ContextParallel, attach, head_tail_order
 
 if sys.argv[2:] == ["gemma2"]:  # soft-capped attention scores (no window: cp refuses one); a small cap that binds
@@ -68,4 +69,5 @@ with torch.no_grad():
         results[f"{name}_local_len"] = local.shape[1]
 if dist.get_rank() == 0:
     print("RESULT " + json.dumps(results))
-dist.destroy_process_group()
+distributed.shutdown()
+distributed.exit_process(0)  # as a worker leaves: the mesh's live gloo threads could abort the teardown

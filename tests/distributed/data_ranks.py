@@ -23,4 +23,5 @@ gathered = [None, None]
 dist.all_gather_object(gathered, found)
 if dist.get_rank() == 0:
     print("RESULT " + json.dumps(gathered), flush=True)
-dist.destroy_process_group()
+distributed.shutdown()
+distributed.exit_process(0)  # as a worker leaves: the mesh's live gloo threads could abort the teardown

@@ -35,3 +35,5 @@ with torch.no_grad():  # a frozen role has no backward: its forward must leave e
 report["sharded_after_forward"] = all(distributed.is_dtensor(p) for p in reference.parameters())
 if distributed.is_main():
     print("RESULT " + json.dumps(report), flush=True)
+distributed.shutdown()
+distributed.exit_process(0)  # as a worker leaves: the mesh's live gloo threads could abort the teardown

@@ -94,6 +94,57 @@ def test_the_reported_failure_is_a_rank_that_ended_on_its_own(tmp_path):
     assert first_failure({0: peer_lost, 1: failure(1, -9)})[0] == 1
     assert first_failure({0: peer_lost, 1: failure(1, 2, timestamp=11)})[0] == 1  # a real error wins too
 
+def test_a_rank_0_stopped_in_setup_by_torchrun_leaves_the_failing_rank_as_the_one_line_and_run_json(
+        tmp_path, monkeypatch, capsys):
+    """torchrun stops the healthy ranks with SIGTERM once one fails: rank 0, still preparing, records "preempted" in
+    run.json and its note in its error file, not on stderr. The job ends in rank 1's error, on stderr in one line
+    and in run.json; a job that was only stopped prints rank 0's note and exits 143."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, get_error_handler
+
+    from posttune.cli import launch
+    from posttune.errors import PosttuneError
+    from posttune.training import output_dir
+    from posttune.training.preemption import PREEMPTED, StoppedInSetup
+
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def stopped_rank(rank):  # written as a worker writes it: training.run under the launcher
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error-{rank}.json"))
+        get_error_handler().record_exception(StoppedInSetup())
+        return ProcessFailure(local_rank=rank, pid=os.getpid() if rank == 0 else 101, exitcode=PREEMPTED,
+                              error_file=str(tmp_path / f"error-{rank}.json"))
+
+    def job(failures):
+        def main(_argv):
+            raise ChildFailedError("worker", failures)
+        monkeypatch.setattr(torchrun, "main", main)
+        monkeypatch.setattr(launch, "torchrun_args", lambda _args: [])
+        return launch.run_torchrun(None, "posttune.training.worker", [], out)
+
+    failed = tmp_path / "error-1.json"
+    failed.write_text(json.dumps({"message": {"message": "ConfigError: data.train: row 3: no messages",
+                                              "extraInfo": {"timestamp": 1}}}))
+    output_dir.record_run(out, "run-1", None)  # this process stands for rank 0
+    output_dir.record_status(out, "preempted", checkpoint=None)
+    rank_0 = stopped_rank(0)
+    with pytest.raises(PosttuneError) as raised:
+        job({0: rank_0, 1: ProcessFailure(local_rank=1, pid=101, exitcode=2, error_file=str(failed))})
+    assert str(raised.value) == "rank 1 failed (exit code 2): data.train: row 3: no messages"
+    assert capsys.readouterr().err == ""
+    record = json.loads((out / "run.json").read_text())
+    assert (record["status"], record["error"]) == ("failed", str(raised.value))
+
+    output_dir.record_status(out, "running")  # another run's folder (its pid not this job's): left as it is
+    with pytest.raises(PosttuneError):
+        job({0: ProcessFailure(local_rank=0, pid=100, exitcode=2, error_file=str(failed))})
+    assert json.loads((out / "run.json").read_text())["status"] == "running"
+
+    assert job({0: stopped_rank(0), 1: stopped_rank(1)}) == PREEMPTED
+    assert capsys.readouterr().err == f"posttune: {StoppedInSetup()}\n"
+
+
 #: Rank 1 dies by SIGKILL right after optimizer step 3 (a lost node, the OOM killer): no Python
 #: error handler runs, so only torchrun's agent and the other rank's collectives notice.
 KILLED_RANK_WORKER = textwrap.dedent("""

@@ -442,6 +442,18 @@ def test_sigterm_while_the_run_is_prepared_is_recorded_and_exits_143(llama_sft, 
     assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "preempted"
     assert signal.getsignal(signal.SIGTERM) == before
 
+    # a worker of posttune's launcher: torchrun sends the same SIGTERM to the healthy ranks when one fails, so the
+    # note goes to the rank's error file; the launcher prints it only for a job that was stopped
+    from posttune.cli.launch import REPORTS
+
+    monkeypatch.setenv(REPORTS, "1")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    result = posttune_cli("train", str(write_config(checkpoint={"output_dir": str(tmp_path / "worker")})))
+    assert result.exit_code == 143 and "being prepared" not in result.stderr, result.stderr
+    recorded = json.loads((tmp_path / "error.json").read_text())["message"]["message"]
+    assert recorded.startswith("StoppedInSetup: SIGTERM while the run was being prepared: no step ran")
+    assert json.loads((tmp_path / "worker" / "run.json").read_text())["status"] == "preempted"
+
 
 def test_resume_latest_refuses_a_finished_run_with_no_checkpoint(llama_sft, posttune_cli, write_config, tmp_path):
     """No save_every: nothing to continue from. `latest` started again at step 0 and replaced the finished model,

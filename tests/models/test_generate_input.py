@@ -316,6 +316,7 @@ import json, sys
 import torch, torch.distributed as dist
 import posttune_llama
 from posttune.generation import generate_batch
+from posttune.training import distributed
 from posttune.testing.tiny import native_from_hf, tiny_hf_model, tiny_llama_config
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
@@ -326,7 +327,7 @@ model.register_forward_hook(lambda *_: forwards.append(1))
 prompts = json.loads(sys.argv[1])[dist.get_rank()]
 out = generate_batch(model, prompts, max_new_tokens=8, temperature=1.0, seed=0)
 print(json.dumps({"forwards": len(forwards), "kept": int(out.mask.sum())}))
-dist.destroy_process_group()
+distributed.shutdown()  # barrier, then destroy: a rank leaving a live gloo group can abort at exit
 """
 
 

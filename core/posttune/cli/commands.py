@@ -292,7 +292,8 @@ def _run_train(args: argparse.Namespace) -> int:
     from posttune import training
 
     if launch.launch_requested(args) and "LOCAL_RANK" not in os.environ:
-        return launch.run_torchrun(args, training.WORKER_MODULE, [args.config, *args.overrides])
+        return launch.run_torchrun(args, training.WORKER_MODULE, [args.config, *args.overrides],
+                                   Path(plan.config.checkpoint.output_dir))
     return training.run(plan)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from posttune.errors import PosttuneError, RetryableError
@@ -101,12 +102,14 @@ def check_slurm_tasks(args: argparse.Namespace) -> None:
                             "across nodes")
 
 
-def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) -> int:
+def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str], output: Path | None = None) -> int:
     """Start ``python -m module module_args`` on every rank through torchrun.
 
-    When a rank fails, torchrun stops the others; the first failure is reported in one line.
-    Preempted workers (exit status 143, docs/training.md) make the launcher exit with 143 too;
-    so does a SIGTERM to the launcher itself, which torchrun forwards to the workers.
+    When a rank fails, torchrun stops the others; the first failure is reported in one line, and
+    written as the job's status in ``output``'s run.json (rank 0, stopped by torchrun's SIGTERM,
+    may have recorded "preempted" there). Preempted workers (exit status 143, docs/training.md)
+    make the launcher exit with 143 too; so does a SIGTERM to the launcher itself, which torchrun
+    forwards to the workers.
     """
     import sys
 
@@ -114,7 +117,8 @@ def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from posttune.training.preemption import PREEMPTED
+    from posttune.training.output_dir import record_job_failure
+    from posttune.training.preemption import PREEMPTED, StoppedInSetup
 
     quiet = _quiet_agent()
     os.environ[REPORTS] = "1"  # the workers leave a user error to this process's one line
@@ -126,12 +130,17 @@ def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str]) 
         return PREEMPTED
     except ChildFailedError as exc:
         rank, failure = first_failure(exc.failures)
-        if failure.exitcode == PREEMPTED:  # the workers printed where they saved
+        if failure.exitcode == PREEMPTED:  # the workers printed where they saved; stopped in setup, they recorded it
+            if (note := reported(failure.message)).startswith(f"{StoppedInSetup.__name__}: "):
+                print(f"posttune: {note.partition(': ')[2]}", file=sys.stderr)
             return PREEMPTED
         # killed by a signal (the OOM killer, a lost node): the machine's failure, worth a retry; any other exit is
         # the worker's own error, said by it
         kind = RetryableError if failure.exitcode < 0 else PosttuneError
-        raise kind(f"rank {rank} failed (exit code {failure.exitcode}): {reported(failure.message)}") from None
+        error = f"rank {rank} failed (exit code {failure.exitcode}): {reported(failure.message)}"
+        if output is not None:
+            record_job_failure(output, error, {each.pid for each in exc.failures.values()})
+        raise kind(error) from None
     finally:
         os.environ.pop(REPORTS, None)
         for logger, level in quiet.items():

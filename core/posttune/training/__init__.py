@@ -38,8 +38,8 @@ def run(plan: Any) -> int:
             return _run(session, show, out)
         except preemption.StoppedInSetup as stopped:
             if show:
-                print(f"posttune: {stopped}", file=sys.stderr)
                 output_dir.record_status(out, "preempted", checkpoint=None)
+            _say_stopped_in_setup(stopped, show)
             return preemption.PREEMPTED
         except KeyboardInterrupt:  # run.json says how the run ended, for whoever watches the folder
             if show:
@@ -53,6 +53,20 @@ def run(plan: Any) -> int:
         finally:  # success, an error, Ctrl-C, preemption: what the method opened is closed
             if session is not None:
                 close_method(session)
+
+
+def _say_stopped_in_setup(stopped: Exception, show: bool) -> None:
+    """Under posttune's launcher the note goes to the rank's error file, not stderr: torchrun stops the healthy ranks
+    with the same SIGTERM when one rank fails, and that rank's error is then the launcher's one line; the launcher
+    prints this note only when the job was stopped (``launch.run_torchrun``)."""
+    from posttune.cli.launch import REPORTS
+
+    if os.environ.get(REPORTS):
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(stopped)
+    elif show:
+        print(f"posttune: {stopped}", file=sys.stderr)
 
 
 def _run(session: Any, show: bool, out: Path) -> int:

@@ -280,6 +280,18 @@ def record_status(out: Path, status: str, **details: Any) -> None:
         _write_run(out, {**record, "status": status, "ended": time.time(), **details})
 
 
+def record_job_failure(out: Path, error: str, pids: set[int]) -> None:
+    """A torchrun job's failure as its launcher reports it, over whatever rank 0 recorded: torchrun stops the healthy
+    ranks with SIGTERM when one fails, so rank 0 may have written "preempted" (or its collective's lost peer). Only
+    a record one of the job's ranks wrote (its ``pid``) is touched: a folder another run holds stays as it is."""
+    try:
+        record = json.loads((out / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    if record.get("pid") in pids and record.get("status") != "finished":
+        record_status(out, "failed", error=error)
+
+
 def _write_run(out: Path, record: dict[str, Any]) -> None:
     tmp = out / f".{RUN_FILE}.tmp-{uuid.uuid4().hex[:8]}"
     with writing(out / RUN_FILE, "run record"):

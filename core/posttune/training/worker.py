@@ -14,6 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 from posttune.cli.launch import REPORTS
 from posttune.cli.main import main
 from posttune.errors import PosttuneError, one_line
+from posttune.training.distributed import exit_process
 
 
 @record
@@ -28,4 +29,4 @@ def run(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:]))
+    exit_process(run(sys.argv[1:]))  # an exception (re-raised by record) leaves through the interpreter as usual
