@@ -190,6 +190,19 @@ def test_kv_cache_chunks_give_the_full_forward_logits(window):
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=0, atol=1e-5)
 
 
+def test_kv_cache_keeps_the_model_s_dtype():
+    """A bfloat16 model's cache is bfloat16 (half the memory of float32, and attention needs the queries' dtype):
+    chunked through it, the logits are the full bfloat16 forward's."""
+    model = tiny_decoder().to(torch.bfloat16)
+    ids = tokens(2, 8)
+    cache = KVCache(max_len=8)
+    with torch.no_grad():
+        full = model(ids)
+        chunks = [model(ids[:, a:b], kv_cache=cache) for a, b in ((0, 5), (5, 6), (6, 8))]
+    assert {t.dtype for t in (*cache.keys.values(), *cache.values.values())} == {torch.bfloat16}
+    torch.testing.assert_close(torch.cat(chunks, dim=1).float(), full.float(), rtol=0, atol=0.05)
+
+
 def test_kv_cache_refuses_to_overflow():
     model = tiny_decoder()
     with pytest.raises(ValueError, match="KV cache is full"), torch.no_grad():

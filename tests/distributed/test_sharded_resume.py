@@ -146,3 +146,96 @@ def test_an_adapter_starts_a_run_on_two_fsdp2_ranks(runs, tmp_path):
     assert one[0]["loss"] < metrics(saved.parent)[0]["loss"]  # it starts where the saved run ended, not afresh
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) <= TOL, a["step"]
+
+
+SAVE_PROGRAM = r"""
+import json, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from posttune.training import sharded_state
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, target = dist.get_rank(), Path(sys.argv[1])
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+model(torch.ones(2, 4)).sum().backward()
+optimizer.step()
+session = SimpleNamespace(trainable=model, optimizer=optimizer)
+saw = []
+
+def each_rank(tmp):
+    time.sleep(1.0 if rank == 1 else 0.0)  # the slow rank writes its own file last
+    (tmp / f"each-{rank}").write_text("x")
+
+def rest(tmp):
+    saw.extend(sorted(p.name for p in tmp.iterdir()))
+    time.sleep(1.0)  # rank 0 is slow to finish the directory
+    (tmp / "rest").write_text("x")
+
+sharded_state.save(session, target, rest, replaceable=("rest",), write_each_rank=each_rank)
+in_place = sorted(p.name for p in target.iterdir())
+saved = {k: v.clone() for k, v in model.state_dict().items()}
+moments = optimizer.state[model.weight]["exp_avg"].clone()
+with torch.no_grad():
+    model.weight.add_(1.0)
+optimizer.state[model.weight]["exp_avg"].zero_()
+sharded_state.load(session, target)
+restored = torch.equal(model.weight, saved["weight"]) and torch.equal(optimizer.state[model.weight]["exp_avg"], moments)
+print(json.dumps({"saw": saw, "in_place": in_place, "restored": restored}))
+from posttune.training import distributed
+distributed.shutdown()
+distributed.exit_process(0)
+"""
+
+
+def test_every_rank_s_files_are_in_place_before_rank_0_finishes_and_on_return(tmp_path):
+    """`sharded_state.save` on 2 gloo ranks, a slow rank 1 writing its per-rank file (DPO/GRPO's method state) and a
+    slow rank 0 finishing the directory: rank 0 writes the rest (the manifest) only once every rank's files are in
+    the temporary directory, and every rank returns only once the checkpoint is in place (the barriers). Loaded
+    back on both ranks, the weights and Adam's moments are the saved ones."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    target = tmp_path / "step-00000001"
+    ranks = [subprocess.Popen([sys.executable, "-c", SAVE_PROGRAM, str(target)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    results = []
+    for process in ranks:
+        stdout, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0, stderr[-3000:]
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert results[0]["saw"] == ["each-0", "each-1", "sharded"]
+    for result in results:
+        assert result["in_place"] == ["each-0", "each-1", "rest", "sharded"]
+        assert result["restored"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name != target.name]  # no temporary directory left
+
+
+def test_gather_adapters_takes_every_adapter_tensor_and_a_score_head():
+    """What a sharded LoRA run saves as its adapter (`gather_adapters`, here in one process where each value is
+    whole): every adapter tensor and, for a reward model, the score head that trains beside them. Without the head
+    the saved reward model would score with a random one."""
+    import torch
+
+    from posttune.adapters import apply_adapters
+    from posttune.api import build_model
+    from posttune.checkpoint.score_head import HEAD, add_score_head
+    from posttune.training.sharded_state import gather_adapters
+
+    torch.manual_seed(0)
+    model = add_score_head(build_model("llama", size="tiny"))
+    apply_adapters(model, targets=["attn.q_proj", "mlp.down_proj"], rank=2)
+    expected = {name: p for name, p in model.named_parameters() if ".lora_" in name}
+    expected[HEAD] = model.get_parameter(HEAD)
+    gathered = gather_adapters(model)
+    assert sorted(gathered) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(gathered[name], tensor.detach()), name

@@ -187,3 +187,25 @@ def test_a_write_cut_by_the_file_size_limit_says_the_limit():
     said = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout.strip()
     assert said.endswith("the write stopped short (unexpected pos 9 vs 7); the process's file size limit (ulimit -f) "
                          "is 1000000 bytes: 'optimizer.pt'")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP saving in one process, as meant
+def test_a_sharded_checkpoint_is_read_against_dcp_s_metadata_even_without_a_manifest(tmp_path):
+    """A checkpoint from before manifests is accepted unverified, but its ``sharded/.metadata`` (DCP's own list of
+    shard files) still guards the resume: garbage there, or a shard it names that is gone, is damage named in one
+    line (``latest`` skips it), not a traceback from inside DCP's load."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    (tmp_path / state.STATE_FILE).write_text(json.dumps({"step": 2, "run_id": "abc"}))
+    dcp.save({"model": {"weight": torch.ones(3)}}, checkpoint_id=tmp_path / "sharded", no_dist=True)
+    assert state.checkpoint_damage(tmp_path) is None
+    metadata = tmp_path / "sharded" / ".metadata"
+    written = metadata.read_bytes()
+    metadata.write_bytes(b"not DCP metadata")
+    assert re.fullmatch(r"sharded/\.metadata is unreadable \(\w+\)", state.checkpoint_damage(tmp_path) or "")
+    metadata.write_bytes(written)
+    (shard,) = (tmp_path / "sharded").glob("*.distcp")
+    shard.unlink()
+    assert state.checkpoint_damage(tmp_path) == (f"sharded/{shard.name} is missing (written where rank 0 could not "
+                                                 "see it?)")

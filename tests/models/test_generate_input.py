@@ -299,6 +299,16 @@ def test_generate_batch_refuses_a_prompt_longer_than_the_context(short_model):
     assert full.tokens.shape == (1, 0)
 
 
+def test_a_row_that_fills_the_context_gets_no_token_beside_one_with_room(short_model):
+    """In one batch with a row that has room, a prompt of exactly the context's length still gets no new token
+    (a token past the context would sit at an untrained position), and the other row's completion is its own."""
+    prompts = [[5] * CONTEXT, [5, 6, 7]]
+    out = generate_batch(short_model, prompts, max_new_tokens=4)
+    alone = generate_batch(short_model, prompts[1:], max_new_tokens=4)
+    assert out.mask.sum(dim=1).tolist() == [0, 4]
+    assert out.token_lists() == [[], alone.token_lists()[0]]
+
+
 def test_context_length_reads_the_rotary_embedding_and_its_scaling(short_model):
     assert context_length(short_model) == CONTEXT
     assert context_length(torch.nn.Linear(2, 2)) is None  # unknown: no cap

@@ -61,3 +61,16 @@ def test_filters_keep_the_tokens_transformers_warpers_keep(top_k, top_p, min_p):
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert filter_logits(logits, top_p=0.8).isfinite().tolist() == [[True, True, False, False]]
+
+
+@pytest.mark.parametrize(("vocab", "top_p"), [(2, 0.5), (4, 0.5), (4, 0.75)])
+def test_top_p_mass_that_reaches_p_exactly_is_enough(vocab, top_p):
+    """Equally likely tokens, whose probabilities and their sums are exact in floating point: the nucleus ends at
+    the token that brings its mass to exactly ``top_p`` (transformers' TopPLogitsWarper), so sampling never draws
+    the next token beyond it."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.zeros(1, vocab)
+    expected = TopPLogitsWarper(top_p)(None, logits.clone()).isfinite()
+    assert int(expected.sum()) == round(vocab * top_p)
+    assert int(filter_logits(logits, top_p=top_p).isfinite().sum()) == int(expected.sum())
