@@ -306,6 +306,27 @@ def test_aot_sorts_the_real_pairs_alone_and_gives_placeholders_no_loss():
         assert policy.grad[~real].eq(0).all() and policy.grad[real].ne(0).all()
 
 
+@pytest.mark.parametrize("loss_type", ["sigmoid", "orpo"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_empty_share_is_a_placeholder_pair_of_no_weight(llama_dpo, make_dpo_config, tmp_path, loss_type, layout):
+    """A rank's empty share of the last batch is one placeholder pair without targets (``rows`` -1): it counts no
+    pair in the step's normaliser and adds no loss (DPO's would be log 2 at a zero log-ratio) and no gradient, so
+    the step's real pairs are averaged over their own count; ORPO's odds of its mean log-prob 0 stay finite."""
+    padding_free, shared = layout != "padded", layout == "shared_prompt"
+    session = compose_run(make_dpo_config(tmp_path, rows=8, method={"name": "dpo", "loss_type": loss_type,
+                                                                    "padding_free": padding_free,
+                                                                    "share_prompt": shared}))
+    batch = session.train_data.collate([])  # what the loader hands a rank with no pairs left
+    assert batch["rows"].tolist() == [-1]
+    out = session.plan.method.descriptor.loss(session, batch)
+    assert float(out.normaliser) == 0 and float(out.loss_sum.detach()) == 0.0
+    out.loss_sum.backward()
+    grads = [p.grad for p in session.model.parameters() if p.grad is not None]
+    assert grads and all(bool(grad.eq(0).all()) for grad in grads)
+    for key, (total, _) in out.metrics.items():
+        assert float(total) == 0.0, key
+
+
 def test_discopop_stays_finite_where_its_exponential_overflows():
     """``exp(-z)`` is inf below z = -88.7 in fp32 and the blend weight there 0: the loss was NaN from beta h = -89
     (TRL's formula too). Written as ``exp(log m - z)``: the paper's value where both are finite, and finite beyond."""

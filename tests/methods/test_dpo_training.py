@@ -121,6 +121,10 @@ def test_precompute_releases_the_reference_model(llama_dpo, make_dpo_config, tmp
      "config: method.packing: unknown key (keys: loss_type, loss_weights, beta, label_smoothing, simpo_gamma, "
      "discopop_tau, rpo_alpha, f_divergence_type, f_alpha_divergence_coef, ld_alpha, precompute_reference, "
      "wpo_weights, sync_reference_every, sync_reference_alpha, padding_free, share_prompt)"),
+    # TRL's reference-free DPO (a uniform reference) is not offered: the refusal names the losses without one
+    ({"method": {"name": "dpo", "reference_free": True}},
+     "config: method.reference_free: unknown key; reference_free is method.loss_type: simpo or orpo (losses without a "
+     "reference; DPO against a uniform reference is not offered) here"),
     ({"method": {"name": "dpo", "beta": 0}}, "config: method.beta: expected a positive number, got 0.0"),
     ({"method": {"name": "dpo", "loss_type": "aot", "wpo_weights": True}},
      "config: method.wpo_weights: aot sorts the batch's log-ratios, so a pair's loss is not its own to weight (TRL "

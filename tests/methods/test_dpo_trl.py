@@ -252,16 +252,22 @@ def test_dpo_loss_equals_trl_dpo_trainer_loss(llama_dpo, checkpoints, tmp_path, 
             assert abs(metrics[key] - value) <= tolerance, (key, metrics[key], value)
 
 
-def test_ld_dpo_equals_trl_with_responses_of_other_lengths_in_every_layout(llama_dpo, checkpoints, tmp_path):
-    """LD-DPO (``ld_alpha``) on pairs whose responses differ in length (the rejected one longer by 0 to 3 tokens'
-    worth of text, or shorter): the loss equals a real ``trl.DPOTrainer``'s with ``ld_alpha``, differs from plain
-    DPO's, and is the same from padded rows and from padding-free rows with or without the shared prompt."""
+def unequal_rows(tmp_path: Path) -> tuple[list[dict], Path]:
+    """The rows with rejected responses longer by 0 to 3 tokens' worth of text, or shorter; and their file."""
     rows = conversational_rows()
     for index, row in enumerate(rows):
         word = row["rejected"][0]["content"]
         row["rejected"] = [{"role": "assistant", "content": word + "Q" * index if index % 2 else word[:-1]}]
     data = tmp_path / "unequal.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return rows, data
+
+
+def test_ld_dpo_equals_trl_with_responses_of_other_lengths_in_every_layout(llama_dpo, checkpoints, tmp_path):
+    """LD-DPO (``ld_alpha``) on pairs whose responses differ in length (the rejected one longer by 0 to 3 tokens'
+    worth of text, or shorter): the loss equals a real ``trl.DPOTrainer``'s with ``ld_alpha``, differs from plain
+    DPO's, and is the same from padded rows and from padding-free rows with or without the shared prompt."""
+    rows, data = unequal_rows(tmp_path)
 
     def ours(out: str, **settings) -> float:
         session = dpo_session(checkpoints, tmp_path / out, {"loss_type": "sigmoid", **settings}, data)
@@ -277,6 +283,24 @@ def test_ld_dpo_equals_trl_with_responses_of_other_lengths_in_every_layout(llama
     for layout in ({"padding_free": False}, {"share_prompt": False}):
         assert abs(ours(str(layout), ld_alpha=0.5, **layout) - ld) <= TOL, layout
     assert abs(ours("one", ld_alpha=1.0) - ours("plain")) <= TOL  # alpha 1: DPO itself
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_rpo_nll_term_is_not_weighted_by_ld_alpha(llama_dpo, checkpoints, tmp_path, loss_type):
+    """RPO with LD-DPO: ``ld_alpha`` weights the log-probs of the preference loss (on token sums, or on per-token
+    means for ipo) but not the chosen responses' NLL, as a real ``trl.DPOTrainer``'s sft term (one-pair steps, as
+    its sft term is a token mean over the batch). Pairs whose chosen response is the longer one, so that weighting
+    its tail would change the NLL."""
+    rows, data = unequal_rows(tmp_path)
+    session = dpo_session(checkpoints, tmp_path / "out", {"loss_type": loss_type, "rpo_alpha": 0.5, "ld_alpha": 0.5},
+                          data)
+    with torch.no_grad():
+        out = session.plan.method.descriptor.loss(session, next(iter(session.train_data)))
+    ours = float(out.loss_sum / out.normaliser)
+    logs, _ = run_trl(checkpoints, tmp_path / "trl", {"loss_type": [loss_type, "sft"], "loss_weights": [1.0, 0.5],
+                                                      "ld_alpha": 0.5}, 1, rows)
+    theirs = sum(entry["loss"] for entry in logs) / len(logs)
+    assert abs(ours - theirs) <= TOL * max(1.0, abs(theirs)), (ours, theirs)
 
 
 #: TRL's standard (plain-text) rows, one dataset with explicit prompts and one with implicit ones (chosen and

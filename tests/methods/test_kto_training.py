@@ -93,6 +93,31 @@ def test_each_row_is_paired_with_the_previous_rows_completion(llama_dpo, tmp_pat
     assert batch["kl_scored"].all()
 
 
+@pytest.mark.parametrize("max_seq_len", [64, 9, 5], ids=["whole", "cut", "one_target_left"])
+def test_a_mismatched_pair_cut_to_max_seq_len_scores_the_tokens_it_keeps(max_seq_len):
+    """Row A's prompt followed by row B's completion, cut to ``max_seq_len`` as every sample is: the tokens kept,
+    each completion token after the first a target of the position before it, and the last position none (its
+    next token was cut off: the KL estimate scores no token past the cut, as the completions themselves)."""
+    import torch
+
+    from posttune.plugin import IGNORE_INDEX
+    from posttune_dpo.kto import mismatched
+
+    def sample(prompt: list[int], completion: list[int], row: int) -> Any:
+        from posttune.data.samples import Sample
+
+        ids = prompt + completion
+        labels = [ids[t + 1] if t + 1 >= len(prompt) else IGNORE_INDEX for t in range(len(ids) - 1)]
+        return Sample(torch.tensor(ids), torch.tensor([*labels, IGNORE_INDEX]), row)
+
+    prompt_a, completion_b = [1, 2, 3, 4], [20, 21, 22, 23, 24, 25, 2]
+    pair = mismatched(sample(prompt_a, [10, 11, 12, 2], 0), sample([5, 6, 7], completion_b, 1), max_seq_len)
+    kept = (prompt_a + completion_b)[:max_seq_len]
+    expected = [kept[t + 1] if t + 1 >= len(prompt_a) else IGNORE_INDEX for t in range(len(kept) - 1)]
+    assert pair.ids.tolist() == kept and pair.row == 0
+    assert pair.labels.tolist() == [*expected, IGNORE_INDEX]
+
+
 def perturb(model: Any, seed: int = PERTURB_SEED, scale: float = 0.05) -> None:
     """Move the policy off its reference, so that the log-ratios, the rewards and z0 are not 0."""
     import torch

@@ -13,6 +13,8 @@ from gemma_tiny import native_from_hf, tiny_gemma2_config, tiny_gemma3_config
 
 import posttune
 import posttune_gemma
+import posttune_llama
+import posttune_phi3
 import posttune_qwen
 from posttune.testing.tiny import TINY, tiny_hf_model
 
@@ -43,6 +45,34 @@ def test_a_qwen_moe_config_without_a_field_loads_as_transformers_loads_it(famili
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
                                                                   attn_implementation="eager").eval()
     model = posttune.load_model(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).float(), reference(IDS).logits, rtol=0, atol=1e-4)
+
+
+@pytest.fixture
+def llama_phi3(register_plugin):
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_phi3, distribution="posttune-phi3", version="0.1.0")
+
+
+@pytest.mark.parametrize("config, absent", [
+    # Llama 1 era files have no num_key_value_heads: LlamaConfig's default is one key/value head per query head
+    (lambda: transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 4}), "num_key_value_heads"),
+    (lambda: transformers.LlamaConfig(**TINY), "tie_word_embeddings"),  # LlamaConfig's default: False
+    (lambda: transformers.Phi3Config(**{**TINY, "num_key_value_heads": 4}), "num_key_value_heads"),
+    # Phi3Config's default 1e-5, not the 1e-6 of most decoders; weights 10x wider so that eps moves the logits
+    (lambda: transformers.Phi3Config(**{**TINY, "initializer_range": 0.2}), "rms_norm_eps"),
+], ids=["llama-num_key_value_heads", "llama-tie_word_embeddings", "phi3-num_key_value_heads", "phi3-rms_norm_eps"])
+def test_a_llama_or_phi3_config_without_a_field_loads_as_transformers_loads_it(llama_phi3, tmp_path, config, absent):
+    """An older or hand-written config.json without the field: the family's default for it is transformers'
+    (the fused qkv_proj of Phi-3 is split with the same default key/value heads)."""
+    tiny_hf_model(config()).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    del written[absent]
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+    model = posttune.load_model(tmp_path, dtype="float32").eval()
     with torch.no_grad():
         torch.testing.assert_close(model(IDS).float(), reference(IDS).logits, rtol=0, atol=1e-4)
 

@@ -56,3 +56,19 @@ def test_model_built_from_a_named_size_saves_as_a_transformers_checkpoint(tmp_pa
     model = posttune.build_model("llama", "tiny", num_layers=1).eval()
     posttune.save_model(model, tmp_path / "out")
     assert_close(transformers_logits(tmp_path / "out"), native_logits(model))
+
+
+@pytest.mark.parametrize("overrides", [{"attention_bias": True}, {"mlp_bias": True}, {"head_dim": 32}],
+                         ids=["attention_bias", "mlp_bias", "head_dim"])
+def test_a_size_with_overrides_saves_a_config_json_transformers_builds_alike(tmp_path, overrides):
+    """Build kwargs the named size does not hold are written to config.json each under its own field (one bias
+    without the other; a head_dim other than hidden_size / num_heads), so transformers builds the same model. The
+    biases are made non-zero: a bias config.json drops would change the logits, not fall back to its zero init."""
+    model = posttune.build_model("llama", "tiny", num_layers=1, **overrides).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    posttune.save_model(model, tmp_path / "out")
+    assert_close(transformers_logits(tmp_path / "out"), native_logits(model))

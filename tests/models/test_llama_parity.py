@@ -33,6 +33,8 @@ CONFIGS = {
     "tied_embeddings": lambda: tiny_llama_config(tie_word_embeddings=True),
     "llama3_rope": lambda: tiny_llama_config(rope_parameters=dict(LLAMA3_ROPE)),
     "attention_and_mlp_bias": lambda: tiny_llama_config(attention_bias=True, mlp_bias=True),
+    # the two bias fields are read each under its own name (a checkpoint may have one without the other)
+    "attention_bias_only": lambda: tiny_llama_config(attention_bias=True),
     "explicit_head_dim": lambda: tiny_llama_config(head_dim=32),
     "linear_rope": lambda: tiny_llama_config(rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                               "rope_theta": 10000.0}),

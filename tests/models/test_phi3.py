@@ -9,6 +9,7 @@ generation, and LoRA/DoRA adapters written for PEFT as fused adapters.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import peft
@@ -77,6 +78,17 @@ def test_logits_match_transformers_fp32(checkpoint, name, seq):
     model = posttune.load_model(path, dtype="float32").eval()
     assert model.rope.head_dim == (12 if name == "phi4_mini" else 16)
     assert max_diff(hf_model, model, ids(seq)) <= TOL
+
+
+def test_an_explicit_head_dim_splits_the_fused_qkv_and_matches_transformers(tmp_path):
+    """Phi3Config has no head_dim field, but transformers' Phi3Attention reads one a config.json sets (here 32, not
+    hidden_size / heads = 16): the fused qkv_proj's rows are split with it, and the logits match."""
+    hf_model = tiny_hf_model(transformers.Phi3Config(**{**TINY, **WIDE, "head_dim": 32}))
+    assert hf_model.model.layers[0].self_attn.qkv_proj.weight.shape[0] == (4 + 2 * 2) * 32
+    hf_model.save_pretrained(tmp_path)
+    model = posttune.load_model(tmp_path, dtype="float32").eval()
+    assert model.rope.head_dim == 32
+    assert max_diff(hf_model, model, ids(24)) <= TOL
 
 
 def test_longrope_switches_to_the_long_factors_past_the_original_context(checkpoint):
@@ -149,6 +161,22 @@ def test_old_longrope_spellings_and_the_switch_point_are_read_as_transformers_re
     without = posttune_phi3.PHI3.from_hf_config({**base, "rope_scaling": {"type": "longrope", **factors},
                                                  "original_max_position_embeddings": None})
     assert without["rope_scaling"]["original_max_position_embeddings"] == 4096  # Phi3Config's default
+
+
+@pytest.mark.parametrize("spelling", ["su", "yarn", "longrope"])
+def test_longrope_spellings_and_a_switch_point_in_the_rope_dict_read_as_transformers_reads_them(spelling):
+    """Phi3Config reads both older spellings of LongRoPE, ``su`` and ``yarn``, as ``longrope`` (the same factors here,
+    not another rope type of that name), and its top-level original_max_position_embeddings (16) wins over the rope
+    dict's own (8): the switch point of both libraries."""
+    factors = {"short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0], "long_factor": [1.0, 3.0, 7.0, 11.0, 13.0, 17.0]}
+    config = {**_phi4_mini_config().to_dict(), "rope_parameters": None,
+              "rope_scaling": {"type": spelling, **factors, "original_max_position_embeddings": 8}}
+    ours = posttune_phi3.PHI3.from_hf_config(config)["rope_scaling"]
+    theirs = transformers.Phi3Config.from_dict(copy.deepcopy(config)).rope_parameters  # it edits the dict it reads
+    assert theirs["rope_type"] == ours["rope_type"] == "longrope"
+    keys = (*factors, "original_max_position_embeddings")
+    assert {key: ours[key] for key in keys} == {key: theirs[key] for key in keys} == \
+        {**factors, "original_max_position_embeddings": 16}
 
 
 def test_longrope_factors_of_the_wrong_length_are_one_line():
