@@ -243,11 +243,21 @@ def test_yaml_nested_past_the_parsers_recursion_is_one_line(tmp_path):
     (base(trian={}), "config: trian: unknown key (did you mean 'train'?)"),
     (base(train={"batch_size": 2.5}), "config: train.batch_size: expected an integer, got 2.5"),
     (base(train={"batch_size": True}), "config: train.batch_size: expected an integer, got true"),
+    (base(train={"lr": True}), "config: train.lr: expected a number, got true"),  # not lr 1.0
+    (base(data={"train": {"path": "x"}, "group_by_length": True, "shuffle": False}),
+     "config: data.group_by_length: groups a shuffled order, but data.shuffle is false (the rows in the order read); "
+     "keep one"),
+    (base(data={"train": {"path": "x"}}, train={"eval_every": 5}, checkpoint={"best_metric": "val_loss"}),
+     "config: checkpoint.best_metric: needs evaluations: set train.eval_every and data.validation (or "
+     "data.validation_split)"),
     (base(train={"batch_size": 0}), "config: train.batch_size: expected a positive integer, got 0"),
     (base(adapter={"targets": []}), "config: adapter.targets: an empty list adapts nothing: list module-name "
                                     "patterns, or leave it out for the family's default targets"),
     (base(train={"max_grad_norm": "x"}), "config: train.max_grad_norm: expected a number or null, got 'x'"),
     (base(train={"optimizer": 3}), "config: train.optimizer: expected a string or a mapping, got 3"),
+    # null only where the type allows it: no method, no optimizer would pass validate and crash later
+    (base(method=None), "config: method: expected a string or a mapping, got null"),
+    (base(train={"optimizer": None}), "config: train.optimizer: expected a string or a mapping, got null"),
     (base(train={"scheduler": "constant_with_warmup"}), "config: train.scheduler: unknown name 'constant_with_warmup' "
      "(known: constant, linear, cosine, wsd, or a _component_ mapping); transformers' constant_with_warmup is "
      "constant with train.warmup_steps here"),
@@ -457,3 +467,20 @@ def test_a_dataclass_with_from_string_reads_a_lone_string_as_that_field():
         [_Spec("a"), _Spec("b", 2.0)])
     with pytest.raises(ConfigError, match=r"^config: method.specs\[0\]: expected a mapping of keys, got 7$"):
         from_dict(_Holder, {"specs": [7]}, "method")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Betas:
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+def test_a_fixed_length_tuple_of_a_plugin_s_config_counts_its_items():
+    """``tuple[float, float]`` in a plugin's options: a list of another length is one line naming the field and the
+    count it needs, not a ValueError from deep inside the conversion."""
+    from posttune.config.typed import from_dict
+
+    assert from_dict(_Betas, {"betas": [0.8, 1]}, "method") == _Betas((0.8, 1.0))
+    for given in ([0.8], [0.8, 0.9, 0.99]):
+        with pytest.raises(ConfigError) as exc:
+            from_dict(_Betas, {"betas": given}, "method")
+        assert str(exc.value) == f"config: method.betas: expected a list of 2, got {len(given)}"

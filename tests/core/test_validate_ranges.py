@@ -55,9 +55,13 @@ def with_section(section: str, **values) -> dict:
     ("adapter", {"alpha": -16}, "adapter.alpha: expected a number > 0, got -16.0"),
     ("adapter", {"dropout": 1.0}, "adapter.dropout: expected a number >= 0 and < 1, got 1.0"),
     ("adapter", {"alpha": float("-inf")}, "adapter.alpha: expected a finite number, got -inf"),
+    # a field that may be null says what is wrong with .inf, not "expected a number or null"
+    ("train", {"max_grad_norm": float("inf")}, "train.max_grad_norm: expected a finite number, got inf"),
     ("data", {"max_seq_len": 0}, "data.max_seq_len: expected a positive integer, got 0"),
     ("data", {"max_prompt_len": -3},
      "data.max_prompt_len: expected a positive integer, or null (keep the whole prompt), got -3"),
+    ("data", {"max_seq_len": 512, "max_prompt_len": 512},
+     "data.max_prompt_len: must be below data.max_seq_len (512) to leave room for a response"),
 ])
 def test_out_of_range_values_are_refused_naming_the_field(section, values, message):
     with pytest.raises(ConfigError) as error:
@@ -69,6 +73,7 @@ def test_out_of_range_values_are_refused_naming_the_field(section, values, messa
     ("train", {"max_grad_norm": None}), ("checkpoint", {"keep_last": None}), ("train", {"max_steps": None}),
     ("train", {"warmup_steps": 0, "skip_nonfinite": 0, "weight_decay": 0, "seed": 0}),
     ("adapter", {"dropout": 0.0}), ("checkpoint", {"keep_last": 1, "save_every": 1}),
+    ("data", {"max_seq_len": 512, "max_prompt_len": 511}),
 ])
 def test_boundaries_and_null_for_off_are_accepted(section, values):
     validate(with_section(section, **values))

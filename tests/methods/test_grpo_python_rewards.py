@@ -253,3 +253,15 @@ def test_a_resume_warns_when_a_reward_file_changed_since_the_checkpoint(llama_gr
     assert warnings[0].startswith("posttune: warning: method.rewards: my_rewards.py has changed since the checkpoint "
                                   "was written (sha256 ")
     assert warnings[0].endswith("now): the resumed run scores with the file as it is now")
+
+
+def test_a_resume_warns_only_for_files_that_changed_not_for_ones_added_since(capsys):
+    """A reward file the checkpoint did not record (added to method.rewards since) has nothing to differ from: no
+    warning, and no crash reading its missing digest; a changed one is one line naming it."""
+    from posttune_grpo.python_rewards import warn_changed_files
+
+    warn_changed_files({"old.py": "a" * 64}, {"old.py": "a" * 64, "new.py": "b" * 64})
+    assert capsys.readouterr().err == ""
+    warn_changed_files({"old.py": "a" * 64}, {"old.py": "c" * 64})
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("posttune: warning: method.rewards: old.py has changed since")

@@ -174,6 +174,42 @@ def test_a_worker_that_dies_fails_its_completion_and_is_replaced(rewards):
     assert score([dies], ["q"], ["a"], {}).per_reward["dies_on_bad"] == [1.0]
 
 
+def test_a_worker_interrupts_its_own_overrun_and_scores_on(monkeypatch):
+    """A reward a signal can interrupt is stopped by the worker's own timer at timeout_s, and that worker scores
+    the next completion: a kill and a fresh worker (math-verify's warm-up again) are for code deaf to the timer
+    only, even after an earlier call left SIGALRM blocked (as `deaf` does). The caller's kill is put a minute
+    off, so only the worker's own timer can end the hang in time."""
+    monkeypatch.setattr(reward_workers, "KILL_GRACE_S", 60.0)
+    pool = WorkerPool(1)
+    try:
+        calls = [Call(reward_support.deaf, (["q"], ["0"])), Call(reward_support.sleeps, (["q"], ["600"])),
+                 Call(len, ("abc",))]
+        outcomes = pool.run(calls, timeout_s=1, budget_s=300)
+        assert [(o.kind, o.value) for o in outcomes] == [("ok", [1.0]), ("timeout", None), ("ok", 3)]
+        assert pool.started == 1 and len(pool.pids()) == 1  # the same worker throughout
+    finally:
+        pool.close()
+
+
+def test_a_worker_killed_while_idle_is_replaced_and_the_completion_sent_to_it_scored():
+    """A worker that died between batches (the OOM killer, a stray kill) is found dead when handed a completion:
+    the completion goes to its replacement, not reported as out of budget."""
+    pool = WorkerPool(1)
+    try:
+        pool.run([Call(len, ("a",))], timeout_s=5, budget_s=60)
+        (pid,) = pool.pids()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _running(pid):
+            time.sleep(0.05)
+        assert not _running(pid)
+        outcomes = pool.run([Call(len, ("abc",))], timeout_s=5, budget_s=60)
+        assert [(o.kind, o.value) for o in outcomes] == [("ok", 3)]
+        assert pool.started == 2 and pid not in pool.pids()
+    finally:
+        pool.close()
+
+
 def test_a_result_of_the_wrong_length_is_refused_in_a_worker_too(rewards):
     (two,) = resolve_rewards([RewardSpec("returns_two")])
     with pytest.raises(PosttuneError, match=r"returned 2 values for 1 completion; a reward function returns one"):
@@ -317,6 +353,17 @@ def test_isolated_rewards_default_to_five_seconds_a_completion_and_thirty_a_batc
     assert not length.isolated
     (short,) = resolve_rewards([RewardSpec("math_answer", timeout_s=2)])
     assert (short.timeout_s, short.budget_s) == (2.0, 12.0)  # the budget follows the limit
+
+
+def test_the_ranks_of_a_node_share_its_cpus_among_their_workers(monkeypatch):
+    """Each torchrun rank starts its own pool: together they use the CPUs one process may, not that many each
+    (8 ranks of a 16-core node would start 64 workers), at most MAX_WORKERS and at least one per rank."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    for ranks in (1, 2, 4, 8, 32):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        assert reward_workers.default_size() == max(1, min(reward_workers.MAX_WORKERS, 16 // ranks))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")  # read as one rank
+    assert reward_workers.default_size() == min(reward_workers.MAX_WORKERS, 16)
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -50,8 +50,11 @@ def toy_rewards(register_plugin, grpo_rewards):
     def nan(prompts, completions, **_):
         return [float("nan") for _ in completions]
 
+    def flag(prompts, completions, **_):  # a comparison's result, not a score: True is no 1.0 here
+        return [c == "a" for c in completions]
+
     register_plugin(RewardPlugin(*(RewardFunction(fn.__name__, fn) for fn in (half, none_for_empty, broken,
-                                                                               short, text, nan))),
+                                                                               short, text, nan, flag))),
                     name="toys", distribution="toy-rewards", version="1.0")
 
 
@@ -254,6 +257,7 @@ def test_length_needs_completion_ids():
     ({"buffer": 0}, "method.rewards[0].options.buffer: expected a positive integer, got 0"),
     ({"max_length": 100, "buffer": 200}, "method.rewards[0].options.buffer: must be at most max_length (100), got 200"),
     ({"penalty": -1}, "method.rewards[0].options.penalty: expected a positive number, got -1.0"),
+    ({"penalty": 0}, "method.rewards[0].options.penalty: expected a positive number, got 0.0"),  # a no-op reward
     ({"max_length": "long"}, "method.rewards[0].options.max_length: expected an integer, got 'long'"),
     ({"buffer": True}, "method.rewards[0].options.buffer: expected an integer, got true"),
     ({"penalty": "1"}, "method.rewards[0].options.penalty: expected a number, got '1'"),
@@ -262,6 +266,14 @@ def test_length_refuses_bad_options(grpo_rewards, options, message):
     with pytest.raises(ConfigError) as exc:
         resolved(RewardSpec("length", options=options))
     assert one_line(exc) == f"config: {message}"
+
+
+def test_length_buffer_may_be_all_of_max_length(grpo_rewards):
+    """buffer == max_length is allowed ("at most max_length"): the penalty grows from the first token."""
+    (length,) = resolved(RewardSpec("length", options={"max_length": 4, "buffer": 4, "penalty": 2}))
+    tokens = [0, 1, 3, 4, 9]
+    values = length(["q"] * 5, ["c"] * 5, completion_ids=[[7] * n for n in tokens])
+    assert values == [-2 * min(n, 4) / 4 for n in tokens]  # -penalty * (tokens - 0) / buffer, capped at -penalty
 
 
 def test_length_options_convert_yaml_numbers(grpo_rewards):
@@ -284,6 +296,25 @@ def test_score_sums_weighted_rewards_and_keeps_each(grpo_rewards):
                                  "length": [0.0, -0.5, -1.0]}
     assert result.total == [1.5, 0.0, -1.5]
     assert result.failures == {"math_answer": 0, "format": 0, "length": 0}
+
+
+def test_score_batch_gives_each_completion_its_prompt_s_fields_and_leaves_placeholders_unscored(grpo_rewards):
+    """A rollout batch: ``group`` completions per prompt, each scored against its own prompt's row; a placeholder
+    (``real`` 0) scores 0 and is never shown to a reward, even when its text would be right."""
+    from posttune_grpo.scoring import score_batch
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    texts, real = ["ab", "ab", "x", "cd"], [1, 0, 1, 1]
+    golds = ["ab", "cd"]  # prompt j's answer; completion i belongs to prompt i // 2
+    prompts = {"prompts": ["p0", "p1"], "fields": {"answer": golds}}
+    result = score_batch(Chars(), resolved(RewardSpec("exact_answer")), "raise", prompts,
+                         [[ord(c) for c in text] for text in texts], real, 2)
+    expected = [float(bool(flag) and text == golds[i // 2]) for i, (text, flag) in enumerate(zip(texts, real))]
+    assert result.total == result.per_reward["exact_answer"] == expected == [1.0, 0.0, 0.0, 1.0]
+    assert result.failures == {"exact_answer": 0}
 
 
 def test_score_passes_row_fields_and_ignores_unused_ones(grpo_rewards):
@@ -344,7 +375,8 @@ def test_a_result_of_the_wrong_length_is_refused(toy_rewards, on_error):
 
 
 @pytest.mark.parametrize(("name", "shown"), [("text", "'1.0', not a finite number"),
-                                             ("nan", "nan, not a finite number")])
+                                             ("nan", "nan, not a finite number"),
+                                             ("flag", "True, not a finite number")])
 def test_a_value_that_is_not_a_finite_number_is_refused(toy_rewards, name, shown):
     rewards = resolved(RewardSpec(name))
     with pytest.raises(PosttuneError) as exc:
