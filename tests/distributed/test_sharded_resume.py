@@ -9,6 +9,7 @@ import json
 import pytest
 
 from conftest import env, metrics, train, write_config
+from rank_support import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -195,23 +196,8 @@ def test_every_rank_s_files_are_in_place_before_rank_0_finishes_and_on_return(tm
     slow rank 0 finishing the directory: rank 0 writes the rest (the manifest) only once every rank's files are in
     the temporary directory, and every rank returns only once the checkpoint is in place (the barriers). Loaded
     back on both ranks, the weights and Adam's moments are the saved ones."""
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = {**env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     target = tmp_path / "step-00000001"
-    ranks = [subprocess.Popen([sys.executable, "-c", SAVE_PROGRAM, str(target)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(2)]
-    results = []
-    for process in ranks:
-        stdout, stderr = process.communicate(timeout=120)
-        assert process.returncode == 0, stderr[-3000:]
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    results = run_ranks(SAVE_PROGRAM, str(target), env=env(), timeout=120)
     assert results[0]["saw"] == ["each-0", "each-1", "sharded"]
     for result in results:
         assert result["in_place"] == ["each-0", "each-1", "rest", "sharded"]

@@ -38,13 +38,19 @@ def families(register_plugin):
      "decoder_sparse_step"),
 ], ids=["qwen3_moe-norm_topk_prob", "qwen3_moe-head_dim", "qwen2_moe-qkv_bias", "qwen2_moe-decoder_sparse_step"])
 def test_a_qwen_moe_config_without_a_field_loads_as_transformers_loads_it(families, tmp_path, config, absent):
-    tiny_hf_model(config()).save_pretrained(tmp_path)
-    written = json.loads((tmp_path / "config.json").read_text())
+    assert_loads_as_transformers_without(config(), absent, tmp_path)
+
+
+def assert_loads_as_transformers_without(config: transformers.PretrainedConfig, absent: str, path) -> None:
+    """A tiny checkpoint of ``config`` whose config.json lacks ``absent``: posttune's model gives transformers'
+    logits (each library filling the field with its own default)."""
+    tiny_hf_model(config).save_pretrained(path)
+    written = json.loads((path / "config.json").read_text())
     del written[absent]
-    (tmp_path / "config.json").write_text(json.dumps(written))
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+    (path / "config.json").write_text(json.dumps(written))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                                   attn_implementation="eager").eval()
-    model = posttune.load_model(tmp_path).eval()
+    model = posttune.load_model(path, dtype="float32").eval()
     with torch.no_grad():
         torch.testing.assert_close(model(IDS).float(), reference(IDS).logits, rtol=0, atol=1e-4)
 
@@ -66,15 +72,7 @@ def llama_phi3(register_plugin):
 def test_a_llama_or_phi3_config_without_a_field_loads_as_transformers_loads_it(llama_phi3, tmp_path, config, absent):
     """An older or hand-written config.json without the field: the family's default for it is transformers'
     (the fused qkv_proj of Phi-3 is split with the same default key/value heads)."""
-    tiny_hf_model(config()).save_pretrained(tmp_path)
-    written = json.loads((tmp_path / "config.json").read_text())
-    del written[absent]
-    (tmp_path / "config.json").write_text(json.dumps(written))
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
-                                                                  attn_implementation="eager").eval()
-    model = posttune.load_model(tmp_path, dtype="float32").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(model(IDS).float(), reference(IDS).logits, rtol=0, atol=1e-4)
+    assert_loads_as_transformers_without(config(), absent, tmp_path)
 
 
 def gemma_cases() -> dict:

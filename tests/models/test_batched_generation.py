@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from rank_support import run_ranks
 from torch import nn
 
 from posttune.generation import _mix, _mix_int, derive_seed, filter_logits, generate_batch, uniform_noise
@@ -241,18 +239,7 @@ distributed.shutdown()  # barrier, then destroy: a rank leaving a live gloo grou
 def test_every_rank_runs_the_same_forwards_and_samples_what_one_process_would(tiny_llama):
     jobs = [{"prompts": PROMPTS[:3], "seeds": [1, 2, 3], "stop": list(range(512))},  # done after one token
             {"prompts": PROMPTS[3:], "seeds": [4, 5, 6, 7, 8], "stop": []}]  # runs all 8 steps
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK_PROGRAM, json.dumps(jobs)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(2)]
-    results = []
-    for process in ranks:
-        stdout, stderr = process.communicate(timeout=300)
-        assert process.returncode == 0, stderr[-3000:]
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    results = run_ranks(RANK_PROGRAM, json.dumps(jobs), env=dict(os.environ))
     assert [r["forwards"] for r in results] == [8, 8]
     for job, result in zip(jobs, results, strict=True):
         alone = generate_batch(tiny_llama, job["prompts"], max_new_tokens=8, temperature=1.0, seeds=job["seeds"],

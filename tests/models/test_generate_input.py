@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from rank_support import run_ranks
 
 import posttune_llama
 from posttune.generation import SamplingError, check_sampling, context_length, generate_batch
@@ -346,22 +346,6 @@ def test_each_row_has_its_own_cap_and_the_ranks_agree_on_the_steps():
     """Context 16: rank 0's 3-token prompt leaves room for all 8 tokens, rank 1's 12-token one for 4. Each row
     gets what its own prompt leaves (not the smallest room of any rank: a completion depends on its prompt alone),
     and both ranks run 8 forwards (one rank stepping alone would hang the other in the per-step all-reduce)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     jobs = json.dumps([[[5, 6, 7]], [list(range(5, 17))]])
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK_PROGRAM, jobs], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(2)]
-    results = []
-    try:
-        for process in ranks:
-            stdout, stderr = process.communicate(timeout=300)
-            assert process.returncode == 0, stderr[-3000:]
-            results.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
+    results = run_ranks(RANK_PROGRAM, jobs, env=dict(os.environ))
     assert results == [{"forwards": 8, "kept": 8}, {"forwards": 8, "kept": 4}]
