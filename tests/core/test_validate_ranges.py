@@ -62,6 +62,56 @@ def with_section(section: str, **values) -> dict:
      "data.max_prompt_len: expected a positive integer, or null (keep the whole prompt), got -3"),
     ("data", {"max_seq_len": 512, "max_prompt_len": 512},
      "data.max_prompt_len: must be below data.max_seq_len (512) to leave room for a response"),
+    # just outside each bound (the docs table shows the same bounds: changed together, only these notice)
+    ("data", {"max_prompt_len": 0},
+     "data.max_prompt_len: expected a positive integer, or null (keep the whole prompt), got 0"),
+    ("data", {"pad_to_multiple_of": 0},
+     "data.pad_to_multiple_of: expected a positive integer, or null (pad to the longest row only), got 0"),
+    ("data", {"validation_split": 0},
+     "data.validation_split: expected a number > 0 and < 1, or null (data.validation, if any, is the validation set), "
+     "got 0.0"),
+    ("data", {"validation_split": 1},
+     "data.validation_split: expected a number > 0 and < 1, or null (data.validation, if any, is the validation set), "
+     "got 1.0"),
+    ("train", {"batch_size": 0}, "train.batch_size: expected a positive integer, got 0"),
+    ("train", {"grad_accum_steps": 0}, "train.grad_accum_steps: expected a positive integer, got 0"),
+    ("train", {"log_every": 0}, "train.log_every: expected a positive integer, got 0"),
+    ("train", {"seed": 2**63}, "train.seed: expected an integer >= 0 and < 2**63, got 9223372036854775808"),
+    ("train", {"warmup_ratio": -0.01},
+     "train.warmup_ratio: expected a number >= 0 and < 1, or null (train.warmup_steps decides), got -0.01"),
+    ("train", {"warmup_ratio": 1.0},
+     "train.warmup_ratio: expected a number >= 0 and < 1, or null (train.warmup_steps decides), got 1.0"),
+    ("train", {"min_lr_ratio": -0.01, "scheduler": "cosine"},
+     "train.min_lr_ratio: expected a number >= 0 and < 1, got -0.01"),
+    ("train", {"min_lr_ratio": 1.0, "scheduler": "cosine"},
+     "train.min_lr_ratio: expected a number >= 0 and < 1, got 1.0"),
+    ("train", {"decay_ratio": 0, "scheduler": "wsd"},
+     "train.decay_ratio: expected a number > 0 and < 1, or null (0.1), got 0.0"),
+    ("train", {"decay_ratio": 1, "scheduler": "wsd"},
+     "train.decay_ratio: expected a number > 0 and < 1, or null (0.1), got 1.0"),
+    ("train", {"early_stopping_patience": 0},
+     "train.early_stopping_patience: expected a positive integer, or null (no early stopping), got 0"),
+    ("checkpoint", {"save_every": 0},
+     "checkpoint.save_every: expected a positive integer, or null (no checkpoints, only the final model: not "
+     "resumable), got 0"),
+    ("adapter", {"alpha": 0}, "adapter.alpha: expected a number > 0, got 0.0"),
+    ("adapter", {"dropout": -0.01}, "adapter.dropout: expected a number >= 0 and < 1, got -0.01"),
+    ("adapter", {"loraplus_lr_ratio": 0},
+     "adapter.loraplus_lr_ratio: expected a number > 0, or null (the B matrices learn at train.lr), got 0.0"),
+    ("parallel", {"timeout_s": 0}, "parallel.timeout_s: expected a number > 0, or null (torch's default), got 0.0"),
+    # a dataset's weight is checked in every data section, and named by its place in a list
+    ("data", {"train": {"path": "d.jsonl", "weight": 0}},
+     "data.train.weight: expected a number > 0, or null (an equal share), got 0.0"),
+    ("data", {"validation": {"path": "v.jsonl", "weight": -1}},
+     "data.validation.weight: expected a number > 0, or null (an equal share), got -1.0"),
+    ("data", {"train": [{"path": "a.jsonl", "streaming": True}, {"path": "b.jsonl", "weight": 0, "streaming": True}]},
+     "data.train[1].weight: expected a number > 0, or null (an equal share), got 0.0"),
+    ("data", {"validation": [{"path": "a.jsonl", "streaming": True}, {"path": "b.jsonl", "weight": 0,
+                                                                        "streaming": True}]},
+     "data.validation[1].weight: expected a number > 0, or null (an equal share), got 0.0"),
+    ("data", {"validation": {"path": "v.jsonl", "weight": 2}},
+     "data.validation.weight: a weight shares the rows drawn between the datasets of a streamed list; this section "
+     "names one dataset"),
 ])
 def test_out_of_range_values_are_refused_naming_the_field(section, values, message):
     with pytest.raises(ConfigError) as error:
@@ -74,9 +124,30 @@ def test_out_of_range_values_are_refused_naming_the_field(section, values, messa
     ("train", {"warmup_steps": 0, "skip_nonfinite": 0, "weight_decay": 0, "seed": 0}),
     ("adapter", {"dropout": 0.0}), ("checkpoint", {"keep_last": 1, "save_every": 1}),
     ("data", {"max_seq_len": 512, "max_prompt_len": 511}),
+    # just inside each bound
+    ("data", {"max_seq_len": 2, "max_prompt_len": 1, "pad_to_multiple_of": 1}), ("data", {"validation_split": 0.001}),
+    ("data", {"validation_split": 0.999}), ("data", {"max_seq_len": 1}),
+    ("train", {"batch_size": 1, "grad_accum_steps": 1, "log_every": 1, "epochs": 1, "max_steps": 1, "eval_every": 1,
+               "sample_max_new_tokens": 1, "seed": 2**63 - 1, "lr": 1e-12, "max_grad_norm": 1e-12}),
+    ("train", {"warmup_ratio": 0.0}), ("train", {"warmup_ratio": 0.999}),
+    ("train", {"min_lr_ratio": 0.999, "scheduler": "cosine"}),
+    ("train", {"decay_ratio": 0.001, "scheduler": "wsd"}), ("train", {"decay_ratio": 0.999, "scheduler": "wsd"}),
+    ("adapter", {"rank": 1, "alpha": 0.001, "dropout": 0.999, "loraplus_lr_ratio": 0.001}),
+    ("parallel", {"timeout_s": 0.001}),
+    ("data", {"train": [{"path": "a.jsonl", "streaming": True, "weight": 0.001},
+                        {"path": "b.jsonl", "streaming": True}],
+              "validation": [{"path": "a.jsonl", "streaming": True},
+                             {"path": "b.jsonl", "streaming": True, "weight": 0.001}]}),
 ])
 def test_boundaries_and_null_for_off_are_accepted(section, values):
     validate(with_section(section, **values))
+
+
+def test_the_smallest_early_stopping_patience_is_accepted():
+    raw = with_section("train", eval_every=10, early_stopping_patience=1)
+    raw["checkpoint"] = {"best_metric": "val_loss", "save_every": 10}
+    raw["data"] = {**raw["data"], "validation_split": 0.1}
+    assert validate(raw).train.early_stopping_patience == 1
 
 
 def _numeric(tp) -> bool:
