@@ -102,6 +102,19 @@ def check_slurm_tasks(args: argparse.Namespace) -> None:
                             "across nodes")
 
 
+def leave_to_launcher(exc: BaseException, line: str, show: bool = True) -> None:
+    """How a worker says why it ended: in its torchrun error file, which the launcher reads for its one line, and
+    on stderr (when ``show``) only where no posttune launcher reports the job (torchrun started the worker itself).
+    Outside torchrun the error file is not set and only the line is printed."""
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    get_error_handler().record_exception(exc)
+    if show and not os.environ.get(REPORTS):
+        print(line, file=sys.stderr)
+
+
 def run_torchrun(args: argparse.Namespace, module: str, module_args: list[str], output: Path | None = None) -> int:
     """Start ``python -m module module_args`` on every rank through torchrun.
 

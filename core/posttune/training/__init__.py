@@ -21,6 +21,7 @@ WORKER_MODULE = "posttune.training.worker"
 
 
 def run(plan: Any) -> int:
+    from posttune.cli.launch import leave_to_launcher
     from posttune.errors import one_line
     from posttune.training import distributed, output_dir, preemption, run_report
     from posttune.training.compose import close_method, compose
@@ -39,7 +40,9 @@ def run(plan: Any) -> int:
         except preemption.StoppedInSetup as stopped:
             if show:
                 output_dir.record_status(out, "preempted", checkpoint=None)
-            _say_stopped_in_setup(stopped, show)
+            # torchrun stops the healthy ranks with this same SIGTERM when one rank fails: under posttune's launcher
+            # that rank's error is the job's one line, and this note is printed only for a job that was stopped
+            leave_to_launcher(stopped, f"posttune: {stopped}", show)
             return preemption.PREEMPTED
         except KeyboardInterrupt:  # run.json says how the run ended, for whoever watches the folder
             if show:
@@ -53,20 +56,6 @@ def run(plan: Any) -> int:
         finally:  # success, an error, Ctrl-C, preemption: what the method opened is closed
             if session is not None:
                 close_method(session)
-
-
-def _say_stopped_in_setup(stopped: Exception, show: bool) -> None:
-    """Under posttune's launcher the note goes to the rank's error file, not stderr: torchrun stops the healthy ranks
-    with the same SIGTERM when one rank fails, and that rank's error is then the launcher's one line; the launcher
-    prints this note only when the job was stopped (``launch.run_torchrun``)."""
-    from posttune.cli.launch import REPORTS
-
-    if os.environ.get(REPORTS):
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-        get_error_handler().record_exception(stopped)
-    elif show:
-        print(f"posttune: {stopped}", file=sys.stderr)
 
 
 def _run(session: Any, show: bool, out: Path) -> int:

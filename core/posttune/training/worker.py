@@ -6,12 +6,11 @@ started print none of their own), and the other ranks are stopped instead of wai
 collective.
 """
 
-import os
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
+from torch.distributed.elastic.multiprocessing.errors import record
 
-from posttune.cli.launch import REPORTS
+from posttune.cli.launch import leave_to_launcher
 from posttune.cli.main import main
 from posttune.errors import PosttuneError, one_line
 from posttune.training.distributed import exit_process
@@ -22,9 +21,7 @@ def run(argv: list[str]) -> int:
     try:
         return main(["--debug", "train", *argv])  # --debug: a user error reaches this function
     except PosttuneError as exc:
-        get_error_handler().record_exception(exc)
-        if not os.environ.get(REPORTS):  # started by torchrun itself: nobody else prints it in one line
-            print(f"posttune: error: {one_line(str(exc))}", file=sys.stderr)
+        leave_to_launcher(exc, f"posttune: error: {one_line(str(exc))}")
         return 2
 
 
