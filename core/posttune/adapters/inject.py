@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from posttune.adapters.lora import BASE, KINDS, Kind, LoRALinear, adapter_parameter_names
+from posttune.checkpoint.materialize import tie_groups
 from posttune.errors import PosttuneError
 
 GLOB_CHARS = "*?["
@@ -325,12 +326,5 @@ def merge_adapters(model: nn.Module, dtype: torch.dtype | None = None) -> list[s
 def unmergeable(model: nn.Module) -> list[str]:
     """The adapted layers whose base weight another module shares (a tied output head): merging one would change
     the embedding too."""
-    shared = _shared_parameters(model)
-    return [name for name, layer in adapted_modules(model).items() if id(layer.base.weight) in shared]
-
-
-def _shared_parameters(model: nn.Module) -> set[int]:
-    seen: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        seen[id(param)] = seen.get(id(param), 0) + 1
-    return {key for key, count in seen.items() if count > 1}
+    shared = {name for group in tie_groups(model) for name in group}
+    return [name for name in adapted_modules(model) if f"{name}.{BASE}.weight" in shared]
