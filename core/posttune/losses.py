@@ -82,9 +82,7 @@ def logits_entropy(logits: torch.Tensor, rows: int = 1024) -> torch.Tensor:
     for chunk in [flat] if hasattr(flat, "full_tensor") else flat.split(rows):
         logps = F.log_softmax(chunk.float(), dim=-1)
         parts.append(-(logps.exp() * logps).sum(-1))
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)  # split gives one (empty) chunk of no rows
 
 
 def labelled_logits(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
