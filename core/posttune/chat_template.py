@@ -329,10 +329,7 @@ def _after_end_token(text: str, position: int, end_tokens: Sequence[str]) -> int
 
 def tokens_in_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[Span]) -> list[bool]:
     """True for each token whose characters overlap a span (the rule of transformers' assistant mask)."""
-    mask = []
-    for token_start, token_end in offsets:
-        mask.append(any(token_start < end and token_end > start for start, end in spans))
-    return mask
+    return [any(token_start < end and token_end > start for start, end in spans) for token_start, token_end in offsets]
 
 
 def _one_line(exc: BaseException, limit: int = 500) -> str:
