@@ -162,14 +162,13 @@ class Planned:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def write_file(path: Path, planned: list[Planned], produce: Callable[[str], torch.Tensor],
-               metadata: dict[str, str] | None = None) -> None:
+def write_file(path: Path, planned: list[Planned], produce: Callable[[str], torch.Tensor]) -> None:
     """Write a safetensors file whose tensors ``produce(name)`` returns one at a time, then fsync.
 
     The header needs every shape and offset up front, hence ``planned``; each produced
     tensor is checked against its plan so a non-deterministic producer cannot corrupt the file.
     """
-    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for item in planned:
         header[item.name] = {"dtype": NAMES[item.dtype], "shape": list(item.shape),
