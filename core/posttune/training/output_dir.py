@@ -140,17 +140,13 @@ def check_results(config: Any) -> None:
                                                    "checkpoint.resume=latest to continue that run, "
                                                    "checkpoint.overwrite=true to start afresh, or choose another "
                                                    "output_dir")
-    if found and checkpoint.resume == LATEST and not checkpoint.overwrite and _status(out) == "finished" \
+    if found and checkpoint.resume == LATEST and not checkpoint.overwrite \
+            and json_field(out / RUN_FILE, "status") == "finished" \
             and not checkpoints(out / CHECKPOINTS):  # `latest` would start at step 0 over the finished results
         raise ConfigError("checkpoint.resume", f"latest: {out} holds a finished run with no checkpoint to continue "
                                                "from (checkpoint.save_every was unset, or keep_last pruned them all): "
                                                "restart it with checkpoint.overwrite=true, or train into another "
                                                "output_dir from its model")
-
-
-def _status(out: Path) -> str | None:
-    """``run.json``'s status of the last run in ``out``, or None."""
-    return json_field(out / RUN_FILE, "status")
 
 
 def json_field(path: Path, key: str) -> Any:
