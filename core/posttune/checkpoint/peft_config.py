@@ -92,11 +92,6 @@ def settings_of(config: Mapping[str, Any]) -> dict[str, Any]:
             "kind": "dora" if config.get("use_dora") else "lora", "rslora": bool(config.get("use_rslora"))}
 
 
-def saved_settings(adapter_dir: str | Path) -> dict[str, Any]:
-    """Rank, alpha, kind and rslora of a saved adapter, from its ``adapter_config.json`` (checked as a load would)."""
-    return settings_of(read_config(Path(adapter_dir)))
-
-
 def check_init_from(adapter: Any) -> None:
     """``adapter.init_from`` must be a loadable adapter folder with this run's rank, alpha and kind:
     the adapters are injected from ``adapter:`` first, so a different shape could not be copied in.
@@ -105,7 +100,7 @@ def check_init_from(adapter: Any) -> None:
         return
     path = Path(adapter.init_from).expanduser()
     try:
-        saved = saved_settings(path)
+        saved = settings_of(read_config(path))  # checked as a load would
     except PosttuneError as exc:
         raise ConfigError("adapter.init_from", str(exc)) from None
     mine = {"rank": adapter.rank, "alpha": float(adapter.alpha), "kind": adapter.kind, "rslora": adapter.rslora}
