@@ -291,7 +291,7 @@ def _run_train(args: argparse.Namespace) -> int:
     plan = resolve(args, world)
     from posttune import training
 
-    if launch.launch_requested(args) and "LOCAL_RANK" not in os.environ:
+    if launch.torchrun_args(args) and "LOCAL_RANK" not in os.environ:
         return launch.run_torchrun(args, training.WORKER_MODULE, [args.config, *args.overrides],
                                    Path(plan.config.checkpoint.output_dir))
     return training.run(plan)

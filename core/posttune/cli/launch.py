@@ -73,10 +73,6 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def launch_requested(args: argparse.Namespace) -> bool:
-    return bool(torchrun_args(args))
-
-
 def world_size(args: argparse.Namespace) -> int | None:
     """Processes the launch will start, or None when elastic (``--nnodes 1:4``) or unparseable."""
     try:
