@@ -372,10 +372,7 @@ def named_checkpoint(resume: str) -> Path:
 
 def saved_step(checkpoint: Path) -> int | None:
     """The step ``checkpoint`` recorded in its trainer state, None when that is unreadable."""
-    try:
-        step = json.loads((checkpoint / STATE_FILE).read_text()).get("step")
-    except (OSError, ValueError, AttributeError):
-        return None
+    step = json_field(checkpoint / STATE_FILE, "step")
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 

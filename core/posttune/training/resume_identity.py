@@ -73,12 +73,9 @@ def _model(model: Any, family: Any, *, weights: bool = True) -> dict[str, Any]:
 
 def saved(checkpoint: Path) -> Mapping[str, Any] | None:
     """The identity a checkpoint recorded; None for one written before identities were (or unreadable)."""
-    from posttune.training.output_dir import STATE_FILE
+    from posttune.training.output_dir import STATE_FILE, json_field
 
-    try:
-        found = json.loads((checkpoint / STATE_FILE).read_text()).get(IDENTITY)
-    except (OSError, ValueError, AttributeError):
-        return None
+    found = json_field(checkpoint / STATE_FILE, IDENTITY)
     return found if isinstance(found, Mapping) else None
 
 
@@ -87,12 +84,9 @@ def check_global_batch(plan: Any, checkpoint: Path | None) -> None:
     batch (train.batch_size x data-parallel ranks: this launch's, from the plan's mesh), or another seed."""
     import math
 
-    from posttune.training.output_dir import STATE_FILE
+    from posttune.training.output_dir import STATE_FILE, json_field
 
-    try:
-        data = json.loads((checkpoint / STATE_FILE).read_text()).get("data") if checkpoint is not None else None
-    except (OSError, ValueError, AttributeError):
-        return
+    data = json_field(checkpoint / STATE_FILE, "data") if checkpoint is not None else None  # None: unreadable
     ranks = math.prod(degree for name, degree in plan.mesh.items() if plan.mesh_dims[name].splits == "batch") \
         if plan.mesh else plan.world_size
     saved, mine = (data or {}).get("global_batch_size"), plan.config.train.batch_size * ranks
