@@ -438,7 +438,9 @@ def validate(raw: dict[str, Any]) -> RunConfig:
             if dataset is not None and not dataset.sources and dataset.weight is not None:
                 raise ConfigError(f"data.{split}.weight", "a weight shares the rows drawn between the datasets of a "
                                                          "streamed list; this section names one dataset")
-    _check_unique(config.logging, "logging")
+    for index, name in enumerate(config.logging):  # listed twice would start two of the same tracker: refused
+        if name in config.logging[:index]:
+            raise ConfigError(f"logging[{index}]", f"'{name}' is listed twice")
     for dim, degree in config.parallel.dims.items():
         if degree != -1 and degree < 1:
             raise ConfigError(f"parallel.dims.{dim}", f"expected a positive degree or -1, got {degree}")
@@ -520,11 +522,4 @@ def _check_choice(value: str | dict[str, Any], where: str, names: tuple[str, ...
         here = f"; transformers' {value} is {HF_CHOICES[value]} here" if value in HF_CHOICES else ""
         raise ConfigError(where, f"unknown name '{value}' (known: {', '.join(names)}, or a _component_ mapping)"
                                  f"{here or did_you_mean(value, names)}")
-
-
-def _check_unique(names: list[str], where: str) -> None:
-    """A name listed twice would start two of the same tracker: refuse it rather than guess."""
-    for index, name in enumerate(names):
-        if name in names[:index]:
-            raise ConfigError(f"{where}[{index}]", f"'{name}' is listed twice")
 
