@@ -504,7 +504,9 @@ def _row_seeds(batch: int, seed: int | None, seeds: Sequence[int] | None, device
 def _check_arguments(rows: list[list[int]], max_new_tokens: int, seed: int | None,
                      seeds: Sequence[int] | None) -> None:
     if not rows:
-        raise ValueError("generate_batch needs at least one prompt")
+        raise ValueError("generate_batch needs at least one prompt (a rank's share of an epoch's last batch of "
+                         "prompts may be empty: generate for a placeholder prompt of weight 0 there, so that every "
+                         "rank runs the same forward passes; docs/plugins.md, \"Generation engines\")")
     if any(not row for row in rows):
         raise ValueError("generate_batch needs non-empty prompts")
     if max_new_tokens < 0:

@@ -4,6 +4,8 @@ method's; so is a run-config key written in the wrong section (``ELSEWHERE``).""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 
 from posttune.config.schema import validate
@@ -147,3 +149,29 @@ def test_axolotls_dataset_type_names_the_format_that_reads_it():
     with pytest.raises(PosttuneError, match=r"no dataset format 'sharegpt' is installed \(installed: .*\); sharegpt "
                                             r"is 'chat' here$"):
         get_registry().get("dataset_format", "sharegpt")
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class Config:
+    rewards: list[Entry] = field(default_factory=list)
+
+
+def test_a_nested_entrys_unknown_key_is_its_own_not_a_misplaced_run_config_key():
+    """A plugin's list entry (a reward of a third-party method, ``method.rewards[0]``) with a key that happens to
+    be a run-config key's name (GRPO's ``timeout_s`` brought to a method whose entries have none) is that entry's
+    unknown key, with the entry's keys: not ``timeout_s is parallel.timeout_s here``, which names a setting of
+    another thing altogether. In the method's own config the run-config key is still named where it belongs."""
+    from posttune.config.typed import from_dict
+
+    with pytest.raises(ConfigError) as info:
+        from_dict(Config, {"rewards": [{"name": "x", "timeout_s": 2}]}, "method")
+    assert str(info.value) == "config: method.rewards[0].timeout_s: unknown key (keys: name, weight)"
+    with pytest.raises(ConfigError) as info:
+        from_dict(Config, {"timeout_s": 2}, "method")
+    assert str(info.value) == "config: method.timeout_s: unknown key; timeout_s is parallel.timeout_s here"

@@ -68,3 +68,13 @@ def test_sampling_settings_out_of_range_are_refused_when_made(setting, value):
     with pytest.raises(SamplingError, match=f"^{setting} must be "):
         Sampling(8, **{setting: value})
     assert Sampling(8, stop_token_ids=[2, 3]).stop_token_ids == (2, 3)  # any iterable, kept as a tuple
+
+
+def test_no_prompts_says_what_a_method_does_with_an_empty_share(policy):
+    """A rank whose share of the last batch of prompts is empty (prompt_loader gives it an empty batch) must still
+    generate, or the other ranks' collective forwards wait for it: the error says so, not only that it is empty."""
+    origin = policy.posttune_origin
+    engine = start_engine("builtin", None, EnginePolicy(origin.family, origin.build_kwargs, model=policy))
+    with pytest.raises(ValueError, match=r"^generate_batch needs at least one prompt \(a rank's share of an epoch's "
+                                         r"last batch of prompts may be empty: generate for a placeholder prompt"):
+        engine.generate([], SAMPLING)

@@ -353,10 +353,29 @@ def validation_loss(session: Session) -> dict[str, float]:
     for batch in session.validation_data:
         batch = distributed.to_device(batch, session.device)
         with distributed.step_context(session, batch):
-            window.add(loss_of(session, batch))
+            window.add(_validation_loss_of(session, batch))
     reduced = window.reduce(session)
     reduced.pop("normaliser"), reduced.pop("tokens"), reduced.pop("extra")
     return reduced
+
+
+def _validation_loss_of(session: Session, batch: Any) -> LossOutput:
+    """``loss_of`` on a batch of the validation loader as it comes. A method whose ``batches`` makes its training
+    micro-batches out of what its loader gives (rollouts from prompts) has a loss that cannot read those: without an
+    ``evaluate`` of its own, what that loss raises is named in one line with the remedy, not as a traceback."""
+    method = session.plan.method
+    try:
+        return loss_of(session, batch)
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:
+        if method.descriptor.batches is None:
+            raise
+        from posttune.errors import first_line
+
+        raise PluginError(f"method '{method.descriptor.name}' ({method.provenance}): the default evaluation ran its "
+                          f"loss on a batch of the validation loader, which raised {type(exc).__name__}: "
+                          f"{first_line(str(exc)) or '(no message)'}; a method whose batches callback makes its "
+                          "micro-batches from what its loader gives needs an evaluate callback of its own (GRPO's "
+                          "answers the validation prompts and scores them)") from exc
 
 
 def _prefixed(results: Mapping[str, float]) -> dict[str, float]:
