@@ -449,3 +449,35 @@ def _ctrl_c_on() -> None:
     """In the child before exec: SIGINT back to its default, so that Python makes it KeyboardInterrupt even when
     this test runs in a background job (a shell starts those with SIGINT ignored, and children inherit that)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# ---------------------------------------------------------------------------------------------
+# what another method relies on (docs/plugins.md, "Scoring rewards in a method of your own")
+# ---------------------------------------------------------------------------------------------
+
+
+def test_close_shared_pool_from_another_methods_close_leaves_no_worker(rewards):
+    (slow,) = resolve_rewards([RewardSpec("deaf", timeout_s=5)])
+    pool = reward_workers.shared_pool()
+    assert score([slow], ["q"] * 2, ["0", "0"], {}).per_reward["deaf"] == [1.0, 1.0]
+    workers = pool.pids()
+    assert workers and all(_running(pid) for pid in workers)
+    reward_workers.close_shared_pool()
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in workers)
+    # a later run in the same process scores again, on new workers
+    assert score([slow], ["q"], ["0"], {}).per_reward["deaf"] == [1.0]
+    assert reward_workers.shared_pool() is not pool
+
+
+def test_the_model_reward_is_marked_for_the_method_and_left_out_of_score(register_plugin):
+    """``reward_model`` resolves with ``in_learner`` set, and ``score`` does not call it: a method without a reward
+    role must refuse it in its validate, as the docs tell a method author."""
+    register_plugin(RewardPlugin(*REWARDS, posttune_grpo.MODEL_REWARD_FUNCTION), name="grpo",
+                    distribution="posttune-grpo", version="0.1.0")
+    model, exact = resolve_rewards([RewardSpec("reward_model"), RewardSpec("exact_answer")])
+    assert model.in_learner and not exact.in_learner
+    scored = score([model, exact], ["q", "q"], ["a", "b"], {"answer": ["a", "a"]})
+    assert scored.per_reward == {"exact_answer": [1.0, 0.0]} and scored.total == [1.0, 0.0]
