@@ -29,7 +29,7 @@ from posttune import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
 #: kind -> what `posttune ls` lists it under
-LISTED = {"family": "families", "method": "methods", "preference": "methods", "reward": "rewards",
+LISTED = {"family": "families", "method": "methods", "preference": "methods", "online": "methods", "reward": "rewards",
           "dataset": "datasets", "command": None, "technique": "memory", "plan": "plans", "tracker": "loggers"}
 
 
@@ -134,7 +134,7 @@ def test_the_generated_pyproject_is_ready_to_publish_once_the_placeholders_are_f
     checks = packaging_checks()
     root = generate(kind, f"demo-{kind}", tmp_path)
     dist = checks.Distribution(root, checks.tomllib.loads((root / "pyproject.toml").read_text()))
-    problems = checks.metadata_problems(dist, Version(__version__), {"posttune"})
+    problems = checks.metadata_problems(dist, Version(__version__), {"posttune", "posttune-grpo"})
     assert [p for p in problems if not any(mark in p for mark in FIRST_PARTY_ONLY)] == []
     assert checks.unknown_classifiers(dist, set(trove_classifiers.classifiers)) == []
     assert set(checks.URL_KEYS) <= set(dist.project["urls"])
@@ -149,6 +149,32 @@ def test_the_generated_pyproject_is_ready_to_publish_once_the_placeholders_are_f
                       for key, tail in (("Homepage", ""), ("Documentation", "#readme"), ("Source", ""),
                                         ("Issues", "/issues"))),
                     f"Copyright (c) {license_lines[2].split()[2]} TODO: your name"]
+
+
+#: what `--kind online` may import: posttune's public surface and posttune-grpo's reward-scoring API
+#: (docs/plugins.md, "Scoring rewards in a method of your own")
+ONLINE_IMPORTS = {"posttune.plugin": None, "posttune_grpo.scoring": {"RewardSpec", "check_rewards", "resolve_rewards",
+                                                                    "score_batch"},
+                  "posttune_grpo.reward_workers": {"close_shared_pool"}}
+
+
+def test_the_online_method_is_short_and_uses_only_documented_names(tmp_path):
+    import ast
+
+    root = generate("online", "demo-online", tmp_path)
+    package = root / "posttune_demo_online"
+    assert sum(len(path.read_text().splitlines()) for path in package.glob("*.py")) <= 250
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                assert not any(alias.name.startswith("posttune") for alias in node.names), (path.name, node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module.startswith("posttune"):
+                if node.module == "posttune_demo_online":
+                    continue
+                assert node.module in ONLINE_IMPORTS, (path.name, node.module)
+                allowed = ONLINE_IMPORTS[node.module]
+                assert allowed is None or {alias.name for alias in node.names} <= allowed, (path.name, node.module)
+    assert '"posttune-grpo>=' in (root / "pyproject.toml").read_text()
 
 
 def test_the_shipped_tokenizer_is_the_tiny_chatml_tokenizer(tmp_path):
