@@ -58,8 +58,8 @@ KINDS: dict[str, ScaffoldKind] = {kind.name: kind for kind in (
     ScaffoldKind("preference", "method", "a preference method (IPO: a squared loss on the margin of chosen over "
                  "rejected log probability ratios to a frozen reference model)",
                  ("prefs_train.jsonl", "prefs_validation.jsonl"), tokenizer=True),
-    ScaffoldKind("online", "method", "an online RL method (REINFORCE with a leave-one-out baseline: completions "
-                 "sampled with a generation engine, scored by posttune-grpo's rewards)",
+    ScaffoldKind("online", "method", "an online RL method (RLOO: REINFORCE with the mean reward of the prompt's "
+                 "other completions as baseline; sampled with a generation engine, scored by GRPO's rewards)",
                  ("prompts_train.jsonl", "prompts_validation.jsonl")),
     ScaffoldKind("reward", "reward_function", "a reward function for GRPO (partial credit per matching "
                  "character), with options", ("prompts_train.jsonl", "prompts_validation.jsonl")),
@@ -134,8 +134,9 @@ def _render_all(kind: ScaffoldKind, names: Names) -> dict[Path, bytes]:
                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
     variables = {"kind": kind.name, "about": kind.about, "name": names.name, "distribution": names.distribution,
                  "package": names.package, "camel": names.camel, "dashed": names.dashed, "data_files": kind.data,
-                 "posttune_requirement": posttune_requirement(),
-                 "grpo_requirement": posttune_requirement().replace("posttune", "posttune-grpo", 1), "label": kind.registry_kind.replace("_", " "),
+                 "posttune_requirement": posttune_requirement(), "label": kind.registry_kind.replace("_", " "),
+                 # the online kind scores with posttune-grpo's API: the same minor series as the core
+                 "grpo_requirement": posttune_requirement().replace("posttune", "posttune-grpo", 1),
                  "tokenizer": kind.tokenizer, "year": datetime.date.today().year, **PLACEHOLDERS}
     files: dict[Path, bytes] = {}
     folders = [(TEMPLATES / "common", Path()), (TEMPLATES / kind.name, Path())]
