@@ -94,6 +94,14 @@ def test_help_names_every_kind_with_what_it_writes():
         assert f"{kind.name}: {kind.about}" in shown
 
 
+def test_the_docs_list_every_kind():
+    """docs/plugins.md's table of kinds ("Start here") and the command table of docs/config.md."""
+    start_here = (ROOT / "docs" / "plugins.md").read_text().split("## Start here")[1].split("\n## ")[0]
+    assert [kind for kind in KINDS if f"\n| `{kind}` | " not in start_here] == []
+    bar = "\\|"
+    assert f"posttune new plugin NAME [--kind {bar.join(KINDS)}]" in (ROOT / "docs" / "config.md").read_text()
+
+
 def test_it_writes_a_distribution_and_says_what_to_do_next(tmp_path):
     result = run_cli("new", "plugin", "my-loss", "--kind", "method", "-o", str(tmp_path))
     assert result.exit_code == 0, result.stderr
