@@ -53,6 +53,11 @@ RUN = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"
     ({"data": {"train": {"path": "x", "data_files": "d.json"}}},
      "data.train.data_files: unknown key; data_files is the dataset's path here"),
     ({"data": {"train": {"path": "x", "packed": True}}}, "data.train.packed: unknown key; packed is method.packing"),
+    # a run-config key in a section the core nests (a dataset, a list's entry, a role's model) is still named
+    ({"data": {"train": {"path": "x", "max_seq_len": 5}}},
+     "data.train.max_seq_len: unknown key; max_seq_len is data.max_seq_len here"),
+    ({"data": {"train": [{"path": "x", "lr": 1e-4}]}}, "data.train[0].lr: unknown key; lr is train.lr here"),
+    ({"models": {"reference": {"path": "y", "lr": 1e-4}}}, "models.reference.lr: unknown key; lr is train.lr here"),
     ({"data": {"path": "x.jsonl"}}, "data.path: unknown key; path is data.train.path (a dataset: path, format, ...)"),
     ({"data": {"train": {"path": "x", "dataset_text_field": "body"}}},
      "data.train.dataset_text_field: unknown key; dataset_text_field is the dataset's column_map: {text: COLUMN}"),

@@ -23,26 +23,27 @@ _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str:
 ELSEWHERE: dict[str, str] = {}
 
 
-def _known_as(cls: type, key: str, path: str = "") -> str:
+def _known_as(cls: type, key: str, nested: bool) -> str:
     """Where a key of transformers', TRL's, PEFT's or axolotl's configs is here, from the dataclass's ``KNOWN_AS``
     mapping (a ``ClassVar``: their name -> ours), for users bringing a recipe from there, or where a key of this
-    dataclass went (``MOVED``), or where a run-config key written in the wrong place belongs (``ELSEWHERE``: only
-    at the top, in a section or in a plugin's own config, e.g. ``method.learning_rate``; a key of a mapping nested
-    deeper, such as ``method.rewards[0].timeout_s``, is that mapping's own, not a misplaced run-config key);
+    dataclass went (``MOVED``), or where a run-config key written in the wrong place belongs (``ELSEWHERE``: in the
+    core's sections at any depth, ``data.train[0].lr``, and in a plugin's own config, ``method.learning_rate``; not
+    in an entry a plugin's config nests, ``method.rewards[0].timeout_s``, whose keys are that entry's own);
     "" for other keys."""
     moved = getattr(cls, "MOVED", {}).get(key)
     if moved:  # a key that was here once (``MOVED``: old name -> where it is now)
         return f"; moved: set {moved}"
-    section = "." not in path and "[" not in path  # the run config, one of its sections, or a plugin's config
-    here = getattr(cls, "KNOWN_AS", {}).get(key) or (ELSEWHERE.get(key) if section else None)
+    misplaced = not nested or cls.__module__.partition(".")[0] == "posttune"  # the core's own dataclasses
+    here = getattr(cls, "KNOWN_AS", {}).get(key) or (ELSEWHERE.get(key) if misplaced else None)
     if here and here.startswith("not here"):  # a setting with no counterpart: what stands in its place
         return f"; {key} has no counterpart here{here.removeprefix('not here')}"
     return f"; {key} is {here} here" if here else ""
 
 
-def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+def from_dict(cls: type[T], data: Any, path: str = "", *, nested: bool = False) -> T:
     """Build dataclass ``cls`` from ``data``; unknown keys, missing keys and bad types raise ConfigError, and so
-    does a value the dataclass's own ``__post_init__`` refuses, its field named under ``path``."""
+    does a value the dataclass's own ``__post_init__`` refuses, its field named under ``path``. ``nested``: ``cls``
+    is a field's type (or a list's items) inside another dataclass being built."""
     if isinstance(data, cls):
         return data
     if not isinstance(data, Mapping):
@@ -51,7 +52,7 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [str(key) for key in data if key not in fields]
     if unknown:  # all of them at once: a recipe brought from elsewhere has several
-        hints = [_known_as(cls, key, path) or did_you_mean(key, fields) for key in unknown]
+        hints = [_known_as(cls, key, nested) or did_you_mean(key, fields) for key in unknown]
         others = "; ".join(f"{key}{hint.removeprefix(f'; {key}')}" for key, hint in zip(unknown[1:], hints[1:]))
         more = f" (and {len(unknown) - 1} more unknown here: {others})" if others else ""
         raise ConfigError(_join(path, unknown[0]), "unknown key" + (hints[0] or f" (keys: {', '.join(fields)})")
@@ -121,7 +122,7 @@ def convert(annotation: Any, value: Any, path: str) -> Any:
         shorthand = getattr(annotation, "FROM_STRING", None)  # a ClassVar: the field a lone string fills
         if shorthand is not None and isinstance(value, str):
             value = {shorthand: value}
-        return from_dict(annotation, value, path)
+        return from_dict(annotation, value, path, nested=True)
     if origin in (list, tuple) or annotation in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(path, f"expected a list, got {_show(value)}")
