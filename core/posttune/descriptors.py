@@ -356,6 +356,32 @@ class MemoryTechnique:
 
 
 @dataclass(frozen=True)
+class AdapterKind:
+    """A kind of adapter (LoRA, DoRA, IA3, ...) that ``adapter.kind`` names. Its layer subclasses
+    ``AdaptedLinear`` (posttune.plugin), keeping the wrapped linear as ``base``; the core freezes,
+    initialises, switches off, merges, gathers and estimates through that protocol alone.
+
+    - ``wrap(linear, adapter, dtype)``: one adapted layer around ``linear``, from the run's ``adapter:``
+      section (``AdapterConfig``) and the adapters' dtype (None: the base's).
+    - ``save(model, directory, *, state_dict=None, tokenizer=None) -> Path``: the model's adapters as a
+      folder (atomic); ``state_dict``: the adapter tensors gathered whole (sharded runs).
+    - ``load(model, directory) -> names``: a saved folder's adapters into ``model`` (applied first when it
+      has none, as ``posttune generate --adapter`` and ``posttune merge`` need).
+    - ``reads(adapter_config) -> bool``: whether a saved folder (its ``adapter_config.json``) is this kind's.
+    - ``validate(adapter)``: before launch, a `ConfigError` for a setting the kind cannot honour, or an
+      ``adapter.init_from`` folder it cannot start from.
+    """
+
+    name: str
+    wrap: Callable[[Any, Any, Any], Any]
+    save: Callable[..., Path]
+    load: Callable[[Any, Path], list[str]]
+    reads: Callable[[Mapping[str, Any]], bool]
+    validate: Callable[[Any], None] | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True)
 class DatasetFormat:
     """Turns one dataset row into what a method of ``kind`` consumes (e.g. chat messages).
 

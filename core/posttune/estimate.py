@@ -389,9 +389,9 @@ def decoder_shape(model: Any, rank: int) -> Shape | None:
         width = getattr(getattr(mlp, "down_proj", None), "in_features", None)
     if attn is None or not hasattr(attn, "num_heads") or width is None:
         return None
-    from posttune.adapters.lora import LoRALinear
+    from posttune.adapters import AdaptedLinear
 
-    adapters = [m for m in layer.modules() if isinstance(m, LoRALinear)]
+    adapters = [m for m in layer.modules() if isinstance(m, AdaptedLinear)]
     vocab, hidden = embed.weight.shape
     vocab = getattr(getattr(model, "output", None), "out_features", vocab)  # a score head: a value or a few
     return Shape(hidden, width, len(layers), attn.num_heads, attn.num_kv_heads,
@@ -399,13 +399,14 @@ def decoder_shape(model: Any, rank: int) -> Shape | None:
 
 
 def widened_adapter_bytes(adapters: list[Any]) -> int:
-    """Per token: what LoRA layers whose adapters are wider than their base save beyond ``rank`` values at the
-    model's width: each one's input cast to the adapters' dtype (``lora_A``'s, for its weight's gradient) and the
+    """Per token: what adapted layers whose adapters are wider than their base save beyond ``rank`` values at the
+    model's width: each one's input cast to the adapters' dtype (for their weights' gradients) and the
     rank-wide values at the adapters' width. An upper bound: the model-width inputs the adapters then no longer
     keep are not taken off (a bf16 Llama layer with fp32 all-linear adapters: 16% above what autograd saved)."""
     extra = 0
     for layer in adapters:
-        wide, base = layer.lora_A.weight.element_size(), layer.base.weight.element_size()
+        base = layer.base.weight.element_size()
+        wide = max((p.element_size() for n, p in layer.named_parameters() if not n.startswith("base.")), default=base)
         if wide > base:
             extra += layer.in_features * wide + layer.rank * (wide - base)
     return extra

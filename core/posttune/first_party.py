@@ -56,6 +56,10 @@ NAMES: dict[str, dict[str, str]] = {
     "generation_engine": {
         "vllm": "posttune-vllm",
     },
+    "adapter_kind": {
+        "lora": "posttune-lora",
+        "dora": "posttune-lora",
+    },
     "memory_technique": {
         "activation_checkpointing": "posttune-memory",
         "activation_offloading": "posttune-memory",
@@ -122,10 +126,14 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 
-#: adapter.kind's values elsewhere (axolotl's ``adapter: qlora``) -> what they are here
-ADAPTER_KINDS = {"qlora": "kind: lora with memory: [qlora_nf4] (posttune-torchao)"}
-#: kind -> another tool's name for something registered here under another name (axolotl's dataset types)
+#: the kind an `adapter:` section without `kind` means (as it did when LoRA was the core's): configs written so
+ADAPTER_KIND = "lora"
+#: a saved adapter folder's PEFT ``peft_type`` -> the distribution whose adapter kinds read it
+PEFT_TYPES = {"LORA": "posttune-lora"}
+#: kind -> another tool's name for something registered here under another name (axolotl's dataset types and
+#: its ``adapter: qlora``); a value with a space is said as it is, not as a name
 OTHER_NAMES: dict[str, dict[str, str]] = {
+    "adapter_kind": {"qlora": "kind: lora with memory: [qlora_nf4] (posttune-torchao)"},
     "dataset_format": {"sharegpt": "chat", "chat_template": "chat", "conversation": "chat", "messages": "chat"},
 }
 

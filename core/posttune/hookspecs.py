@@ -44,6 +44,11 @@ def posttune_register_parallel_plans(register: Register) -> None:
 
 
 @hookspec
+def posttune_register_adapter_kinds(register: Register) -> None:
+    """Register adapter kinds (``adapter.kind``): ``register(AdapterKind(...))``."""
+
+
+@hookspec
 def posttune_register_memory_techniques(register: Register) -> None:
     """Register memory techniques: ``register(MemoryTechnique(...))``."""
 

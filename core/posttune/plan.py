@@ -66,6 +66,7 @@ class Plan:
     sources: dict[str, tuple[DatasetConfig, Registered]] = field(default_factory=dict)
     parallel: list[Registered] = field(default_factory=list)  # active plans, in order
     memory: list[Registered] = field(default_factory=list)
+    adapter: Registered | None = None  # the adapter kind `adapter.kind` names (None: full fine-tuning)
     mesh: dict[str, int] = field(default_factory=dict)  # dimension -> degree, outermost first
     mesh_dims: dict[str, MeshDim] = field(default_factory=dict)  # dimension -> its declaration, same order
     parallel_options: dict[str, Any] = field(default_factory=dict)  # plan name -> its ``config`` instance
@@ -93,6 +94,8 @@ def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | Non
     plan.parallel = [_get(registry, "parallel_plan", n, f"parallel.plans[{i}]")
                      for i, n in enumerate(config.parallel.plans)]
     plan.memory = [_get(registry, "memory_technique", n, f"memory[{i}]") for i, n in enumerate(config.memory)]
+    if config.adapter is not None:
+        plan.adapter = _get(registry, "adapter_kind", config.adapter.kind, "adapter.kind")
     _check_pairs(plan, registry)
     plan.parallel_options = _parallel_options(config, plan.parallel)
     plan.memory_options = _memory_options(config, plan.memory)
@@ -104,6 +107,8 @@ def resolve_plan(config: RunConfig, registry: Registry, *, world_size: int | Non
     resolved = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dims=dict(plan.mesh)))
     _check_frozen(plan)
     _validate_with(method, config, plan.method_config)
+    if plan.adapter is not None:
+        _validate_with(plan.adapter, config.adapter)
     for item in [*plan.parallel, *plan.memory]:
         _validate_with(item, resolved)
     plan.steps = _steps(plan)

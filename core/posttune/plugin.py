@@ -23,9 +23,11 @@ from posttune.config.requires import device_for, require_cuda
 from posttune.config.mixture import dataset_sources
 from posttune.config.schema import DatasetConfig, RunConfig
 from posttune.config.typed import from_dict
+from posttune.checkpoint.peft_config import ADAPTER_CONFIG, read_adapter_config
 from posttune.descriptors import (
     DECODER_LINEAR_LAYERS,
     DECODER_TP_PLAN,
+    AdapterKind,
     BundledConfig,
     CheckpointConverter,
     Command,
@@ -76,14 +78,21 @@ _LAZY: dict[str, str] = {
     # the Hugging Face names and config.json fields of posttune.modules' decoder, for Llama-like families
     **dict.fromkeys(["ExpertKeys", "decoder_hf_config", "decoder_keys", "decoder_kwargs"],
                     "posttune.checkpoint.hf_decoder"),
-    # a score model's value per row, as transformers pools, and the pad id a loaded one pools by
-    **dict.fromkeys(["sequence_scores", "score_pad_id"], "posttune.checkpoint.score_head"),
+    # a score model's value per row, as transformers pools, the pad id a loaded one pools by, and its head's
+    # native and Hugging Face names (an adapter's folder saves a score head whole beside the adapter)
+    **dict.fromkeys(["HF_SCORE", "SCORE_HEAD", "score_labels", "score_pad_id", "sequence_scores"],
+                    "posttune.checkpoint.score_head"),
+    # safetensors files streamed one tensor at a time, each checked against the header
+    **dict.fromkeys(["Planned", "iter_tensors", "write_file"], "posttune.checkpoint.safetensors_io"),
+    "pairs": "posttune.checkpoint.convert",  # a converter's answer as (key or Join, tensor) pairs
     "hf_tensors": "posttune.checkpoint.hf_save",  # a native state dict under HF names, for an engine's copy
-    "tie_groups": "posttune.checkpoint.materialize",
-    # adapters
-    **dict.fromkeys(["LoRALinear", "adapter_base", "adapted_modules", "load_peft_adapter", "merge_adapters",
-                     "plain_state_dict", "save_peft_adapter", "tokenizer_source"], "posttune.adapters"),
-    # optimisation and heads: the head's effective (weight, bias), LoRA/DoRA folded in, for chunked losses
+    **dict.fromkeys(["copy_into", "tie_groups"], "posttune.checkpoint.materialize"),
+    # adapters: the layer protocol an adapter kind implements, and what the core does with any kind
+    **dict.fromkeys(["AdaptedLinear", "adapter_base", "adapted_modules", "apply_adapters", "load_adapter",
+                     "merge_adapters", "plain_state_dict", "save_adapter", "tokenizer_source"], "posttune.adapters"),
+    # each linear layer's Hugging Face module name (and the joins of fused ones), through the family's converter
+    **dict.fromkeys(["Fused", "family_io", "hf_modules"], "posttune.checkpoint.module_names"),
+    # optimisation and heads: the head's effective (weight, bias), an adapter folded in, for chunked losses
     "build_scheduler": "posttune.training.optim",
     "head_weight": "posttune.adapters",
     "train_briefly": "posttune.training.warm_start",
@@ -96,13 +105,14 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
-    "DECODER_LINEAR_LAYERS", "DECODER_TP_PLAN", "BundledConfig", "CheckpointConverter",
+    "ADAPTER_CONFIG", "DECODER_LINEAR_LAYERS", "DECODER_TP_PLAN", "AdapterKind", "BundledConfig", "CheckpointConverter",
     "Command", "ConfigError", "DatasetConfig", "DatasetFormat", "EnginePolicy", "Estimate", "GenerationEngine",
     "LossKernel", "LossOutput", "MemoryTechnique", "MeshDim", "Method", "MetricLogger", "ModelFamily",
     "ModelRole", "ModelTarget", "ParallelPlan", "PosttuneError", "QuantizedFormat", "RewardFunction", "RunConfig",
     "Session", "TrackerRun", "configs_in", "dataset_sources", "device_for", "did_you_mean", "first_jsonl_row",
     "first_line", "flat_config", "from_dict", "heap_bytes",
-    "hookimpl", "layer_bytes_per_token", "logits_bytes", "lookup", "model_kwargs", "provenance", "registered",
+    "hookimpl", "layer_bytes_per_token", "logits_bytes", "lookup", "model_kwargs", "provenance", "read_adapter_config",
+    "registered",
     "registering", "require_cuda", "resolve_engine", "scalar_metrics", "start_engine", "unique_parameters",
     *sorted(_LAZY),
 ]
@@ -111,7 +121,8 @@ __all__ = [
 def lookup(kind: str, name: str) -> Any:
     """The descriptor an installed plugin registered as ``name`` (kinds: ``model_family``, ``method``,
     ``parallel_plan``, ``memory_technique``, ``dataset_format``, ``reward_function``, ``metric_logger``,
-    ``config``, ``command``, ``checkpoint_converter``, ``quantized_format``, ``generation_engine``); an
+    ``config``, ``command``, ``checkpoint_converter``, ``quantized_format``, ``generation_engine``,
+    ``adapter_kind``); an
     unknown name raises a one-line PosttuneError."""
     from posttune.plugins import get_registry
 

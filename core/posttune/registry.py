@@ -38,6 +38,7 @@ KINDS: dict[str, Kind] = {
         Kind("parallel_plan", "posttune_register_parallel_plans", d.ParallelPlan, "parallel plan", "plans"),
         Kind("memory_technique", "posttune_register_memory_techniques", d.MemoryTechnique,
              "memory technique", "memory"),
+        Kind("adapter_kind", "posttune_register_adapter_kinds", d.AdapterKind, "adapter kind", "adapters"),
         Kind("dataset_format", "posttune_register_datasets", d.DatasetFormat, "dataset format", "datasets"),
         Kind("reward_function", "posttune_register_reward_functions", d.RewardFunction,
              "reward function", "rewards"),
@@ -215,7 +216,7 @@ class Registry:
         message = f"no {label} '{name}' is installed (installed: {installed})"
         here = first_party.OTHER_NAMES.get(kind, {}).get(name)
         if here:
-            return UnknownNameError(f"{message}; {name} is '{here}' here")
+            return UnknownNameError(f"{message}; {name} is {here if ' ' in here else repr(here)} here")
         if distribution is None:
             suggestion = did_you_mean(name, known + list(first_party.NAMES.get(kind, {})))
             message += suggestion

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from posttune.descriptors import CheckpointConverter, MemoryTechnique, MeshDim, Method, ModelFamily, ParallelPlan
+from posttune.descriptors import (AdapterKind, CheckpointConverter, MemoryTechnique, MeshDim, Method, ModelFamily,
+                                  ParallelPlan)
 from posttune.errors import ConfigError
 from posttune.plugins import hookimpl
 
@@ -120,6 +121,10 @@ class FakePlugin:
         register(ParallelPlan("fsdp", noop, mesh_dim=MeshDim("dp_shard", order=10, splits="batch"), order=100))
         register(ParallelPlan("tensor", noop, mesh_dim=MeshDim("tp", order=30), order=10))
         register(ParallelPlan("lossp", noop, order=20, requires=("tensor",)))
+
+    @hookimpl
+    def posttune_register_adapter_kinds(self, register):
+        register(AdapterKind("fadapt", noop, noop, noop, noop))
 
     @hookimpl
     def posttune_register_memory_techniques(self, register):

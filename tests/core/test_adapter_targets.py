@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 
+import posttune_lora
 import pytest
 import torch
 from run_support import compose_run, sft_config
 from torch import nn
 
 import posttune
-from posttune.adapters import adapted_modules, apply_adapters, init_adapters, load_peft_adapter, save_peft_adapter
-from posttune.adapters.peft_format import checkpoint_module_names
+from posttune.adapters import adapted_modules, init_adapters, load_adapter, save_adapter
+from posttune_lora.layer import apply_lora
+from posttune.checkpoint.module_names import checkpoint_module_names
 from posttune.errors import PosttuneError
 
 
@@ -25,7 +27,7 @@ def tiny_llama() -> nn.Module:
 
 def adapt(model: nn.Module, targets: list[str]) -> list[str]:
     """As a run injects ``adapter.targets``: with the checkpoint's module names as aliases."""
-    return apply_adapters(model, targets=targets, rank=2, alpha=4, aliases=checkpoint_module_names(model))
+    return apply_lora(model, targets=targets, rank=2, alpha=4, aliases=checkpoint_module_names(model))
 
 
 def adapted_by(targets: list[str]) -> list[str]:
@@ -58,22 +60,22 @@ def test_both_namings_mixed_select_the_union():
 
 def test_a_saved_adapters_target_modules_pasted_back_select_the_same_layers(tmp_path):
     model = tiny_llama()
-    chosen = apply_adapters(model, targets=["attn.q_proj", "layers.1.mlp.down_proj", "output"], rank=2, alpha=4)
+    chosen = apply_lora(model, targets=["attn.q_proj", "layers.1.mlp.down_proj", "output"], rank=2, alpha=4)
     init_adapters(model)
-    save_peft_adapter(model, tmp_path / "adapter")
+    save_adapter(model, tmp_path / "adapter")
     pasted = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
     assert "lm_head" in pasted and "output" not in pasted  # the file holds Hugging Face names
     again = tiny_llama()
     assert adapt(again, pasted) == chosen
     init_adapters(again)
-    assert load_peft_adapter(again, tmp_path / "adapter") == chosen  # what adapter.init_from checks
+    assert load_adapter(again, tmp_path / "adapter") == chosen  # what adapter.init_from checks
 
 
 def test_a_run_starts_from_a_saved_adapter_with_its_target_modules_pasted(tmp_path):
     model = tiny_llama()
-    apply_adapters(model, targets=["q_proj", "output"], rank=2, alpha=4)
+    apply_lora(model, targets=["q_proj", "output"], rank=2, alpha=4)
     init_adapters(model)
-    save_peft_adapter(model, tmp_path / "adapter")
+    save_adapter(model, tmp_path / "adapter")
     pasted = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
     adapter = {"rank": 2, "alpha": 4, "targets": pasted, "init_from": str(tmp_path / "adapter")}
     session = compose_run(sft_config(tmp_path / "run", adapter=adapter))
@@ -150,6 +152,7 @@ def test_validate_refuses_a_listed_target_the_model_lacks_before_launch(tmp_path
     from run_support import write
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     config = sft_config(tmp_path, adapter={"rank": 2, "alpha": 4, "targets": ["q_proj", "vproj"]})
     result = posttune_cli("validate", str(write(tmp_path, config)))
@@ -169,6 +172,7 @@ def test_save_merged_with_an_adapted_tied_head_is_refused_before_launch(tmp_path
     from run_support import write
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     config = sft_config(tmp_path, adapter={"rank": 2, "alpha": 4, "targets": ["q_proj", "lm_head"]},
                         model={"build_overrides": {"vocab_size": 384, "tie_word_embeddings": True}},

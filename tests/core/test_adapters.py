@@ -15,18 +15,17 @@ from safetensors.torch import load_file
 from torch import nn
 
 from posttune.adapters import (
-    LoRALinear,
     adapted_key,
     adapter_state_dict,
     adapters_disabled,
-    apply_adapters,
     base_key,
     init_adapters,
-    load_peft_adapter,
+    load_adapter,
     merge_adapters,
-    save_peft_adapter,
+    save_adapter,
     trainable_parameters,
 )
+from posttune_lora.layer import LoRALinear, apply_lora
 from posttune.checkpoint.materialize import materialize
 from posttune.checkpoint.origin import ModelOrigin, attach
 from posttune.descriptors import CheckpointConverter, ModelFamily
@@ -92,14 +91,14 @@ ALL = ["q_proj", "v_proj", "up_proj", "down_proj"]
 def test_fresh_adapter_leaves_the_output_unchanged(kind):
     model = toy()
     before = logits(model)
-    apply_adapters(model, targets=ALL + ["output"], rank=4, alpha=8, kind=kind)
+    apply_lora(model, targets=ALL + ["output"], rank=4, alpha=8, kind=kind)
     assert torch.allclose(logits(model), before, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 def test_an_optimizer_step_changes_only_adapter_parameters(kind):
     model = toy().train()
-    apply_adapters(model, targets=ALL, rank=4, alpha=8, dropout=0.1, kind=kind)
+    apply_lora(model, targets=ALL, rank=4, alpha=8, dropout=0.1, kind=kind)
     randomize(model)
     adapters = set(adapter_state_dict(model))
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -115,7 +114,7 @@ def test_an_optimizer_step_changes_only_adapter_parameters(kind):
 def test_adapters_disabled_gives_the_base_output_and_restores_them():
     model = toy()
     base = logits(model)
-    apply_adapters(model, targets=ALL, rank=2, alpha=4, kind="dora")
+    apply_lora(model, targets=ALL, rank=2, alpha=4, kind="dora")
     randomize(model)
     adapted = logits(model)
     assert not torch.allclose(adapted, base, atol=1e-3)
@@ -128,7 +127,7 @@ def test_adapters_disabled_gives_the_base_output_and_restores_them():
 def test_merge_folds_adapters_into_plain_linear_layers(kind):
     model = toy()
     keys = list(model.state_dict())
-    apply_adapters(model, targets=ALL, rank=3, alpha=5, kind=kind)
+    apply_lora(model, targets=ALL, rank=3, alpha=5, kind=kind)
     randomize(model)
     adapted = logits(model)
     merged = merge_adapters(model)
@@ -174,7 +173,7 @@ def test_dora_layer_computes_with_its_merged_weight():
 def test_state_dict_names_map_back_to_the_base_model():
     model = toy()
     base = list(model.state_dict())
-    apply_adapters(model, targets=["layers.0.attn.q_proj"], rank=2, alpha=2, kind="dora")
+    apply_lora(model, targets=["layers.0.attn.q_proj"], rank=2, alpha=2, kind="dora")
     state = list(model.state_dict())
     assert "layers.0.attn.q_proj.base.weight" in state
     assert sorted(adapter_state_dict(model)) == ["layers.0.attn.q_proj.lora_A.weight",
@@ -193,23 +192,23 @@ def test_state_dict_names_map_back_to_the_base_model():
     (["q_*", "output"], ["layers.0.attn.q_proj", "layers.1.attn.q_proj", "output"]),  # glob over a suffix
 ])
 def test_target_patterns(targets, expected):
-    assert apply_adapters(toy(), targets=targets, rank=2, alpha=2) == expected
+    assert apply_lora(toy(), targets=targets, rank=2, alpha=2) == expected
 
 
 def test_a_pattern_matching_no_linear_layer_is_a_one_line_error():
     with pytest.raises(PosttuneError) as info:
-        apply_adapters(toy(), targets=["q_proj", "qkv_proj"], rank=2, alpha=2)
+        apply_lora(toy(), targets=["q_proj", "qkv_proj"], rank=2, alpha=2)
     message = str(info.value)
     assert "'qkv_proj' matches no linear layer" in message
     assert "layers.*.attn.q_proj" in message and "\n" not in message
     with pytest.raises(PosttuneError, match="matches no linear layer"):
-        apply_adapters(toy(), targets=["norm"], rank=2, alpha=2)  # a module, but not a linear one
+        apply_lora(toy(), targets=["norm"], rank=2, alpha=2)  # a module, but not a linear one
 
 
 def test_trainable_parameter_counts():
     model = toy()
     total = sum(p.numel() for p in model.parameters())
-    apply_adapters(model, targets=["q_proj"], rank=2, alpha=2)
+    apply_lora(model, targets=["q_proj"], rank=2, alpha=2)
     lora = 2 * (2 * DIM + DIM * 2)  # two layers, A [2, 8] + B [8, 2]
     assert trainable_parameters(model) == (lora, total + lora)
 
@@ -220,7 +219,7 @@ def test_meta_build_then_inject_materialise_load_init(kind):
     with torch.device("meta"):
         torch.manual_seed(0)
         model = Toy().eval()
-    apply_adapters(model, targets=ALL, rank=2, alpha=4, kind=kind)
+    apply_lora(model, targets=ALL, rank=2, alpha=4, kind=kind)
     with pytest.raises(PosttuneError, match="meta device"):
         init_adapters(model)
     materialize(model, "cpu")
@@ -265,7 +264,10 @@ class ToyFamily:
 
 @pytest.fixture
 def toy_family(register_plugin):
+    import posttune_lora
+
     register_plugin(ToyFamily(), name="toy", distribution="posttune-toy")
+    register_plugin(posttune_lora, name="lora", distribution="posttune-lora")
 
 
 def toy_with_origin(seed: int = 0) -> Toy:
@@ -277,9 +279,9 @@ def toy_with_origin(seed: int = 0) -> Toy:
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 def test_peft_files_round_trip_through_a_permuting_converter(toy_family, tmp_path, kind):
     model = toy_with_origin()
-    apply_adapters(model, targets=["q_proj", "layers.1.mlp.up_proj"], rank=2, alpha=3, dropout=0.05, kind=kind)
+    apply_lora(model, targets=["q_proj", "layers.1.mlp.up_proj"], rank=2, alpha=3, dropout=0.05, kind=kind)
     randomize(model)
-    save_peft_adapter(model, tmp_path / "adapter")
+    save_adapter(model, tmp_path / "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["model.layers.1.mlp.up_proj", "q_proj"]
     assert (config["r"], config["lora_alpha"], config["lora_dropout"], config["use_dora"]) == (2, 3, 0.05,
@@ -295,10 +297,10 @@ def test_peft_files_round_trip_through_a_permuting_converter(toy_family, tmp_pat
         assert torch.equal(tensors[f"{prefix}.lora_magnitude_vector"], q.magnitude.flip(0))
 
     fresh = toy_with_origin()
-    assert load_peft_adapter(fresh, tmp_path / "adapter") == ["layers.0.attn.q_proj", "layers.1.attn.q_proj",
+    assert load_adapter(fresh, tmp_path / "adapter") == ["layers.0.attn.q_proj", "layers.1.attn.q_proj",
                                                               "layers.1.mlp.up_proj"]
     assert torch.equal(logits(fresh), logits(model))
-    assert load_peft_adapter(fresh, tmp_path / "adapter")  # resume: same adapters, loaded again
+    assert load_adapter(fresh, tmp_path / "adapter")  # resume: same adapters, loaded again
 
 
 def test_a_local_base_is_named_by_its_absolute_path_and_a_missing_one_in_one_line(toy_family, tmp_path,
@@ -310,8 +312,8 @@ def test_a_local_base_is_named_by_its_absolute_path_and_a_missing_one_in_one_lin
     monkeypatch.chdir(tmp_path)
     model = toy(0)
     attach(model, ModelOrigin("toy", {}, source="base"))
-    apply_adapters(model, targets=["q_proj"], rank=2, alpha=4)
-    save_peft_adapter(model, tmp_path / "adapter")
+    apply_lora(model, targets=["q_proj"], rank=2, alpha=4)
+    save_adapter(model, tmp_path / "adapter")
     assert adapter_base(tmp_path / "adapter", "generate") == str(tmp_path / "base")
     config = tmp_path / "adapter" / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "./gone"}))
@@ -322,27 +324,27 @@ def test_a_local_base_is_named_by_its_absolute_path_and_a_missing_one_in_one_lin
 
 def test_loading_a_mismatched_adapter_is_refused(toy_family, tmp_path):
     model = toy_with_origin()
-    apply_adapters(model, targets=["q_proj"], rank=2, alpha=2)
-    save_peft_adapter(model, tmp_path / "adapter")
+    apply_lora(model, targets=["q_proj"], rank=2, alpha=2)
+    save_adapter(model, tmp_path / "adapter")
     other = toy_with_origin()
-    apply_adapters(other, targets=["v_proj"], rank=2, alpha=2)
+    apply_lora(other, targets=["v_proj"], rank=2, alpha=2)
     with pytest.raises(PosttuneError, match="targets differ"):
-        load_peft_adapter(other, tmp_path / "adapter")
+        load_adapter(other, tmp_path / "adapter")
     with pytest.raises(PosttuneError, match="no adapter_config.json"):
-        load_peft_adapter(toy_with_origin(), tmp_path)
+        load_adapter(toy_with_origin(), tmp_path)
     with torch.device("meta"):
         meta = Toy()
     attach(meta, ModelOrigin("toy", {}))
     with pytest.raises(PosttuneError, match="meta device"):
-        load_peft_adapter(meta, tmp_path / "adapter")
+        load_adapter(meta, tmp_path / "adapter")
 
 
 def test_a_converter_that_mixes_columns_is_refused(toy_family, monkeypatch, tmp_path):
     model = toy_with_origin()
-    apply_adapters(model, targets=["q_proj"], rank=2, alpha=2)
+    apply_lora(model, targets=["q_proj"], rank=2, alpha=2)
     fake = SimpleNamespace(from_native=lambda k, t, c: (_to_hf(k), t.flip(1)), to_native=_to_native)
-    monkeypatch.setattr("posttune.adapters.peft_format._family_io", lambda m: (SimpleNamespace(source=None),
+    monkeypatch.setattr("posttune_lora.peft_format.family_io", lambda m: (SimpleNamespace(source=None),
                                                                                fake, {}))
     with pytest.raises(PosttuneError, match="cannot follow"):
-        save_peft_adapter(model, tmp_path / "adapter")
+        save_adapter(model, tmp_path / "adapter")
     assert not (tmp_path / "adapter").exists()

@@ -88,8 +88,8 @@ def test_ls_json_gives_each_name_with_its_distribution(fake, posttune_cli):
     listing = json.loads(posttune_cli("ls", "--json").stdout)
     assert listing["methods"]["fdpo"] == {"distribution": "posttune-fake", "version": "9.9", "description": ""}
     assert listing["datasets"]["preference"]["distribution"] == "posttune"
-    assert set(listing) == {"families", "converters", "quantized", "methods", "plans", "memory", "datasets", "rewards",
-                            "engines", "loggers", "configs"}
+    assert set(listing) == {"families", "converters", "quantized", "methods", "plans", "memory", "adapters",
+                            "datasets", "rewards", "engines", "loggers", "configs"}
     assert listing["engines"]["builtin"]["distribution"] == "posttune"  # the core's engine, registered like any
     only = json.loads(posttune_cli("ls", "methods", "--json").stdout)
     assert set(only) == {"methods"} and set(only["methods"]) == {"fdpo", "fsft"}

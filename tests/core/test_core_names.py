@@ -1,6 +1,6 @@
 """The core names no first-party plugin (docs/architecture.md, "The core's open sets").
 
-Every mesh dimension, model role, method, model family, parallel plan and memory technique that
+Every mesh dimension, model role, method, model family, parallel plan, memory technique and adapter kind that
 a first-party distribution registers is collected from the registry, and the core's source is
 searched for it: as a string literal of its own, quoted or in backticks inside a string
 (docstrings included), as an attribute name (``config.teacher``, not a method call such as
@@ -38,14 +38,15 @@ COINCIDENCES = {
 }
 FIRST_PARTY = ("posttune-llama", "posttune-qwen", "posttune-gemma", "posttune-phi3", "posttune-sft", "posttune-dpo",
                "posttune-grpo", "posttune-kd", "posttune-rm", "posttune-ppo", "posttune-fsdp2", "posttune-tp",
-               "posttune-cp", "posttune-ep", "posttune-loss-parallel", "posttune-memory", "posttune-torchao")
+               "posttune-cp", "posttune-ep", "posttune-loss-parallel", "posttune-memory", "posttune-torchao",
+               "posttune-lora")
 
 
 def first_party_names() -> dict[str, str]:
     """name -> what registers it, for everything the installed first-party distributions declare."""
     registry = get_registry()
     names: dict[str, str] = {}
-    for kind in ("method", "model_family", "parallel_plan", "memory_technique"):
+    for kind in ("method", "model_family", "parallel_plan", "memory_technique", "adapter_kind"):
         for entry in registry.items(kind):
             where = entry.provenance.distribution
             if where in FIRST_PARTY:

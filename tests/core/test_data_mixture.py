@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import posttune_lora
 import pytest
 import yaml
 from run_support import compose_run, preference_rows, prompt_rows, reversal_rows, sft_config
@@ -241,6 +242,7 @@ def llama_sft(register_plugin):
     import posttune_sft
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
 
@@ -278,6 +280,7 @@ def test_grpo_prompts_from_a_mixture_are_numbered_apart_and_their_fields_checked
     from run_support import grpo_config
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
     renamed = [{"question": row["prompt"], "solution": row["answer"]} for row in prompt_rows(6, seed=1)]
     second = {"path": write(tmp_path / "more.jsonl", renamed), "format": "prompt",

@@ -425,13 +425,14 @@ def test_bad_shard_size_is_one_line(checkpoint):
 
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 def test_load_into_fills_the_base_of_an_adapted_model(checkpoint, kind):
-    from posttune.adapters import apply_adapters, init_adapters
+    from posttune.adapters import init_adapters
+    from posttune_lora.layer import apply_lora
     from posttune.checkpoint import materialize as mat
     from posttune.checkpoint.hf_load import load_into
 
     path, reference = checkpoint
     model = mat.build(Wrapped, WRAPPED.from_hf_config(reference.config.to_dict()), torch.float32, "meta")
-    apply_adapters(model, targets=["q_proj", "v_proj"], rank=2, alpha=4, kind=kind)
+    apply_lora(model, targets=["q_proj", "v_proj"], rank=2, alpha=4, kind=kind)
     mat.materialize(model, "cpu")
     load_into(model, path)
     model.init_buffers()

@@ -70,8 +70,6 @@ RUN = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"
     ({"merge_lora": True}, "merge_lora: unknown key; merge_lora is checkpoint.save_merged here"),
     ({"load_in_8bit": True}, "load_in_8bit: unknown key; load_in_8bit has no counterpart here (no 8-bit base "
                              "weights); 4-bit: memory: [qlora_nf4]"),
-    ({"adapter": "qlora"}, "adapter.kind: expected one of 'lora', 'dora', got 'qlora' (did you mean 'lora'?); qlora "
-                           "is kind: lora with memory: [qlora_nf4] (posttune-torchao) here"),
     ({"checkpoint": {"resume": False}}, "checkpoint.resume: false means a fresh start here: write null"),
     # a value as transformers spells it: resume_from_checkpoint=True
     ({"checkpoint": {"resume": True}}, "checkpoint.resume: true means the newest checkpoint here: write latest (or a "
@@ -121,6 +119,21 @@ def test_a_trl_method_key_names_its_place_here(method, message):
     with pytest.raises(ConfigError) as info:
         resolve_plan(validate({**RUN, "method": method}), plugins.registry)
     assert str(info.value).startswith(f"config: {message}"), str(info.value)
+
+
+def test_axolotls_adapter_qlora_names_what_it_is_here():
+    """``adapter: qlora`` (axolotl's) is no adapter kind: the plan's refusal says what it is here."""
+    import posttune_llama
+    import posttune_lora
+    import posttune_sft
+
+    plugins = new_plugin_set()
+    for module in (posttune_llama, posttune_sft, posttune_lora):
+        plugins.register(module, distribution=module.__name__.replace("_", "-"), version="0")
+    with pytest.raises(ConfigError) as info:
+        resolve_plan(validate({**RUN, "adapter": "qlora"}), plugins.registry)
+    assert str(info.value) == ("config: adapter.kind: no adapter kind 'qlora' is installed (installed: dora, lora); "
+                               "qlora is kind: lora with memory: [qlora_nf4] (posttune-torchao) here")
 
 
 @pytest.mark.parametrize(("value", "read"), [(True, "group"), (False, "none"), ("batch", "batch")])

@@ -17,6 +17,7 @@ from typing import Any
 import posttune_dpo
 import posttune_fsdp2
 import posttune_llama
+import posttune_lora
 import posttune_memory
 import posttune_sft
 import posttune_torchao
@@ -40,6 +41,7 @@ SHAPE = {"vocab_size": 4096, "hidden_size": 128, "intermediate_size": 384, "num_
 @pytest.fixture
 def registry(register_plugin, posttune_plugins):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
     register_plugin(posttune_dpo, distribution="posttune-dpo", version="0.1.0")
@@ -129,12 +131,12 @@ def test_the_activation_formula_counts_what_adapters_save_in_their_dtype(adapter
     """All-linear LoRA on a bf16 layer: in the model's dtype the adapters save their rank-wide values only; fp32
     ones (``adapter.dtype``) also save each input cast to fp32 (1.77x a layer's activations here; the estimate
     missed it, a review found), counted as an upper bound (the bf16 inputs no longer kept are not taken off)."""
-    from posttune.adapters import apply_adapters
+    from posttune_lora.layer import apply_lora
     from posttune.estimate import decoder_shape
     from posttune_llama.model import build
 
     model = build(**{**SHAPE, "num_layers": 1}).to(torch.bfloat16)
-    apply_adapters(model, targets="all-linear", rank=8, alpha=16, dtype=adapter_dtype)
+    apply_lora(model, targets="all-linear", rank=8, alpha=16, dtype=adapter_dtype)
     saved, _ = saved_by_first_layer(model, torch.bfloat16)
     shape = decoder_shape(model, 8)
     assert shape.adapters_per_layer == 7 and (shape.widened > 0) == (adapter_dtype == torch.float32)
@@ -463,6 +465,7 @@ def test_frozen_roles_keep_their_own_lines(register_plugin, posttune_plugins, tm
     from run_support import dpo_config
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_dpo, distribution="posttune-dpo", version="0.1.0")
     registry = posttune_plugins.registry
     full = estimate(resolve_plan(validate(dpo_config(tmp_path / "a")), registry))

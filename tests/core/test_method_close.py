@@ -12,6 +12,7 @@ import os
 import signal
 
 import posttune_llama
+import posttune_lora
 import posttune_sft
 import pytest
 import yaml
@@ -78,6 +79,7 @@ class ClosingSFT:
 @pytest.fixture
 def run(register_plugin, posttune_cli, tmp_path):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(ClosingSFT(), name="closing", distribution="closing-sft", version="1")
     CLOSED.clear()

@@ -83,7 +83,8 @@ def test_each_role_is_built_as_its_method_declares(registry):
 
 
 def test_adapters_off_makes_the_role_the_policy_itself_under_an_adapter(registry):
-    plan = resolve_plan(config(method={"name": "roles", "base_off": True}, adapter={"rank": 4}), registry)
+    plan = resolve_plan(config(method={"name": "roles", "base_off": True}, adapter={"kind": "fadapt", "rank": 4}),
+                        registry)
     assert plan.roles["base"].shares_policy and not plan.roles["whole"].shares_policy
     assert "base: the policy with its adapters disabled (no copy)" in [step.what for step in plan.steps]
 

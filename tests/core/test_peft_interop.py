@@ -19,6 +19,7 @@ from run_support import compose_run, sft_config
 from safetensors.torch import load_file, save_file
 
 import posttune_llama
+import posttune_lora
 import posttune_phi3
 import posttune_sft
 from posttune.testing.tiny import TINY, tiny_hf_model, tiny_llama_config
@@ -33,6 +34,7 @@ OPTIONS = {"lora": {}, "dora": {"use_dora": True}, "rslora": {"use_rslora": True
 def families(register_plugin):
     """The families `posttune merge` reads and the method of an ``init_from`` run, in the isolated plugin set."""
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_phi3, distribution="posttune-phi3", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
@@ -129,7 +131,7 @@ def test_a_peft_head_copy_that_is_not_the_bases_head_is_refused_in_one_line(fami
 def test_target_modules_select_the_layers_peft_adapts(config):
     """PEFT's own ``get_peft_model`` on the transformers model is the reference: ``all-linear`` leaves the output
     head out, list entries are names or dotted suffixes, a string a full regex."""
-    from posttune.adapters.peft_format import peft_targets_match
+    from posttune_lora.peft_format import peft_targets_match
 
     model = transformers.LlamaForCausalLM(tiny_llama_config())
     linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
@@ -146,7 +148,7 @@ def test_rank_and_alpha_patterns_pick_the_key_peft_picks(name):
     matches wins: PEFT's ``get_pattern_key``."""
     from peft.utils.other import get_pattern_key
 
-    from posttune.adapters.peft_format import _pattern_value
+    from posttune_lora.peft_format import _pattern_value
 
     patterns = {"up_proj": 8, r"layers\.1\..*": 16, "q_proj": 2}
     key = get_pattern_key(patterns.keys(), name)

@@ -24,7 +24,8 @@ def config(**sections):
 
 def test_plan_lists_each_stage_with_its_provider_in_composition_order(registry):
     plan = resolve_plan(config(parallel={"plans": ["fsdp", "tensor"], "dims": {"tp": 2}},
-                               memory=["ckpt", "opt_bwd"], adapter={"rank": 4}), registry, world_size=4)
+                               memory=["ckpt", "opt_bwd"], adapter={"kind": "fadapt", "rank": 4}), registry,
+                       world_size=4)
     stages = [step.stage for step in plan.steps]
     assert stages == ["distributed", "build", "adapt", "parallelize", "parallelize", "parallelize", "load",
                       "data", "optimizer", "optimizer", "method", "train"]
@@ -32,7 +33,7 @@ def test_plan_lists_each_stage_with_its_provider_in_composition_order(registry):
     assert parallel == ["parallel plan 'tensor'", "memory technique 'ckpt'", "parallel plan 'fsdp'"]
     assert plan.mesh == {"dp_shard": 2, "tp": 2}
     assert plan.steps[1].provider == "posttune-fake 9.9"
-    assert "lora rank 4 on q, v" in plan.steps[2].what
+    assert "fadapt rank 4 on q, v" in plan.steps[2].what
 
 
 def test_one_process_runs_the_same_config_with_plans_inactive(registry):

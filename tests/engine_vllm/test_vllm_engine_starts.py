@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from posttune.adapters import apply_adapters  # noqa: E402
+from posttune_lora.layer import apply_lora  # noqa: E402
 from posttune.plugin import (  # noqa: E402  # noqa: E402
     ConfigError,
     EnginePolicy,
@@ -70,7 +70,7 @@ def test_lora_as_a_vllm_adapter(checkpoint, rslora):
     (``use_rslora`` in adapter_config.json; at rank 4 the two scales differ by 2x)."""
     _, path = checkpoint
     policy = load_model(path)
-    apply_adapters(policy, targets=["*q_proj", "*v_proj"], rank=4, alpha=8.0, rslora=rslora)
+    apply_lora(policy, targets=["*q_proj", "*v_proj"], rank=4, alpha=8.0, rslora=rslora)
     engine = start_engine("vllm", {"lora": "adapter"}, live(policy, 0), sampling=SAMPLED)
     try:
         for version in (1, 2):

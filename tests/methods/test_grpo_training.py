@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import posttune_grpo
+import posttune_lora
 import pytest
 import torch
 from posttune.plugin import RewardFunction, hookimpl
@@ -45,6 +46,7 @@ def llama_grpo(register_plugin):
     import posttune_sft
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
     register_plugin(TestRewards(), name="test_rewards", distribution="test-rewards", version="1")
@@ -179,7 +181,7 @@ def test_behaviour_log_probs_equal_a_fresh_forward_pass(llama_grpo, tmp_path):
 
 
 def test_kl_needs_a_reference_which_lora_gets_by_disabling_adapters(llama_grpo, tmp_path, capsys):
-    from posttune.adapters import AdaptersOff, save_peft_adapter
+    from posttune.adapters import AdaptersOff, save_adapter
 
     full = compose_run(vowel_config(tmp_path / "full", method={"beta": 0.04}))
     assert "reference" in full.models and not isinstance(full.models["reference"], AdaptersOff)
@@ -187,7 +189,7 @@ def test_kl_needs_a_reference_which_lora_gets_by_disabling_adapters(llama_grpo, 
     assert isinstance(lora.models["reference"], AdaptersOff)
     assert "warning" not in capsys.readouterr().err
     # started from a saved adapter, the reference is still the base model: said, since the KL starts above 0
-    saved = save_peft_adapter(lora.model, tmp_path / "adapter")
+    saved = save_adapter(lora.model, tmp_path / "adapter")
     compose_run(vowel_config(tmp_path / "init", method={"beta": 0.04},
                              adapter={"rank": 4, "alpha": 8, "init_from": str(saved)}))
     assert ("posttune: warning: adapter.init_from: the reference model is the policy with its adapters off, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from posttune.adapters import LoRALinear
+from posttune_lora.layer import LoRALinear
 from posttune.plugin import head_weight
 from posttune_kd.chunked import Head, Settings, chunked_kd_loss, plain_kd_loss
 from posttune_kd.divergences import token_divergence

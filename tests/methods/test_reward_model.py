@@ -20,6 +20,7 @@ import yaml
 from run_support import dpo_config
 
 import posttune_llama
+import posttune_lora
 import posttune_qwen
 import posttune_rm
 from posttune.testing.tiny import TINY, save_tiny_hf_checkpoint, tiny_llama_config
@@ -30,6 +31,7 @@ TOL = 1e-6
 @pytest.fixture
 def llama_rm(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
     register_plugin(posttune_rm, distribution="posttune-rm", version="0.1.0")
 
@@ -241,11 +243,11 @@ def test_a_lora_reward_model_loads_in_peft_with_its_score_head_and_resumes(llama
     with torch.no_grad():
         theirs = model(input_ids=ids, attention_mask=(ids != 4).long()).logits
 
-    from posttune.plugin import load_peft_adapter, load_model, sequence_scores
+    from posttune.plugin import load_adapter, load_model, sequence_scores
     from posttune.checkpoint.score_head import add_score_head
 
     ours_model = add_score_head(load_model(source, dtype="fp32"))
-    load_peft_adapter(ours_model, out / "adapter")
+    load_adapter(ours_model, out / "adapter")
     with torch.no_grad():
         ours = sequence_scores(ours_model.eval()(ids), ids, 4)
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours, theirs)

@@ -19,6 +19,7 @@ import torch
 from rank_support import run_ranks
 
 import posttune_llama
+import posttune_lora
 from posttune.generation import SamplingError, check_sampling, context_length, generate_batch
 from posttune.modules import RotaryEmbedding
 from posttune.testing.tiny import native_from_hf, save_tiny_hf_checkpoint, tiny_hf_model, tiny_llama_config
@@ -40,6 +41,7 @@ def short_context_checkpoint(path, template="llama3"):
 @pytest.fixture
 def checkpoint(tmp_path, register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     return short_context_checkpoint(tmp_path)
 
 
@@ -122,6 +124,7 @@ def test_a_tiny_temperature_samples_the_greedy_completion(checkpoint, posttune_c
 def test_an_empty_prompt_is_one_line(tmp_path, register_plugin, posttune_cli):
     """The chatml tiny tokenizer adds no BOS: "" is no tokens at all."""
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     path, tokenizer = short_context_checkpoint(tmp_path, template="chatml")
     assert tokenizer.encode("") == []
     result = posttune_cli("generate", "--model", str(path), "--prompt", "hi", "--prompt", "")

@@ -7,6 +7,7 @@ sampling settings are checked when they are made."""
 from __future__ import annotations
 
 import posttune_llama
+import posttune_lora
 import pytest
 import torch
 from posttune.generation import Sampling, SamplingError, generate_batch
@@ -21,6 +22,7 @@ SEEDS = [11, 12, 13]
 def policy(register_plugin) -> torch.nn.Module:
     """A tiny Llama with seeded random weights, as `posttune train` builds the policy (with its origin)."""
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     model = build_model("llama", "tiny", vocab_size=384)
     torch.manual_seed(0)
     with torch.no_grad():

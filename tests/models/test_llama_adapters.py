@@ -14,16 +14,17 @@ import transformers
 
 import posttune
 import posttune_llama
+import posttune_lora
 from posttune.adapters import (
     adapted_key,
     adapter_state_dict,
     adapters_disabled,
-    apply_adapters,
     init_adapters,
-    load_peft_adapter,
+    load_adapter,
     merge_adapters,
-    save_peft_adapter,
+    save_adapter,
 )
+from posttune_lora.layer import apply_lora
 from posttune.checkpoint import materialize as mat
 from posttune.errors import PosttuneError
 from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
@@ -38,6 +39,7 @@ TARGETS = list(posttune_llama.LORA_TARGETS)
 @pytest.fixture(autouse=True)
 def llama_plugin(register_plugin):
     register_plugin(posttune_llama, name="llama", distribution="posttune-llama")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,7 @@ def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def adapted_llama(checkpoint, kind: str, seed: int = 1, rslora: bool = False):
     model = posttune.load_model(checkpoint)
-    apply_adapters(model, targets=TARGETS, rank=4, alpha=8, dropout=0.1, kind=kind, rslora=rslora)
+    apply_lora(model, targets=TARGETS, rank=4, alpha=8, dropout=0.1, kind=kind, rslora=rslora)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for key, tensor in adapter_state_dict(model).items():
@@ -82,7 +84,7 @@ def adapted_llama(checkpoint, kind: str, seed: int = 1, rslora: bool = False):
 def test_peft_loads_the_saved_adapter_with_posttune_logits(checkpoint, tmp_path, kind, rslora):
     model = adapted_llama(checkpoint, kind, rslora=rslora)
     assert model.layers[0].attn.q_proj.scaling == (8 / 2 if rslora else 8 / 4)  # alpha / sqrt(r), alpha / r
-    save_peft_adapter(model, tmp_path / "adapter")
+    save_adapter(model, tmp_path / "adapter")
     reference = peft.PeftModel.from_pretrained(hf_model(checkpoint), tmp_path / "adapter").eval()
     assert reference.peft_config["default"].use_dora is (kind == "dora")
     assert reference.peft_config["default"].use_rslora is rslora
@@ -119,7 +121,7 @@ def test_an_adapter_trained_with_peft_loads_into_posttune(checkpoint, tmp_path, 
                 param.add_(torch.randn_like(param) * 0.1)
     reference.save_pretrained(tmp_path / "peft")
     model = posttune.load_model(checkpoint)
-    names = load_peft_adapter(model, tmp_path / "peft")
+    names = load_adapter(model, tmp_path / "peft")
     assert names == [f"layers.{i}.{m}" for i in range(2) for m in ("attn.q_proj", "attn.v_proj", "mlp.down_proj")]
     assert_close(logits(model), logits(reference.eval()))
 
@@ -131,12 +133,12 @@ def test_an_adapter_trained_with_peft_loads_into_posttune(checkpoint, tmp_path, 
     ("alora_invocation_tokens", [5, 7]), ("trainable_token_indices", [3]), ("layer_replication", [[0, 2]]),
     ("use_qalora", True)])
 def test_a_peft_option_posttune_does_not_implement_is_refused_naming_it(checkpoint, tmp_path, key, value):
-    out = save_peft_adapter(adapted_llama(checkpoint, "lora"), tmp_path / "adapter")
+    out = save_adapter(adapted_llama(checkpoint, "lora"), tmp_path / "adapter")
     config = json.loads((out / "adapter_config.json").read_text())
     (out / "adapter_config.json").write_text(json.dumps({**config, key: value}))
     refusal = f"adapter_config.json: {key}={value!r} is not supported by posttune's"
     with pytest.raises(PosttuneError, match=re.escape(refusal)):
-        load_peft_adapter(posttune.load_model(checkpoint), out)
+        load_adapter(posttune.load_model(checkpoint), out)
 
 
 @pytest.mark.parametrize("init", ["pissa", "olora"])
@@ -147,7 +149,7 @@ def test_an_adapter_whose_init_changed_peft_s_base_is_refused(checkpoint, tmp_pa
                              task_type="CAUSAL_LM")
     peft.get_peft_model(hf_model(checkpoint), config).save_pretrained(tmp_path / "peft")
     with pytest.raises(PosttuneError) as error:
-        load_peft_adapter(posttune.load_model(checkpoint), tmp_path / "peft")
+        load_adapter(posttune.load_model(checkpoint), tmp_path / "peft")
     assert str(error.value) == (f"{tmp_path / 'peft' / 'adapter_config.json'}: init_lora_weights={init!r} is not "
                                 "supported by posttune's adapters: its weights apply to a base PEFT changes when it "
                                 "loads them; save it from PEFT with path_initial_model_for_weight_conversion (a "
@@ -158,21 +160,21 @@ def test_an_adapter_whose_init_changed_peft_s_base_is_refused(checkpoint, tmp_pa
 def test_every_init_that_changes_the_base_is_refused(checkpoint, tmp_path, init):
     """The rest of PEFT's base-changing initialisations (their PEFT runs need data or a quantiser): the same
     refusal, named as the file spells it."""
-    out = save_peft_adapter(adapted_llama(checkpoint, "lora"), tmp_path / "adapter")
+    out = save_adapter(adapted_llama(checkpoint, "lora"), tmp_path / "adapter")
     config = json.loads((out / "adapter_config.json").read_text())
     (out / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": init}))
     with pytest.raises(PosttuneError, match=re.escape(f"init_lora_weights={init!r} is not supported")):
-        load_peft_adapter(posttune.load_model(checkpoint), out)
+        load_adapter(posttune.load_model(checkpoint), out)
 
 
 def test_an_adapter_config_without_lora_alpha_scales_as_peft_defaults_it(checkpoint, tmp_path):
     """PEFT reads a missing ``lora_alpha`` as LoraConfig's default (8): posttune the same, the same logits."""
-    out = save_peft_adapter(adapted_llama(checkpoint, "lora"), tmp_path / "adapter")  # rank 4, alpha 8
+    out = save_adapter(adapted_llama(checkpoint, "lora"), tmp_path / "adapter")  # rank 4, alpha 8
     config = json.loads((out / "adapter_config.json").read_text())
     del config["lora_alpha"]
     (out / "adapter_config.json").write_text(json.dumps(config))
     model = posttune.load_model(checkpoint)
-    load_peft_adapter(model, out)
+    load_adapter(model, out)
     reference = peft.PeftModel.from_pretrained(hf_model(checkpoint), out).eval()
     assert_close(logits(model), logits(reference))
 
@@ -183,7 +185,7 @@ def test_an_adapter_of_the_embedding_is_refused_naming_the_layer(checkpoint, tmp
     with pytest.raises(PosttuneError, match=r"belongs to no adapter of this model: 'model.embed_tokens' is no linear "
                                             r"layer posttune adapts \(an embedding, say; adapter_config.json "
                                             r"target_modules names it\)$"):
-        load_peft_adapter(posttune.load_model(checkpoint), tmp_path / "peft")
+        load_adapter(posttune.load_model(checkpoint), tmp_path / "peft")
 
 
 @pytest.mark.parametrize("kind", ["lora", "dora"])
@@ -192,7 +194,7 @@ def test_meta_build_inject_materialise_load_init(checkpoint, kind):
     family = posttune_llama.LLAMA
     kwargs = family.from_hf_config(loaded.posttune_origin.hf_config)
     model = mat.build(family.build, kwargs, torch.float32, "meta")
-    apply_adapters(model, targets=TARGETS, rank=4, alpha=8, kind=kind)
+    apply_lora(model, targets=TARGETS, rank=4, alpha=8, kind=kind)
     mat.materialize(model, "cpu")
     state = model.state_dict()
     for key, tensor in loaded.state_dict().items():  # what the trainer's loader does, by adapted_key

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 import posttune_llama
+import posttune_lora
 from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
 from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
@@ -18,6 +19,7 @@ from posttune.tokenizer import load_tokenizer
 @pytest.fixture
 def base(tmp_path_factory, register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     path = tmp_path_factory.mktemp("base")
     save_tiny_tokenizer(path, template="llama3")
     tokenizer = load_tokenizer(path)

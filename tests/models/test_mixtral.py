@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 import posttune
 import posttune_llama
+import posttune_lora
 from logits import IDS, assert_close, native_logits, transformers_logits
 from posttune.generation import generate
 from posttune.plugin import PosttuneError
@@ -53,6 +54,7 @@ def edit_config(path: Path, **fields) -> None:
 @pytest.fixture(autouse=True)
 def llama_plugin(register_plugin):
     register_plugin(posttune_llama, name="llama", distribution="posttune-llama")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -19,8 +19,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import posttune
+import posttune_lora
 import posttune_phi3
-from posttune.adapters import apply_adapters, load_peft_adapter, save_peft_adapter
+from posttune.adapters import load_adapter, save_adapter
+from posttune_lora.layer import apply_lora
 from posttune.errors import PosttuneError
 from posttune.generation import generate
 from posttune.testing.tiny import TINY, tiny_hf_model
@@ -202,7 +204,7 @@ def test_a_fused_tensor_of_the_wrong_size_is_one_line(checkpoint):
 def trained_adapters(path, *, kind: str, targets: list[str], rslora: bool = False):
     """The checkpoint with adapters whose A, B (and magnitudes) are random, as after training."""
     model = posttune.load_model(path, dtype="float32")
-    apply_adapters(model, targets=targets, rank=2, alpha=6, kind=kind, rslora=rslora)
+    apply_lora(model, targets=targets, rank=2, alpha=6, kind=kind, rslora=rslora)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -221,7 +223,7 @@ def test_adapters_load_in_peft_on_transformers_phi3_with_equal_logits(checkpoint
     alpha / sqrt(r) is the scale); a part without an adapter gets zero blocks."""
     hf_model, path = checkpoint("phi4_mini")
     model = trained_adapters(path, kind=kind, targets=targets, rslora=rslora)
-    out = save_peft_adapter(model, tmp_path / "adapter")
+    out = save_adapter(model, tmp_path / "adapter")
     config = json.loads((out / "adapter_config.json").read_text())
     fused = {"qkv_proj": 3} if "attn.q_proj" in targets else {}
     if "mlp.gate_proj" in targets:
@@ -232,7 +234,7 @@ def test_adapters_load_in_peft_on_transformers_phi3_with_equal_logits(checkpoint
     assert max_diff(peft_model, model, ids(40)) <= TOL
     assert max_diff(hf_model, model, ids(40)) > 1e-2  # the adapters change the model
     reloaded = posttune.load_model(path, dtype="float32")
-    load_peft_adapter(reloaded, out)  # split back: each part's own rank-r adapter
+    load_adapter(reloaded, out)  # split back: each part's own rank-r adapter
     with torch.no_grad():
         assert torch.equal(reloaded.eval()(ids(40)), model(ids(40)))
     assert reloaded.layers[0].attn.q_proj.rank == 2
@@ -241,10 +243,10 @@ def test_adapters_load_in_peft_on_transformers_phi3_with_equal_logits(checkpoint
 def test_resuming_q_v_adapters_keeps_the_zero_k_block_out(checkpoint, tmp_path):
     _, path = checkpoint("phi3")
     model = trained_adapters(path, kind="lora", targets=["attn.q_proj", "attn.v_proj"])
-    out = save_peft_adapter(model, tmp_path / "adapter")
+    out = save_adapter(model, tmp_path / "adapter")
     resumed = posttune.load_model(path, dtype="float32")
-    apply_adapters(resumed, targets=["attn.q_proj", "attn.v_proj"], rank=2, alpha=6)
-    load_peft_adapter(resumed, out)
+    apply_lora(resumed, targets=["attn.q_proj", "attn.v_proj"], rank=2, alpha=6)
+    load_adapter(resumed, out)
     assert not hasattr(resumed.layers[0].attn.k_proj, "lora_A")
     with torch.no_grad():
         assert torch.equal(resumed.eval()(ids(24)), model(ids(24)))
@@ -262,9 +264,9 @@ def test_fused_adapters_that_are_not_per_part_adapters_of_one_rank_are_refused_i
     def refusal(targets: list[str], rank: int, alpha: float, **overrides) -> str:
         (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({**saved, **overrides}))
         model = posttune.load_model(path, dtype="float32")
-        apply_adapters(model, targets=targets, rank=rank, alpha=alpha)
+        apply_lora(model, targets=targets, rank=rank, alpha=alpha)
         with pytest.raises(PosttuneError) as caught:
-            load_peft_adapter(model, tmp_path / "peft")
+            load_adapter(model, tmp_path / "peft")
         return str(caught.value)
 
     qkv = ["attn.q_proj", "attn.k_proj", "attn.v_proj"]
@@ -285,6 +287,7 @@ def phi3_plugins(register_plugin):
     import posttune_sft
 
     register_plugin(posttune_phi3, distribution="posttune-phi3", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")  # phi4-mini-sft
 

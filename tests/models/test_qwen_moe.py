@@ -176,21 +176,21 @@ def test_tiny_sizes_build_and_route(family):
 
 @pytest.mark.parametrize("target", ["layers.*.mlp.experts", "experts.gate_proj", "layers.0.mlp.experts.down_proj"])
 def test_lora_on_stacked_experts_is_refused_with_the_reason(target):
-    from posttune.adapters import apply_adapters
+    from posttune_lora.layer import apply_lora
 
     model = posttune.build_model("qwen3_moe", "tiny")
     with pytest.raises(PosttuneError, match=rf"^adapters: target '{target}' names stacked expert weights "
-                                            r"\(layers\.\*\.mlp\.experts\.\w+\), which LoRA does not adapt yet"):
-        apply_adapters(model, targets=["attn.q_proj", target])
+                                            r"\(layers\.\*\.mlp\.experts\.\w+\), which adapters do not adapt yet"):
+        apply_lora(model, targets=["attn.q_proj", target])
 
 
 @pytest.mark.parametrize("target", ["mlp.gate", "mlp.experts.0.gate_proj"])
 def test_a_peft_recipes_router_or_per_expert_target_is_told_they_take_no_adapter(target):
-    from posttune.adapters import apply_adapters
+    from posttune_lora.layer import apply_lora
 
     model = posttune.build_model("qwen3_moe", "tiny")
     with pytest.raises(PosttuneError) as refused:
-        apply_adapters(model, targets=[target])
+        apply_lora(model, targets=[target])
     assert str(refused.value).startswith(f"adapters: target '{target}' matches no linear layer")
     assert str(refused.value).endswith("; on this mixture of experts the routers and the stacked experts "
                                        "(layers.*.mlp.experts.gate_proj, Hugging Face's mlp.gate and mlp.experts.N.*) "
@@ -198,12 +198,13 @@ def test_a_peft_recipes_router_or_per_expert_target_is_told_they_take_no_adapter
 
 
 def test_default_lora_targets_adapt_attention_and_shared_experts():
-    from posttune.adapters import adapted_modules, apply_adapters
+    from posttune.adapters import adapted_modules
     from posttune.plugin import lookup
+    from posttune_lora.layer import apply_lora
 
     for family, shared in (("qwen3_moe", False), ("qwen2_moe", True)):
         model = posttune.build_model(family, "tiny")
-        apply_adapters(model, targets=lookup("model_family", family).lora_targets)
+        apply_lora(model, targets=lookup("model_family", family).lora_targets)
         names = {name.split(".", 2)[2] for name in adapted_modules(model)}
         expected = {f"attn.{p}_proj" for p in "qkvo"} | ({f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")}
                                                         if shared else set())

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+import posttune_lora
 import posttune_qwen
 from posttune.errors import PosttuneError
 from posttune.testing.tiny import tiny_hf_model
@@ -152,6 +153,7 @@ def test_plugin_registers_both_families_and_converters(register_plugin):
     from posttune.plugins import get_registry
 
     register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     registry = get_registry()
     assert registry.get("model_family", "qwen2").architectures == ("Qwen2ForCausalLM",)
     assert registry.get("model_family", "qwen3").architectures == ("Qwen3ForCausalLM",)

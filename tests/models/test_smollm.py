@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 import posttune
 import posttune_llama
+import posttune_lora
 import posttune_sft
 from posttune.config import load_config, validate
 from posttune.errors import PosttuneError
@@ -132,6 +133,7 @@ def smollm2(register_plugin, tmp_path, monkeypatch):
     """A tiny SmolLM2 checkpoint (tied LlamaForCausalLM) with its chat template, and an SFT session on it."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     checkpoint = tmp_path / "smollm2"
     hf_model = tiny_hf_model(tiny_llama_config(vocab_size=384, tie_word_embeddings=True))

@@ -11,6 +11,7 @@ import pytest
 import posttune_cp
 import posttune_fsdp2
 import posttune_llama
+import posttune_lora
 import posttune_loss_parallel
 import posttune_sft
 import posttune_tp
@@ -24,7 +25,8 @@ from posttune.plugins import get_registry
 def plugins(register_plugin):
     for module, dist in ((posttune_llama, "posttune-llama"), (posttune_sft, "posttune-sft"),
                          (posttune_fsdp2, "posttune-fsdp2"), (posttune_tp, "posttune-tp"),
-                         (posttune_loss_parallel, "posttune-loss-parallel"), (posttune_cp, "posttune-cp")):
+                         (posttune_loss_parallel, "posttune-loss-parallel"), (posttune_cp, "posttune-cp"),
+                         (posttune_lora, "posttune-lora")):
         register_plugin(module, distribution=dist, version="0.1.0")
 
 

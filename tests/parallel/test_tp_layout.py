@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from posttune.adapters import apply_adapters
+from posttune_lora.layer import apply_lora
 from posttune.training import distributed
 from posttune_llama import LLAMA, LORA_TARGETS
 from posttune_llama.model import build
@@ -64,7 +64,7 @@ def test_llama_plan_layout_and_tied_embedding(tp_mesh):
 
 def test_lora_under_tp_shards_with_its_base_and_stays_the_only_trainable_part(tp_mesh):
     model = tiny()
-    apply_adapters(model, targets=LORA_TARGETS, rank=4, alpha=8)
+    apply_lora(model, targets=LORA_TARGETS, rank=4, alpha=8)
     apply(session_for(model, tp_mesh))
     colwise, rowwise = "layers.0.attn.q_proj", "layers.0.mlp.down_proj"
     assert placements(model, f"{colwise}.base.weight") == (Shard(0),)

@@ -10,10 +10,11 @@ import transformers
 from memory_support import compose_run, sft_config
 
 import posttune_llama
+import posttune_lora
 import posttune_memory
 import posttune_sft
 import posttune_torchao
-from posttune.adapters import apply_adapters
+from posttune_lora.layer import apply_lora
 from posttune.training.optim import param_groups, rescale_lr
 from posttune.training.run_report import banner
 from posttune.training.trainer import train
@@ -25,6 +26,7 @@ TRAIN = {"max_steps": 2, "lr": LR, "weight_decay": 0.1, "scheduler": "cosine", "
 @pytest.fixture
 def plugins(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
     register_plugin(posttune_torchao, distribution="posttune-torchao", version="0.1.0")
@@ -54,7 +56,7 @@ def test_the_groups_are_peft_s(plugins):
                                                  target_modules=["q_proj", "v_proj", "down_proj"]))
     theirs = create_loraplus_optimizer(hf, torch.optim.AdamW, lr=LR, loraplus_lr_ratio=RATIO)
     ours = build(**size)
-    apply_adapters(ours, targets=["layers.*.attn.q_proj", "layers.*.attn.v_proj", "layers.*.mlp.down_proj"],
+    apply_lora(ours, targets=["layers.*.attn.q_proj", "layers.*.attn.v_proj", "layers.*.mlp.down_proj"],
                    rank=4, alpha=8, kind="dora")
     groups = [{"lr": LR, **group} for group in param_groups(ours.named_parameters(), 0.1, lora_plus=(LR, RATIO))]
     expected = shapes_by_lr(group for group in theirs.param_groups if group["params"])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from memory_support import batch, fake_session, grads, tiny_llama, twin
 
-from posttune.adapters import apply_adapters
+from posttune_lora.layer import apply_lora
 from posttune.errors import PosttuneError
 from posttune.losses import token_cross_entropy, token_logps
 from posttune_memory import ChunkedCrossEntropyConfig
@@ -82,7 +82,7 @@ def test_chunked_loss_applies_the_models_logit_softcap_per_chunk():
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 def test_chunked_loss_matches_with_an_adapted_output_head(kind):
     plain = tiny_llama()
-    apply_adapters(plain, targets=["output", "q_proj"], rank=4, alpha=8, kind=kind)
+    apply_lora(plain, targets=["output", "q_proj"], rank=4, alpha=8, kind=kind)
     with torch.no_grad():  # a trained adapter: B = 0 would hide a wrong formula
         for name, param in plain.named_parameters():
             if "lora_B" in name:
@@ -110,7 +110,7 @@ def test_chunked_logps_and_entropies_match_the_plain_path_and_train_the_same(cap
 
 def test_adapter_dropout_on_the_head_is_refused():
     model = tiny_llama()
-    apply_adapters(model, targets=["output"], rank=4, alpha=8, dropout=0.1)
+    apply_lora(model, targets=["output"], rank=4, alpha=8, dropout=0.1)
     with pytest.raises(PosttuneError, match="adapter.dropout"):
         chunked(model)
 

@@ -16,8 +16,10 @@ from safetensors.torch import load_file, save_file
 
 import posttune
 import posttune_llama
+import posttune_lora
 import posttune_torchao
-from posttune.adapters import apply_adapters, merge_adapters, save_peft_adapter
+from posttune.adapters import merge_adapters, save_adapter
+from posttune_lora.layer import apply_lora
 from posttune.cli.main import build_parser
 from posttune.descriptors import QuantizedFormat
 from posttune.errors import PosttuneError
@@ -35,6 +37,7 @@ NEW_TOKENS = 10
 def _register(plugins):
     plugins.register(posttune_llama, name="llama", distribution="posttune-llama", version="0.1.0")
     plugins.register(posttune_torchao, name="torchao", distribution="posttune-torchao", version="0.1.0")
+    plugins.register(posttune_lora, name="lora", distribution="posttune-lora", version="0.1.0")
 
 
 @pytest.fixture
@@ -140,13 +143,13 @@ def test_quantized_logits_stay_close_to_the_float_model(exports, plugins, scheme
 
 def test_an_adapter_is_merged_before_quantizing(exports, plugins, tmp_path):
     base = posttune.load_model(exports / "float")
-    apply_adapters(base, targets=["layers.*.attn.q_proj", "layers.*.mlp.down_proj"], rank=4, alpha=8.0)
+    apply_lora(base, targets=["layers.*.attn.q_proj", "layers.*.mlp.down_proj"], rank=4, alpha=8.0)
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
         for name, param in base.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    save_peft_adapter(base, tmp_path / "adapter")
+    save_adapter(base, tmp_path / "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(exports / "float")  # --adapter alone finds its base
     done = run_cli("quantize", "--adapter", str(tmp_path / "adapter"), "-o", str(tmp_path / "int8"), "--device", "cpu")
@@ -272,6 +275,7 @@ def test_the_core_asks_the_format_the_checkpoint_names(exports, register_plugin,
         return _read_negated(files)
 
     register_plugin(posttune_llama, distribution="posttune-llama")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(module_plugin("toy", posttune_register_quantized_formats=lambda register: register(
         QuantizedFormat("toy", read=read))))
     toy = _toy_checkpoint(tmp_path, exports)
@@ -287,6 +291,7 @@ def test_the_core_asks_the_format_the_checkpoint_names(exports, register_plugin,
 
 def test_quantized_checkpoints_are_checked_like_any_other(exports, register_plugin, tmp_path):
     register_plugin(posttune_llama, distribution="posttune-llama")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(module_plugin("toy", posttune_register_quantized_formats=lambda register: register(
         QuantizedFormat("toy", read=lambda files: _read_negated(files, skip={"model.norm.weight"})))))
     with pytest.raises(PosttuneError, match=r"missing tensor 'model.norm.weight' \(native 'norm.weight'\): the "

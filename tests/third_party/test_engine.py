@@ -11,6 +11,7 @@ from pathlib import Path
 import posttune_grpo
 import posttune_kd
 import posttune_llama
+import posttune_lora
 import pytest
 import yaml
 from posttune.plugin import hookimpl
@@ -32,6 +33,7 @@ class EnginePlugin:
 @pytest.fixture
 def plugins(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
     register_plugin(posttune_kd, distribution="posttune-kd", version="0.1.0")
     register_plugin(EnginePlugin(), name="thirdparty", distribution="posttune-thirdparty", version="0.1.0")

@@ -40,7 +40,10 @@ def phi3(register_plugin, tmp_path):
     """transformers' tiny random Phi3ForCausalLM (GQA 4:2, RoPE base 5000) saved under tmp_path/hf."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
+    import posttune_lora
+
     register_plugin(FusedFamilyPlugin(), name="thirdparty-fused", distribution="posttune-thirdparty")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     torch.manual_seed(0)
     config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -103,16 +106,17 @@ def test_a_peft_adapter_on_a_fused_family_is_written_on_the_fused_modules(phi3, 
     here q/k/v of rank 2 as one qkv_proj adapter of rank 6, which PEFT applies to transformers' model."""
     import peft
 
-    from posttune.adapters import apply_adapters, save_peft_adapter
+    from posttune.adapters import save_adapter
+    from posttune_lora.layer import apply_lora
 
     reference, path = phi3
     model = posttune.load_model(path, dtype="float32")
-    apply_adapters(model, targets=["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj"], rank=2, alpha=4)
+    apply_lora(model, targets=["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj"], rank=2, alpha=4)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(generator=torch.Generator().manual_seed(len(name)))
-    out = save_peft_adapter(model.eval(), tmp_path / "adapter")
+    out = save_adapter(model.eval(), tmp_path / "adapter")
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["target_modules"], config["rank_pattern"], config["alpha_pattern"]) == (
         ["o_proj", "qkv_proj"], {"qkv_proj": 6}, {"qkv_proj": 12})

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import posttune_llama
+import posttune_lora
 import posttune_sft
 import pytest
 import yaml
@@ -15,6 +16,7 @@ import yaml
 @pytest.fixture
 def llama_sft(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
 

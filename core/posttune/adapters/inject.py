@@ -4,7 +4,7 @@ The trainer's order (docs/architecture.md) is: build on the meta device -> ``app
 quantise / parallelise -> materialise and load base weights -> ``init_adapters``. On a real
 (non-meta) model ``apply_adapters`` initialises the adapters itself.
 
-State-dict names with adapters (see ``lora.py``): a base tensor gains one ``.base`` segment
+State-dict names with adapters (see ``layer.py``): a base tensor gains one ``.base`` segment
 (``layers.0.attn.q_proj.weight`` -> ``layers.0.attn.q_proj.base.weight``); ``base_key`` undoes
 that, so a checkpoint loader maps native names with ``adapted_key`` / ``base_key``.
 """
@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from posttune.adapters.lora import BASE, KINDS, Kind, LoRALinear, adapter_parameter_names
+from posttune.adapters.layer import AdaptedLinear, adapter_parameter_names
+from posttune.checkpoint.keymap import BASE
 from posttune.checkpoint.materialize import tie_groups
 from posttune.errors import PosttuneError
 
@@ -29,24 +30,25 @@ GLOB_CHARS = "*?["
 ALL_LINEAR = "all-linear"
 
 
-def apply_adapters(model: nn.Module, *, targets: Sequence[str] | str, rank: int = 8, alpha: float = 16.0,
-                   dropout: float = 0.0, kind: Kind = "lora", dtype: torch.dtype | None = None,
-                   aliases: Mapping[str, str] | None = None, rslora: bool = False) -> list[str]:
-    """Wrap every ``nn.Linear`` matching a pattern of ``targets`` in ``LoRALinear``; freeze the rest.
+def apply_adapters(model: nn.Module, *, targets: Sequence[str] | str, wrap: Callable[[nn.Linear], nn.Module],
+                   aliases: Mapping[str, str] | None = None) -> list[str]:
+    """Wrap every ``nn.Linear`` matching a pattern of ``targets`` with ``wrap`` (an adapter kind's layer, an
+    ``AdaptedLinear``); freeze the rest.
 
     A pattern is an exact module name, a dotted suffix (``q_proj``, ``attn.q_proj``) or an
     fnmatch glob over the name or a dotted suffix of it (``layers.*.mlp.*``, ``*_proj``).
     It may name a layer natively (``output``, ``attn.q_proj``) or by its checkpoint's Hugging Face
-    module name (``lm_head``, ``self_attn.q_proj``): what PEFT configs and posttune's own
-    ``adapter_config.json`` hold, so they can be pasted in. A pattern selects every layer it names in
-    either naming (the union: both name the same layers, only spelled differently). ``aliases`` maps a
-    native name to that other name (``peft_format.checkpoint_module_names``); none: native names only.
+    module name (``lm_head``, ``self_attn.q_proj``): what PEFT configs and a saved ``adapter_config.json``
+    hold, so they can be pasted in. A pattern selects every layer it names in either naming (the union:
+    both name the same layers, only spelled differently). ``aliases`` maps a native name to that other
+    name (``checkpoint_module_names``); none: native names only.
     Returns the adapted module names. Every pattern must match at least one linear layer:
     a typo would otherwise silently train fewer layers than asked. ``targets="all-linear"`` is PEFT's
     spelling for every linear layer but the output head (``model.output``, the LM or score head).
-    ``rslora``: scale each update by ``alpha / sqrt(rank)`` (rank-stabilised LoRA) instead of ``alpha / rank``.
     """
-    _check_settings(targets, rank, alpha, dropout, kind)
+    if (isinstance(targets, str) and targets != ALL_LINEAR) or not targets:
+        raise PosttuneError(f"adapters: targets must be a non-empty list of module-name patterns or "
+                            f"'{ALL_LINEAR}', got {targets!r}")
     if adapted_modules(model):
         raise PosttuneError("adapters: the model already has adapters; apply them once")
     linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
@@ -63,9 +65,7 @@ def apply_adapters(model: nn.Module, *, targets: Sequence[str] | str, rank: int 
         chosen.extend(name for name in found if name not in chosen)
     chosen.sort(key=list(linears).index)
     for name in chosen:
-        layer = LoRALinear(linears[name], rank=rank, alpha=alpha, dropout=dropout, kind=kind, dtype=dtype,
-                           rslora=rslora)
-        _replace(model, name, layer)
+        _replace(model, name, wrap(linears[name]))
     freeze_base(model)
     return chosen
 
@@ -81,20 +81,6 @@ def matches(name: str | None, pattern: str) -> bool:
     if any(c in pattern for c in GLOB_CHARS):
         return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
     return False
-
-
-def _check_settings(targets: Sequence[str] | str, rank: int, alpha: float, dropout: float, kind: str) -> None:
-    if (isinstance(targets, str) and targets != ALL_LINEAR) or not targets:
-        raise PosttuneError(f"adapters: targets must be a non-empty list of module-name patterns or "
-                            f"'{ALL_LINEAR}', got {targets!r}")
-    if not isinstance(rank, int) or rank < 1:
-        raise PosttuneError(f"adapters: rank must be a positive integer, got {rank!r}")
-    if not alpha > 0:
-        raise PosttuneError(f"adapters: alpha must be positive, got {alpha!r}")
-    if not 0 <= dropout < 1:
-        raise PosttuneError(f"adapters: dropout must be in [0, 1), got {dropout!r}")
-    if kind not in KINDS:
-        raise PosttuneError(f"adapters: kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
 def _unmatched(pattern: str, linears: Iterable[str], aliases: Mapping[str, str]) -> str:
@@ -136,14 +122,14 @@ def _stacked(model: nn.Module, pattern: str) -> str | None:
     if not named:
         return None
     shape = re.sub(r"\.\d+\.", ".*.", named[0])
-    return (f"adapters: target '{pattern}' names stacked expert weights ({shape}), which LoRA does not adapt yet "
+    return (f"adapters: target '{pattern}' names stacked expert weights ({shape}), which adapters do not adapt yet "
             "(PEFT's target_parameters layout is not written); target the attention and shared experts, or train "
             "the experts in full without an adapter")
 
 
 def _moe_note(model: nn.Module) -> str:
     """On a mixture of experts, what a PEFT recipe's router and per-expert names (``mlp.gate``,
-    ``mlp.experts.0.gate_proj``) mean here: neither is a linear layer LoRA adapts."""
+    ``mlp.experts.0.gate_proj``) mean here: neither is a linear layer an adapter wraps."""
     stacked = next(_stacked_parameters(model), None)
     if stacked is None:
         return ""
@@ -152,17 +138,17 @@ def _moe_note(model: nn.Module) -> str:
 
 
 def _check_all_linear(model: nn.Module) -> None:
-    """PEFT's all-linear on a mixture of experts also adapts its routers and experts; LoRA here adapts neither,
+    """PEFT's all-linear on a mixture of experts also adapts its routers and experts; adapters here wrap neither,
     so the same words would train fewer layers than they do in PEFT: refused rather than silently so."""
     stacked = next(_stacked_parameters(model), None)
     if stacked is not None:
         raise PosttuneError(f"adapters: targets 'all-linear' on a mixture of experts ({_generalised(stacked)}): "
-                            "PEFT's all-linear also adapts the routers and the stacked experts, which LoRA does not "
+                            "PEFT's all-linear also adapts the routers and the stacked experts, which adapters do not "
                             "adapt here yet; list the layers to adapt (e.g. attn.*)")
 
 
 def _stacked_parameters(model: nn.Module) -> Iterator[str]:
-    """Names of the stacked (3-D) parameters: a mixture of experts' experts, which LoRA does not adapt."""
+    """Names of the stacked (3-D) parameters: a mixture of experts' experts, which no adapter wraps."""
     return (name for name, param in model.named_parameters() if param.dim() == 3)
 
 
@@ -171,14 +157,14 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
+def adapted_modules(model: nn.Module) -> dict[str, AdaptedLinear]:
     """Every adapted layer by module name, in model order."""
-    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+    return {name: module for name, module in model.named_modules() if isinstance(module, AdaptedLinear)}
 
 
 def plain_state_dict(model: nn.Module, *, device: torch.device | str = "cpu",
                      adapters: bool = True) -> dict[str, torch.Tensor]:
-    """The weights as a plain model of the family holds them, on ``device``: each adapter (LoRA, DoRA)
+    """The weights as a plain model of the family holds them, on ``device``: each adapter
     folded into its base weight under the base name (``adapters=False``: left out, the base weights
     alone), each sharded (DTensor) tensor gathered whole.
 
@@ -227,8 +213,8 @@ def freeze_base(model: nn.Module) -> None:
 
 
 def init_adapters(model: nn.Module, generator: torch.Generator | None = None) -> list[str]:
-    """(Re)initialise every adapter: needed after a meta-device model got its base weights,
-    because DoRA's magnitude starts as the loaded weight's row norms. Returns the module names."""
+    """(Re)initialise every adapter: needed after a meta-device model got its base weights, since a kind's
+    initial tensors may depend on them (DoRA's magnitude: the loaded weight's row norms). Returns the names."""
     layers = adapted_modules(model)
     for name, layer in layers.items():
         if layer.base.weight.device.type == "meta":
@@ -245,7 +231,7 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Only the adapter tensors, under their native-model keys (``...q_proj.lora_A.weight``)."""
+    """Only the adapter tensors, under their native-model keys (``...q_proj.<tensor of the kind>``)."""
     state = model.state_dict()
     return {key: state[key] for key in _adapter_keys(model)}
 

@@ -92,7 +92,7 @@ def load_into(model: nn.Module, path_or_id: str | Path, *, family: str | None = 
     if score_head.score_labels(model) is not None:
         ckpt.converter = score_head.score_converter(ckpt.converter)
         if score_head.checkpoint_labels(ckpt.hf_config) is None:
-            fresh.add(score_head.HEAD)
+            fresh.add(score_head.SCORE_HEAD)
     if ckpt.quantized is not None:
         raise PosttuneError(f"{ckpt.where}: a '{ckpt.quantized.name}'-quantized checkpoint is for inference "
                             f"(load_model, posttune generate); train from the float checkpoint it was exported from")

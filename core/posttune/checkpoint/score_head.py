@@ -26,7 +26,7 @@ from posttune.descriptors import CheckpointConverter
 from posttune.errors import PosttuneError
 
 CAUSAL, SEQUENCE_CLASSIFICATION = "ForCausalLM", "ForSequenceClassification"
-HEAD = "output.weight"  # the native head (posttune.modules.Decoder.output)
+SCORE_HEAD = "output.weight"  # the native head (posttune.modules.Decoder.output)
 HF_LM_HEAD, HF_SCORE = "lm_head.weight", "score.weight"
 LABELS = "score_labels"  # ModelOrigin.extra's key: how many values the head gives per token
 
@@ -84,11 +84,11 @@ def score_converter(converter: CheckpointConverter) -> CheckpointConverter:
 
     def to_native(key: str, tensor: torch.Tensor, hf_config: Mapping[str, Any]) -> Any:
         if key == HF_SCORE:
-            return HEAD, tensor
+            return SCORE_HEAD, tensor
         return None if key == HF_LM_HEAD else converter.to_native(key, tensor, hf_config)
 
     def from_native(key: str, tensor: torch.Tensor, hf_config: Mapping[str, Any]) -> Any:
-        return (HF_SCORE, tensor) if key == HEAD else converter.from_native(key, tensor, hf_config)
+        return (HF_SCORE, tensor) if key == SCORE_HEAD else converter.from_native(key, tensor, hf_config)
 
     return replace(converter, to_native=to_native, from_native=from_native)
 

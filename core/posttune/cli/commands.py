@@ -175,15 +175,13 @@ def resolve_run(source: Any, overrides: list[str], *, world_size: int | None = 1
     """A config (a file, a bundled name or a mapping) and overrides -> the checked Plan: every check `validate`
     makes before any weight loads; ``runs``: those of a run too (its data read, its output directory's state)."""
     from posttune.config import load_config, validate
-    from posttune.plan import resolve_plan
-
-    from posttune.checkpoint.peft_config import check_init_from, warn_of_init_from_base
+    from posttune.checkpoint.peft_config import warn_of_init_from_base
     from posttune.config.data_checks import check_data
+    from posttune.plan import resolve_plan
 
     config = validate(load_config(source, overrides))
     plan = resolve_plan(config, get_registry(), world_size=world_size)
     check_data(plan, runs=runs)  # a missing data file, or a format that cannot read it: refused before any weight loads
-    check_init_from(config.adapter)  # an adapter to start from that cannot be loaded: likewise
     if os.environ.get("RANK", "0") == "0":
         warn_of_init_from_base(config)  # one on another base: allowed, said
     if config.adapter is not None and config.adapter.targets:  # a listed target that matches no linear layer

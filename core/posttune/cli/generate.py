@@ -96,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
     check_causal(base)
     model = load_model(base, dtype=args.dtype, device=device_of(args.device))
     if args.adapter:
-        from posttune.adapters import load_peft_adapter
+        from posttune.adapters import load_adapter
 
-        load_peft_adapter(model, args.adapter)
+        load_adapter(model, args.adapter)
     tokenizer = load_tokenizer(tokenizer_source(base, args.adapter))
     check_fits(tokenizer, model, "--model")
     tokenizer.template_kwargs = template_kwargs

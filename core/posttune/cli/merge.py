@@ -1,4 +1,5 @@
-"""`posttune merge`: fold a PEFT LoRA/DoRA adapter into its base model and save a plain HF checkpoint.
+"""`posttune merge`: fold a saved adapter (LoRA/DoRA, or any installed kind's) into its base model and save a
+plain HF checkpoint.
 
 The merged folder needs neither PEFT nor posttune to load (``AutoModelForCausalLM``, vLLM, llama.cpp's
 converters); it is what ``checkpoint.save_merged`` writes at the end of a run, for an adapter saved
@@ -22,7 +23,7 @@ EXAMPLES = ("posttune merge --adapter runs/lora/adapter -o runs/lora/merged",
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", required=True, type=os.path.expanduser,
-                        help="a PEFT LoRA/DoRA adapter directory (adapter_config.json)")
+                        help="a saved adapter directory (adapter_config.json; LoRA/DoRA or another installed kind)")
     parser.add_argument("--model", help="the base checkpoint directory or hub id (default: the base model the "
                                          "adapter's adapter_config.json names)")
     parser.add_argument("-o", "--output", required=True, help="the folder to write (new or empty)")
@@ -32,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from posttune.adapters import adapter_base, load_peft_adapter, merge_adapters, tokenizer_source
+    from posttune.adapters import adapter_base, load_adapter, merge_adapters, tokenizer_source
     from posttune.api import load_model, load_tokenizer, save_model
 
     out = Path(args.output)
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         warn_of_other_base("merge", args.adapter, args.model, "; the merged model is that base plus this update")
     model = load_model(base, device="cpu")  # in its own dtype; each merged weight rounds once to --dtype
-    merged = load_peft_adapter(model, args.adapter)
+    merged = load_adapter(model, args.adapter)
     merge_adapters(model, dtype=args.dtype)
     if args.dtype is not None:
         model.to(args.dtype)  # the weights no adapter changed: only cast

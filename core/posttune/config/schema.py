@@ -244,8 +244,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class AdapterConfig:
     FROM_STRING: ClassVar[str] = "kind"  # `adapter: lora`, as axolotl writes it: that kind with these defaults
-    KNOWN_VALUES: ClassVar[dict[str, dict[str, str]]] = {"kind": first_party.ADAPTER_KINDS}
-    kind: Literal["lora", "dora"] = "lora"  # LoRA, or DoRA (LoRA on a weight's direction, plus its magnitude)
+    kind: str = first_party.ADAPTER_KIND  # a registered adapter kind (`posttune ls adapters`): lora, dora, ...
     rank: int = 8  # rank of the low-rank update
     alpha: float = 16.0  # the update is scaled by alpha / rank (alpha / sqrt(rank) with rslora)
     rslora: bool = False  # rank-stabilised LoRA (PEFT's use_rslora): scale by alpha / sqrt(rank), for high ranks
@@ -296,7 +295,7 @@ class RunConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # the tokenizer (default: the model's)
     data: DataConfig | None = None  # the datasets (required to train)
     train: TrainConfig = field(default_factory=TrainConfig)  # the optimisation loop
-    adapter: AdapterConfig | None = None  # LoRA/DoRA adapters; null: full fine-tuning
+    adapter: AdapterConfig | None = None  # adapters of an installed kind (LoRA/DoRA: posttune-lora); null: full FT
     #: the method's other models by role name (`posttune plan` lists them), each with `model`'s keys
     models: dict[str, ModelConfig] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # models split over processes (docs/parallel.md)

@@ -332,19 +332,18 @@ def build_model(target: ModelTarget) -> nn.Module:
 
 
 def inject_adapters(adapter: Any, target: ModelTarget) -> None:
-    """``adapter:``'s LoRA/DoRA on ``target.model`` (the family's default targets unless listed); a score
+    """``adapter:``'s kind on ``target.model`` (the family's default targets unless listed); a score
     head replacing the LM head learns whole beside them. Also what ``posttune plan`` counts. Targets
     may use the checkpoint's Hugging Face module names too (``lm_head``, ``self_attn.q_proj``)."""
-    from posttune.adapters import apply_adapters
-    from posttune.adapters.peft_format import checkpoint_module_names
+    from posttune.adapters import apply_adapters, wrapper
+    from posttune.checkpoint.module_names import checkpoint_module_names
 
     targets = adapter.targets or list(target.family.lora_targets)
     if not targets:
         raise ConfigError("adapter.targets", f"family '{target.family.name}' names no default "
                                              "targets; list module-name patterns")
-    apply_adapters(target.model, targets=targets, rank=adapter.rank, alpha=adapter.alpha,
-                   dropout=adapter.dropout, kind=adapter.kind, aliases=checkpoint_module_names(target.model),
-                   rslora=adapter.rslora, dtype=DTYPES[adapter.dtype] if adapter.dtype else None)
+    wrap = wrapper(adapter, DTYPES[adapter.dtype] if adapter.dtype else None)
+    apply_adapters(target.model, targets=targets, wrap=wrap, aliases=checkpoint_module_names(target.model))
     if target.score:  # a new head learns whole beside the adapters (PEFT's modules_to_save)
         target.model.output.requires_grad_(True)
 
@@ -418,11 +417,11 @@ def load_weights(session: Session, target: ModelTarget) -> None:
 
     init_buffers(model)
     if adapted:
-        from posttune.adapters import init_adapters, load_peft_adapter
+        from posttune.adapters import adapter_kind, init_adapters
 
         init_adapters(model)
         if resumes_hf:
-            load_peft_adapter(model, saved)
+            adapter_kind(config.adapter.kind).load(model, saved)
         elif config.adapter.init_from is not None:
             init_from_adapter(model, config.adapter)
     model.train()
@@ -443,18 +442,14 @@ def init_device(session: Session, target: ModelTarget) -> Any:
 def init_from_adapter(model: nn.Module, adapter: Any) -> None:
     """``adapter.init_from``: start from a finished run's adapter instead of a fresh one.
 
-    The adapters were injected from ``adapter:`` already, so the saved ones must be the same shape:
-    rank, alpha and kind are compared with ``adapter_config.json`` first (the usual mistake, named
+    The adapters were injected from ``adapter:`` already, so the saved ones must be the same shape: the
+    kind's ``validate`` compared its settings with the folder's as the plan resolved (the usual mistake, named
     in one line); the targets and every tensor are checked as they are copied in.
     """
-    from posttune.checkpoint.peft_config import check_init_from
-
-    check_init_from(adapter)  # validate checked it too; the folder may have changed since
-    path = Path(adapter.init_from).expanduser()
-    from posttune.adapters import load_peft_adapter
+    from posttune.adapters import adapter_kind
 
     try:
-        load_peft_adapter(model, path)
+        adapter_kind(adapter.kind).load(model, Path(adapter.init_from).expanduser())
     except PosttuneError as exc:
         raise ConfigError("adapter.init_from", str(exc)) from None
 
@@ -469,10 +464,10 @@ def random_init(model: nn.Module, seed: int) -> None:
     (``init_adapters`` sets them): the base weights are the same draws with or without LoRA, so
     a frozen role built from the same seed is exactly the policy's base.
     """
-    from posttune.adapters import LoRALinear
+    from posttune.adapters import AdaptedLinear
 
-    adapters = {id(part) for layer in model.modules() if isinstance(layer, LoRALinear)
-                for part in (layer.lora_A, layer.lora_B)}
+    adapters = {id(part) for layer in model.modules() if isinstance(layer, AdaptedLinear)
+                for part in layer.adapter_modules()}
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for module in model.modules():
         if id(module) in adapters:
@@ -483,7 +478,7 @@ def random_init(model: nn.Module, seed: int) -> None:
                 module.bias.zero_()
         elif callable(getattr(module, "reset_parameters", None)) and not list(module.children()):
             module.reset_parameters()  # norms: ones or zeros, nothing random
-        elif not isinstance(module, LoRALinear):  # parameters held directly (a router, stacked experts)
+        elif not isinstance(module, AdaptedLinear):  # parameters held directly (a router, stacked experts)
             for param in module.parameters(recurse=False):
                 draw_normal(param, generator)
 

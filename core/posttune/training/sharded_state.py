@@ -160,7 +160,7 @@ def gather_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     Only the adapters travel: the frozen base model is not gathered for a PEFT save.
     """
     from posttune.adapters import adapted_modules
-    from posttune.adapters.lora import adapter_parameter_names
+    from posttune.adapters.layer import adapter_parameter_names
 
     gathered: dict[str, torch.Tensor] = {}
     for name, layer in adapted_modules(model).items():
@@ -168,10 +168,10 @@ def gather_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             tensor = distributed.full_value(layer.get_parameter(param_name).detach())
             if distributed.is_main():
                 gathered[f"{name}.{param_name}"] = tensor.cpu()
-    from posttune.checkpoint.score_head import HEAD, score_labels
+    from posttune.checkpoint.score_head import SCORE_HEAD, score_labels
 
     if score_labels(model) is not None:  # a score head trains whole beside the adapters and is saved with them
-        tensor = distributed.full_value(model.get_parameter(HEAD).detach())
+        tensor = distributed.full_value(model.get_parameter(SCORE_HEAD).detach())
         if distributed.is_main():
-            gathered[HEAD] = tensor.cpu()
+            gathered[SCORE_HEAD] = tensor.cpu()
     return gathered

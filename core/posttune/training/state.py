@@ -144,9 +144,9 @@ def save_model_or_adapter(session: Session, directory: Path, model: torch.nn.Mod
     if not distributed.is_main():
         return Path(directory)
     if session.config.adapter is not None:
-        from posttune.adapters.peft_format import save_peft_adapter
+        from posttune.adapters import save_adapter
 
-        return save_peft_adapter(model, directory, state_dict=gathered, tokenizer=session.tokenizer)
+        return save_adapter(model, directory, state_dict=gathered, tokenizer=session.tokenizer)
     from posttune.checkpoint.hf_save import save_hf
 
     return save_hf(model, directory, tokenizer=session.tokenizer, state_dict=gathered)

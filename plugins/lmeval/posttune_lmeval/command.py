@@ -198,7 +198,7 @@ def task_names(spec: str, manager: Any) -> list[str]:
 def load(base: str, adapter: str | None, dtype: str | None, device: str) -> Any:
     """The base checkpoint's model, with the adapter's LoRA/DoRA layers when one is given."""
     import torch
-    from posttune.plugin import load_model, load_peft_adapter
+    from posttune.plugin import load_adapter, load_model
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -206,7 +206,7 @@ def load(base: str, adapter: str | None, dtype: str | None, device: str) -> Any:
         raise PosttuneError(f"eval: --device {device}: no CUDA device is available")
     model = load_model(base, dtype=dtype, device=device)
     if adapter:
-        load_peft_adapter(model, adapter)
+        load_adapter(model, adapter)
     return model.eval()
 
 

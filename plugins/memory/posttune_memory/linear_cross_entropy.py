@@ -14,9 +14,9 @@ same three as the plain loss (logits, grad-hidden, grad-weight) and nothing is r
 lower memory and no slower. Gemma-style final-logit soft-capping (``model.logit_softcap``) is
 applied per chunk, with its derivative folded into the chunk's gradient.
 
-The output head may be a plain ``nn.Linear`` (also tied to the embedding) or an adapted
-``LoRALinear`` (LoRA or DoRA, without dropout): its weight as one differentiable tensor
-``W + s * B @ A`` (DoRA: row-rescaled, ``posttune.plugin.head_weight``) is formed once per step,
+The output head may be a plain ``nn.Linear`` (also tied to the embedding) or an adapted layer
+(``AdaptedLinear``, without dropout): its weight as one differentiable tensor (LoRA's
+``W + s * B @ A``, ``posttune.plugin.head_weight``) is formed once per step,
 so gradients reach the adapters through autograd. A head sharded as a DTensor (tensor parallel over the vocabulary,
 FSDP2) is refused with one line: a vocabulary-sharded head wants a plan that parallelises the loss.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from posttune.plugin import (IGNORE_INDEX, LoRALinear, LossKernel, PosttuneError, head_weight, in_label_shape,
+from posttune.plugin import (IGNORE_INDEX, AdaptedLinear, LossKernel, PosttuneError, head_weight, in_label_shape,
                              is_dtensor)
 
 
@@ -55,7 +55,7 @@ def check_head(head: torch.nn.Module) -> None:
         raise PosttuneError("memory: chunked_cross_entropy cannot use an output head sharded as a DTensor "
                             "(tensor parallel or FSDP2); for a vocabulary-sharded head, use a plan that parallelises "
                             "the loss instead")
-    if isinstance(head, LoRALinear) and head.dropout_p > 0:
+    if isinstance(head, AdaptedLinear) and head.dropout_p > 0:
         raise PosttuneError("memory: chunked_cross_entropy folds the output head's adapter into one weight, "
                             f"which dropout ({head.dropout_p}) does not allow; set adapter.dropout to 0 or "
                             "leave the head (lm_head, natively `output`) out of adapter.targets")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttune.plugin import LoRALinear, ModelTarget, PosttuneError, Session
+from posttune.plugin import AdaptedLinear, ModelTarget, PosttuneError, Session
 
 
 def fake_quant_configs(scheme: str, group_size: int) -> tuple[Any, Any]:
@@ -49,8 +49,8 @@ def target_linears(model: nn.Module) -> dict[str, nn.Linear]:
     layers = getattr(model, "layers", None)
     if layers is None:
         raise PosttuneError("memory: qat needs a model with decoder layers in `model.layers`")
-    adapter_parts = {id(m) for layer in layers.modules() if isinstance(layer, LoRALinear)
-                     for m in (layer.lora_A, layer.lora_B)}
+    adapter_parts = {id(m) for layer in layers.modules() if isinstance(layer, AdaptedLinear)
+                     for m in layer.adapter_modules()}
     return {f"layers.{name}": module for name, module in layers.named_modules()
             if isinstance(module, nn.Linear) and id(module) not in adapter_parts}
 

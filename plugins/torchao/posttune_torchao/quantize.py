@@ -128,11 +128,11 @@ def export(base: Path, adapter: Path | None, out: Path, scheme: str, group_size:
     import torch
 
     import posttune
-    from posttune.plugin import load_peft_adapter, merge_adapters
+    from posttune.plugin import load_adapter, merge_adapters
 
     model = posttune.load_model(base, device=device)
     if adapter is not None:
-        load_peft_adapter(model, adapter)
+        load_adapter(model, adapter)
         merge_adapters(model)
     config = quant_config(scheme, group_size, device)
     if type(config).__name__ == "Int4WeightOnlyConfig":  # the tinygemm layout computes in bfloat16

@@ -41,7 +41,7 @@ from posttune.plugin import (
     hf_tensors,
     is_dtensor,
     plain_state_dict,
-    save_peft_adapter,
+    save_adapter,
 )
 
 from posttune_vllm import VLLMOptions, check_options, logprobs_mode
@@ -201,8 +201,9 @@ class VLLMEngine:
             return {}
         layers = adapted_modules(model)
         if any(layer.kind != "lora" for layer in layers.values()):
+            kind = next(layer.kind for layer in layers.values() if layer.kind != "lora")
             raise PosttuneError("generation engine 'vllm': engine_options.lora: adapter runs LoRA adapters, and this "
-                                "policy has DoRA ones, which vLLM does not run; use lora: merged")
+                                f"policy has {kind} ones, which vLLM does not run; use lora: merged")
         if any(is_dtensor(p) for p in model.parameters()):
             raise PosttuneError("generation engine 'vllm': engine_options.lora: adapter needs an unsharded policy; "
                                 "use lora: merged with fsdp2 or tp")
@@ -221,7 +222,7 @@ class VLLMEngine:
 
         previous = self.lora
         self.lora_ids += 1
-        folder = save_peft_adapter(model, self.workdir / f"adapter-{self.lora_ids}")
+        folder = save_adapter(model, self.workdir / f"adapter-{self.lora_ids}")
         self.lora = LoRARequest(f"policy-v{version}", self.lora_ids, str(folder))
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)

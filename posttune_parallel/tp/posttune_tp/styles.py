@@ -26,11 +26,12 @@ so the block's other arguments — RoPE tables, mask, cache — pass untouched).
 is then right-padded to a multiple of the TP degree (labels ignored), the one change a batch
 sees.
 
-LoRA (an adapted layer ``LoRALinear`` holding ``base``, ``lora_A``, ``lora_B``):
+LoRA and DoRA (posttune-lora's adapted layer: an ``AdaptedLinear`` holding ``base``, ``lora_A``, ``lora_B``):
 colwise base -> ``lora_A`` replicated, ``lora_B`` colwise (its rows follow the base's output
 split); rowwise base -> ``lora_A`` rowwise (its input columns follow the base's input split,
 the rank-r result all-reduced), ``lora_B`` replicated. Replicated adapter weights are
-DTensors too, so their gradients are reduced over the TP ranks like any other.
+DTensors too, so their gradients are reduced over the TP ranks like any other. An adapter kind
+with another layout is refused by name (a kind of one's own: its layer's TP layout goes here).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from posttune.plugin import LoRALinear, ModelTarget, PosttuneError, Session, padded_sequence, tie_groups
+from posttune.plugin import AdaptedLinear, ModelTarget, PosttuneError, Session, padded_sequence, tie_groups
 
 STYLES = ("colwise", "rowwise", "sequence_parallel", "colwise_vocab_sharded", "replicated", "per_head")
 SEQ = Shard(1)  # the sequence dimension of [batch, seq, hidden] activations
@@ -75,7 +76,7 @@ def apply_tp(session: Session, target: ModelTarget) -> None:
     for name, style in styles.items():
         module = model.get_submodule(name)
         parent, _, _ = name.rpartition(".")
-        if isinstance(module, LoRALinear):
+        if isinstance(module, AdaptedLinear):
             if not parent:
                 raise PosttuneError(f"tp: an adapter on the top-level module '{name}' is not supported; "
                                     f"leave it out of adapter.targets")
@@ -130,7 +131,11 @@ def torch_style(style: str, module: nn.Module, sequence_parallel: bool, *, top_l
     return ColwiseParallel()  # inside a block whose entry gathered the sequence
 
 
-def parallelize_lora(layer: LoRALinear, style: str, mesh: Any, sequence_parallel: bool) -> None:
+def parallelize_lora(layer: AdaptedLinear, style: str, mesh: Any, sequence_parallel: bool) -> None:
+    if not isinstance(getattr(layer, "lora_A", None), nn.Linear) or not isinstance(getattr(layer, "lora_B", None),
+                                                                                   nn.Linear):
+        raise PosttuneError(f"tp: adapter kind '{layer.kind}' has no tensor-parallel layout (LoRA and DoRA have); "
+                            "drop tp or use one of those kinds")
     between_blocks = SEQ if sequence_parallel else Replicate()
     if style == "colwise":
         parallelize_module(layer.base, mesh, ColwiseParallel())

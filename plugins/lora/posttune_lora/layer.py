@@ -1,6 +1,7 @@
 """One adapted linear layer: LoRA (Hu et al. 2021) and DoRA (Liu et al. 2024).
 
-``LoRALinear`` wraps a frozen ``nn.Linear`` and keeps it, untouched, as its child ``base``::
+``LoRALinear`` is an ``AdaptedLinear`` (the core's adapter protocol): it wraps a frozen ``nn.Linear``
+and keeps it, untouched, as its child ``base``::
 
     layers.0.attn.q_proj.base.weight      the base weight (frozen), native name + ".base"
     layers.0.attn.q_proj.base.bias        (when the layer has one)
@@ -8,9 +9,6 @@
     layers.0.attn.q_proj.lora_B.weight    [out, rank]  zeros, so a fresh adapter changes nothing
     layers.0.attn.q_proj.magnitude        [out]        DoRA only: row norms of the base weight
 
-Why a child and not a subclass of ``nn.Linear``: the base layer stays a plain ``nn.Linear``
-(FSDP2, tensor parallelism and quantisation see the module type they expect), and the base
-model's own state-dict key is recovered by dropping one ``.base`` segment (``base_key``).
 ``lora_A``/``lora_B`` are ``nn.Linear`` too, so tensor parallelism can shard ``lora_B`` like
 the base layer and replicate ``lora_A``.
 
@@ -29,28 +27,26 @@ starts as ``||W||_row`` so a fresh DoRA adapter changes nothing either.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttune.checkpoint.keymap import BASE  # the child holding the wrapped nn.Linear
-from posttune.errors import PosttuneError
+from posttune.plugin import AdaptedLinear, PosttuneError, apply_adapters, copy_into
 
 Kind = Literal["lora", "dora"]
 KINDS: tuple[str, ...] = ("lora", "dora")
 
 
-class LoRALinear(nn.Module):
+class LoRALinear(AdaptedLinear):
     """A frozen ``nn.Linear`` plus a trainable low-rank update (see the module docstring)."""
 
     def __init__(self, base: nn.Linear, *, rank: int, alpha: float, dropout: float = 0.0,
                  kind: Kind = "lora", dtype: torch.dtype | None = None, rslora: bool = False):
-        super().__init__()
+        super().__init__(base)
         weight = base.weight
         dtype = dtype or weight.dtype
-        self.base = base
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=weight.device, dtype=dtype)
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=weight.device, dtype=dtype)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -59,27 +55,9 @@ class LoRALinear(nn.Module):
         self.rank, self.alpha, self.dropout_p, self.kind = rank, float(alpha), float(dropout), kind
         self.rslora = rslora
         self.scaling = self.alpha / (math.sqrt(rank) if rslora else rank)
-        self.disabled = False  # set by adapters_disabled(): the layer is then exactly ``base``
-        self.train(base.training)  # an adapter added to a model in eval mode must not drop out
+        self.train(base.training)  # the new dropout too: an adapter added to a model in eval mode must not drop out
         if weight.device.type != "meta":
             self.reset_adapter()
-
-    # Read-only views of the base layer, for code written against nn.Linear.
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.base.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.base.bias
-
-    @property
-    def in_features(self) -> int:
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base.out_features
 
     @torch.no_grad()
     def reset_adapter(self, generator: torch.Generator | None = None) -> None:
@@ -90,8 +68,6 @@ class LoRALinear(nn.Module):
         """
         weight_a = self.lora_A.weight
         if hasattr(weight_a, "device_mesh"):  # sharded (FSDP2/TP): draw the whole matrix, keep this rank's part
-            from posttune.checkpoint.materialize import copy_into
-
             full = torch.empty(weight_a.shape, dtype=weight_a.dtype, device=weight_a.device)
             copy_into(weight_a, nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator))
         else:
@@ -129,6 +105,15 @@ class LoRALinear(nn.Module):
         update = self.lora_B(self.lora_A(xd.to(dtype)))
         return (scale - 1) * base_out.to(dtype) + scale * self.scaling * update
 
+    def effective_weight(self) -> torch.Tensor:
+        """``W + s * B @ A`` (DoRA: row-rescaled, the norm detached as in ``forward``), differentiable."""
+        weight = self.base.weight
+        delta = self.lora_delta().to(weight.dtype)
+        if self.magnitude is None:
+            return weight + delta
+        norm = row_norm(weight, delta.detach()).detach()
+        return (self.magnitude / norm).to(weight.dtype).unsqueeze(1) * (weight + delta)
+
     @torch.no_grad()
     def merged_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The single weight this layer computes with (dropout aside), in ``dtype`` (default: the base's): the
@@ -150,24 +135,21 @@ def row_norm(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(weight + delta.to(weight.dtype), dim=1)
 
 
-def head_weight(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An output head's effective (weight, bias), differentiable w.r.t. whatever trains in it: a LoRA
-    or DoRA head folded into one ``W + s * B @ A`` (DoRA: row-rescaled), for losses that project
-    hidden states to the vocabulary themselves, chunk by chunk."""
-    if not isinstance(head, LoRALinear) or head.disabled:
-        return head.weight, head.bias
-    if head.dropout_p > 0:
-        raise PosttuneError(f"the output head's adapter folds into one weight, which dropout ({head.dropout_p}) "
-                            "does not allow; set adapter.dropout to 0 or leave `output` out of adapter.targets")
-    weight = head.base.weight
-    delta = head.lora_delta().to(weight.dtype)
-    if head.magnitude is None:
-        return weight + delta, head.bias
-    # DoRA: m * (W + delta) / ||W + delta||_row, the norm detached as in the layer's forward.
-    norm = row_norm(weight, delta.detach()).detach()
-    return (head.magnitude / norm).to(weight.dtype).unsqueeze(1) * (weight + delta), head.bias
+def apply_lora(model: nn.Module, *, targets: Any, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
+               kind: Kind = "lora", dtype: torch.dtype | None = None, aliases: Any = None,
+               rslora: bool = False) -> list[str]:
+    """``apply_adapters`` with LoRA (or DoRA) layers of these settings: what a script adapting a model by hand
+    calls (a run wraps its layers from ``adapter:``). Returns the adapted module names."""
+    if kind not in KINDS:
+        raise PosttuneError(f"adapters: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if not isinstance(rank, int) or rank < 1:
+        raise PosttuneError(f"adapters: rank must be a positive integer, got {rank!r}")
+    if not alpha > 0:
+        raise PosttuneError(f"adapters: alpha must be positive, got {alpha!r}")
+    if not 0 <= dropout < 1:
+        raise PosttuneError(f"adapters: dropout must be in [0, 1), got {dropout!r}")
 
+    def wrap(linear: nn.Linear) -> LoRALinear:
+        return LoRALinear(linear, rank=rank, alpha=alpha, dropout=dropout, kind=kind, dtype=dtype, rslora=rslora)
 
-def adapter_parameter_names(layer: LoRALinear) -> list[str]:
-    """The layer's own trainable tensors, relative to the layer: everything outside ``base``."""
-    return [name for name, _ in layer.named_parameters() if not name.startswith(f"{BASE}.")]
+    return apply_adapters(model, targets=targets, wrap=wrap, aliases=aliases)

@@ -39,22 +39,17 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from posttune.adapters.inject import adapted_modules, apply_adapters
-from posttune.adapters.lora import LoRALinear
-from posttune.checkpoint.atomic import atomic_dir
-from posttune.checkpoint.convert import Join, pairs
-from posttune.checkpoint.materialize import copy_into
-from posttune.checkpoint.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, UNSUPPORTED, read_config, settings_of
-from posttune.checkpoint.safetensors_io import Planned, iter_tensors, write_file
-from posttune.checkpoint.score_head import HEAD, HF_SCORE, score_labels
-from posttune.errors import PosttuneError
+from posttune.plugin import (ADAPTER_CONFIG, HF_SCORE, SCORE_HEAD, Fused, Planned, PosttuneError, adapted_modules,
+                             apply_adapters, copy_into, family_io, hf_modules, iter_tensors, pairs, score_labels,
+                             write_file)
+from posttune_lora.layer import LoRALinear
+from posttune_lora.peft_config import ADAPTER_WEIGHTS, UNSUPPORTED, read_config, settings_of
 
 PREFIX = "base_model.model."
 #: PEFT's tensor suffix for each native adapter tensor of a LoRALinear
@@ -66,23 +61,11 @@ ROW_INDEXED = ("lora_B.weight", "magnitude")  # tensors indexed by the weight's 
 Convert = Callable[[str, torch.Tensor, Mapping[str, Any]], Any]
 
 
-@dataclass(frozen=True)
-class Fused:
-    """A transformers linear layer whose rows are several native layers' (Phi-3's ``qkv_proj``)."""
-
-    parts: tuple[str, ...]  # the native layers, in the order the converter stacks their rows
-    join: Callable[[list[torch.Tensor]], torch.Tensor]
-
-
-def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
-                      base_model_name_or_path: str | None = None,
-                      state_dict: Mapping[str, torch.Tensor] | None = None, tokenizer: Any = None) -> Path:
-    """Write the model's adapters so ``peft.PeftModel.from_pretrained(hf_model, out_dir)`` loads them.
-
-    ``tokenizer``: its files beside the adapter, as TRL saves them (a run's chat template may not be the base's).
-
-    ``base_model_name_or_path`` defaults to where the model was loaded from (its origin).
-    Atomic, like ``save_model``: ``out_dir`` holds the old adapter or the complete new one.
+def save_peft_adapter(model: nn.Module, directory: Path, *,
+                      state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """Write the model's adapters into ``directory`` so ``peft.PeftModel.from_pretrained(hf_model, directory)``
+    loads them (``AdapterKind.save``: the core's ``save_adapter`` gives a fresh folder, adds the tokenizer and
+    makes it atomic). ``base_model_name_or_path``: where the model was loaded from (its origin).
     ``state_dict`` (adapter tensors by model key, e.g. gathered from FSDP2/TP shards) replaces
     the layers' own tensors.
     """
@@ -91,7 +74,7 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
         raise PosttuneError("save_peft_adapter: the model has no adapters (apply_adapters first)")
     _require_real(model, "save_peft_adapter")
     settings = _uniform_settings(layers)
-    origin, converter, hf_config = _family_io(model)
+    origin, converter, hf_config = family_io(model)
     hf_names, fused = hf_modules(model, converter.from_native, hf_config)
     tensors: dict[str, torch.Tensor] = {}
 
@@ -113,12 +96,12 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
             patterns[hf_name] = len(group.parts)
     task = "CAUSAL_LM"
     if score_labels(model) is not None:  # the score head, trained whole: PEFT's modules_to_save of SEQ_CLS
-        head = state_dict[HEAD] if state_dict is not None else model.get_parameter(HEAD)
+        head = state_dict[SCORE_HEAD] if state_dict is not None else model.get_parameter(SCORE_HEAD)
         tensors[f"{PREFIX}{HF_SCORE}"] = head.detach().to("cpu").contiguous()
         task = "SEQ_CLS"
     config = {
         **UNSUPPORTED, "peft_type": "LORA", "task_type": task,
-        "base_model_name_or_path": base_model_name_or_path or _where_from(origin.source),
+        "base_model_name_or_path": _where_from(origin.source),
         "r": settings["rank"], "lora_alpha": settings["alpha"], "lora_dropout": settings["dropout_p"],
         "use_dora": settings["kind"] == "dora", "use_rslora": settings["rslora"],
         "target_modules": peft_targets([hf_names[n] for n in layers], hf_names.values()),
@@ -128,17 +111,10 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *,
     if task == "SEQ_CLS":
         config["modules_to_save"] = [HF_SCORE.removesuffix(".weight")]
     planned = [Planned(key, t.dtype, tuple(t.shape)) for key, t in sorted(tensors.items())]
-    with atomic_dir(out_dir, replaceable=(ADAPTER_CONFIG, ADAPTER_WEIGHTS)) as tmp:
-        write_file(tmp / ADAPTER_WEIGHTS, planned, tensors.__getitem__)
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        if tokenizer is not None:  # and the base's stop tokens: commands read the tokenizer here, eos ids included
-            from posttune.checkpoint.hf_load import GENERATION_CONFIG
-            from posttune.checkpoint.hf_save import generation_config_for, save_tokenizer
-
-            save_tokenizer(tokenizer, tmp)
-            (tmp / GENERATION_CONFIG).write_text(json.dumps(generation_config_for(origin, hf_config or {}), indent=2)
-                                                 + "\n", encoding="utf-8")
-    return Path(out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_file(directory / ADAPTER_WEIGHTS, planned, tensors.__getitem__)
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return directory
 
 
 def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
@@ -150,7 +126,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     directory = Path(adapter_dir)
     _require_real(model, "load_peft_adapter")
     config = read_config(directory)
-    _, converter, hf_config = _family_io(model)
+    _, converter, hf_config = family_io(model)
     hf_names, fused = hf_modules(model, converter.from_native, hf_config)
     targets = [name for name, hf_name in hf_names.items() if peft_targets_match(config, hf_name)]
     if not targets:
@@ -163,61 +139,17 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
         targets = [name for name in targets if name in layers or hf_names[name] not in fused]
     else:  # fp32 adapters on a half-precision base, as PEFT's autocast_adapter_dtype (its merge is then ours)
         half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        apply_adapters(model, targets=targets, rank=settings["rank"], alpha=settings["alpha"],
-                       dropout=settings["dropout_p"], kind=settings["kind"], rslora=settings["rslora"],
-                       dtype=torch.float32 if half else None)  # exact native names
+        dtype = torch.float32 if half else None
+
+        def wrap(linear: nn.Linear) -> LoRALinear:
+            return LoRALinear(linear, rank=settings["rank"], alpha=settings["alpha"], dropout=settings["dropout_p"],
+                              kind=settings["kind"], rslora=settings["rslora"], dtype=dtype)
+
+        apply_adapters(model, targets=targets, wrap=wrap)  # exact native names
         layers = adapted_modules(model)
     _check_same(directory, layers, targets, settings)
     _copy_tensors(model, directory, layers, hf_names, converter.to_native, hf_config, fused, ranks)
     return list(layers)
-
-
-def hf_modules(model: nn.Module, from_native: Convert, hf_config: Mapping[str, Any]
-               ) -> tuple[dict[str, str], dict[str, Fused]]:
-    """Native -> transformers module name for every linear layer (adapted or not), and the
-    transformers layers that several native ones are joined into, by name."""
-    names, fused = {}, {}
-    for name, module in _linear_layers(model).items():
-        names[name], join = _hf_module(name, module.weight.detach(), from_native, hf_config)
-        if join is not None:
-            fused[names[name]] = Fused(tuple(p.removesuffix(".weight") for p in join.parts), join.join)
-    return names, fused
-
-
-def checkpoint_module_names(model: nn.Module) -> dict[str, str]:
-    """Native -> Hugging Face module name of each linear layer, as ``save_peft_adapter`` writes them, so that
-    ``adapter.targets`` copied from a PEFT config (``lm_head``, ``self_attn.q_proj``) or from a saved
-    ``adapter_config.json`` select what they select there. Names only: the converter sees meta tensors of
-    the weights' shapes (no copy of a real model's weights). Empty for a model with no ``hf`` converter
-    (or not built by posttune); a layer the converter cannot name on its own (split) is left out."""
-    try:
-        _, converter, hf_config = _family_io(model)
-    except PosttuneError:  # no origin, no converter, or no config.json to convert with: native names only
-        return {}
-    names = {}
-    for name, module in _linear_layers(model).items():
-        weight = torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta")
-        try:
-            names[name] = _hf_module(name, weight, converter.from_native, hf_config)[0]
-        except (PosttuneError, RuntimeError, NotImplementedError):  # split, dropped, or not computable on meta
-            continue
-    return names
-
-
-def _hf_module(name: str, weight: torch.Tensor, from_native: Convert, hf_config: Mapping[str, Any]
-               ) -> tuple[str, Join | None]:
-    """The transformers module holding native linear layer ``name``, and the join when it is fused."""
-    answer = list(pairs(from_native(f"{name}.weight", weight, hf_config)))
-    hf_key = answer[0][0] if len(answer) == 1 else None
-    join = hf_key if isinstance(hf_key, Join) else None
-    if join is not None:
-        hf_key = join.key
-    if not isinstance(hf_key, str):  # one tensor split into several
-        raise PosttuneError(f"converter splits '{name}.weight': a PEFT adapter needs one Hugging Face module "
-                            f"per linear layer or a join of several (merge the adapters and save the model instead)")
-    if not hf_key.endswith(".weight"):
-        raise PosttuneError(f"converter maps '{name}.weight' to '{hf_key}', not a module's .weight")
-    return hf_key.removesuffix(".weight"), join
 
 
 def _fused_tensors(model: nn.Module, hf_name: str, group: Fused, layers: Mapping[str, LoRALinear],
@@ -308,13 +240,6 @@ def _check_patterns(directory: Path, config: Mapping[str, Any], adapted: set[str
     return ranks
 
 
-def _linear_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Linear layers of the base model: adapted ones by their own name, not their inner Linears."""
-    inner = {id(m) for layer in adapted_modules(model).values() for m in layer.modules() if m is not layer}
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, LoRALinear) or (isinstance(m, nn.Linear) and id(m) not in inner)}
-
-
 def peft_targets(adapted: list[str], all_linear: Any) -> list[str]:
     """PEFT ``target_modules``: a layer's last name part (``q_proj``) when every linear layer of
     that name is adapted (PEFT matches list entries as dotted suffixes), else its full name."""
@@ -341,12 +266,6 @@ def peft_targets_match(config: Mapping[str, Any], hf_name: str) -> bool:
     return hit(config.get("target_modules")) and not hit(config.get("exclude_modules"))
 
 
-def _require_real(model: nn.Module, what: str) -> None:
-    """Copies into meta tensors silently do nothing: refuse instead of losing an adapter."""
-    if any(p.device.type == "meta" for p in model.parameters()):
-        raise PosttuneError(f"{what}: the model is still on the meta device; materialise and load it first")
-
-
 def _layer_tensors(layer: LoRALinear) -> dict[str, torch.Tensor]:
     tensors = {"lora_A.weight": layer.lora_A.weight, "lora_B.weight": layer.lora_B.weight}
     if layer.magnitude is not None:
@@ -363,23 +282,6 @@ def _uniform_settings(layers: Mapping[str, LoRALinear]) -> dict[str, Any]:
     rank, alpha, dropout, kind, rslora = found.pop()
     return {"rank": rank, "alpha": int(alpha) if float(alpha).is_integer() else alpha,
             "dropout_p": dropout, "kind": kind, "rslora": rslora}
-
-
-def _family_io(model: nn.Module) -> tuple[Any, Any, dict[str, Any]]:
-    """(origin, the family's hf converter, config.json) for a model posttune built or loaded."""
-    from posttune.checkpoint.hf_save import hf_config_for
-    from posttune.checkpoint.origin import origin_of
-    from posttune.plugins import get_registry
-
-    origin = origin_of(model)
-    registry = get_registry()
-    family = registry.get("model_family", origin.family)
-    converter = registry.get("checkpoint_converter", f"{origin.family}:hf")
-    if score_labels(model) is not None:
-        from posttune.checkpoint.score_head import score_converter
-
-        converter = score_converter(converter)
-    return origin, converter, hf_config_for(origin, family, ())
 
 
 def _row_map(convert: Convert, key: str, weight: torch.Tensor, hf_config: Mapping[str, Any]
@@ -455,8 +357,8 @@ def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALi
     for entry, tensor in iter_tensors(directory / ADAPTER_WEIGHTS):
         key = entry.name.removeprefix(PREFIX)
         if score and key == HF_SCORE:  # a score head saved whole (modules_to_save)
-            _copy_whole(model.get_parameter(HEAD), tensor, directory, entry.name)
-            filled.add((HEAD, ""))
+            _copy_whole(model.get_parameter(SCORE_HEAD), tensor, directory, entry.name)
+            filled.add((SCORE_HEAD, ""))
             continue
         hf_module, _, param = key.partition(".base_layer.")
         if param and hf_module in native_of:  # PEFT's copy of a targeted head's base weight
@@ -488,7 +390,7 @@ def _copy_tensors(model: nn.Module, directory: Path, layers: Mapping[str, LoRALi
         filled |= _copy_fused(directory, hf_module, fused[hf_module], tensors, layers, to_native, hf_config,
                               ranks[hf_module])
     if score:
-        expected.add((HEAD, ""))
+        expected.add((SCORE_HEAD, ""))
     missing = sorted(expected - filled)
     if missing:
         shown = ", ".join(f"{name}.{suffix}" for name, suffix in missing[:3])
@@ -580,3 +482,9 @@ def _where_from(source: str | None) -> str | None:
     if source is None or not Path(source).expanduser().is_dir():
         return source
     return str(Path(source).expanduser().resolve())
+
+
+def _require_real(model: nn.Module, what: str) -> None:
+    """Copies into meta tensors silently do nothing: refuse instead of losing an adapter."""
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise PosttuneError(f"{what}: the model is still on the meta device; materialise and load it first")
