@@ -8,7 +8,8 @@ Each piece is its own module, written against ``posttune.plugin`` alone, and reg
 - ``formats``: formats of the core's kinds for other layouts, ``judged`` (preference) and ``task`` (prompt);
 - ``engine``: the generation engine ``recorder``;
 - ``estimate_term``: the memory technique ``frozen_embedding`` with its own memory-estimate term;
-- ``fused_family``: the family ``phi3``, whose converter splits fused HF tensors and joins them on save.
+- ``fused_family``: the family ``phi3``, whose converter splits fused HF tensors and joins them on save;
+- ``ia3``: the adapter kind ``ia3`` (IA³), saved in PEFT's IA3 layout.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from posttune.plugin import hookimpl
 
-from posttune_thirdparty import engine, estimate_term, formats, fused_family, mesh, roles_and_kinds
+from posttune_thirdparty import engine, estimate_term, formats, fused_family, ia3, mesh, roles_and_kinds
 
 POSTTUNE_PLUGIN_API = 2
 
@@ -56,3 +57,8 @@ def posttune_register_model_families(register: Any) -> None:
 @hookimpl
 def posttune_register_checkpoint_converters(register: Any) -> None:
     fused_family.register_checkpoint_converters(register)
+
+
+@hookimpl
+def posttune_register_adapter_kinds(register: Any) -> None:
+    ia3.register_adapter_kinds(register)
