@@ -606,7 +606,7 @@ def _steps(plan: Plan) -> list[Step]:
         if stage == "adapt" and config.adapter is not None:
             targets = config.adapter.targets or plan.family.descriptor.lora_targets
             targets = (targets if isinstance(targets, str) else ", ".join(targets)) or "family default"
-            add(stage, f"{config.adapter.kind} rank {config.adapter.rank} on {targets}", core)
+            add(stage, f"{config.adapter.kind} rank {config.adapter.rank} on {targets}", plan.adapter.provenance)
         if stage == "load":
             what = (f"weights from {config.model.path} via converter '{plan.converter.descriptor.name}'"
                     if plan.converter else "random weights")

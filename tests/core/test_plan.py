@@ -33,7 +33,7 @@ def test_plan_lists_each_stage_with_its_provider_in_composition_order(registry):
     assert parallel == ["parallel plan 'tensor'", "memory technique 'ckpt'", "parallel plan 'fsdp'"]
     assert plan.mesh == {"dp_shard": 2, "tp": 2}
     assert plan.steps[1].provider == "posttune-fake 9.9"
-    assert "fadapt rank 4 on q, v" in plan.steps[2].what
+    assert "fadapt rank 4 on q, v" in plan.steps[2].what and plan.steps[2].provider == "posttune-fake 9.9"
 
 
 def test_one_process_runs_the_same_config_with_plans_inactive(registry):
