@@ -363,8 +363,9 @@ class AdapterKind:
 
     - ``wrap(linear, adapter, dtype)``: one adapted layer around ``linear``, from the run's ``adapter:``
       section (``AdapterConfig``) and the adapters' dtype (None: the base's).
-    - ``save(model, directory, *, state_dict=None, tokenizer=None) -> Path``: the model's adapters as a
-      folder (atomic); ``state_dict``: the adapter tensors gathered whole (sharded runs).
+    - ``save(model, directory, *, state_dict=None) -> Path``: the model's adapters as files in ``directory``,
+      a fresh folder (``save_adapter`` makes it atomic, fsyncs it and adds the tokenizer); the folder holds
+      ``adapter_config.json``; ``state_dict``: the adapter tensors gathered whole by model key (sharded runs).
     - ``load(model, directory) -> names``: a saved folder's adapters into ``model`` (applied first when it
       has none, as ``posttune generate --adapter`` and ``posttune merge`` need).
     - ``reads(adapter_config) -> bool``: whether a saved folder (its ``adapter_config.json``) is this kind's.

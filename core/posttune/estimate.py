@@ -403,10 +403,13 @@ def widened_adapter_bytes(adapters: list[Any]) -> int:
     model's width: each one's input cast to the adapters' dtype (for their weights' gradients) and the
     rank-wide values at the adapters' width. An upper bound: the model-width inputs the adapters then no longer
     keep are not taken off (a bf16 Llama layer with fp32 all-linear adapters: 16% above what autograd saved)."""
+    from posttune.adapters.layer import adapter_parameter_names
+
     extra = 0
     for layer in adapters:
         base = layer.base.weight.element_size()
-        wide = max((p.element_size() for n, p in layer.named_parameters() if not n.startswith("base.")), default=base)
+        wide = max((layer.get_parameter(name).element_size() for name in adapter_parameter_names(layer)),
+                   default=base)
         if wide > base:
             extra += layer.in_features * wide + layer.rank * (wide - base)
     return extra

@@ -303,6 +303,24 @@ def test_peft_files_round_trip_through_a_permuting_converter(toy_family, tmp_pat
     assert load_adapter(fresh, tmp_path / "adapter")  # resume: same adapters, loaded again
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("lora_dropout", 1.5, "adapters: dropout must be in [0, 1), got 1.5"),
+    ("r", 0, "adapters: rank must be a positive integer, got 0"),
+    ("lora_alpha", -2, "adapters: alpha must be positive, got -2.0"),
+])
+def test_a_saved_folders_settings_are_checked_as_a_scripts_are(toy_family, tmp_path, key, value, message):
+    """Loading a folder into a model without adapters applies them with the file's settings, checked as
+    ``apply_lora`` checks a script's: one line, not a crash inside torch's layers."""
+    model = toy_with_origin()
+    apply_lora(model, targets=["q_proj"], rank=2, alpha=4)
+    save_adapter(model, tmp_path / "adapter")
+    path = tmp_path / "adapter" / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    with pytest.raises(PosttuneError) as refused:
+        load_adapter(toy_with_origin(), tmp_path / "adapter")
+    assert str(refused.value) == message
+
+
 def test_a_local_base_is_named_by_its_absolute_path_and_a_missing_one_in_one_line(toy_family, tmp_path,
                                                                                   monkeypatch):
     """`model.path: base` trains from the current folder; `generate --adapter` may run from any other."""

@@ -206,8 +206,8 @@ def adapted_key(native_key: str, model: nn.Module) -> str:
 
 def freeze_base(model: nn.Module) -> None:
     """Adapter tensors trainable, every other parameter frozen."""
-    trainable = {id(p) for layer in adapted_modules(model).values()
-                 for name, p in layer.named_parameters() if not name.startswith(f"{BASE}.")}
+    trainable = {id(layer.get_parameter(name)) for layer in adapted_modules(model).values()
+                 for name in adapter_parameter_names(layer)}
     for param in model.parameters():
         param.requires_grad_(id(param) in trainable)
 

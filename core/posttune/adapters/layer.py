@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from posttune.checkpoint.keymap import BASE  # the child holding the wrapped nn.Linear
+from posttune.errors import PosttuneError
 
 
 class AdaptedLinear(nn.Module):
@@ -83,8 +84,6 @@ def head_weight(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not isinstance(head, AdaptedLinear) or head.disabled:
         return head.weight, head.bias
     if head.dropout_p > 0:
-        from posttune.errors import PosttuneError
-
         raise PosttuneError(f"the output head's adapter folds into one weight, which dropout ({head.dropout_p}) "
                             "does not allow; set adapter.dropout to 0 or leave `output` out of adapter.targets")
     return head.effective_weight(), head.bias

@@ -46,9 +46,9 @@ import torch
 from torch import nn
 
 from posttune.plugin import (ADAPTER_CONFIG, HF_SCORE, SCORE_HEAD, Fused, Planned, PosttuneError, adapted_modules,
-                             apply_adapters, copy_into, family_io, hf_modules, iter_tensors, pairs, score_labels,
+                             copy_into, family_io, hf_modules, iter_tensors, pairs, score_labels,
                              write_file)
-from posttune_lora.layer import LoRALinear
+from posttune_lora.layer import LoRALinear, apply_lora
 from posttune_lora.peft_config import ADAPTER_WEIGHTS, UNSUPPORTED, read_config, settings_of
 
 PREFIX = "base_model.model."
@@ -139,13 +139,9 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
         targets = [name for name in targets if name in layers or hf_names[name] not in fused]
     else:  # fp32 adapters on a half-precision base, as PEFT's autocast_adapter_dtype (its merge is then ours)
         half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        dtype = torch.float32 if half else None
-
-        def wrap(linear: nn.Linear) -> LoRALinear:
-            return LoRALinear(linear, rank=settings["rank"], alpha=settings["alpha"], dropout=settings["dropout_p"],
-                              kind=settings["kind"], rslora=settings["rslora"], dtype=dtype)
-
-        apply_adapters(model, targets=targets, wrap=wrap)  # exact native names
+        apply_lora(model, targets=targets, rank=settings["rank"], alpha=settings["alpha"],
+                   dropout=settings["dropout_p"], kind=settings["kind"], rslora=settings["rslora"],
+                   dtype=torch.float32 if half else None)  # exact native names
         layers = adapted_modules(model)
     _check_same(directory, layers, targets, settings)
     _copy_tensors(model, directory, layers, hf_names, converter.to_native, hf_config, fused, ranks)
