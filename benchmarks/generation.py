@@ -52,7 +52,7 @@ EOS, PAD = 2, 0
 
 if spec["impl"] in ("posttune", "vllm"):
     import posttune_llama
-    from posttune.generation import generate_batch
+    from posttune_generate import generate_batch
     from posttune.testing.tiny import native_from_hf
     converter = {c.family: c for c in posttune_llama.CONVERTERS}["llama"]
     model = native_from_hf(hf_model, posttune_llama.LLAMA, converter).eval()

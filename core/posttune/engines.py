@@ -1,22 +1,20 @@
-"""Generation engines, an open set: the core's own registered like a plugin's, chosen by name, started.
+"""Generation engines, an open set: chosen by name, validated, started.
 
 A method that samples from the policy (GRPO, on-policy KD) names an engine in its config
-(``method.engine``, default ``builtin``: ``generate_batch`` on the training model) and starts it
-with ``start_engine``; a plugin adds one (vLLM, an engine in a Ray actor) by registering a
-``GenerationEngine`` (docs/plugins.md, "Generation engines"). Importing this module imports no torch.
+(``method.engine``) and starts it with ``start_engine``; ``complete`` runs one for a one-off
+generation. Every engine is a plugin's ``GenerationEngine`` (docs/plugins.md, "Generation engines"):
+posttune-generate's ``builtin`` (KV-cached, on the training model itself), posttune-vllm's ``vllm``.
+Importing this module imports no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from posttune.descriptors import EnginePolicy, GenerationEngine
 from posttune.errors import ConfigError, PosttuneError
-from posttune.plugins import PLUGIN_API, hookimpl
-
-POSTTUNE_PLUGIN_API = PLUGIN_API
 
 
 def resolve_engine(name: str, options: Mapping[str, Any] | None = None, *, where: str = "method",
@@ -66,13 +64,19 @@ def start_engine(name: str, options: Mapping[str, Any] | None, policy: Any, *, w
     return engine.start(dataclasses.replace(policy, options=settings, sampling=sampling or policy.sampling))
 
 
-def _builtin(policy: EnginePolicy) -> Any:
-    from posttune.generation import BuiltinEngine
+def complete(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, *, seeds: Sequence[int] | None = None,
+             engine: str | None = None, options: Mapping[str, Any] | None = None, where: str = "engine") -> Any:
+    """``prompts`` (token-id lists) completed by the engine ``engine`` (default ``first_party.ENGINE``) started
+    on ``model``, a model posttune loaded or built, then closed: ``Completions``. For one-off generation
+    outside a run (``posttune generate``, a run's sample prompts, a script): any installed engine serves."""
+    from posttune.checkpoint.origin import origin_of
+    from posttune.first_party import ENGINE
 
-    return BuiltinEngine(policy)
-
-
-@hookimpl
-def posttune_register_generation_engines(register):
-    register(GenerationEngine("builtin", _builtin, description="generate_batch on the training model itself "
-                                                               "(KV cache, any parallel plan, no copy)"))
+    origin = origin_of(model)
+    policy = EnginePolicy(origin.family, origin.build_kwargs, model=model, source=origin.source)
+    started = start_engine(engine or ENGINE, options, policy, where=where,
+                           sampling=sampling if sampling.temperature > 0 else None)
+    try:
+        return started.generate(prompts, sampling, seeds)
+    finally:
+        started.close()

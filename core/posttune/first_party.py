@@ -54,6 +54,7 @@ NAMES: dict[str, dict[str, str]] = {
         "torchao": "posttune-torchao",
     },
     "generation_engine": {
+        "builtin": "posttune-generate",
         "vllm": "posttune-vllm",
     },
     "adapter_kind": {
@@ -128,6 +129,8 @@ ARCHITECTURES: dict[str, str] = {
 
 #: the kind an `adapter:` section without `kind` means (as it did when LoRA was the core's): configs written so
 ADAPTER_KIND = "lora"
+#: the generation engine of a one-off generation (``posttune generate``, ``train.sample_prompts``, ``complete``)
+ENGINE = "builtin"
 #: a saved adapter folder's PEFT ``peft_type`` -> the distribution whose adapter kinds read it
 PEFT_TYPES = {"LORA": "posttune-lora"}
 #: kind -> another tool's name for something registered here under another name (axolotl's dataset types and

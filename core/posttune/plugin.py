@@ -46,7 +46,7 @@ from posttune.descriptors import (
     RewardFunction,
     TrackerRun,
 )
-from posttune.engines import resolve_engine, start_engine
+from posttune.engines import complete, resolve_engine, start_engine
 from posttune.errors import ConfigError, PosttuneError, did_you_mean, first_line
 from posttune.estimate import Estimate, heap_bytes, layer_bytes_per_token, logits_bytes, unique_parameters
 from posttune.plan import model_kwargs
@@ -67,9 +67,9 @@ _LAZY: dict[str, str] = {
     # losses that honour the loss-stage technique (chunked) and final-logit soft-caps
     **dict.fromkeys(["token_cross_entropy", "token_logps", "sequence_logps", "labelled_logits", "in_label_shape"],
                     "posttune.losses"),
-    # generation with a KV cache: batched, seeded per row, the same forward count on every rank
-    **dict.fromkeys(["Completions", "Sampling", "check_new_tokens", "derive_seed", "generate", "generate_batch"],
-                    "posttune.generation"),
+    # what every generation engine shares: settings and their ranges, the result, the context, the seeding
+    **dict.fromkeys(["Completions", "Sampling", "check_new_tokens", "check_sampling", "context_length",
+                     "derive_seed", "seed_tensor", "uniform_noise"], "posttune.generation"),
     # models, checkpoints, tokenizers
     **dict.fromkeys(["load_model", "save_model", "build_model", "load_tokenizer"], "posttune.api"),
     "save_tiny_tokenizer": "posttune.tiny_tokenizer",  # a real tokenizer of 384 ids, for demos and tests
@@ -109,8 +109,8 @@ __all__ = [
     "Command", "ConfigError", "DatasetConfig", "DatasetFormat", "EnginePolicy", "Estimate", "GenerationEngine",
     "LossKernel", "LossOutput", "MemoryTechnique", "MeshDim", "Method", "MetricLogger", "ModelFamily",
     "ModelRole", "ModelTarget", "ParallelPlan", "PosttuneError", "QuantizedFormat", "RewardFunction", "RunConfig",
-    "Session", "TrackerRun", "configs_in", "dataset_sources", "device_for", "did_you_mean", "first_jsonl_row",
-    "first_line", "flat_config", "from_dict", "heap_bytes",
+    "Session", "TrackerRun", "complete", "configs_in", "dataset_sources", "device_for", "did_you_mean",
+    "first_jsonl_row", "first_line", "flat_config", "from_dict", "heap_bytes",
     "hookimpl", "layer_bytes_per_token", "logits_bytes", "lookup", "model_kwargs", "provenance", "read_adapter_config",
     "registered",
     "registering", "require_cuda", "resolve_engine", "scalar_metrics", "start_engine", "unique_parameters",

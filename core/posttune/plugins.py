@@ -41,7 +41,6 @@ ENTRY_POINT_GROUP = "posttune"
 #: Generic pieces of the core, registered through the same hooks as any plugin.
 BUILTIN_PLUGINS = (
     "posttune.builtin.datasets",
-    "posttune.engines",
     "posttune.cli.commands",
 )
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import posttune_generate
+
 import posttune_lora
 import pytest
 import torch
@@ -153,6 +155,7 @@ def test_validate_refuses_a_listed_target_the_model_lacks_before_launch(tmp_path
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     config = sft_config(tmp_path, adapter={"rank": 2, "alpha": 4, "targets": ["q_proj", "vproj"]})
     result = posttune_cli("validate", str(write(tmp_path, config)))
@@ -173,6 +176,7 @@ def test_save_merged_with_an_adapted_tied_head_is_refused_before_launch(tmp_path
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     config = sft_config(tmp_path, adapter={"rank": 2, "alpha": 4, "targets": ["q_proj", "lm_head"]},
                         model={"build_overrides": {"vocab_size": 384, "tie_word_embeddings": True}},

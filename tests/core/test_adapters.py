@@ -264,10 +264,12 @@ class ToyFamily:
 
 @pytest.fixture
 def toy_family(register_plugin):
+    import posttune_generate
     import posttune_lora
 
     register_plugin(ToyFamily(), name="toy", distribution="posttune-toy")
     register_plugin(posttune_lora, name="lora", distribution="posttune-lora")
+    register_plugin(posttune_generate, name="generate", distribution="posttune-generate")
 
 
 def toy_with_origin(seed: int = 0) -> Toy:

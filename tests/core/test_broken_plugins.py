@@ -156,7 +156,8 @@ def test_ls_of_an_empty_kind_says_so_and_why(case, cli):
 
 def test_a_config_that_needs_the_broken_plugin_exits_2_naming_it(case, cli, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("POSTTUNE_LOAD_PLUGINS", ",".join([*case.dists, "posttune-llama", "posttune-sft"]))
+    monkeypatch.setenv("POSTTUNE_LOAD_PLUGINS",
+                       ",".join([*case.dists, "posttune-llama", "posttune-sft", "posttune-generate"]))
     refused = cli("validate", "llama-demo-reverse", f"method.name={case.method}")
     assert refused.exit_code == 2
     assert refused.stderr.count("\n") == 1 and refused.stderr.startswith("posttune: error: ")

@@ -90,7 +90,7 @@ def test_ls_json_gives_each_name_with_its_distribution(fake, posttune_cli):
     assert listing["datasets"]["preference"]["distribution"] == "posttune"
     assert set(listing) == {"families", "converters", "quantized", "methods", "plans", "memory", "adapters",
                             "datasets", "rewards", "engines", "loggers", "configs"}
-    assert listing["engines"]["builtin"]["distribution"] == "posttune"  # the core's engine, registered like any
+    assert "builtin" not in listing["engines"]  # the core has no engine of its own: posttune-generate's is a plugin
     only = json.loads(posttune_cli("ls", "methods", "--json").stdout)
     assert set(only) == {"methods"} and set(only["methods"]) == {"fdpo", "fsft"}
 

@@ -14,6 +14,7 @@ import yaml
 from run_support import sft_config
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_sft
 from posttune.config.components import TRUST_ENV, import_dotted, instantiate
@@ -45,6 +46,7 @@ def config_file(tmp_path: Path) -> Path:
 def llama_sft(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
 

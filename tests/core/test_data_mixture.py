@@ -7,6 +7,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import posttune_generate
+
 import posttune_lora
 import pytest
 import yaml
@@ -243,6 +245,7 @@ def llama_sft(register_plugin):
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
 
@@ -281,6 +284,7 @@ def test_grpo_prompts_from_a_mixture_are_numbered_apart_and_their_fields_checked
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
     renamed = [{"question": row["prompt"], "solution": row["answer"]} for row in prompt_rows(6, seed=1)]
     second = {"path": write(tmp_path / "more.jsonl", renamed), "format": "prompt",

@@ -10,6 +10,7 @@ import yaml
 from run_support import reversal_rows, sft_config
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_sft
 from posttune.config.schema import DatasetConfig
@@ -24,6 +25,7 @@ ROW = json.dumps(reversal_rows(1)[0]).encode()
 def llama_sft(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
 

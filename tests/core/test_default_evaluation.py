@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_sft
 import yaml
@@ -52,6 +53,7 @@ class Wrapped:
 def run(register_plugin, posttune_cli, tmp_path, **plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(Wrapped(**plugin), name="wrapped", distribution="wrapped-method", version="1")
     config = sft_config(tmp_path, method={"name": "wrapped"}, train={"max_steps": 2, "eval_every": 2})

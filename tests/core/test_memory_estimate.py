@@ -17,6 +17,7 @@ from typing import Any
 import posttune_dpo
 import posttune_fsdp2
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_memory
 import posttune_sft
@@ -42,6 +43,7 @@ SHAPE = {"vocab_size": 4096, "hidden_size": 128, "intermediate_size": 384, "num_
 def registry(register_plugin, posttune_plugins):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
     register_plugin(posttune_dpo, distribution="posttune-dpo", version="0.1.0")
@@ -466,6 +468,7 @@ def test_frozen_roles_keep_their_own_lines(register_plugin, posttune_plugins, tm
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_dpo, distribution="posttune-dpo", version="0.1.0")
     registry = posttune_plugins.registry
     full = estimate(resolve_plan(validate(dpo_config(tmp_path / "a")), registry))

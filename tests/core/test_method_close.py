@@ -12,6 +12,7 @@ import os
 import signal
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_sft
 import pytest
@@ -80,6 +81,7 @@ class ClosingSFT:
 def run(register_plugin, posttune_cli, tmp_path):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(ClosingSFT(), name="closing", distribution="closing-sft", version="1")
     CLOSED.clear()

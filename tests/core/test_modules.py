@@ -215,7 +215,7 @@ def test_kv_cache_buffers_are_freed_without_the_cyclic_collector(monkeypatch):
     import gc
     import weakref
 
-    import posttune.generation as generation
+    import posttune_generate.kv_loop as generation
 
     made: list[weakref.ref] = []
 

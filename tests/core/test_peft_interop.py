@@ -19,6 +19,7 @@ from run_support import compose_run, sft_config
 from safetensors.torch import load_file, save_file
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_phi3
 import posttune_sft
@@ -35,6 +36,7 @@ def families(register_plugin):
     """The families `posttune merge` reads and the method of an ``init_from`` run, in the isolated plugin set."""
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_phi3, distribution="posttune-phi3", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 

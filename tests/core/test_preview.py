@@ -13,6 +13,7 @@ import yaml
 from run_support import dpo_config, grpo_config
 
 import posttune_dpo
+import posttune_generate
 import posttune_grpo
 import posttune_llama
 import posttune_sft
@@ -20,7 +21,7 @@ import posttune_sft
 
 @pytest.fixture
 def plugins(register_plugin):
-    for module in (posttune_llama, posttune_sft, posttune_dpo, posttune_grpo):
+    for module in (posttune_llama, posttune_sft, posttune_dpo, posttune_grpo, posttune_generate):
         register_plugin(module, distribution=module.__name__.replace("_", "-"), version="0.1.0")
 
 

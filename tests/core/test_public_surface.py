@@ -123,6 +123,6 @@ def test_lookup_finds_registered_descriptors(posttune_plugins):
 
 
 def test_the_surface_names_match_their_core_definitions():
-    for name in ("build_loader", "token_logps", "generate", "BatchLoader", "adapted_modules"):
+    for name in ("build_loader", "token_logps", "derive_seed", "BatchLoader", "adapted_modules"):
         module = importlib.import_module(surface._LAZY[name])
         assert getattr(surface, name) is getattr(module, name)

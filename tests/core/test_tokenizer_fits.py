@@ -11,6 +11,7 @@ import yaml
 from run_support import TOKENIZER, sft_config
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_sft
 from posttune.errors import PosttuneError
@@ -25,6 +26,7 @@ TOO_MANY = ("the tokenizer has 384 token ids and the model's embedding 256 rows:
 def plugins(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
 

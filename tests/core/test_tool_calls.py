@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import datasets
+import posttune_generate
 import posttune_lora
 import pytest
 from transformers import AutoTokenizer
@@ -211,6 +212,7 @@ def llama_sft(register_plugin):
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_sft
 
@@ -74,6 +75,7 @@ def llama_sft(register_plugin):
     """posttune-llama and posttune-sft registered in the test's isolated plugin set."""
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
 

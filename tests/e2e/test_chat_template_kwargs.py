@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import pytest
 import torch
@@ -83,6 +84,7 @@ def test_a_variable_the_render_sets_itself_is_refused(llama_sft, posttune_cli, w
 def test_generate_renders_its_prompt_with_the_kwargs(register_plugin, posttune_cli, tmp_path):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     path = thinking_tokenizer(tmp_path)
     tokenizer = load_tokenizer(path)
     save_tiny_hf_checkpoint(path, tiny_llama_config(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,

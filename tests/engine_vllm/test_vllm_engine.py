@@ -15,7 +15,8 @@ pytest.importorskip("vllm", reason="posttune-vllm's tests run in the `vllm` tox 
 
 import torch  # noqa: E402
 from posttune_lora.layer import apply_lora  # noqa: E402
-from posttune.plugin import PosttuneError, Sampling, generate_batch, load_model, start_engine  # noqa: E402
+from posttune.plugin import PosttuneError, Sampling, load_model, start_engine  # noqa: E402
+from posttune_generate import generate_batch  # noqa: E402
 from vllm_support import GREEDY, PROMPTS, SAMPLED, SEEDS, STOP, assert_logprobs_match, live  # noqa: E402
 
 

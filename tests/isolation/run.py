@@ -12,7 +12,8 @@ torch install, and `pip uninstall` removes a distribution's entry points with it
    third-party plugin's tests with nothing but posttune, the plugin and pytest installed: it may
    import only the public surface).
 4. + `posttune_models/llama` -> it appears too.
-5. - posttune-template, + `posttune_methods/dpo` and `posttune_methods/kd` (no posttune-sft) -> a
+5. - posttune-template, + `posttune_methods/dpo`, `posttune_methods/kd` and `plugins/generate` (its engine,
+   which kd depends on; no posttune-sft) -> a
    config naming `activation_checkpointing` is refused with the `pip install posttune-memory` hint
    (the core brings no memory technique), a shortened `posttune train dpo-tiny-reverse` runs end to
    end, and so do the distillation example's teacher and a shortened `posttune train kd-tiny-reverse`
@@ -123,8 +124,8 @@ STATES = [
           uninstall=("posttune-qwen",), check=template_tests),
     State("and a first-party plugin", ("posttune_models/llama",), ("posttune", "posttune-template", "posttune-llama")),
     State("core, posttune-llama, posttune-dpo and posttune-kd (no posttune-sft)",
-          ("posttune_methods/dpo", "posttune_methods/kd"),
-          ("posttune", "posttune-llama", "posttune-dpo", "posttune-kd"),
+          ("plugins/generate", "posttune_methods/dpo", "posttune_methods/kd"),
+          ("posttune", "posttune-llama", "posttune-generate", "posttune-dpo", "posttune-kd"),
           uninstall=("posttune-template",), check=check_dpo_and_kd_without_sft),
 ]
 

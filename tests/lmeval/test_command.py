@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import posttune_lmeval
+import posttune_generate
 import posttune_lora
 import pytest
 from posttune.cli.main import build_parser
@@ -124,6 +125,7 @@ def test_a_hub_task_whose_data_is_not_cached_is_one_line(eval_cli, register_plug
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = eval_cli("--model", str(tiny_checkpoint), "--tasks", "arc_easy", "--limit", "2")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import posttune_grpo
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import pytest
 import yaml
@@ -66,6 +67,7 @@ class ShiftedEnginePlugin:
 def plugins(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
     register_plugin(ShiftedEnginePlugin(), name="shifted", distribution="posttune-shifted", version="0.1.0")
 

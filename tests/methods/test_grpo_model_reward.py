@@ -12,6 +12,7 @@ from pathlib import Path
 
 import posttune_grpo
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_rm
 import pytest
@@ -29,6 +30,7 @@ PAD = 4  # the demo tokenizer's pad id
 def grpo_rm(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
     register_plugin(posttune_rm, distribution="posttune-rm", version="0.1.0")
 

@@ -18,6 +18,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import posttune_generate
+
 import posttune_lora
 import pytest
 import yaml
@@ -200,6 +202,7 @@ def test_the_run_closes_its_actors_ray_and_reward_workers(register_plugin, postt
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
     path = write(tmp_path, "async", method={"mode": "async", "ray_options": {"actors": 2, "scorers": 2}},
                  train={"max_steps": 3})

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import posttune_grpo
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_ppo
 import pytest
@@ -28,6 +29,7 @@ CONTINUE = "set method.reward_errors: zero"
 def llama_grpo(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
 
 

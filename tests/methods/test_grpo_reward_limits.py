@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import posttune_grpo
+import posttune_generate
 import posttune_lora
 import pytest
 import reward_support
@@ -242,6 +243,7 @@ def test_a_run_stops_on_a_timeout_in_one_line_or_logs_the_timeouts_per_step(regi
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
     register_plugin(RewardPlugin(*reward_support.ISOLATED), name="hangs", distribution="test-rewards", version="1")

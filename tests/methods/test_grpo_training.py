@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import posttune_grpo
+import posttune_generate
 import posttune_lora
 import pytest
 import torch
@@ -47,6 +48,7 @@ def llama_grpo(register_plugin):
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
     register_plugin(TestRewards(), name="test_rewards", distribution="test-rewards", version="1")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import posttune_kd
 import posttune_memory
+import posttune_generate
 import posttune_lora
 import pytest
 import torch
@@ -26,6 +27,7 @@ def llama_kd(register_plugin):
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
     register_plugin(posttune_kd, distribution="posttune-kd", version="0.1.0")
     register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")

@@ -18,6 +18,7 @@ import yaml
 from run_support import compose_run, dpo_config, grpo_config, kd_config, save_hf_teacher, sft_config
 
 import posttune_dpo
+import posttune_generate
 import posttune_grpo
 import posttune_kd
 import posttune_llama
@@ -34,7 +35,8 @@ ROUTING = ("aux_loss", "expert_tokens_min", "expert_tokens_mean", "expert_tokens
 @pytest.fixture
 def plugins(register_plugin):
     for module, name in [(posttune_qwen, "qwen"), (posttune_llama, "llama"), (posttune_sft, "sft"),
-                         (posttune_dpo, "dpo"), (posttune_grpo, "grpo"), (posttune_kd, "kd")]:
+                         (posttune_dpo, "dpo"), (posttune_grpo, "grpo"), (posttune_kd, "kd"),
+                         (posttune_generate, "generate")]:
         register_plugin(module, distribution=f"posttune-{name}", version="0.1.0")
 
 

@@ -3,6 +3,8 @@ padding changes no loss: padded positions carry no target and right padding is n
 
 from __future__ import annotations
 
+import posttune_generate
+
 import posttune_lora
 import pytest
 import torch
@@ -43,6 +45,7 @@ def test_distillation_batches_pad_to_a_multiple_too_and_keep_their_loss(register
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_kd, distribution="posttune-kd", version="0.1.0")
     teacher = save_hf_teacher(tmp_path / "teacher")
     plain, plain_shape = first_batch_loss(kd_config(tmp_path / "plain", teacher, rows=8))

@@ -20,6 +20,7 @@ import yaml
 from run_support import dpo_config
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_qwen
 import posttune_rm
@@ -32,6 +33,7 @@ TOL = 1e-6
 def llama_rm(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
     register_plugin(posttune_rm, distribution="posttune-rm", version="0.1.0")
 

@@ -13,6 +13,7 @@ from gemma_tiny import native_from_hf, tiny_gemma2_config, tiny_gemma3_config
 
 import posttune
 import posttune_gemma
+import posttune_generate
 import posttune_lora
 import posttune_llama
 import posttune_phi3
@@ -28,6 +29,7 @@ MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 def families(register_plugin):
     register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_gemma, distribution="posttune-gemma", version="0.1.0")
 
 
@@ -61,6 +63,7 @@ def assert_loads_as_transformers_without(config: transformers.PretrainedConfig, 
 def llama_phi3(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_phi3, distribution="posttune-phi3", version="0.1.0")
 
 

@@ -11,7 +11,8 @@ import torch
 from rank_support import run_ranks
 from torch import nn
 
-from posttune.generation import _mix, _mix_int, derive_seed, filter_logits, generate_batch, uniform_noise
+from posttune.generation import _mix, _mix_int, derive_seed, uniform_noise
+from posttune_generate.kv_loop import filter_logits, generate_batch
 from posttune.modules import Attention, Decoder, DecoderLayer, GatedMLP, KVCache, RMSNorm, RotaryEmbedding
 from posttune.testing.tiny import tiny_hf_model, tiny_llama_config, tiny_mistral_config
 
@@ -218,7 +219,7 @@ RANK_PROGRAM = r"""
 import json, sys
 import torch, torch.distributed as dist
 import posttune_llama
-from posttune.generation import generate_batch
+from posttune_generate import generate_batch
 from posttune.training import distributed
 from posttune.testing.tiny import native_from_hf, tiny_hf_model, tiny_llama_config
 torch.set_num_threads(1)

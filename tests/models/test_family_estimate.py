@@ -12,6 +12,7 @@ from run_support import TOKENIZER
 from torch import nn
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_sft
 from posttune import hookimpl
@@ -64,6 +65,7 @@ def plan_output(posttune_cli, tmp_path, family: str) -> str:
 def test_a_family_with_its_own_mlp_gets_the_activations_of_the_same_shape(register_plugin, posttune_cli, tmp_path):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(OwnMLPFamily(), name="own-mlp", distribution="own-mlp")
     own = plan_output(posttune_cli, tmp_path, "own_mlp")

@@ -9,6 +9,7 @@ import transformers
 
 import posttune
 import posttune_gemma
+import posttune_generate
 import posttune_lora
 from posttune.errors import PosttuneError
 from gemma_tiny import CONFIGS
@@ -20,6 +21,7 @@ from logits import assert_close, native_logits, transformers_logits
 def gemma_plugin(register_plugin):
     register_plugin(posttune_gemma, name="gemma", distribution="posttune-gemma")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
 
 
 @pytest.mark.parametrize("name", ["gemma_gqa", "gemma_mqa_untied", "gemma2_softcap_window",

@@ -11,6 +11,7 @@ import yaml
 
 import posttune
 import posttune_gemma
+import posttune_generate
 import posttune_lora
 import posttune_sft
 from posttune.config import load_config, validate
@@ -28,6 +29,7 @@ NAMES = sorted(path.stem for path in posttune_gemma.CONFIGS.glob("*.yaml"))
 def plugins(register_plugin):
     register_plugin(posttune_gemma, distribution="posttune-gemma", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gemma_tiny import CONFIGS, native_from_hf
-from posttune.generation import generate
+from posttune_generate import generate
 from posttune.testing.tiny import tiny_hf_model
 
 PROMPT = [5, 17, 300, 42, 7, 99]

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import posttune_gemma
+import posttune_generate
 import posttune_lora
 from gemma_tiny import CONFIGS, CONVERTERS, FAMILIES, native_from_hf, tiny_gemma2_config, tiny_gemma3_config
 from posttune.errors import PosttuneError
@@ -161,6 +162,7 @@ def test_plugin_registers_three_families_and_converters(register_plugin):
 
     register_plugin(posttune_gemma, distribution="posttune-gemma", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     registry = get_registry()
     for name, architecture in (("gemma", "GemmaForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
                                ("gemma3", "Gemma3ForCausalLM")):

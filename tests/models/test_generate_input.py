@@ -18,9 +18,11 @@ import pytest
 import torch
 from rank_support import run_ranks
 
+import posttune_generate
 import posttune_llama
 import posttune_lora
-from posttune.generation import SamplingError, check_sampling, context_length, generate_batch
+from posttune.generation import SamplingError, check_sampling, context_length
+from posttune_generate import generate_batch
 from posttune.modules import RotaryEmbedding
 from posttune.testing.tiny import native_from_hf, save_tiny_hf_checkpoint, tiny_hf_model, tiny_llama_config
 from posttune.tiny_tokenizer import save_tiny_tokenizer
@@ -42,6 +44,7 @@ def short_context_checkpoint(path, template="llama3"):
 def checkpoint(tmp_path, register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     return short_context_checkpoint(tmp_path)
 
 
@@ -125,6 +128,7 @@ def test_an_empty_prompt_is_one_line(tmp_path, register_plugin, posttune_cli):
     """The chatml tiny tokenizer adds no BOS: "" is no tokens at all."""
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     path, tokenizer = short_context_checkpoint(tmp_path, template="chatml")
     assert tokenizer.encode("") == []
     result = posttune_cli("generate", "--model", str(path), "--prompt", "hi", "--prompt", "")
@@ -166,7 +170,7 @@ def test_generation_stops_at_every_stop_id_the_checkpoint_lists(checkpoint, post
     ``generate`` stops at; ``posttune generate`` passes the same ids, not only the tokenizer's eos."""
     import transformers
 
-    from posttune import generation
+    from posttune_generate import kv_loop as generation
 
     path, tokenizer = checkpoint
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_id, 1]}))
@@ -174,7 +178,8 @@ def test_generation_stops_at_every_stop_id_the_checkpoint_lists(checkpoint, post
     monkeypatch.setattr(generation, "generate_batch",
                         lambda *args, **kwargs: passed.append(kwargs["stop_token_ids"]) or real(*args, **kwargs))
     assert posttune_cli("generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "2").exit_code == 0
-    assert passed == [transformers.GenerationConfig.from_pretrained(path).eos_token_id] == [[tokenizer.eos_id, 1]]
+    assert [list(ids) for ids in passed] == [transformers.GenerationConfig.from_pretrained(path).eos_token_id] \
+        == [[tokenizer.eos_id, 1]]
 
 
 def test_new_tokens_past_the_context_are_capped_with_one_warning(checkpoint, posttune_cli):
@@ -244,7 +249,7 @@ def test_sampling_checks_its_new_token_count_on_creation(value):
 
 def test_a_batch_of_prompts_given_as_one_is_refused(short_model):
     """generate takes one prompt: a [2, n] tensor was read as one prompt, its rows end to end."""
-    from posttune.generation import generate
+    from posttune_generate import generate
 
     with pytest.raises(ValueError, match=r"got shape \[2, 3\] \(generate_batch takes several prompts\)"):
         generate(short_model, torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=2)
@@ -273,7 +278,7 @@ def test_generate_batch_caps_each_rows_new_tokens_and_sizes_its_kv_cache_by_the_
     """Rows of 5 and 9 tokens, no stop token, 1e8 asked: each row fills the context of 32, 27 and 23 new tokens
     (its own room, not the longest prompt's), and the left-padded cache holds 9 + 27 positions, not 1e8 (a
     larger one fails here, before it allocates anything). The short row's completion is the one it gets alone."""
-    import posttune.generation as generation
+    import posttune_generate.kv_loop as generation
 
     sizes = []
 
@@ -328,7 +333,7 @@ RANK_PROGRAM = r"""
 import json, sys
 import torch, torch.distributed as dist
 import posttune_llama
-from posttune.generation import generate_batch
+from posttune_generate import generate_batch
 from posttune.training import distributed
 from posttune.testing.tiny import native_from_hf, tiny_hf_model, tiny_llama_config
 torch.set_num_threads(1)

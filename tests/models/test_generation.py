@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttune.generation import filter_logits, generate
+from posttune_generate.kv_loop import filter_logits, generate
 from posttune.testing.tiny import tiny_hf_model, tiny_llama_config, tiny_mistral_config
 
 PROMPT = [5, 17, 300, 42, 7, 99]

@@ -7,10 +7,12 @@ sampling settings are checked when they are made."""
 from __future__ import annotations
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import pytest
 import torch
-from posttune.generation import Sampling, SamplingError, generate_batch
+from posttune.generation import Sampling, SamplingError
+from posttune_generate import generate_batch
 from posttune.plugin import EnginePolicy, PosttuneError, build_model, start_engine
 
 PROMPTS = [[5, 17, 300, 42], [9, 4], [7, 7, 7]]
@@ -23,6 +25,7 @@ def policy(register_plugin) -> torch.nn.Module:
     """A tiny Llama with seeded random weights, as `posttune train` builds the policy (with its origin)."""
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     model = build_model("llama", "tiny", vocab_size=384)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -80,3 +83,72 @@ def test_no_prompts_says_what_a_method_does_with_an_empty_share(policy):
     with pytest.raises(ValueError, match=r"^generate_batch needs at least one prompt \(a rank's share of an epoch's "
                                          r"last batch of prompts may be empty: generate for a placeholder prompt"):
         engine.generate([], SAMPLING)
+
+
+def test_complete_starts_the_engine_on_a_loaded_model_and_closes_it(policy, register_plugin):
+    """`complete` (posttune generate, sample prompts, scripts) is the engine's generate on that model: the same
+    completions as the loop, seeded per row; the engine it started is closed after (a recording engine says so)."""
+    from posttune.plugin import GenerationEngine, complete, hookimpl
+
+    calls = []
+
+    class Recorded:
+        def __init__(self, policy):
+            self.inner = start_engine("builtin", None, policy)
+            self.version = self.inner.version
+
+        def generate(self, prompts, sampling, seeds=None):
+            calls.append(("generate", policy_of(self.inner), tuple(seeds)))
+            return self.inner.generate(prompts, sampling, seeds)
+
+        def update_weights(self, weights, version):
+            self.inner.update_weights(weights, version)
+
+        def close(self):
+            calls.append(("close",))
+            self.inner.close()
+
+    def policy_of(inner):
+        return inner.model is policy
+
+    class Plugin:
+        POSTTUNE_PLUGIN_API = 2
+
+        @hookimpl
+        def posttune_register_generation_engines(self, register):
+            register(GenerationEngine("recorded", Recorded))
+
+    register_plugin(Plugin(), name="recorded", distribution="posttune-recorded")
+    assert complete(policy, PROMPTS, SAMPLING, seeds=SEEDS).token_lists() == expected(policy)
+    assert complete(policy, PROMPTS, SAMPLING, seeds=SEEDS, engine="recorded").token_lists() == expected(policy)
+    assert calls == [("generate", True, tuple(SEEDS)), ("close",)]
+
+
+def test_without_posttune_generate_generation_is_refused_in_one_line_naming_it(tmp_path, register_plugin,
+                                                                              posttune_cli):
+    """The core has no engine: `posttune generate` is refused before the model loads, and a run's
+    `train.sample_prompts` at validate, each naming the distribution to install."""
+    import yaml
+
+    from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
+
+    register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
+    save_tiny_hf_checkpoint(tmp_path / "model", tiny_llama_config(), seed=0)
+    result = posttune_cli("generate", "--model", str(tmp_path / "model"), "--prompt", "hi")
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "posttune: error: generate: no generation engine 'builtin' is installed (installed: none) — "
+        "pip install posttune-generate"]
+    import posttune_sft
+
+    register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
+    config = {"model": {"family": "llama", "size": "tiny"}, "method": "sft", "data": {"train": [{"path": str(rows)}]},
+              "train": {"max_steps": 1, "sample_prompts": ["hi"]},
+              "checkpoint": {"output_dir": str(tmp_path / "out")}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    result = posttune_cli("validate", str(tmp_path / "run.yaml"))
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        "posttune: error: config: train.sample_prompts: no generation engine 'builtin' is installed (installed: none) "
+        "— pip install posttune-generate"]

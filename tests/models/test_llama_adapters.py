@@ -14,6 +14,7 @@ import transformers
 
 import posttune
 import posttune_llama
+import posttune_generate
 import posttune_lora
 from posttune.adapters import (
     adapted_key,
@@ -40,6 +41,7 @@ TARGETS = list(posttune_llama.LORA_TARGETS)
 def llama_plugin(register_plugin):
     register_plugin(posttune_llama, name="llama", distribution="posttune-llama")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
 
 
 @pytest.fixture(scope="module")

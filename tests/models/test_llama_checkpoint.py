@@ -9,6 +9,7 @@ import torch
 
 import posttune
 import posttune_llama
+import posttune_generate
 import posttune_lora
 from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config, tiny_mistral_config
 from logits import assert_close, native_logits, transformers_logits
@@ -18,6 +19,7 @@ from logits import assert_close, native_logits, transformers_logits
 def llama_plugin(register_plugin):
     register_plugin(posttune_llama, name="llama", distribution="posttune-llama")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
 
 
 @pytest.mark.parametrize("config", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_memory
 import posttune_sft
@@ -17,6 +18,7 @@ NAMES = sorted(path.stem for path in posttune_llama.CONFIGS.glob("*.yaml"))
 def plugins(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")  # the real-size configs
     register_plugin(posttune_torchao, distribution="posttune-torchao", version="0.1.0")  # mixtral-8x7b-qlora

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 from posttune.errors import PosttuneError
 from posttune.testing.tiny import tiny_hf_model, tiny_llama_config, tiny_mistral_config
@@ -167,6 +168,7 @@ def test_plugin_registers_both_families_and_converters(register_plugin):
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     registry = get_registry()
     assert registry.get("model_family", "llama").architectures == ("LlamaForCausalLM",)
     assert registry.get("model_family", "mistral").architectures == ("MistralForCausalLM",)

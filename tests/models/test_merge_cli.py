@@ -10,6 +10,7 @@ import torch
 import transformers
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
 from posttune.tiny_tokenizer import save_tiny_tokenizer
@@ -20,6 +21,7 @@ from posttune.tokenizer import load_tokenizer
 def base(tmp_path_factory, register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     path = tmp_path_factory.mktemp("base")
     save_tiny_tokenizer(path, template="llama3")
     tokenizer = load_tokenizer(path)

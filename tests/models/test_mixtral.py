@@ -21,9 +21,10 @@ from safetensors import safe_open
 
 import posttune
 import posttune_llama
+import posttune_generate
 import posttune_lora
 from logits import IDS, assert_close, native_logits, transformers_logits
-from posttune.generation import generate
+from posttune_generate import generate
 from posttune.plugin import PosttuneError
 from posttune.testing.tiny import TINY, tiny_hf_model
 from posttune_llama.config import MIXTRAL_DEFAULTS
@@ -55,6 +56,7 @@ def edit_config(path: Path, **fields) -> None:
 def llama_plugin(register_plugin):
     register_plugin(posttune_llama, name="llama", distribution="posttune-llama")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -19,12 +19,13 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import posttune
+import posttune_generate
 import posttune_lora
 import posttune_phi3
 from posttune.adapters import load_adapter, save_adapter
 from posttune_lora.layer import apply_lora
 from posttune.errors import PosttuneError
-from posttune.generation import generate
+from posttune_generate import generate
 from posttune.testing.tiny import TINY, tiny_hf_model
 
 TOL = 1e-4
@@ -288,6 +289,7 @@ def phi3_plugins(register_plugin):
 
     register_plugin(posttune_phi3, distribution="posttune-phi3", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")  # phi4-mini-sft
 

@@ -18,6 +18,8 @@ import torch
 import transformers
 import yaml
 
+import posttune_generate
+
 import posttune_lora
 import posttune_qwen
 import posttune_sft
@@ -43,6 +45,7 @@ def session(register_plugin, tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     checkpoint = tmp_path / "qwen"
     save_tiny_hf_checkpoint(checkpoint, tiny_qwen2_config(vocab_size=384))

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import posttune
+import posttune_generate
 import posttune_lora
 import posttune_qwen
 from posttune.testing.tiny import save_tiny_hf_checkpoint
@@ -18,6 +19,7 @@ from logits import assert_close, native_logits, transformers_logits
 def qwen_plugin(register_plugin):
     register_plugin(posttune_qwen, name="qwen", distribution="posttune-qwen")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
 
 
 @pytest.mark.parametrize("name", ["qwen2_gqa", "qwen2_tied", "qwen2_sliding_window",

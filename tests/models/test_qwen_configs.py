@@ -8,6 +8,7 @@ import yaml
 import posttune_ep
 import posttune_fsdp2
 import posttune_memory
+import posttune_generate
 import posttune_lora
 import posttune_qwen
 import posttune_sft
@@ -19,6 +20,7 @@ NAMES = sorted(path.stem for path in posttune_qwen.CONFIGS.glob("*.yaml"))
 def plugins(register_plugin):
     register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_fsdp2, distribution="posttune-fsdp2", version="0.1.0")  # qwen3-30b-a3b-lora
     register_plugin(posttune_ep, distribution="posttune-ep", version="0.1.0")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttune.generation import generate
+from posttune_generate import generate
 from posttune.testing.tiny import tiny_hf_model
 from qwen_tiny import CONFIGS, native_from_hf
 

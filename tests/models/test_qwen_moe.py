@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 import posttune
 from posttune.errors import PosttuneError
-from posttune.generation import generate
+from posttune_generate import generate
 from posttune.testing.tiny import TINY, tiny_hf_model
 
 FP32_TOLERANCE = 1e-4

@@ -12,6 +12,8 @@ import pytest
 import torch
 import transformers
 
+import posttune_generate
+
 import posttune_lora
 import posttune_qwen
 from posttune.errors import PosttuneError
@@ -154,6 +156,7 @@ def test_plugin_registers_both_families_and_converters(register_plugin):
 
     register_plugin(posttune_qwen, distribution="posttune-qwen", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     registry = get_registry()
     assert registry.get("model_family", "qwen2").architectures == ("Qwen2ForCausalLM",)
     assert registry.get("model_family", "qwen3").architectures == ("Qwen3ForCausalLM",)

@@ -18,11 +18,12 @@ from safetensors.torch import load_file
 
 import posttune
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_sft
 from posttune.config import load_config, validate
 from posttune.errors import PosttuneError
-from posttune.generation import generate
+from posttune_generate import generate
 from posttune.plan import resolve_plan
 from posttune.plugins import get_registry
 from posttune.testing.tiny import TINY, tiny_hf_model, tiny_llama_config
@@ -134,6 +135,7 @@ def smollm2(register_plugin, tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     checkpoint = tmp_path / "smollm2"
     hf_model = tiny_hf_model(tiny_llama_config(vocab_size=384, tie_word_embeddings=True))

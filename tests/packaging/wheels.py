@@ -7,8 +7,9 @@
 2. Each artefact is checked: ``twine check --strict`` (the README renders as PyPI's long
    description), the version, the license expression and LICENSE file, and every file of the
    package folders (code, bundled configs, demo and example data) inside the wheel.
-3. A fresh venv gets the third-party requirements of posttune, posttune-qwen and posttune-grpo
-   from the index, then those three from the wheel folder alone (``--no-index``): the first-party
+3. A fresh venv gets the third-party requirements of posttune, posttune-qwen, posttune-grpo and
+   posttune-generate (grpo's engine) from the index, then those four from the wheel folder alone
+   (``--no-index``): the first-party
    pins must resolve among the wheels. Imports must come from the venv's site-packages.
 4. From a folder outside the repository, the GRPO example runs as a user would: its warm start
    (``python -m posttune_grpo.example prepare``), then a shortened
@@ -46,8 +47,8 @@ from pyprojects import (
 )
 
 CONSTRAINTS = ROOT / "constraints.txt"
-INSTALLED = ["posttune", "posttune-qwen", "posttune-grpo"]
-PACKAGES = ["posttune", "posttune_qwen", "posttune_grpo"]
+INSTALLED = ["posttune", "posttune-qwen", "posttune-generate", "posttune-grpo"]
+PACKAGES = ["posttune", "posttune_qwen", "posttune_generate", "posttune_grpo"]
 PREPARE_STEPS = 20
 TRAIN = ["train.max_steps=2", "train.eval_every=2", "train.log_every=1"]
 

@@ -11,6 +11,7 @@ import pytest
 import posttune_cp
 import posttune_fsdp2
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_loss_parallel
 import posttune_sft
@@ -26,7 +27,7 @@ def plugins(register_plugin):
     for module, dist in ((posttune_llama, "posttune-llama"), (posttune_sft, "posttune-sft"),
                          (posttune_fsdp2, "posttune-fsdp2"), (posttune_tp, "posttune-tp"),
                          (posttune_loss_parallel, "posttune-loss-parallel"), (posttune_cp, "posttune-cp"),
-                         (posttune_lora, "posttune-lora")):
+                         (posttune_lora, "posttune-lora"), (posttune_generate, "posttune-generate")):
         register_plugin(module, distribution=dist, version="0.1.0")
 
 

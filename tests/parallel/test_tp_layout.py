@@ -110,7 +110,7 @@ def test_tp_forward_of_packed_rows_matches_the_plain_model_and_its_gradients(tp_
 
 def test_without_sequence_parallelism_norms_replicate_and_one_token_steps_work(tp_mesh):
     """What generation needs: a one-token decoding step cannot be split over the sequence."""
-    from posttune.generation import generate_batch
+    from posttune_generate import generate_batch
 
     reference = tiny()
     model = tiny()

@@ -12,6 +12,7 @@ import random
 from types import SimpleNamespace
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_memory
 import posttune_sft
@@ -36,6 +37,7 @@ LORA = {"kind": "lora", "rank": 4, "alpha": 8, "dropout": 0.0}
 def llama_sft(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
 

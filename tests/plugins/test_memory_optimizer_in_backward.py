@@ -8,6 +8,7 @@ import yaml
 from memory_support import compose_run, sft_config
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_memory
 import posttune_sft
@@ -22,6 +23,7 @@ TRAIN = {"max_steps": 3, "max_grad_norm": None, "scheduler": "cosine", "warmup_s
 def llama_sft(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
 

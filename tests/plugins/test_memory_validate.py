@@ -10,6 +10,7 @@ import yaml
 from memory_support import sft_config, tiny_llama
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_memory
 import posttune_sft
@@ -20,6 +21,7 @@ from posttune.errors import PosttuneError
 def plugins(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
     for name in ("posttune_tp", "posttune_loss_parallel", "posttune_fsdp2"):  # their conflicts are checked too

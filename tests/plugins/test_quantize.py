@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import posttune
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_torchao
 from posttune.adapters import merge_adapters, save_adapter
@@ -38,6 +39,7 @@ def _register(plugins):
     plugins.register(posttune_llama, name="llama", distribution="posttune-llama", version="0.1.0")
     plugins.register(posttune_torchao, name="torchao", distribution="posttune-torchao", version="0.1.0")
     plugins.register(posttune_lora, name="lora", distribution="posttune-lora", version="0.1.0")
+    plugins.register(posttune_generate, name="generate", distribution="posttune-generate", version="0.1.0")
 
 
 @pytest.fixture
@@ -276,6 +278,7 @@ def test_the_core_asks_the_format_the_checkpoint_names(exports, register_plugin,
 
     register_plugin(posttune_llama, distribution="posttune-llama")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(module_plugin("toy", posttune_register_quantized_formats=lambda register: register(
         QuantizedFormat("toy", read=read))))
     toy = _toy_checkpoint(tmp_path, exports)
@@ -292,6 +295,7 @@ def test_the_core_asks_the_format_the_checkpoint_names(exports, register_plugin,
 def test_quantized_checkpoints_are_checked_like_any_other(exports, register_plugin, tmp_path):
     register_plugin(posttune_llama, distribution="posttune-llama")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(module_plugin("toy", posttune_register_quantized_formats=lambda register: register(
         QuantizedFormat("toy", read=lambda files: _read_negated(files, skip={"model.norm.weight"})))))
     with pytest.raises(PosttuneError, match=r"missing tensor 'model.norm.weight' \(native 'norm.weight'\): the "

@@ -13,6 +13,7 @@ import yaml
 from memory_support import compose_run, sft_config
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_memory
 import posttune_sft
@@ -34,6 +35,7 @@ def stand_in_plans(register):
 def plugins(register_plugin, posttune_plugins):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
     register_plugin(posttune_memory, distribution="posttune-memory", version="0.1.0")
     register_plugin(posttune_torchao, distribution="posttune-torchao", version="0.1.0")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import posttune_generate
 import posttune_llama
 import posttune_sft
 import pytest
@@ -39,6 +40,7 @@ class IA3Plugin:
 def plugins(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")  # posttune-sft's dependency
     register_plugin(IA3Plugin(), name="thirdparty-ia3", distribution="posttune-thirdparty", version="0.1.0")
 
 

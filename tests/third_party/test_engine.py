@@ -11,6 +11,7 @@ from pathlib import Path
 import posttune_grpo
 import posttune_kd
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import pytest
 import yaml
@@ -34,6 +35,7 @@ class EnginePlugin:
 def plugins(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_grpo, distribution="posttune-grpo", version="0.1.0")
     register_plugin(posttune_kd, distribution="posttune-kd", version="0.1.0")
     register_plugin(EnginePlugin(), name="thirdparty", distribution="posttune-thirdparty", version="0.1.0")
@@ -91,7 +93,8 @@ def test_on_policy_kd_samples_with_the_named_engine_and_closes_it(plugins, postt
     ({"engine": "recordr"}, "config: method.engine: no generation engine 'recordr' is installed (installed: builtin, "
                             "recorder) (did you mean 'recorder'?)"),
     ({"engine": "recorder"}, "config: method.engine_options.log: "),
-    ({"engine_options": {"log": "x"}}, "config: method.engine_options: generation engine 'builtin' (posttune "),
+    ({"engine_options": {"log": "x"}},
+     "config: method.engine_options: generation engine 'builtin' (posttune-generate "),
 ])
 def test_an_unknown_engine_or_bad_options_are_refused_before_launch(plugins, posttune_cli, tmp_path, method,
                                                                      message):
@@ -104,8 +107,8 @@ def test_an_unknown_engine_or_bad_options_are_refused_before_launch(plugins, pos
         assert len(result.stderr.splitlines()) == 1
 
 
-def test_posttune_ls_engines_lists_the_core_s_and_the_plugin_s(plugins, posttune_cli):
+def test_posttune_ls_engines_lists_each_engine_with_its_distribution(plugins, posttune_cli):
     result = posttune_cli("ls", "engines")
     assert result.exit_code == 0
-    assert [line.split()[:2] for line in result.stdout.splitlines()] == [["builtin", "posttune"],
+    assert [line.split()[:2] for line in result.stdout.splitlines()] == [["builtin", "posttune-generate"],
                                                                          ["recorder", "posttune-thirdparty"]]

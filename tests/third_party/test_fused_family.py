@@ -40,10 +40,13 @@ def phi3(register_plugin, tmp_path):
     """transformers' tiny random Phi3ForCausalLM (GQA 4:2, RoPE base 5000) saved under tmp_path/hf."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
+    import posttune_generate
+
     import posttune_lora
 
     register_plugin(FusedFamilyPlugin(), name="thirdparty-fused", distribution="posttune-thirdparty")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     torch.manual_seed(0)
     config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

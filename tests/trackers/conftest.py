@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import posttune_llama
+import posttune_generate
 import posttune_lora
 import posttune_sft
 import pytest
@@ -17,6 +18,7 @@ import yaml
 def llama_sft(register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")
 
 

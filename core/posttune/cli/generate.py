@@ -1,6 +1,7 @@
 """`posttune generate`: complete prompts with a checkpoint, KV-cached, greedy by default.
 
-Several ``--prompt``s are completed together in one left-padded batch (``generate_batch``);
+Several ``--prompt``s are completed together in one batch, by the generation engine ``builtin``
+(posttune-generate: KV-cached, left-padded; ``posttune.engines.complete``);
 each completion is printed under a ``=== [i/n] prompt`` header, in order. One prompt prints
 its completion alone, as before.
 
@@ -83,7 +84,11 @@ def run(args: argparse.Namespace) -> int:
     from posttune.api import load_model, load_tokenizer
     from posttune.errors import first_line
     from posttune.tokenizer import check_fits
-    from posttune.generation import generate_batch
+    from posttune.engines import complete
+    from posttune.errors import PosttuneError
+    from posttune.first_party import ENGINE
+    from posttune.generation import Sampling, derive_seed
+    from posttune.plugins import get_registry
 
     check_options(args)
     tools = read_tools(args.tools)
@@ -94,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
 
         warn_of_other_base("generate", args.adapter, args.model)
     check_causal(base)
+    try:  # installed, before the model loads
+        get_registry().lookup("generation_engine", ENGINE)
+    except PosttuneError as exc:
+        raise PosttuneError(f"generate: {exc}") from None
     model = load_model(base, dtype=args.dtype, device=device_of(args.device))
     if args.adapter:
         from posttune.adapters import load_adapter
@@ -109,10 +118,11 @@ def run(args: argparse.Namespace) -> int:
                                              tools=tools)
                if args.chat else tokenizer.encode(prompt) for prompt in args.prompt]
     max_new_tokens = fit_prompts(model, prompts, args.max_new_tokens)
+    sampling = Sampling(max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        min_p=args.min_p, stop_token_ids=tokenizer.eos_ids)
+    seeds = None if args.seed is None else [derive_seed(args.seed, row) for row in range(len(prompts))]
     with torch.no_grad():
-        out = generate_batch(model.eval(), prompts, max_new_tokens=max_new_tokens,
-                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                             seed=args.seed, stop_token_ids=tokenizer.eos_ids)
+        out = complete(model.eval(), prompts, sampling, seeds=seeds, where="generate")
     for index, (prompt, new) in enumerate(zip(args.prompt, out.token_lists(), strict=True)):
         if len(args.prompt) > 1:
             print(f"=== [{index + 1}/{len(args.prompt)}] {first_line(prompt)}")

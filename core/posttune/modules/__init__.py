@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from posttune.modules.attention import Attention, attention_mask, explicit_attention
-from posttune.modules.decoder import Decoder, DecoderLayer, default_positions
+from posttune.modules.decoder import Decoder, DecoderLayer, default_positions, forward_takes
 from posttune.modules.flex_attention import FlexMask, block_mask
 from posttune.modules.kv_cache import KVCache, LayerCache
 from posttune.modules.mlp import GatedMLP
@@ -37,6 +37,6 @@ def init_buffers(model: nn.Module) -> nn.Module:
 __all__ = [
     "ROPE_TYPES", "Attention", "Decoder", "DecoderLayer", "Experts", "FlexMask", "GatedMLP", "KVCache", "LayerCache",
     "MoE", "RMSNorm", "Router", "RotaryEmbedding", "apply_rotary", "attention_mask", "block_mask", "default_positions",
-    "expert_linear", "explicit_attention", "init_buffers",
+    "expert_linear", "explicit_attention", "forward_takes", "init_buffers",
     "rope_frequencies", "rope_type", "soft_cap", "split_rope_parameters",
 ]

@@ -143,8 +143,10 @@ def artefacts(session: Any, outputs: dict[str, str]) -> dict[str, Path]:
 
 
 def sample(session: Any) -> list[tuple[str, str]]:
-    """Greedy completions of ``train.sample_prompts``, rendered with the chat template, in one batch."""
-    from posttune.generation import generate_batch
+    """Greedy completions of ``train.sample_prompts``, rendered with the chat template, in one batch (by the
+    engine ``first_party.ENGINE``)."""
+    from posttune.engines import complete
+    from posttune.generation import Sampling
 
     prompts = session.config.train.sample_prompts
     if not prompts:
@@ -154,8 +156,9 @@ def sample(session: Any) -> list[tuple[str, str]]:
     model.eval()
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
            if tokenizer.chat_template else tokenizer.encode(prompt) for prompt in prompts]
-    out = generate_batch(model, ids, max_new_tokens=session.config.train.sample_max_new_tokens,
-                         stop_token_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id or 0)
+    sampling = Sampling(session.config.train.sample_max_new_tokens, stop_token_ids=tokenizer.eos_ids,
+                        pad_id=tokenizer.pad_id or 0)
+    out = complete(model, ids, sampling, where="train.sample_prompts")
     model.train(was_training)
     return [(prompt, tokenizer.decode(tokens, skip_special_tokens=True))
             for prompt, tokens in zip(prompts, out.token_lists(), strict=True)]

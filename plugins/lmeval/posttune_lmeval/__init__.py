@@ -1,6 +1,6 @@
 """posttune-lmeval: `posttune eval`, lm-evaluation-harness tasks scored with posttune's own forward.
 
-    pip install -c constraints.txt ./plugins/lmeval
+    pip install -c constraints.txt ./plugins/generate ./plugins/lmeval
     posttune eval --model runs/sft/model --tasks arc_easy,hellaswag --limit 200 --output eval.json
     posttune eval --adapter runs/lora/adapter --tasks my_task --include-path tasks/ --apply-chat-template
 

@@ -10,7 +10,7 @@ The harness asks three things of a model, and each is answered with posttune's o
 - ``loglikelihood_rolling``: a whole text's log-probability in windows of ``max_length``
   (perplexity tasks);
 - ``generate_until``: greedy (or sampled) completions cut at the task's stop strings, through
-  posttune's batched KV-cached ``generate_batch``.
+  posttune-generate's batched KV-cached ``generate_batch``.
 
 With ``apply_chat_template`` (``posttune eval --apply-chat-template``) lm-eval also asks for
 ``apply_chat_template`` (its chat messages rendered as text by the checkpoint's template, see
@@ -40,7 +40,8 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-from posttune.plugin import PosttuneError, derive_seed, generate_batch
+from posttune.plugin import PosttuneError, derive_seed
+from posttune_generate import generate_batch
 from tqdm import tqdm
 
 from posttune_lmeval import chat

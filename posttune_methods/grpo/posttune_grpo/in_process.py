@@ -29,7 +29,7 @@ from posttune_grpo.rollouts import (
 from posttune_grpo.state import count_rollouts, learner_engine
 
 REFERENCE = "reference"
-BUILTIN_ENGINE = "builtin"  # the core's engine: generate_batch on the training model itself
+BUILTIN_ENGINE = "builtin"  # posttune-generate's engine: generate_batch on the training model itself
 
 
 def validate(config: RunConfig, method: Any) -> None:

@@ -32,15 +32,16 @@ def answers(model_dir: str | Path, words: list[str], *, max_new_tokens: int = 12
     """Greedy answer of the model in ``model_dir`` to "Reverse: WORD", for each word."""
     import torch
 
-    from posttune.plugin import generate, load_model, load_tokenizer
+    from posttune.plugin import Sampling, complete, load_model, load_tokenizer
 
     model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
+    sampling = Sampling(max_new_tokens, stop_token_ids=tokenizer.eos_ids)  # greedy
     out = {}
     with torch.no_grad():
-        for word in words:
+        for word in words:  # one at a time, as `posttune generate` answers the README's example
             ids = tokenizer.apply_chat_template([{"role": "user", "content": f"Reverse: {word}"}],
                                                 add_generation_prompt=True)
-            new = generate(model, ids, max_new_tokens=max_new_tokens, eos_token_ids=tokenizer.eos_ids)
+            new = complete(model, [ids], sampling).token_lists()[0]
             out[word] = tokenizer.decode(new, skip_special_tokens=True).strip()
     return out
 

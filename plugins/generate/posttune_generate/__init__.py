@@ -1,0 +1,46 @@
+"""posttune-generate: the generation engine ``builtin``, a KV-cached loop on the training model itself.
+
+    method: {name: grpo, engine: builtin}        # the default of every method that samples
+    posttune generate --model DIR --prompt "..."  # and a run's train.sample_prompts
+
+    kv_loop.py  generate_batch (batched, left-padded, seeded per row, the same forward count on every
+                rank), generate (one prompt) and BuiltinEngine (the loop behind the engine protocol)
+
+Started on the live policy it generates with the very module that trains (sharded or not, no copy,
+weights always current); in a Ray actor it builds the architecture and loads the weights it is sent.
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttune.plugin import GenerationEngine, registering
+
+POSTTUNE_PLUGIN_API = 2
+
+
+def start(policy: Any) -> Any:
+    from posttune_generate.kv_loop import BuiltinEngine
+
+    return BuiltinEngine(policy)
+
+
+def generate_batch(*args: Any, **kwargs: Any) -> Any:
+    """``posttune_generate.kv_loop.generate_batch`` (importing this package does not import torch)."""
+    from posttune_generate.kv_loop import generate_batch as run
+
+    return run(*args, **kwargs)
+
+
+def generate(*args: Any, **kwargs: Any) -> Any:
+    """``posttune_generate.kv_loop.generate`` (importing this package does not import torch)."""
+    from posttune_generate.kv_loop import generate as run
+
+    return run(*args, **kwargs)
+
+
+ENGINES = (GenerationEngine("builtin", start, description="generate_batch on the training model itself (KV cache, "
+                                                          "any parallel plan, no copy)"),)
+
+posttune_register_generation_engines = registering(ENGINES)
