@@ -68,7 +68,8 @@ def complete(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, *, see
              engine: str | None = None, options: Mapping[str, Any] | None = None, where: str = "engine") -> Any:
     """``prompts`` (token-id lists) completed by the engine ``engine`` (default ``first_party.ENGINE``) started
     on ``model``, a model posttune loaded or built, then closed: ``Completions``. For one-off generation
-    outside a run (``posttune generate``, a run's sample prompts, a script): any installed engine serves."""
+    outside a run (``posttune generate``, a run's sample prompts, a script): any installed engine serves, and one
+    that keeps its own copy is refreshed from ``model`` first (an adapter loaded into it, weights trained here)."""
     from posttune.checkpoint.origin import origin_of
     from posttune.first_party import ENGINE
 
@@ -77,6 +78,7 @@ def complete(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, *, see
     started = start_engine(engine or ENGINE, options, policy, where=where,
                            sampling=sampling if sampling.temperature > 0 else None)
     try:
+        started.update_weights(None, policy.version)  # an engine with its own copy takes the model's weights as is
         return started.generate(prompts, sampling, seeds)
     finally:
         started.close()

@@ -87,7 +87,8 @@ def test_no_prompts_says_what_a_method_does_with_an_empty_share(policy):
 
 def test_complete_starts_the_engine_on_a_loaded_model_and_closes_it(policy, register_plugin):
     """`complete` (posttune generate, sample prompts, scripts) is the engine's generate on that model: the same
-    completions as the loop, seeded per row; the engine it started is closed after (a recording engine says so)."""
+    completions as the loop, seeded per row; the engine it started is told to take the model's weights first (one
+    with its own copy would otherwise generate with its checkpoint's) and closed after (a recording engine says so)."""
     from posttune.plugin import GenerationEngine, complete, hookimpl
 
     calls = []
@@ -102,6 +103,7 @@ def test_complete_starts_the_engine_on_a_loaded_model_and_closes_it(policy, regi
             return self.inner.generate(prompts, sampling, seeds)
 
         def update_weights(self, weights, version):
+            calls.append(("update", weights))
             self.inner.update_weights(weights, version)
 
         def close(self):
@@ -121,7 +123,7 @@ def test_complete_starts_the_engine_on_a_loaded_model_and_closes_it(policy, regi
     register_plugin(Plugin(), name="recorded", distribution="posttune-recorded")
     assert complete(policy, PROMPTS, SAMPLING, seeds=SEEDS).token_lists() == expected(policy)
     assert complete(policy, PROMPTS, SAMPLING, seeds=SEEDS, engine="recorded").token_lists() == expected(policy)
-    assert calls == [("generate", True, tuple(SEEDS)), ("close",)]
+    assert calls == [("update", None), ("generate", True, tuple(SEEDS)), ("close",)]  # refreshed from the model
 
 
 def test_without_posttune_generate_generation_is_refused_in_one_line_naming_it(tmp_path, register_plugin,
