@@ -16,13 +16,13 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from posttune_generate import generate_batch  # noqa: E402
 from posttune_lora.layer import apply_lora  # noqa: E402
 from posttune.plugin import (  # noqa: E402  # noqa: E402
     ConfigError,
     EnginePolicy,
     PosttuneError,
     Sampling,
-    generate_batch,
     load_model,
     resolve_engine,
     start_engine,
