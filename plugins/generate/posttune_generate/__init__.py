@@ -26,18 +26,14 @@ def start(policy: Any) -> Any:
     return BuiltinEngine(policy)
 
 
-def generate_batch(*args: Any, **kwargs: Any) -> Any:
-    """``posttune_generate.kv_loop.generate_batch`` (importing this package does not import torch)."""
-    from posttune_generate.kv_loop import generate_batch as run
+def __getattr__(name: str) -> Any:
+    """``generate_batch`` and ``generate``, the loop's own functions, imported on first use (as
+    ``posttune.plugin`` does its torch names), so that importing this package does not import torch."""
+    if name not in ("generate_batch", "generate"):
+        raise AttributeError(f"module 'posttune_generate' has no attribute '{name}'")
+    from posttune_generate import kv_loop
 
-    return run(*args, **kwargs)
-
-
-def generate(*args: Any, **kwargs: Any) -> Any:
-    """``posttune_generate.kv_loop.generate`` (importing this package does not import torch)."""
-    from posttune_generate.kv_loop import generate as run
-
-    return run(*args, **kwargs)
+    return getattr(kv_loop, name)
 
 
 ENGINES = (GenerationEngine("builtin", start, description="generate_batch on the training model itself (KV cache, "
