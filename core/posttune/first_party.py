@@ -74,6 +74,7 @@ NAMES: dict[str, dict[str, str]] = {
         "adamw_4bit": "posttune-torchao",
     },
     "command": {
+        "generate": "posttune-generate",
         "eval": "posttune-lmeval",
         "quantize": "posttune-torchao",
         "new": "posttune-scaffold",
@@ -129,7 +130,7 @@ ARCHITECTURES: dict[str, str] = {
 
 #: the kind an `adapter:` section without `kind` means (as it did when LoRA was the core's): configs written so
 ADAPTER_KIND = "lora"
-#: the generation engine of a one-off generation (``posttune generate``, ``train.sample_prompts``, ``complete``)
+#: the generation engine of a run's ``train.sample_prompts`` (one-off generations through ``complete``)
 ENGINE = "builtin"
 #: a saved adapter folder's PEFT ``peft_type`` -> the distribution whose adapter kinds read it
 PEFT_TYPES = {"LORA": "posttune-lora"}

@@ -23,7 +23,8 @@ from posttune.config.requires import device_for, require_cuda
 from posttune.config.mixture import dataset_sources
 from posttune.config.schema import DatasetConfig, RunConfig
 from posttune.config.typed import from_dict
-from posttune.checkpoint.peft_config import ADAPTER_CONFIG, read_adapter_config
+from posttune.checkpoint.peft_config import ADAPTER_CONFIG, read_adapter_config, warn_of_other_base
+from posttune.cli.options import dtype_argument
 from posttune.descriptors import (
     DECODER_LINEAR_LAYERS,
     DECODER_TP_PLAN,
@@ -64,14 +65,16 @@ _LAZY: dict[str, str] = {
         "shuffled",
     ], "posttune.data"),
     "row_tools": "posttune.chat_messages",  # a row's `tools` (a list of definitions or its JSON string), checked
+    "RENDER_VARIABLES": "posttune.chat_template",  # what a render sets itself: no chat_template_kwargs may
     # losses that honour the loss-stage technique (chunked) and final-logit soft-caps
     **dict.fromkeys(["token_cross_entropy", "token_logps", "sequence_logps", "labelled_logits", "in_label_shape"],
                     "posttune.losses"),
     # what every generation engine shares: settings and their ranges, the result, the context, the seeding
-    **dict.fromkeys(["Completions", "Sampling", "check_new_tokens", "check_sampling", "context_length",
-                     "derive_seed", "seed_tensor", "uniform_noise"], "posttune.generation"),
+    **dict.fromkeys(["Completions", "Sampling", "SamplingError", "check_new_tokens", "check_sampling",
+                     "context_length", "derive_seed", "seed_tensor", "uniform_noise"], "posttune.generation"),
     # models, checkpoints, tokenizers
     **dict.fromkeys(["load_model", "save_model", "build_model", "load_tokenizer"], "posttune.api"),
+    "check_fits": "posttune.tokenizer",  # a tokenizer's ids within a model's embedding rows, or one line
     "save_tiny_tokenizer": "posttune.tiny_tokenizer",  # a real tokenizer of 384 ids, for demos and tests
     "LayeredKeyMap": "posttune.checkpoint.keymap",
     "Join": "posttune.checkpoint.convert",
@@ -79,8 +82,9 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["ExpertKeys", "decoder_hf_config", "decoder_keys", "decoder_kwargs"],
                     "posttune.checkpoint.hf_decoder"),
     # a score model's value per row, as transformers pools, the pad id a loaded one pools by, and its head's
-    # native and Hugging Face names (an adapter's folder saves a score head whole beside the adapter)
-    **dict.fromkeys(["HF_SCORE", "SCORE_HEAD", "score_labels", "score_pad_id", "sequence_scores"],
+    # native and Hugging Face names (an adapter's folder saves a score head whole beside the adapter); a path that
+    # must be a causal language model checked to be one
+    **dict.fromkeys(["HF_SCORE", "SCORE_HEAD", "check_causal", "score_labels", "score_pad_id", "sequence_scores"],
                     "posttune.checkpoint.score_head"),
     # safetensors files streamed one tensor at a time, each checked against the header
     **dict.fromkeys(["Planned", "iter_tensors", "write_file"], "posttune.checkpoint.safetensors_io"),
@@ -110,10 +114,11 @@ __all__ = [
     "LossKernel", "LossOutput", "MemoryTechnique", "MeshDim", "Method", "MetricLogger", "ModelFamily",
     "ModelRole", "ModelTarget", "ParallelPlan", "PosttuneError", "QuantizedFormat", "RewardFunction", "RunConfig",
     "Session", "TrackerRun", "complete", "configs_in", "dataset_sources", "device_for", "did_you_mean",
-    "first_jsonl_row", "first_line", "flat_config", "from_dict", "heap_bytes",
+    "dtype_argument", "first_jsonl_row", "first_line", "flat_config", "from_dict", "heap_bytes",
     "hookimpl", "layer_bytes_per_token", "logits_bytes", "lookup", "model_kwargs", "provenance", "read_adapter_config",
     "registered",
     "registering", "require_cuda", "resolve_engine", "scalar_metrics", "start_engine", "unique_parameters",
+    "warn_of_other_base",
     *sorted(_LAZY),
 ]
 

@@ -17,7 +17,9 @@ torch install, and `pip uninstall` removes a distribution's entry points with it
    config naming `activation_checkpointing` is refused with the `pip install posttune-memory` hint
    (the core brings no memory technique), a shortened `posttune train dpo-tiny-reverse` runs end to
    end, and so do the distillation example's teacher and a shortened `posttune train kd-tiny-reverse`
-   (the teacher's data and tokenizer are posttune-llama's package data: a wheel install must ship them).
+   (the teacher's data and tokenizer are posttune-llama's package data: a wheel install must ship them);
+   `posttune generate` (posttune-generate's command) completes a prompt with the distilled model. In state
+   2, without posttune-generate, the same command is refused naming `pip install posttune-generate`.
 
 posttune, posttune-qwen and posttune-grpo alone (no Ray) training GRPO is the `wheels` env's check
 (tests/packaging/wheels.py), which installs them from their wheels: the same three from source
@@ -71,6 +73,11 @@ def check_qwen_alone(env: Path, tmp: Path) -> list[str]:
     if validate.returncode != 2 or "pip install posttune-gemma" not in validate.stderr:
         problems.append(f"posttune validate on family gemma2: expected exit 2 and 'pip install posttune-gemma', "
                         f"got {validate.returncode}: {validate.stdout}{validate.stderr}")
+    generate = subprocess.run([posttune, "generate", "--model", "x", "--prompt", "hi"], capture_output=True, text=True)
+    print(f"posttune generate -> {generate.returncode}: {generate.stderr.strip()}")
+    if generate.returncode != 2 or "pip install posttune-generate" not in generate.stderr:
+        problems.append(f"posttune generate without posttune-generate: expected exit 2 and 'pip install "
+                        f"posttune-generate', got {generate.returncode}: {generate.stdout}{generate.stderr}")
     return problems
 
 
@@ -101,6 +108,11 @@ def check_dpo_and_kd_without_sft(env: Path, tmp: Path) -> list[str]:
     print(train.stdout[-800:], end="")
     if train.returncode != 0 or not (tmp / "kd" / "model" / "config.json").is_file():
         return [f"posttune train kd-tiny-reverse -> {train.returncode}: {train.stderr[-2000:]}"]
+    generate = subprocess.run([posttune, "generate", "--model", str(tmp / "kd" / "model"), "--chat", "--prompt",
+                               "Reverse: KERNEL", "--max-new-tokens", "8"], cwd=tmp, capture_output=True, text=True)
+    print(f"posttune generate (posttune-generate's command) -> {generate.returncode}: {generate.stdout.strip()}")
+    if generate.returncode != 0 or not generate.stdout.strip():
+        return [f"posttune generate on the distilled model -> {generate.returncode}: {generate.stderr[-2000:]}"]
     return []
 
 

@@ -17,11 +17,16 @@ from posttune.tiny_tokenizer import save_tiny_tokenizer
 from posttune.tokenizer import load_tokenizer
 
 
+@pytest.fixture(autouse=True)
+def generate_command(register_plugin):
+    """`posttune generate` is posttune-generate's command."""
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
+
+
 @pytest.fixture
 def checkpoint(tmp_path, register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
-    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     save_tiny_tokenizer(tmp_path, template="llama3")
     tokenizer = load_tokenizer(tmp_path)
     config = tiny_llama_config(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
@@ -209,7 +214,6 @@ def test_a_model_built_from_a_size_saves_the_tokenizers_stop_tokens(tmp_path, re
 
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
-    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     save_tiny_tokenizer(tmp_path / "tok", template="llama3")
     (tmp_path / "tok" / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 1]}))
     tokenizer = load_tokenizer(tmp_path / "tok")

@@ -40,11 +40,16 @@ def short_context_checkpoint(path, template="llama3"):
     return path, tokenizer
 
 
+@pytest.fixture(autouse=True)
+def generate_command(register_plugin):
+    """`posttune generate` is posttune-generate's command."""
+    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
+
+
 @pytest.fixture
 def checkpoint(tmp_path, register_plugin):
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
-    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     return short_context_checkpoint(tmp_path)
 
 
@@ -128,7 +133,6 @@ def test_an_empty_prompt_is_one_line(tmp_path, register_plugin, posttune_cli):
     """The chatml tiny tokenizer adds no BOS: "" is no tokens at all."""
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     register_plugin(posttune_lora, distribution="posttune-lora", version="0.1.0")
-    register_plugin(posttune_generate, distribution="posttune-generate", version="0.1.0")
     path, tokenizer = short_context_checkpoint(tmp_path, template="chatml")
     assert tokenizer.encode("") == []
     result = posttune_cli("generate", "--model", str(path), "--prompt", "hi", "--prompt", "")
@@ -152,17 +156,15 @@ def test_a_prompt_that_fills_the_context_is_refused_not_truncated(checkpoint, po
     assert several.exit_code == 2 and "--prompt 2 of 2 is" in several.stderr
 
 
-def test_the_context_boundary_is_exact(monkeypatch, capsys):
+def test_the_context_boundary_is_exact(capsys):
     """A prompt one token short of the context leaves room for exactly one new token; one of the context's length
     leaves none and is refused (not capped to 0 new tokens)."""
-    from posttune import generation
-    from posttune.cli.generate import fit_prompts
+    from posttune_generate.command import fit_prompts
     from posttune.errors import PosttuneError
 
-    monkeypatch.setattr(generation, "context_length", lambda model: 8)
-    assert fit_prompts(None, [[5] * 7], 16) == 1 and "capped to 1" in capsys.readouterr().err
+    assert fit_prompts(8, [[5] * 7], 16) == 1 and "capped to 1" in capsys.readouterr().err
     with pytest.raises(PosttuneError, match="is 8 tokens, which leaves no room for a new token"):
-        fit_prompts(None, [[5] * 8], 16)
+        fit_prompts(8, [[5] * 8], 16)
 
 
 def test_generation_stops_at_every_stop_id_the_checkpoint_lists(checkpoint, posttune_cli, monkeypatch):

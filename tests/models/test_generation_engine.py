@@ -128,8 +128,8 @@ def test_complete_starts_the_engine_on_a_loaded_model_and_closes_it(policy, regi
 
 def test_without_posttune_generate_generation_is_refused_in_one_line_naming_it(tmp_path, register_plugin,
                                                                               posttune_cli):
-    """The core has no engine: `posttune generate` is refused before the model loads, and a run's
-    `train.sample_prompts` at validate, each naming the distribution to install."""
+    """The core has no engine and no `posttune generate` (posttune-generate's command): the command is unknown, and a
+    run's `train.sample_prompts` is refused at validate, each naming the distribution to install."""
     import yaml
 
     from posttune.testing.tiny import save_tiny_hf_checkpoint, tiny_llama_config
@@ -137,10 +137,9 @@ def test_without_posttune_generate_generation_is_refused_in_one_line_naming_it(t
     register_plugin(posttune_llama, distribution="posttune-llama", version="0.1.0")
     save_tiny_hf_checkpoint(tmp_path / "model", tiny_llama_config(), seed=0)
     result = posttune_cli("generate", "--model", str(tmp_path / "model"), "--prompt", "hi")
-    assert result.exit_code == 2
-    assert result.stderr.strip().splitlines() == [
-        "posttune: error: generate: no generation engine 'builtin' is installed (installed: none) — "
-        "pip install posttune-generate"]
+    [line] = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and line.startswith("posttune: error: no command 'generate' is installed (installed: ")
+    assert line.endswith(" — pip install posttune-generate")
     import posttune_sft
 
     register_plugin(posttune_sft, distribution="posttune-sft", version="0.1.0")

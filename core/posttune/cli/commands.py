@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -11,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from posttune.cli import config_keys, generate, launch, merge, preview
+from posttune.cli import config_keys, launch, merge, preview
 from posttune.cli.main import warn
 from posttune.descriptors import Command
 from posttune.errors import ConfigError, PosttuneError, did_you_mean, first_line
@@ -397,8 +396,6 @@ EXAMPLES = {
     "plot": ("posttune plot runs/demo", "posttune plot runs/demo -o loss.png"),
     "download": ("posttune download Qwen/Qwen2.5-0.5B-Instruct",
                  "posttune download meta-llama/Llama-3.2-1B --output models/llama-1b  # gated: HF_TOKEN"),
-    "generate": ('posttune generate --model runs/demo/model --chat --prompt "Reverse: KERNEL"',
-                 'posttune generate --adapter runs/lora/adapter --prompt "Hello" --max-new-tokens 32'),
 }
 
 
@@ -419,7 +416,6 @@ def posttune_register_commands(cli):
                 _configure_plan, _run_plan))
     cli(_command("train", "train from a config (torchrun options launch many processes)",
                 _configure_validate, _run_train))
-    cli(dataclasses.replace(generate.COMMAND, examples=EXAMPLES["generate"]))
     cli(merge.COMMAND)
     cli(_command("plot", "plot a run's train and validation loss to a PNG", _configure_plot, _run_plot))
     cli(_command("download", "download a checkpoint's weights, config and tokenizer", _configure_download,

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from posttune.checkpoint.peft_config import ADAPTER_CONFIG, inside, warn_of_other_base
-from posttune.cli.generate import dtype_argument
+from posttune.cli.options import dtype_argument
 from posttune.descriptors import Command
 from posttune.errors import PosttuneError, one_line
 

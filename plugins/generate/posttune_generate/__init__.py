@@ -1,8 +1,10 @@
 """posttune-generate: the generation engine ``builtin``, a KV-cached loop on the training model itself.
 
     method: {name: grpo, engine: builtin}        # the default of every method that samples
-    posttune generate --model DIR --prompt "..."  # and a run's train.sample_prompts
+    posttune generate --model DIR --prompt "..."  # this distribution's command; and a run's train.sample_prompts
 
+    command.py  `posttune generate`: a checkpoint (and adapter) loaded through the core, prompts completed by
+                the engine `builtin` (greedy or sampled; one line naming the option for what cannot run)
     kv_loop.py  generate_batch (batched, left-padded, seeded per row, the same forward count on every
                 rank), generate (one prompt) and BuiltinEngine (the loop behind the engine protocol)
 
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttune.plugin import GenerationEngine, registering
+from posttune.plugin import GenerationEngine, hookimpl, registering
+
+from posttune_generate.command import COMMAND
 
 POSTTUNE_PLUGIN_API = 2
 
@@ -40,3 +44,8 @@ ENGINES = (GenerationEngine("builtin", start, description="generate_batch on the
                                                           "any parallel plan, no copy)"),)
 
 posttune_register_generation_engines = registering(ENGINES)
+
+
+@hookimpl
+def posttune_register_commands(cli: Any) -> None:
+    cli(COMMAND)

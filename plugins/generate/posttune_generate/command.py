@@ -1,15 +1,15 @@
 """`posttune generate`: complete prompts with a checkpoint, KV-cached, greedy by default.
 
-Several ``--prompt``s are completed together in one batch, by the generation engine ``builtin``
-(posttune-generate: KV-cached, left-padded; ``posttune.engines.complete``);
-each completion is printed under a ``=== [i/n] prompt`` header, in order. One prompt prints
-its completion alone, as before.
+The checkpoint (and ``--adapter``) and its tokenizer load through the core, as a run's do; several
+``--prompt``s are completed together in one batch by this distribution's engine ``builtin``
+(KV-cached, left-padded) through ``posttune.plugin.complete``; each completion is printed under a
+``=== [i/n] prompt`` header, in order. One prompt prints its completion alone.
 
 Every option is checked before the model loads (one line, exit 2, naming the option); the
-sampling ranges are ``posttune.generation.check_sampling``'s, the same GRPO and KD generate
-with. A prompt that leaves no room in the model's context is refused, not truncated: cutting
-either end changes the question silently. ``--max-new-tokens`` past the context is capped,
-with one warning line on stderr.
+sampling ranges are ``check_sampling``'s, the same GRPO and KD generate with. A prompt that
+leaves no room in the model's context is refused, not truncated: cutting either end changes the
+question silently. ``--max-new-tokens`` past the context is capped, with one warning line on
+stderr.
 """
 
 from __future__ import annotations
@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
 
-from posttune.descriptors import Command
+from posttune.plugin import Command, dtype_argument
 
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-
+#: the engine that completes the prompts: this distribution's own
+ENGINE = "builtin"
 #: the sampling settings' options, which do nothing when decoding is greedy
 SAMPLING_OPTIONS = {"top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed"}
 #: how to turn a filter off, for the message refusing a value out of range
@@ -64,49 +61,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
 
 
-def dtype_argument(value: str) -> torch.dtype:
-    """``--dtype`` as the torch dtype it names (bf16, float16, ...), read by argparse so that its error names the
-    option."""
-    from posttune.checkpoint.materialize import resolve_dtype
-    from posttune.errors import PosttuneError
-
-    try:
-        return resolve_dtype(value)
-    except PosttuneError:
-        raise argparse.ArgumentTypeError(f"expected a floating-point dtype such as bf16, bfloat16, fp16 or fp32, got "
-                                         f"{value!r}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from posttune.adapters import tokenizer_source
-    from posttune.api import load_model, load_tokenizer
-    from posttune.errors import first_line
-    from posttune.tokenizer import check_fits
-    from posttune.engines import complete
-    from posttune.errors import PosttuneError
-    from posttune.first_party import ENGINE
-    from posttune.generation import Sampling, derive_seed
-    from posttune.plugins import get_registry
+    from posttune.plugin import (
+        Sampling,
+        check_causal,
+        check_fits,
+        complete,
+        context_length,
+        derive_seed,
+        first_line,
+        load_adapter,
+        load_model,
+        load_tokenizer,
+        tokenizer_source,
+        warn_of_other_base,
+    )
 
     check_options(args)
     tools = read_tools(args.tools)
     template_kwargs = read_template_kwargs(args.chat_template_kwargs)
     base = args.model or adapter_base(args.adapter)
     if args.adapter and args.model:
-        from posttune.checkpoint.peft_config import warn_of_other_base
-
         warn_of_other_base("generate", args.adapter, args.model)
-    check_causal(base)
-    try:  # installed, before the model loads
-        get_registry().lookup("generation_engine", ENGINE)
-    except PosttuneError as exc:
-        raise PosttuneError(f"generate: {exc}") from None
+    check_causal(base, "generate: --model")
     model = load_model(base, dtype=args.dtype, device=device_of(args.device))
     if args.adapter:
-        from posttune.adapters import load_adapter
-
         load_adapter(model, args.adapter)
     tokenizer = load_tokenizer(tokenizer_source(base, args.adapter))
     check_fits(tokenizer, model, "--model")
@@ -117,12 +98,12 @@ def run(args: argparse.Namespace) -> int:
     prompts = [tokenizer.apply_chat_template([*system, {"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tools=tools)
                if args.chat else tokenizer.encode(prompt) for prompt in args.prompt]
-    max_new_tokens = fit_prompts(model, prompts, args.max_new_tokens)
+    max_new_tokens = fit_prompts(context_length(model), prompts, args.max_new_tokens)
     sampling = Sampling(max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         min_p=args.min_p, stop_token_ids=tokenizer.eos_ids)
     seeds = None if args.seed is None else [derive_seed(args.seed, row) for row in range(len(prompts))]
     with torch.no_grad():
-        out = complete(model.eval(), prompts, sampling, seeds=seeds, where="generate")
+        out = complete(model.eval(), prompts, sampling, seeds=seeds, engine=ENGINE, where="generate")
     for index, (prompt, new) in enumerate(zip(args.prompt, out.token_lists(), strict=True)):
         if len(args.prompt) > 1:
             print(f"=== [{index + 1}/{len(args.prompt)}] {first_line(prompt)}")
@@ -134,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_options(args: argparse.Namespace) -> None:
     """Refuse what cannot run as asked, before the model loads: one line naming the option."""
-    from posttune.errors import PosttuneError
-    from posttune.generation import SamplingError, check_sampling
+    from posttune.plugin import PosttuneError, SamplingError, check_sampling
 
     if args.system is not None and not args.chat:
         raise PosttuneError("generate: --system needs --chat (a system message is a turn of the chat template)")
@@ -164,8 +144,7 @@ def read_tools(path: str | None) -> list[dict] | None:
     import json
     from pathlib import Path
 
-    from posttune.chat_messages import row_tools
-    from posttune.errors import PosttuneError
+    from posttune.plugin import PosttuneError, row_tools
 
     try:
         return row_tools({"tools": json.loads(Path(path).read_text(encoding="utf-8"))})
@@ -179,8 +158,7 @@ def read_template_kwargs(text: str | None) -> dict:
         return {}
     import json
 
-    from posttune.chat_template import RENDER_VARIABLES
-    from posttune.errors import PosttuneError
+    from posttune.plugin import RENDER_VARIABLES, PosttuneError
 
     try:
         variables = json.loads(text)
@@ -194,13 +172,12 @@ def read_template_kwargs(text: str | None) -> dict:
     return variables
 
 
-def fit_prompts(model: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> int:
+def fit_prompts(context: int | None, prompts: list[list[int]], max_new_tokens: int) -> int:
     """``max_new_tokens``, capped (with one warning line) so every prompt and its completion fit the
-    model's context. A prompt of no tokens, or one that leaves no room for a new token, is refused."""
-    from posttune.errors import PosttuneError
-    from posttune.generation import context_length
+    model's ``context`` (None: unknown, no cap). A prompt of no tokens, or one that leaves no room for a new token,
+    is refused."""
+    from posttune.plugin import PosttuneError
 
-    context = context_length(model)
     for index, ids in enumerate(prompts):
         which = f"--prompt {index + 1} of {len(prompts)}" if len(prompts) > 1 else "--prompt"
         if not ids:
@@ -221,44 +198,22 @@ def fit_prompts(model: nn.Module, prompts: list[list[int]], max_new_tokens: int)
 
 def adapter_base(adapter: str | None) -> str:
     """The base model an adapter directory names (``base_model_name_or_path``), for ``--adapter`` alone."""
-    from posttune.adapters import adapter_base as named_base
-    from posttune.errors import PosttuneError
+    from posttune.plugin import PosttuneError
+    from posttune.plugin import adapter_base as named_base
 
     if not adapter:
         raise PosttuneError("generate: give --model, or --adapter with an adapter_config.json naming its base model")
     return named_base(adapter, "generate")
 
 
-def check_causal(base: str) -> None:
-    """``--model`` names a language model: not a PEFT adapter or a run's output folder (the usual slips, each
-    named with what to pass instead), and not a sequence classifier (a reward or value model scores text;
-    its one-value head would generate nothing)."""
-    from pathlib import Path
-
-    from posttune.checkpoint.peft_config import ADAPTER_CONFIG, inside
-    from posttune.checkpoint.score_head import checkpoint_labels
-    from posttune.checkpoint.source import read_hf_config
-    from posttune.errors import PosttuneError
-
-    folder = Path(base).expanduser()
-    if folder.is_dir() and not (folder / "config.json").is_file():
-        if (folder / ADAPTER_CONFIG).is_file():
-            raise PosttuneError(f"generate: --model {base} is a PEFT adapter ({ADAPTER_CONFIG}); pass it as --adapter")
-        if (folder / "model" / "config.json").is_file():
-            raise PosttuneError(f"generate: --model {base} is a run's output folder; its model is {folder / 'model'}")
-        if hint := inside(folder, ADAPTER_CONFIG):
-            raise PosttuneError(f"generate: --model {base} holds an adapter{hint}: pass that as --adapter")
-    if checkpoint_labels(read_hf_config(base)) is not None:
-        raise PosttuneError(f"generate: --model {base} is a sequence classifier (a reward or value model): it scores "
-                            "text and generates none; give a causal language model")
-
-
 def device_of(name: str | None) -> str:
     """``auto``: CUDA when a GPU is there, else the CPU (as `train.device: auto` does)."""
-    from posttune.config.requires import device_for
+    from posttune.plugin import device_for
 
     return device_for(name, "generate: --device")
 
 
 COMMAND = Command("generate", "complete prompts with a checkpoint (KV cache; greedy unless --temperature)",
-                  configure, run)
+                  configure, run, examples=(
+                      'posttune generate --model runs/demo/model --chat --prompt "Reverse: KERNEL"',
+                      'posttune generate --adapter runs/lora/adapter --prompt "Hello" --max-new-tokens 32'))
