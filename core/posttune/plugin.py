@@ -24,7 +24,7 @@ from posttune.config.mixture import dataset_sources
 from posttune.config.schema import DatasetConfig, RunConfig
 from posttune.config.typed import from_dict
 from posttune.checkpoint.peft_config import ADAPTER_CONFIG, read_adapter_config, warn_of_other_base
-from posttune.cli.options import dtype_argument
+from posttune.cli.options import check_causal, dtype_argument
 from posttune.descriptors import (
     DECODER_LINEAR_LAYERS,
     DECODER_TP_PLAN,
@@ -82,9 +82,8 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["ExpertKeys", "decoder_hf_config", "decoder_keys", "decoder_kwargs"],
                     "posttune.checkpoint.hf_decoder"),
     # a score model's value per row, as transformers pools, the pad id a loaded one pools by, and its head's
-    # native and Hugging Face names (an adapter's folder saves a score head whole beside the adapter); a path that
-    # must be a causal language model checked to be one
-    **dict.fromkeys(["HF_SCORE", "SCORE_HEAD", "check_causal", "score_labels", "score_pad_id", "sequence_scores"],
+    # native and Hugging Face names (an adapter's folder saves a score head whole beside the adapter)
+    **dict.fromkeys(["HF_SCORE", "SCORE_HEAD", "score_labels", "score_pad_id", "sequence_scores"],
                     "posttune.checkpoint.score_head"),
     # safetensors files streamed one tensor at a time, each checked against the header
     **dict.fromkeys(["Planned", "iter_tensors", "write_file"], "posttune.checkpoint.safetensors_io"),
@@ -113,7 +112,7 @@ __all__ = [
     "Command", "ConfigError", "DatasetConfig", "DatasetFormat", "EnginePolicy", "Estimate", "GenerationEngine",
     "LossKernel", "LossOutput", "MemoryTechnique", "MeshDim", "Method", "MetricLogger", "ModelFamily",
     "ModelRole", "ModelTarget", "ParallelPlan", "PosttuneError", "QuantizedFormat", "RewardFunction", "RunConfig",
-    "Session", "TrackerRun", "complete", "configs_in", "dataset_sources", "device_for", "did_you_mean",
+    "Session", "TrackerRun", "check_causal", "complete", "configs_in", "dataset_sources", "device_for", "did_you_mean",
     "dtype_argument", "first_jsonl_row", "first_line", "flat_config", "from_dict", "heap_bytes",
     "hookimpl", "layer_bytes_per_token", "logits_bytes", "lookup", "model_kwargs", "provenance", "read_adapter_config",
     "registered",

@@ -73,28 +73,6 @@ def checkpoint_labels(hf_config: Mapping[str, Any]) -> int | None:
     return len(labels) if isinstance(labels, Mapping) and labels else int(hf_config.get("num_labels", 2))
 
 
-def check_causal(path: str, where: str) -> None:
-    """``path`` names a language model: not a PEFT adapter or a run's output folder (the usual slips, each named
-    with what to pass instead), and not a sequence classifier (a reward or value model scores text; its one-value
-    head would generate nothing). ``where`` starts each message (``"generate: --model"``)."""
-    from pathlib import Path
-
-    from posttune.checkpoint.peft_config import ADAPTER_CONFIG, inside
-    from posttune.checkpoint.source import read_hf_config
-
-    folder = Path(path).expanduser()
-    if folder.is_dir() and not (folder / "config.json").is_file():
-        if (folder / ADAPTER_CONFIG).is_file():
-            raise PosttuneError(f"{where} {path} is a PEFT adapter ({ADAPTER_CONFIG}); pass it as --adapter")
-        if (folder / "model" / "config.json").is_file():
-            raise PosttuneError(f"{where} {path} is a run's output folder; its model is {folder / 'model'}")
-        if hint := inside(folder, ADAPTER_CONFIG):
-            raise PosttuneError(f"{where} {path} holds an adapter{hint}: pass that as --adapter")
-    if checkpoint_labels(read_hf_config(path)) is not None:
-        raise PosttuneError(f"{where} {path} is a sequence classifier (a reward or value model): it scores text and "
-                            "generates none; give a causal language model")
-
-
 def causal_architectures(architectures: Any) -> list[str]:
     """The causal-LM names of ``architectures`` (what families register), sequence classifiers mapped back."""
     return [str(name).removesuffix(SEQUENCE_CLASSIFICATION) + CAUSAL if str(name).endswith(SEQUENCE_CLASSIFICATION)
