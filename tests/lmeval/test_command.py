@@ -73,6 +73,26 @@ def test_a_model_folder_that_is_not_there_is_named_as_the_model(eval_cli, tmp_pa
     assert f"eval: --model {tmp_path / 'gone'}: no such checkpoint directory" in result.stderr
 
 
+def test_a_folder_that_is_no_language_model_is_one_line_naming_what_it_is(eval_cli, tmp_path):
+    """An adapter or a run's output folder given as --model, and a reward model (a sequence classifier), are named
+    at once, before any tokenizer, task or weight is read (the folders hold no more than what says what they are)."""
+    from posttune.testing.tiny import tiny_llama_config
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (tmp_path / "run" / "model").mkdir(parents=True)
+    tiny_llama_config().save_pretrained(tmp_path / "run" / "model")
+    reward = tmp_path / "reward"
+    tiny_llama_config(architectures=["LlamaForSequenceClassification"], num_labels=1).save_pretrained(reward)
+    for folder, expected in [(adapter, "is a PEFT adapter (adapter_config.json); pass it as --adapter"),
+                             (tmp_path / "run", f"is a run's output folder; its model is {tmp_path / 'run' / 'model'}"),
+                             (reward, "is a sequence classifier (a reward or value model)")]:
+        result = eval_cli("--model", str(folder), "--tasks", "no_such_task")
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert f"eval: --model {folder} {expected}" in result.stderr
+
+
 def test_an_adapter_without_its_config_is_one_line(eval_cli, tmp_path):
     result = eval_cli("--adapter", str(tmp_path), "--tasks", "x")
     assert result.exit_code == 2 and result.stderr.count("\n") == 1
@@ -108,10 +128,13 @@ def test_chat_options_become_lm_evals_arguments_with_its_defaults(register_plugi
 
 
 def test_a_checkpoint_without_a_chat_template_is_one_line_before_tasks_and_weights(eval_cli, tmp_path):
-    """The folder holds a tokenizer only (no weights, no task indexed): the template is checked first."""
+    """The folder holds a tokenizer and config.json only (no weights, no task indexed): the template is checked
+    first."""
+    from posttune.testing.tiny import tiny_llama_config
     from posttune.tiny_tokenizer import save_tiny_tokenizer
 
     folder = save_tiny_tokenizer(tmp_path / "plain-model", template=None)
+    tiny_llama_config().save_pretrained(folder)
     result = eval_cli("--model", str(folder), "--tasks", "no_such_task", "--apply-chat-template")
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
     assert f"eval: --apply-chat-template: {folder} has no chat template" in result.stderr

@@ -61,11 +61,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
-    from posttune.plugin import adapter_base
+    from posttune.plugin import adapter_base, check_causal
 
     from posttune_lmeval.chat import template_source
 
     base = args.model or adapter_base(args.adapter, "eval")
+    if Path(base).expanduser().is_dir():  # an adapter or a run's folder given as --model, a reward model: one line
+        check_causal(base, "eval: --model")
     template = args.apply_chat_template if isinstance(args.apply_chat_template, str) else None
     tokenizer = None
     if args.apply_chat_template is not False:  # a checkpoint without that template: one line, in a second
