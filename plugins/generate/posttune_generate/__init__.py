@@ -19,7 +19,7 @@ from typing import Any
 
 from posttune.plugin import GenerationEngine, hookimpl, registering
 
-from posttune_generate.command import COMMAND
+from posttune_generate.command import COMMAND, ENGINE
 
 POSTTUNE_PLUGIN_API = 2
 
@@ -40,8 +40,8 @@ def __getattr__(name: str) -> Any:
     return getattr(kv_loop, name)
 
 
-ENGINES = (GenerationEngine("builtin", start, description="generate_batch on the training model itself (KV cache, "
-                                                          "any parallel plan, no copy)"),)
+ENGINES = (GenerationEngine(ENGINE, start, description="generate_batch on the training model itself (KV cache, "
+                                                        "any parallel plan, no copy)"),)
 
 posttune_register_generation_engines = registering(ENGINES)
 

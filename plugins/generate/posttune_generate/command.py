@@ -20,7 +20,7 @@ import sys
 
 from posttune.plugin import Command, dtype_argument
 
-#: the engine that completes the prompts: this distribution's own
+#: the engine that completes the prompts: this distribution's own, registered under this name
 ENGINE = "builtin"
 #: the sampling settings' options, which do nothing when decoding is greedy
 SAMPLING_OPTIONS = {"top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed"}
